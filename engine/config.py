@@ -1,0 +1,111 @@
+"""One typed config per pruning run, saved as config.json beside its results."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UserError
+from .loading import DEFAULT_MODEL, DTYPES
+from .units import SCOPES, UNIT_TYPES
+
+INITS = ("wanda-sp", "random")
+PROB_MAPS = ("sigmoid-norm", "score-const")
+ESTIMATORS = ("paper", "sqrt")
+BASELINES = ("moving-average", "none")
+LR_SCHEDULES = ("cosine", "constant")
+
+
+@dataclass
+class PruneConfig:
+    model: str = DEFAULT_MODEL
+    units: list[str] = field(default_factory=lambda: ["heads", "channels"])
+    prune_ratio: float = 0.3  # fraction of each unit pool removed
+    scope: str = "global"  # global: one pool per unit type across layers; uniform: one per layer
+    init: str = "wanda-sp"
+    prob_map: str = "sigmoid-norm"  # how metric scores become initial keep probabilities
+    score_const: float = 0.8  # score-const: initial s of units the metric keeps (1 - it for the others)
+    init_batches: int = 16  # calibration batches for the Wanda-sp metric
+    steps: int = 1000
+    lr: float = 2e-3
+    lr_schedule: str = "cosine"
+    batch_size: int = 8
+    seqlen: int = 128  # calibration segment length
+    num_mask_samples: int = 2  # N_s masks drawn per step
+    baseline: str = "moving-average"
+    baseline_window: int = 5  # T of the moving average
+    estimator: str = "paper"
+    estimator_clamp: float = 0.01  # s is clamped to [c, 1-c] inside the gradient estimate only
+    seed: int = 0
+    calib: str | None = None  # calibration data file/folder; None: the default data dir or the hub
+    eval_data: str | None = None  # evaluation text file/folder; None: the default data dir or the hub
+    eval_seqlen: int = 128
+    max_windows: int | None = None  # evaluate the first N windows only (None: all)
+    eval_batch_size: int = 8
+    dtype: str = "float32"
+    device: str = "cpu"
+    checkpoint_every: int = 50
+
+    @property
+    def keep_ratio(self) -> float:
+        return 1.0 - self.prune_ratio
+
+    def validate(self) -> "PruneConfig":
+        def bad(msg):
+            raise UserError(msg)
+
+        if not 0.0 < self.prune_ratio < 1.0:
+            bad(f"prune ratio must be strictly between 0 and 1, got {self.prune_ratio}")
+        if not self.units or any(u not in UNIT_TYPES for u in self.units) or len(set(self.units)) != len(self.units):
+            bad(f"units must be a comma list of {', '.join(UNIT_TYPES)}, got {','.join(self.units) or 'nothing'}")
+        for name, value, allowed in (
+            ("scope", self.scope, SCOPES),
+            ("init", self.init, INITS),
+            ("prob map", self.prob_map, PROB_MAPS),
+            ("estimator", self.estimator, ESTIMATORS),
+            ("baseline", self.baseline, BASELINES),
+            ("lr schedule", self.lr_schedule, LR_SCHEDULES),
+            ("dtype", self.dtype, tuple(DTYPES)),
+        ):
+            if value not in allowed:
+                bad(f"unknown {name} {value!r}; choose from {', '.join(allowed)}")
+        for name in ("steps", "batch_size", "seqlen", "num_mask_samples", "baseline_window", "eval_seqlen",
+                     "eval_batch_size", "checkpoint_every", "init_batches"):
+            if getattr(self, name) < 1:
+                bad(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        if self.max_windows is not None and self.max_windows < 1:
+            bad(f"max windows must be at least 1, got {self.max_windows}")
+        if self.lr <= 0:
+            bad(f"learning rate must be positive, got {self.lr}")
+        if not 0.5 < self.score_const < 1.0:
+            bad(f"score-const c must be in (0.5, 1), got {self.score_const}")
+        if not 0.0 < self.estimator_clamp < 0.5:
+            bad(f"estimator clamp must be in (0, 0.5), got {self.estimator_clamp}")
+        if self.estimator == "sqrt" and self.num_mask_samples < 2:
+            bad("the sqrt estimator needs at least 2 mask samples per step")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: Path) -> None:
+        from .io import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PruneConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise UserError(f"config has unknown fields: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: Path) -> "PruneConfig":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read run config {path}: {e}") from e

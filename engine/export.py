@@ -1,0 +1,111 @@
+"""Artifacts of a run: the small mask artifact over the untouched base model, and the sliced export.
+
+The export is a normal transformers folder (config.json, safetensors, tokenizer) whose model
+type, e.g. "pruned_llama", carries per-layer KV-head counts and MLP widths. A copy of
+modeling_pruned.py travels with it and config.json's auto_map points at it, so
+`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` loads it anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import modeling_pruned
+from .adapter import ModelAdapter, base_model_type
+from .errors import UserError
+from .io import atomic_file, atomic_dir, atomic_write_text
+from .loading import count_parameters
+from .units import UnitLayout
+
+MASKS_FILE, MASKS_META_FILE = "masks.safetensors", "masks.json"
+_MODELING_FILE = "modeling_pruned.py"
+# Config keys that describe the source checkpoint, not the architecture of the export.
+_SOURCE_ONLY_KEYS = ("quantization_config", "architectures", "auto_map", "model_type", "transformers_version", "_name_or_path")
+
+
+def save_mask_artifact(out: Path, base_model: str, layout: UnitLayout, scores: dict[str, torch.Tensor],
+                       masks: dict[str, torch.Tensor], init_scores: dict[str, torch.Tensor]) -> None:
+    tensors = {}
+    for u in scores:
+        tensors[f"scores.{u}"] = scores[u].float().contiguous()
+        tensors[f"masks.{u}"] = masks[u].float().contiguous()
+        tensors[f"init_scores.{u}"] = init_scores[u].float().contiguous()
+    with atomic_file(out / MASKS_FILE) as tmp:
+        save_file(tensors, str(tmp))
+    meta = {
+        "base_model": base_model,
+        "unit_types": layout.unit_types,
+        "units_per_layer": layout.sizes,
+        "kept_per_layer": {u: [int(m.sum()) for m in layout.split(u, masks[u])] for u in masks},
+    }
+    atomic_write_text(out / MASKS_META_FILE, json.dumps(meta, indent=2) + "\n")
+
+
+def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(metadata, final masks per unit type, scores per unit type) of a finished run."""
+    run_dir = Path(run_dir)
+    try:
+        meta = json.loads((run_dir / MASKS_META_FILE).read_text())
+        tensors = load_file(str(run_dir / MASKS_FILE))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{run_dir} holds no finished run's masks ({e})") from e
+    masks = {u: tensors[f"masks.{u}"] for u in meta["unit_types"]}
+    scores = {u: tensors[f"scores.{u}"] for u in meta["unit_types"]}
+    return meta, masks, scores
+
+
+def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: ModelAdapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(kept KV groups, kept channels) per layer; a unit type that was not pruned keeps everything."""
+    groups = layout.split("heads", masks["heads"]) if "heads" in masks else None
+    channels = layout.split("channels", masks["channels"]) if "channels" in masks else None
+    out = []
+    for i, (n_groups, n_channels) in enumerate(zip(adapter.kv_groups_per_layer(), adapter.channels_per_layer())):
+        g = torch.nonzero(groups[i]).flatten() if groups is not None else torch.arange(n_groups)
+        c = torch.nonzero(channels[i]).flatten() if channels is not None else torch.arange(n_channels)
+        if len(g) == 0 or len(c) == 0:
+            raise ValueError(f"layer {i} would keep no KV group or no channel")
+        out.append((g, c))
+    return out
+
+
+@torch.no_grad()
+def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]):
+    """A physically smaller copy of `model` (on CPU) whose forward equals the masked model's."""
+    adapter = ModelAdapter.for_model(model)
+    keep = kept_indices(layout, masks, adapter)
+    config_cls, model_cls = adapter.pruned_classes()
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _SOURCE_ONLY_KEYS}
+    cfg["kv_heads_per_layer"] = [len(g) for g, _ in keep]
+    cfg["intermediate_size_per_layer"] = [len(c) for _, c in keep]
+    cfg["base_model_type"] = base_model_type(model.config)
+    cfg["auto_map"] = {
+        "AutoConfig": f"{Path(_MODELING_FILE).stem}.{config_cls.__name__}",
+        "AutoModelForCausalLM": f"{Path(_MODELING_FILE).stem}.{model_cls.__name__}",
+    }
+    config = config_cls(**cfg)
+    dtype = next(model.parameters()).dtype
+    pruned = model_cls(config).to(dtype)
+    state = dict(model.state_dict())
+    for i, (g, c) in enumerate(keep):
+        for key, (dim, idx) in adapter.layer_slices(i, g, c).items():
+            if key in state:
+                state[key] = state[key].index_select(dim, idx.to(state[key].device))
+    pruned.load_state_dict({k: v.cpu() for k, v in state.items()}, strict=True)
+    pruned.generation_config = model.generation_config
+    pruned.eval().requires_grad_(False)
+    return pruned
+
+
+def export_pruned(model, tokenizer, layout: UnitLayout, masks: dict[str, torch.Tensor], dest: str | Path) -> dict:
+    """Write the sliced model to `dest` atomically; returns {"params": ...}."""
+    pruned = build_pruned_model(model, layout, masks)
+    with atomic_dir(Path(dest)) as tmp:
+        pruned.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.copyfile(modeling_pruned.__file__, tmp / _MODELING_FILE)
+    return {"params": count_parameters(pruned)}

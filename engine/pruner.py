@@ -1,0 +1,298 @@
+"""The policy-gradient pruning run: init, the forward-only optimisation loop, checkpoints, artifacts.
+
+    run = PruneRun(config, out_dir)          # loads model and data
+    result = run.run(observer=print)         # optimises, evaluates, exports; resumable
+
+Everything a run makes goes into its folder: config.json, metrics.jsonl, checkpoint.pt,
+masks.safetensors + masks.json, model/ (the sliced export) and results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .adapter import ModelAdapter
+from .config import PruneConfig
+from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text
+from .errors import UserError
+from .evaluate import batch_loss, perplexity
+from .importance import initial_scores, wanda_sp
+from .io import atomic_file, atomic_write_text
+from .loading import count_parameters, load_model, resolve_model
+from .masking import MaskHooks
+from .policy import cosine_lr, policy_gradient, sample_masks, update_baseline
+from .units import UnitLayout
+
+CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
+MODEL_DIR = "model"
+
+
+@dataclass
+class StepReport:
+    """What one optimisation step did; sent to observers and written to metrics.jsonl."""
+
+    step: int  # 1-based count of steps done
+    total_steps: int
+    losses: list[float]  # L_j of each mask sample
+    baseline: float  # delta after this step's update (0 when the baseline is off)
+    lr: float
+    mean_score: dict[str, list[float]]  # unit type -> mean s per layer
+    kept_fraction: dict[str, list[float]]  # unit type -> fraction kept per layer by the current hard mask
+    head_scores: list[list[float]] | None  # s of every KV group, per layer (small; for heatmaps)
+    seconds: float  # wall time of this step
+    eta_seconds: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+@dataclass
+class RunState:
+    step: int
+    scores: dict[str, torch.Tensor]
+    baseline: float | None
+    sampler_state: dict
+    mask_rng_state: torch.Tensor
+    ppl_dense: float
+    ppl_init: float
+    init_scores: dict[str, torch.Tensor]
+    seconds_in_steps: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+Observer = Callable[[StepReport], None]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to mix two runs in one folder."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    if not any(out.iterdir()):
+        return
+    holds_run = (out / CONFIG_FILE).exists()
+    if resume:
+        if not holds_run:
+            raise UserError(f"--resume: {out} holds no run (no {CONFIG_FILE})")
+        return
+    if overwrite:
+        if holds_run:
+            shutil.rmtree(out)
+            return
+        raise UserError(f"--overwrite refused: {out} is not empty and holds no run; choose another folder")
+    raise UserError(f"{out} already holds files{' of another run' if holds_run else ''}; use --resume, --overwrite or another --out")
+
+
+class PruneRun:
+    """One pruning run bound to its output folder. Model and data are loaded once, here."""
+
+    def __init__(self, config: PruneConfig, out_dir: str | Path, model=None, tokenizer=None, log: Callable[[str], None] = print):
+        self.config = config.validate()
+        self.out = Path(out_dir)
+        self.log = log
+        self.source = resolve_model(config.model)
+        if model is None:
+            model, tokenizer = load_model(self.source, config.dtype, config.device)
+        self.model, self.tokenizer = model, tokenizer
+        self.adapter = ModelAdapter.for_model(model)
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        for name in ("seqlen", "eval_seqlen"):
+            if max_pos is not None and getattr(config, name) > max_pos:
+                raise UserError(f"{name.replace('_', ' ')} {getattr(config, name)} is beyond the model's {max_pos} positions")
+        sizes = {"heads": self.adapter.kv_groups_per_layer(), "channels": self.adapter.channels_per_layer()}
+        self.layout = UnitLayout({u: sizes[u] for u in config.units})
+        texts, self.calib_source = load_calibration_texts(config.calib)
+        self.sampler = CalibrationSampler(tokenizer, texts, config.seqlen, config.batch_size, config.seed)
+        text, self.eval_source = load_eval_text(config.eval_data)
+        self.windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
+        self.mask_rng = torch.Generator().manual_seed(config.seed + 1)
+
+    # --- masks -----------------------------------------------------------------------------
+    def hard_masks(self, scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        c = self.config
+        return {u: self.layout.hard_mask(u, s, c.scope, c.keep_ratio) for u, s in scores.items()}
+
+    def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        return {u: self.layout.split(u, m) for u, m in flat.items()}
+
+    def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str) -> float:
+        with MaskHooks(self.adapter) as hooks:
+            if flat_masks is not None:
+                hooks.set(self.layer_masks(flat_masks))
+            self.log(f"evaluating {what} perplexity on {self.windows.shape[0]} windows of {self.config.eval_seqlen} tokens")
+            return perplexity(self.model, self.windows, self.config.eval_batch_size, progress=True)
+
+    # --- init ------------------------------------------------------------------------------
+    def initial_scores(self) -> dict[str, torch.Tensor]:
+        c = self.config
+        if c.init == "wanda-sp":
+            batches = [self.sampler.next_batch() for _ in range(c.init_batches)]
+            metric = wanda_sp(self.adapter, batches)
+        else:  # random: a seeded Gaussian metric, mapped like any other
+            g = torch.Generator().manual_seed(c.seed + 2)
+            metric = {u: [torch.randn(n, generator=g) for n in self.layout.sizes[u]] for u in self.layout.unit_types}
+        return {
+            u: initial_scores(metric[u], self.layout, u, c.scope, c.keep_ratio, c.prob_map, c.score_const)
+            for u in self.layout.unit_types
+        }
+
+    def fresh_state(self) -> RunState:
+        self.log(f"initialising scores ({self.config.init}, {self.config.prob_map})")
+        scores = self.initial_scores()
+        ppl_dense = self.masked_perplexity(None, "dense")
+        ppl_init = self.masked_perplexity(self.hard_masks(scores), "init")
+        return RunState(
+            step=0, scores=scores, baseline=None, sampler_state=self.sampler.state_dict(),
+            mask_rng_state=self.mask_rng.get_state(), ppl_dense=ppl_dense, ppl_init=ppl_init,
+            init_scores={u: s.clone() for u, s in scores.items()},
+        )
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, state: RunState) -> None:
+        state.sampler_state = self.sampler.state_dict()
+        state.mask_rng_state = self.mask_rng.get_state()
+        with atomic_file(self.out / CHECKPOINT_FILE) as tmp:
+            torch.save(asdict(state), tmp)
+
+    def load_checkpoint(self) -> RunState:
+        try:
+            data = torch.load(self.out / CHECKPOINT_FILE, weights_only=False)
+        except (OSError, RuntimeError, EOFError) as e:
+            raise UserError(f"cannot read checkpoint in {self.out}: {e}") from e
+        state = RunState(**data)
+        self.sampler.load_state_dict(state.sampler_state)
+        self.mask_rng.set_state(state.mask_rng_state)
+        return state
+
+    def _trim_metrics(self, step: int) -> None:
+        """After a resume, drop metric lines from steps past the checkpoint (they will be redone)."""
+        path = self.out / METRICS_FILE
+        if not path.exists():
+            return
+        kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        atomic_write_text(path, "".join(ln + "\n" for ln in kept))
+
+    # --- the loop --------------------------------------------------------------------------
+    def step(self, state: RunState) -> StepReport:
+        c, t0 = self.config, time.perf_counter()
+        batch = self.sampler.next_batch()
+        samples = {u: sample_masks(s, c.num_mask_samples, self.mask_rng) for u, s in state.scores.items()}
+        losses = torch.empty(c.num_mask_samples, dtype=torch.float64)
+        with MaskHooks(self.adapter) as hooks:
+            for j in range(c.num_mask_samples):
+                hooks.set(self.layer_masks({u: m[j] for u, m in samples.items()}))
+                losses[j] = batch_loss(self.model, batch).double().mean()
+        if c.baseline == "moving-average":
+            state.baseline = update_baseline(state.baseline, float(losses.mean()), c.baseline_window)
+            baseline = state.baseline
+        else:
+            baseline = 0.0
+        lr = cosine_lr(c.lr, state.step, c.steps) if c.lr_schedule == "cosine" else c.lr
+        for u, s in state.scores.items():
+            g = policy_gradient(s.double(), samples[u].double(), losses, baseline, c.estimator, c.estimator_clamp)
+            state.scores[u] = self.layout.project(u, (s.double() - lr * g).float(), c.scope, c.keep_ratio)
+        state.step += 1
+        seconds = time.perf_counter() - t0
+        state.seconds_in_steps += seconds
+        hard = self.hard_masks(state.scores)
+        return StepReport(
+            step=state.step, total_steps=c.steps, losses=[float(x) for x in losses], baseline=float(baseline), lr=lr,
+            mean_score={u: self.layout.layer_means(u, s) for u, s in state.scores.items()},
+            kept_fraction={u: self.layout.layer_means(u, m) for u, m in hard.items()},
+            head_scores=[p.tolist() for p in self.layout.split("heads", state.scores["heads"])] if "heads" in state.scores else None,
+            seconds=seconds,
+            eta_seconds=(state.seconds_in_steps / state.step) * (c.steps - state.step),
+        )
+
+    def run(self, resume: bool = False, observer: Observer | None = None, stop: threading.Event | None = None,
+            progress: bool = True) -> dict:
+        """Optimise to config.steps (or until `stop` is set), then evaluate and export.
+
+        Returns results.json's content, with status "stopped" (state saved, resumable) or "done".
+        """
+        c = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        if resume and (self.out / CHECKPOINT_FILE).exists():
+            state = self.load_checkpoint()
+            self._trim_metrics(state.step)
+            self.log(f"resuming {self.out} at step {state.step}/{c.steps}")
+        else:
+            c.save(self.out / CONFIG_FILE)
+            state = self.fresh_state()
+            self.save_checkpoint(state)
+            (self.out / METRICS_FILE).write_text("")
+
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=c.steps, initial=state.step, desc="pruning", unit="step")
+        stopped = False
+        with open(self.out / METRICS_FILE, "a") as metrics:
+            while state.step < c.steps:
+                if stop is not None and stop.is_set():
+                    stopped = True
+                    break
+                report = self.step(state)
+                metrics.write(report.to_json() + "\n")
+                metrics.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{sum(report.losses) / len(report.losses):.3f}", baseline=f"{report.baseline:.3f}")
+                if observer is not None:
+                    observer(report)
+                if state.step % c.checkpoint_every == 0:
+                    self.save_checkpoint(state)
+        if bar is not None:
+            bar.close()
+        self.save_checkpoint(state)
+        if stopped:
+            self.log(f"stopped at step {state.step}/{c.steps}; state saved, resume with --resume")
+            return {"status": "stopped", "step": state.step}
+        return self.finish(state)
+
+    # --- results ---------------------------------------------------------------------------
+    def finish(self, state: RunState) -> dict:
+        from .export import export_pruned, save_mask_artifact
+
+        c = self.config
+        masks = self.hard_masks(state.scores)
+        save_mask_artifact(self.out, self.source.name, self.layout, state.scores, masks, state.init_scores)
+        ppl_pruned = self.masked_perplexity(masks, "pruned")
+        self.log(f"exporting the sliced model to {self.out / MODEL_DIR}")
+        export = export_pruned(self.model, self.tokenizer, self.layout, masks, self.out / MODEL_DIR)
+        results = {
+            "status": "done",
+            "model": self.source.name,
+            "ppl_dense": state.ppl_dense,
+            "ppl_init": state.ppl_init,
+            "ppl_pruned": ppl_pruned,
+            "eval_windows": int(self.windows.shape[0]),
+            "seqlen": c.eval_seqlen,
+            "eval_data": self.eval_source,
+            "calib_data": self.calib_source,
+            "params_dense": count_parameters(self.model),
+            "params_pruned": export["params"],
+            "kept_per_layer": {u: [int(m.sum()) for m in self.layout.split(u, mask)] for u, mask in masks.items()},
+            "units_per_layer": self.layout.sizes,
+            "steps": state.step,
+            "lr": c.lr,
+            "seconds_per_step": state.seconds_in_steps / max(state.step, 1),
+            "peak_rss_mb": peak_rss_mb(),
+        }
+        atomic_write_text(self.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+        return results

@@ -1,0 +1,85 @@
+"""The prunable units of a model as flat score vectors, their budget pools, and final hard masks.
+
+Scores of one unit type (e.g. "heads" = KV groups) live in one flat vector, layer after layer.
+Scope "global" makes the whole vector one pool with one budget, so the per-layer split is learned;
+"uniform" gives every layer its own pool with the same keep ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .policy import keep_count, project_capped_simplex, top_k_mask
+
+UNIT_TYPES = ("heads", "channels")
+SCOPES = ("global", "uniform")
+
+
+@dataclass
+class UnitLayout:
+    sizes: dict[str, list[int]]  # unit type -> units in each layer
+
+    @property
+    def unit_types(self) -> list[str]:
+        return list(self.sizes)
+
+    def total(self, unit_type: str) -> int:
+        return sum(self.sizes[unit_type])
+
+    def layer_slices(self, unit_type: str) -> list[slice]:
+        out, start = [], 0
+        for n in self.sizes[unit_type]:
+            out.append(slice(start, start + n))
+            start += n
+        return out
+
+    def split(self, unit_type: str, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[sl] for sl in self.layer_slices(unit_type)]
+
+    def pools(self, unit_type: str, scope: str) -> list[slice]:
+        if scope == "global":
+            return [slice(0, self.total(unit_type))]
+        if scope == "uniform":
+            return self.layer_slices(unit_type)
+        raise ValueError(f"unknown scope {scope!r}")
+
+    def project(self, unit_type: str, z: torch.Tensor, scope: str, keep_ratio: float) -> torch.Tensor:
+        """proj_C per pool, C = {sum s <= keep_ratio * pool size, 0 <= s <= 1}."""
+        out = torch.empty_like(z)
+        for sl in self.pools(unit_type, scope):
+            out[sl] = project_capped_simplex(z[sl], keep_ratio * (sl.stop - sl.start))
+        return out
+
+    def hard_mask(self, unit_type: str, scores: torch.Tensor, scope: str, keep_ratio: float) -> torch.Tensor:
+        """Deterministic final mask: the top keep_ratio of s in each pool, at least one unit per layer.
+
+        A global pool can rank every unit of some layer below the cut; such a layer keeps its
+        best unit instead, and the lowest-ranked unit kept elsewhere (in a layer keeping more than
+        one) is dropped, so the total stays on budget.
+        """
+        mask = torch.zeros_like(scores)
+        for sl in self.pools(unit_type, scope):
+            mask[sl] = top_k_mask(scores[sl], keep_count(keep_ratio, sl.stop - sl.start))
+        if scope == "global":
+            _repair_empty_layers(mask, scores, self.layer_slices(unit_type))
+        return mask
+
+    def layer_means(self, unit_type: str, flat: torch.Tensor) -> list[float]:
+        return [float(part.float().mean()) for part in self.split(unit_type, flat)]
+
+
+def _repair_empty_layers(mask: torch.Tensor, scores: torch.Tensor, layers: list[slice]) -> None:
+    for sl in layers:
+        if mask[sl].sum() > 0:
+            continue
+        best = sl.start + int(torch.argmax(scores[sl]))
+        donors = torch.zeros_like(mask, dtype=torch.bool)
+        for other in layers:
+            if other is not sl and mask[other].sum() > 1:
+                donors[other] = mask[other] > 0
+        if donors.any():
+            candidates = torch.where(donors, scores, torch.full_like(scores, float("inf")))
+            mask[int(torch.argmin(candidates))] = 0.0
+        mask[best] = 1.0
