@@ -134,7 +134,9 @@ class PruneRun:
             if flat_masks is not None:
                 hooks.set(self.layer_masks(flat_masks))
             self.log(f"evaluating {what} perplexity on {self.windows.shape[0]} windows of {self.config.eval_seqlen} tokens")
-            return perplexity(self.model, self.windows, self.config.eval_batch_size, progress=True)
+            ppl = perplexity(self.model, self.windows, self.config.eval_batch_size, progress=True)
+        self.log(f"{what} perplexity: {ppl:.3f}")
+        return ppl
 
     # --- init ------------------------------------------------------------------------------
     def initial_scores(self) -> dict[str, torch.Tensor]:

