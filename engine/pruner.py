@@ -120,6 +120,7 @@ class PruneRun:
         text, self.eval_source = load_eval_text(config.eval_data)
         self.windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
         self.mask_rng = torch.Generator().manual_seed(config.seed + 1)
+        self.progress = True  # tqdm bars on stderr; run(progress=False) turns them off
 
     # --- masks -----------------------------------------------------------------------------
     def hard_masks(self, scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -134,7 +135,7 @@ class PruneRun:
             if flat_masks is not None:
                 hooks.set(self.layer_masks(flat_masks))
             self.log(f"evaluating {what} perplexity on {self.windows.shape[0]} windows of {self.config.eval_seqlen} tokens")
-            ppl = perplexity(self.model, self.windows, self.config.eval_batch_size, progress=True)
+            ppl = perplexity(self.model, self.windows, self.config.eval_batch_size, progress=self.progress)
         self.log(f"{what} perplexity: {ppl:.3f}")
         return ppl
 
@@ -227,6 +228,7 @@ class PruneRun:
         Returns results.json's content, with status "stopped" (state saved, resumable) or "done".
         """
         c = self.config
+        self.progress = progress
         self.out.mkdir(parents=True, exist_ok=True)
         if resume and (self.out / CHECKPOINT_FILE).exists():
             state = self.load_checkpoint()
