@@ -1,0 +1,21 @@
+"""The exploration app: `streamlit run app.py`.
+
+Pages: Prune (live run), Compare (global vs uniform), Chat (dense vs pruned), Runs (on disk).
+The pages are thin; the work is in engine/ (jobs.py, chat.py, figures.py).
+"""
+
+import os
+
+import streamlit as st
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+st.set_page_config(page_title="Policy-gradient pruning", page_icon="✂️", layout="wide")
+
+pages = [
+    st.Page("pages/prune.py", title="Prune", icon=":material/content_cut:", default=True),
+    st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
+    st.Page("pages/chat.py", title="Chat", icon=":material/forum:"),
+    st.Page("pages/runs.py", title="Runs", icon=":material/folder_open:"),
+]
+st.navigation(pages).run()

@@ -1,0 +1,222 @@
+"""Streaming generation for the dense model, the masked base model, and a run's sliced export.
+
+    base = load_base(run.config["model"])                 # one copy of the base weights
+    pruned = MaskedModel.from_run(base, run_dir)           # masks as hooks on those weights
+    gen = stream(base, "Hello", GenerationSettings())     # dense
+    for piece in gen: ...                                  # text pieces as they are generated
+    gen.stats                                             # tokens, seconds, tokens/s
+    gen = stream(pruned, "Hello", settings)                # pruned
+
+Masks are applied through forward hooks, and hooks act on the model object, so a dense and a
+masked generation on the same base weights must not overlap. Every generation on a base model
+holds that model's lock for its whole duration: callers (the app) generate the dense answer and
+then the pruned one, sequentially; a second browser session waits for the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .loading import count_parameters
+
+_locks: dict[int, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def model_lock(model) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(id(model), threading.Lock())
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 64
+    temperature: float = 0.7
+    greedy: bool = True
+    top_p: float = 0.95
+    seed: int = 0
+
+    def generate_kwargs(self) -> dict:
+        if self.greedy or self.temperature <= 0:
+            return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
+                "max_new_tokens": self.max_new_tokens}
+
+
+@dataclass
+class ChatModel:
+    """A model ready to chat: the dense base, or something derived from it."""
+
+    model: object
+    tokenizer: object
+    label: str
+    params: int
+    layer_masks: dict[str, list[torch.Tensor]] | None = None  # set: masks applied as hooks on `model`
+    info: dict = field(default_factory=dict)
+
+
+def load_base(model_name: str, dtype: str = "float32") -> ChatModel:
+    from .adapter import ModelAdapter
+    from .loading import load_model, resolve_model
+
+    model, tok = load_model(resolve_model(model_name), dtype, "cpu")
+    ModelAdapter.for_model(model)  # unsupported architectures fail here, with a message
+    return ChatModel(model, tok, f"dense {Path(model_name).name}", count_parameters(model))
+
+
+def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
+    """The base model with a finished run's masks applied as hooks (shares the base weights)."""
+    import json
+
+    from .export import load_mask_artifact
+    from .units import UnitLayout
+
+    meta, masks, _ = load_mask_artifact(run_dir)
+    layout = UnitLayout({u: meta["units_per_layer"][u] for u in meta["unit_types"]})
+    from .adapter import ModelAdapter
+
+    adapter = ModelAdapter.for_model(base.model)
+    sizes = {"heads": adapter.kv_groups_per_layer(), "channels": adapter.channels_per_layer()}
+    for u in layout.unit_types:
+        if layout.sizes[u] != sizes[u]:
+            raise UserError(f"the masks of {Path(run_dir).name} do not fit this model ({u}: {layout.sizes[u]} vs {sizes[u]})")
+    try:
+        params = json.loads((Path(run_dir) / "results.json").read_text())["params_pruned"]
+    except (OSError, ValueError, KeyError):
+        params = _effective_params(base.model, layout, masks)
+    return ChatModel(base.model, base.tokenizer, f"pruned (masks on base): {Path(run_dir).name}", params,
+                     layer_masks={u: layout.split(u, m) for u, m in masks.items()}, info={"meta": meta})
+
+
+def _effective_params(model, layout, masks) -> int:
+    from .export import build_pruned_model
+
+    return count_parameters(build_pruned_model(model, layout, masks))
+
+
+def load_sliced(run_dir: str | Path) -> ChatModel:
+    """A run's physically sliced export (model/), for real speed."""
+    from transformers import AutoModelForCausalLM
+
+    from . import register_pruned_classes
+    from .loading import load_tokenizer, ModelSource
+    from .pruner import MODEL_DIR
+
+    folder = Path(run_dir) / MODEL_DIR
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{Path(run_dir).name} has no sliced export (finish the run first)")
+    register_pruned_classes()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    tok = load_tokenizer(ModelSource(str(folder), str(folder)))
+    return ChatModel(model, tok, f"pruned (sliced export): {Path(run_dir).name}", count_parameters(model))
+
+
+def build_inputs(tokenizer, prompt: str) -> torch.Tensor:
+    """Token ids of the prompt, through the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    return ids
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    seconds: float = 0.0
+    first_token_seconds: float | None = None
+    done: bool = False
+    error: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Generation:
+    """Iterate for text pieces as they come; `stats` fills in, final once iteration ends."""
+
+    def __init__(self, streamer, stats: GenerationStats, thread: threading.Thread):
+        self._streamer, self.stats, self._thread = streamer, stats, thread
+        self.text = ""
+
+    def __iter__(self):
+        for piece in self._streamer:
+            self.text += piece
+            yield piece
+        self._thread.join()
+        if self.stats.error:
+            raise UserError(f"generation failed: {self.stats.error}")
+
+
+def stream(chat: ChatModel, prompt: str, settings: GenerationSettings) -> Generation:
+    """Start generating in a thread and return the stream of text pieces."""
+    from transformers import TextIteratorStreamer
+
+    tok = chat.tokenizer
+    input_ids = build_inputs(tok, prompt)
+    stats = GenerationStats()
+
+    class CountingStreamer(TextIteratorStreamer):
+        def put(self, value):
+            if self.next_tokens_are_prompt:
+                return super().put(value)
+            n = int(value.numel())
+            if stats.new_tokens == 0 and n:
+                stats.first_token_seconds = time.perf_counter() - t0
+            stats.new_tokens += n
+            return super().put(value)
+
+    streamer = CountingStreamer(tok, skip_prompt=True, skip_special_tokens=True, timeout=600)
+    kwargs = settings.generate_kwargs()
+    t0 = time.perf_counter()
+
+    def work():
+        from .masking import MaskHooks
+
+        nonlocal t0
+        lock = model_lock(chat.model)
+        try:
+            with lock:
+                torch.manual_seed(settings.seed)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    if chat.layer_masks is not None:
+                        from .adapter import ModelAdapter
+
+                        with MaskHooks(ModelAdapter.for_model(chat.model)) as hooks:
+                            hooks.set(chat.layer_masks)
+                            _generate(chat, input_ids, streamer, kwargs)
+                    else:
+                        _generate(chat, input_ids, streamer, kwargs)
+                stats.seconds = time.perf_counter() - t0
+        except Exception as e:  # shown in the page, not as a traceback
+            stats.error = f"{type(e).__name__}: {e}"
+            streamer.end()
+        finally:
+            stats.done = True
+
+    thread = threading.Thread(target=work, name="chat-generate", daemon=True)
+    thread.start()
+    return Generation(streamer, stats, thread)
+
+
+def _generate(chat: ChatModel, input_ids: torch.Tensor, streamer, kwargs: dict) -> None:
+    tok = chat.tokenizer
+    chat.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer,
+                        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, **kwargs)
+
+
+def answer(chat: ChatModel, prompt: str, settings: GenerationSettings) -> tuple[str, GenerationStats]:
+    """Generate without streaming (scripts, tests): (text, stats)."""
+    gen = stream(chat, prompt, settings)
+    text = "".join(gen)
+    return text, gen.stats

@@ -1,0 +1,120 @@
+"""Plotly figures of a run (live or from disk). Pure functions of plain data; no Streamlit here.
+
+Reports are StepReport dicts (metrics.jsonl lines, or JobSnapshot.history).
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+_FONT = dict(size=13)
+_MARGIN = dict(l=10, r=10, t=48, b=10)
+UNIT_TITLES = {"heads": "KV groups (attention heads)", "channels": "MLP channels"}
+_RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+
+
+def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    fig.update_layout(title=dict(text=title, x=0, xanchor="left"), height=height, margin=_MARGIN, font=_FONT,
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1))
+    return fig
+
+
+def heads_heatmap(head_scores: list[list[float]], head_mask: list[list[int]] | None, title: str = "") -> go.Figure:
+    """Layers (rows, first layer on top) x KV groups (columns); colour = keep probability s.
+
+    Groups the current hard mask keeps carry a check mark, pruned ones a cross.
+    """
+    n_layers = len(head_scores)
+    n_groups = max(len(r) for r in head_scores)
+    text = None
+    if head_mask is not None:
+        text = [["✓" if k else "✗" for k in row] for row in head_mask]
+    fig = go.Figure(go.Heatmap(
+        z=head_scores, x=[f"g{j}" for j in range(n_groups)], y=[f"L{i}" for i in range(n_layers)],
+        zmin=0, zmax=1, colorscale="Viridis", text=text, texttemplate="%{text}" if text else None,
+        textfont=dict(size=12, color="white"), xgap=2, ygap=2,
+        colorbar=dict(title=dict(text="s", side="top"), thickness=12, len=0.8),
+        hovertemplate="layer %{y}, group %{x}<br>s = %{z:.3f}<extra></extra>",
+    ))
+    fig.update_yaxes(autorange="reversed", title="layer", dtick=1 if n_layers <= 16 else 2)
+    fig.update_xaxes(title="KV group", side="bottom")
+    kept = sum(map(sum, head_mask)) if head_mask else None
+    total = sum(len(r) for r in head_scores)
+    suffix = f" — hard mask keeps {kept}/{total} (✓ kept, ✗ pruned)" if kept is not None else ""
+    return _layout(fig, title or f"KV groups: keep probability s{suffix}", height=min(140 + 22 * n_layers, 820))
+
+
+def channels_figure(mean_score: list[float], kept_fraction: list[float] | None, title: str = "") -> go.Figure:
+    """Per layer: the fraction of MLP channels the hard mask keeps (bars) and the mean s (markers)."""
+    layers = [f"L{i}" for i in range(len(mean_score))]
+    fig = go.Figure()
+    if kept_fraction is not None:
+        fig.add_bar(x=layers, y=kept_fraction, name="kept by hard mask", marker_color="#4c78a8",
+                    hovertemplate="%{x}: %{y:.1%} kept<extra></extra>")
+    fig.add_scatter(x=layers, y=mean_score, name="mean s", mode="markers+lines", marker=dict(color="#f58518", size=7),
+                    line=dict(width=1), hovertemplate="%{x}: mean s %{y:.3f}<extra></extra>")
+    fig.update_yaxes(range=[0, 1.05], title="fraction", tickformat=".0%")
+    fig.update_xaxes(title="layer")
+    return _layout(fig, title or "MLP channels kept per layer", height=330)
+
+
+def loss_figure(history: list[dict], title: str = "") -> go.Figure:
+    """Each mask sample's loss, the moving-average baseline, and the learning rate (right axis)."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    steps = [r["step"] for r in history]
+    n_samples = max((len(r["losses"]) for r in history), default=0)
+    for j in range(n_samples):
+        fig.add_scatter(x=steps, y=[r["losses"][j] if j < len(r["losses"]) else None for r in history],
+                        name=f"loss, sample {j + 1}", mode="lines", line=dict(width=1), opacity=0.55,
+                        secondary_y=False)
+    if any(r["baseline"] for r in history):
+        fig.add_scatter(x=steps, y=[r["baseline"] for r in history], name="baseline (moving avg)", mode="lines",
+                        line=dict(width=2.5, color="black"), secondary_y=False)
+    fig.add_scatter(x=steps, y=[r["lr"] for r in history], name="learning rate", mode="lines",
+                    line=dict(width=1.5, dash="dot", color="#e45756"), secondary_y=True)
+    fig.update_xaxes(title="step")
+    fig.update_yaxes(title="calibration loss", secondary_y=False)
+    fig.update_yaxes(title="lr", secondary_y=True, showgrid=False, exponentformat="e")
+    return _layout(fig, title or "Loss of each mask sample, baseline and learning rate", height=360)
+
+
+def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types: list[str]) -> go.Figure:
+    """Fraction pruned per layer, one line per run, one panel per unit type.
+
+    runs: (label, {unit type: kept fraction per layer}).
+    """
+    unit_types = [u for u in unit_types if any(u in kept for _, kept in runs)] or unit_types
+    fig = make_subplots(rows=len(unit_types), cols=1, subplot_titles=[UNIT_TITLES.get(u, u) for u in unit_types],
+                        vertical_spacing=0.16)
+    for k, (label, kept) in enumerate(runs):
+        colour = _RUN_COLOURS[k % len(_RUN_COLOURS)]
+        for row, u in enumerate(unit_types, 1):
+            if u not in kept:
+                continue
+            fig.add_scatter(x=list(range(len(kept[u]))), y=[1 - f for f in kept[u]], name=label, mode="lines+markers",
+                            line=dict(color=colour), marker=dict(size=6), legendgroup=label,
+                            showlegend=row == 1, row=row, col=1,
+                            hovertemplate="layer %{x}: %{y:.1%} pruned<extra>" + label + "</extra>")
+            fig.update_yaxes(title="pruned", tickformat=".0%", rangemode="tozero", row=row, col=1)
+            fig.update_xaxes(title="layer", row=row, col=1)
+    return _layout(fig, "Sparsity per layer", height=170 + 230 * len(unit_types))
+
+
+def perplexity_bars(runs: list[tuple[str, dict]]) -> go.Figure:
+    """Dense / init / pruned perplexity of each run (results.json dicts)."""
+    fig = go.Figure()
+    for k, (label, res) in enumerate(runs):
+        names = ["dense", "init", "pruned"]
+        values = [res.get("ppl_dense"), res.get("ppl_init"), res.get("ppl_pruned")]
+        fig.add_bar(x=names, y=values, name=label, marker_color=_RUN_COLOURS[k % len(_RUN_COLOURS)],
+                    text=[f"{v:.1f}" if v is not None else "" for v in values], textposition="outside",
+                    hovertemplate="%{x}: %{y:.2f}<extra>" + label + "</extra>")
+    fig.update_yaxes(title="WikiText-2 perplexity", rangemode="tozero")
+    fig.update_layout(barmode="group")
+    return _layout(fig, "Perplexity (lower is better)", height=360)
+
+
+def kept_fractions_from_results(results: dict) -> dict[str, list[float]]:
+    return {u: [k / n for k, n in zip(kept, results["units_per_layer"][u])]
+            for u, kept in results.get("kept_per_layer", {}).items()}

@@ -1,0 +1,320 @@
+"""One background pruning job at a time, watched from a UI; and the run folders on disk.
+
+    jobs = JobManager()
+    jobs.start(config, "runs/my-run")      # raises JobBusy while another job runs
+    snap = jobs.snapshot()                 # thread-safe copy: status, phase, step history, result
+    jobs.stop()                            # the run stops after its current step; resumable
+
+The worker thread never touches a UI. It records the messages PruneRun logs (loading,
+initialising, evaluating perplexities, exporting) as the current phase, every StepReport, and
+the current hard mask of the KV groups (for heatmaps), so that a UI only reads memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from .config import PruneConfig
+from .errors import UserError
+
+RUNS_DIR_ENV = "PG_PRUNE_RUNS_DIR"
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Job status values. "idle": nothing started yet in this process.
+IDLE, LOADING, RUNNING, STOPPING, STOPPED, DONE, FAILED = "idle", "loading", "running", "stopping", "stopped", "done", "failed"
+ACTIVE = (LOADING, RUNNING, STOPPING)
+
+
+class JobBusy(UserError):
+    """A second job was asked for while one runs."""
+
+
+def default_runs_dir() -> Path:
+    return Path(os.environ.get(RUNS_DIR_ENV) or _REPO_ROOT / "runs")
+
+
+def new_run_name(config: PruneConfig, label: str = "") -> str:
+    model = Path(config.model).stem if config.model else "model"
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = f"{stamp}-{model}-{config.scope}-{int(round(config.prune_ratio * 100))}pct"
+    label = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in label.strip())
+    return f"{base}-{label}" if label else base
+
+
+@dataclass
+class JobSnapshot:
+    """A consistent copy of a job's state, safe to read from any thread."""
+
+    status: str = IDLE
+    phase: str = ""  # the last message the run logged ("evaluating dense perplexity ...")
+    error: str | None = None
+    error_detail: str | None = None  # traceback of an unexpected failure (UserErrors have none)
+    out_dir: str | None = None
+    config: dict | None = None
+    history: list[dict] = field(default_factory=list)  # StepReport dicts, oldest first
+    head_mask: list[list[int]] | None = None  # current hard mask of KV groups, per layer
+    result: dict | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    resumed_from: int = 0  # steps already done when this job started (resume)
+
+    @property
+    def active(self) -> bool:
+        return self.status in ACTIVE
+
+    @property
+    def last(self) -> dict | None:
+        return self.history[-1] if self.history else None
+
+
+class JobManager:
+    """Owns at most one pruning thread. All public methods are thread-safe."""
+
+    def __init__(self, keep_model: bool = True):
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._snap = JobSnapshot()
+        # The last loaded (model, tokenizer), reused by the next job on the same model: loading
+        # the default model takes ~25 s. Pruning never modifies the model's weights.
+        self._keep_model = keep_model
+        self._model_cache: tuple[tuple, object, object] | None = None
+
+    # --- control ---------------------------------------------------------------------------
+    def start(self, config: PruneConfig | None, out_dir: str | Path, resume: bool = False) -> None:
+        """Start a job; raises JobBusy while one runs and UserError on bad input (checked here, fast).
+
+        With resume=True the run folder's own config.json is used and `config` is ignored.
+        """
+        from .loading import resolve_model
+        from .pruner import CONFIG_FILE, check_out_dir
+
+        out = Path(out_dir)
+        with self._lock:
+            if self._snap.status in ACTIVE:
+                raise JobBusy(f"a job is already running ({self._snap.out_dir}); stop it or wait for it to finish")
+            if resume:
+                check_out_dir(out, resume=True, overwrite=False)
+                config = PruneConfig.load(out / CONFIG_FILE)
+            else:
+                check_out_dir(out, resume=False, overwrite=False)
+            config.validate()
+            resolve_model(config.model)  # a missing file or a folder without a model fails here
+            self._stop = threading.Event()
+            self._snap = JobSnapshot(status=LOADING, phase=f"loading {config.model}", out_dir=str(out),
+                                     config=config.to_dict(), started_at=time.time())
+            self._thread = threading.Thread(target=self._work, args=(config, out, resume, self._stop),
+                                            name="prune-job", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> bool:
+        """Ask the running job to stop after its current step. False when nothing runs."""
+        with self._lock:
+            if self._snap.status not in ACTIVE:
+                return False
+            self._stop.set()
+            self._snap.status = STOPPING
+            self._snap.phase = "stopping after the current step (state is saved; resumable)"
+            return True
+
+    def snapshot(self) -> JobSnapshot:
+        with self._lock:
+            s = self._snap
+            return dataclasses.replace(s, history=list(s.history), config=dict(s.config or {}) or None,
+                                       result=dict(s.result) if s.result else None)
+
+    def wait(self, timeout: float | None = None) -> JobSnapshot:
+        """Block until the current job ends (tests, scripts)."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+        return self.snapshot()
+
+    def busy_with(self, out_dir: str | Path) -> bool:
+        with self._lock:
+            return self._snap.status in ACTIVE and self._snap.out_dir is not None \
+                and Path(self._snap.out_dir).resolve() == Path(out_dir).resolve()
+
+    # --- the worker ------------------------------------------------------------------------
+    def _set(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self._snap, k, v)
+
+    def _log(self, message: str) -> None:
+        with self._lock:
+            if self._snap.status != STOPPING:
+                self._snap.phase = message
+
+    def _load(self, config: PruneConfig):
+        from .loading import load_model, resolve_model
+
+        key = (config.model, config.dtype, config.device)
+        cached = self._model_cache
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        self._model_cache = None  # free the old model before loading another
+        model, tok = load_model(resolve_model(config.model), config.dtype, config.device)
+        return model, tok
+
+    def _work(self, config: PruneConfig, out: Path, resume: bool, stop: threading.Event) -> None:
+        try:
+            from .pruner import METRICS_FILE, PruneRun
+
+            model, tok = self._load(config)
+            self._log("reading calibration and evaluation data")
+            run = PruneRun(config, out, model=model, tokenizer=tok, log=self._log)
+            if self._keep_model:
+                self._model_cache = ((config.model, config.dtype, config.device), model, tok)
+            if resume and (out / METRICS_FILE).exists():
+                history = [json.loads(ln) for ln in (out / METRICS_FILE).read_text().splitlines() if ln.strip()]
+                self._set(history=history, resumed_from=len(history))
+            with self._lock:
+                if self._snap.status == LOADING:
+                    self._snap.status = RUNNING
+
+            def observe(report) -> None:
+                mask = None
+                if report.head_scores is not None:
+                    mask = head_mask_from_scores(report.head_scores, config.scope, config.keep_ratio)
+                with self._lock:
+                    self._snap.history.append(dataclasses.asdict(report))
+                    self._snap.head_mask = mask
+                    if self._snap.status == RUNNING:
+                        self._snap.phase = f"step {report.step}/{report.total_steps}"
+
+            result = run.run(resume=resume, observer=observe, stop=stop, progress=False)
+            status = STOPPED if result.get("status") == "stopped" else DONE
+            phase = (f"stopped at step {result.get('step')}; resumable" if status == STOPPED
+                     else f"done: perplexity {result['ppl_dense']:.2f} dense -> {result['ppl_pruned']:.2f} pruned")
+            self._set(status=status, phase=phase, result=result, finished_at=time.time())
+        except UserError as e:
+            self._set(status=FAILED, error=str(e), phase="failed", finished_at=time.time())
+        except Exception as e:  # a bug or an environment problem: keep the UI alive and show it
+            self._set(status=FAILED, error=f"{type(e).__name__}: {e}", error_detail=traceback.format_exc(),
+                      phase="failed", finished_at=time.time())
+
+
+# --- runs on disk ------------------------------------------------------------------------------
+@dataclass
+class RunInfo:
+    path: Path
+    name: str
+    config: dict
+    results: dict | None
+    steps_done: int
+    has_masks: bool
+    has_model: bool
+    has_checkpoint: bool
+    modified: float
+
+    @property
+    def status(self) -> str:
+        if self.results is not None:
+            return DONE
+        return STOPPED if self.has_checkpoint else "incomplete"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    from .pruner import METRICS_FILE
+
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    out = []
+    for ln in path.read_text().splitlines():
+        if ln.strip():
+            try:
+                out.append(json.loads(ln))
+            except json.JSONDecodeError:
+                break  # a line being written
+    return out
+
+
+def read_run(path: str | Path) -> RunInfo | None:
+    """A run folder's summary, or None when the folder holds no run."""
+    from .export import MASKS_FILE
+    from .pruner import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
+
+    p = Path(path)
+    try:
+        config = json.loads((p / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    try:
+        results = json.loads((p / RESULTS_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        results = None
+    steps = 0
+    if (p / METRICS_FILE).exists():
+        steps = sum(1 for ln in (p / METRICS_FILE).read_text().splitlines() if ln.strip())
+    return RunInfo(path=p, name=p.name, config=config, results=results, steps_done=steps,
+                   has_masks=(p / MASKS_FILE).exists(), has_model=(p / MODEL_DIR).is_dir(),
+                   has_checkpoint=(p / CHECKPOINT_FILE).exists(), modified=(p / CONFIG_FILE).stat().st_mtime)
+
+
+def list_runs(runs_dir: str | Path) -> list[RunInfo]:
+    """Runs under runs_dir, newest first."""
+    d = Path(runs_dir)
+    if not d.is_dir():
+        return []
+    runs = [r for r in (read_run(c) for c in d.iterdir() if c.is_dir()) if r is not None]
+    return sorted(runs, key=lambda r: r.modified, reverse=True)
+
+
+def run_head_mask(run_dir: str | Path) -> list[list[int]] | None:
+    """Final hard mask of the KV groups of a finished run, per layer."""
+    from .export import load_mask_artifact
+    from .units import UnitLayout
+
+    try:
+        meta, masks, _ = load_mask_artifact(run_dir)
+    except UserError:
+        return None
+    if "heads" not in masks:
+        return None
+    layout = UnitLayout({"heads": meta["units_per_layer"]["heads"]})
+    return [[int(x) for x in m] for m in layout.split("heads", masks["heads"])]
+
+
+def head_mask_from_scores(head_scores: list[list[float]], scope: str, keep_ratio: float) -> list[list[int]]:
+    """The hard mask PruneRun would take from these KV-group scores (tiny; no model involved)."""
+    import torch
+
+    from .units import UnitLayout
+
+    layout = UnitLayout({"heads": [len(r) for r in head_scores]})
+    flat = torch.tensor([s for row in head_scores for s in row])
+    hard = layout.hard_mask("heads", flat, scope, keep_ratio)
+    return [[int(x) for x in m] for m in layout.split("heads", hard)]
+
+
+def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
+    p = Path(run_dir)
+    if jobs is not None and jobs.busy_with(p):
+        raise UserError(f"{p.name} is being pruned right now; stop the job first")
+    if read_run(p) is None:
+        raise UserError(f"{p} holds no run; not deleting it")
+    shutil.rmtree(p)
+
+
+def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:
+    """Copy a finished run's sliced model folder to dest (which must not exist yet)."""
+    from .pruner import MODEL_DIR
+
+    src, dest = Path(run_dir) / MODEL_DIR, Path(dest).expanduser()
+    if not src.is_dir():
+        raise UserError(f"{Path(run_dir).name} has no exported model yet (finish the run first)")
+    if dest.exists():
+        raise UserError(f"{dest} already exists; choose a new folder")
+    shutil.copytree(src, dest)
+    return dest

@@ -1,0 +1,134 @@
+"""Streamlit glue shared by the pages: the job manager, the runs folder, cached chat models, run views.
+
+Not a page itself (app.py lists the pages with st.navigation, so pages/ is not scanned).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import streamlit as st  # noqa: E402
+
+from engine import figures  # noqa: E402
+from engine.jobs import (JobManager, RunInfo, default_runs_dir, head_mask_from_scores, list_runs,  # noqa: E402
+                         read_metrics, run_head_mask)
+
+RUN_KEY = "selected_run"  # session state: the run folder loaded into the pages
+
+
+@st.cache_resource
+def job_manager() -> JobManager:
+    """One job manager per server process: it survives reruns and browser reloads."""
+    return JobManager()
+
+
+def runs_dir() -> Path:
+    return default_runs_dir()
+
+
+def runs() -> list[RunInfo]:
+    return list_runs(runs_dir())
+
+
+def selected_run() -> str | None:
+    path = st.session_state.get(RUN_KEY)
+    if path and Path(path).is_dir():
+        return path
+    return None
+
+
+def select_run(path: str | Path | None) -> None:
+    st.session_state[RUN_KEY] = str(path) if path else None
+
+
+def run_label(r: RunInfo) -> str:
+    c = r.config
+    ppl = f", ppl {r.results['ppl_pruned']:.1f}" if r.results else ""
+    return f"{r.name}  [{c.get('scope')}, {c.get('prune_ratio', 0):.0%}, {r.status}{ppl}]"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "—"
+    s = int(round(s))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {(s % 3600) // 60:02d} min"
+
+
+def fmt_params(n: int | None) -> str:
+    if n is None:
+        return "—"
+    return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.0f} k"
+
+
+# --- a run's charts -----------------------------------------------------------------------------
+def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | None, results: dict | None,
+               key: str) -> None:
+    """Heatmap of KV groups, MLP channels per layer, loss curves, and final results."""
+    last = history[-1] if history else None
+    if results and results.get("status") == "done":
+        c1, c2, c3, c4 = st.columns(4)
+        c1.metric("Dense perplexity", f"{results['ppl_dense']:.2f}")
+        c2.metric(f"Init ({config.get('init')})", f"{results['ppl_init']:.2f}")
+        c3.metric("Pruned perplexity", f"{results['ppl_pruned']:.2f}",
+                  delta=f"{results['ppl_pruned'] - results['ppl_init']:+.2f} vs init", delta_color="inverse")
+        c4.metric("Parameters", fmt_params(results["params_pruned"]),
+                  delta=f"{results['params_pruned'] / results['params_dense'] - 1:+.1%}", delta_color="off")
+    if last is None:
+        st.info("No optimisation step yet: charts appear after the first step.")
+        return
+    heads, chans = last.get("head_scores"), last["mean_score"].get("channels")
+    cols = st.columns(2) if heads and chans else [st.container()]
+    if heads:
+        if head_mask is None:
+            head_mask = head_mask_from_scores(heads, config.get("scope", "global"), 1 - config.get("prune_ratio", 0.3))
+        with cols[0]:
+            st.plotly_chart(figures.heads_heatmap(heads, head_mask), key=f"{key}-heads", width="stretch")
+    if chans:
+        with cols[-1]:
+            st.plotly_chart(figures.channels_figure(chans, last["kept_fraction"].get("channels")),
+                            key=f"{key}-channels", width="stretch")
+    st.plotly_chart(figures.loss_figure(history), key=f"{key}-loss", width="stretch")
+
+
+def render_disk_run(run_dir: str | Path, key: str) -> None:
+    from engine.jobs import read_run
+
+    info = read_run(run_dir)
+    if info is None:
+        st.warning(f"{run_dir} holds no run")
+        return
+    st.caption(f"Run **{info.name}** — {info.status}, {info.steps_done}/{info.config.get('steps')} steps, "
+               f"model `{info.config.get('model')}`")
+    render_run(read_metrics(run_dir), info.config, run_head_mask(run_dir) if info.has_masks else None,
+               info.results, key)
+
+
+# --- chat models (loaded in the page's script run, never in a fragment tick) ----------------------
+@st.cache_resource(max_entries=1, show_spinner="Loading the base model (SmolLM2 takes about 25 s)…")
+def base_model(model_name: str, dtype: str):
+    from engine.chat import load_base
+
+    return load_base(model_name, dtype)
+
+
+@st.cache_resource(max_entries=2, show_spinner="Loading the sliced export…")
+def sliced_model(run_dir: str, mtime: float):
+    from engine.chat import load_sliced
+
+    return load_sliced(run_dir)
+
+
+def run_figures_for_compare(info: RunInfo) -> dict[str, list[float]]:
+    if info.results:
+        return figures.kept_fractions_from_results(info.results)
+    m = read_metrics(info.path)
+    return m[-1]["kept_fraction"] if m else {}

@@ -1,0 +1,99 @@
+"""Chat: the dense model and the pruned model answer the same prompt, side by side, streamed."""
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)  # for _ui, beside this page
+import _ui  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from engine.chat import GenerationSettings, masked_from_run, stream  # noqa: E402
+from engine.errors import UserError  # noqa: E402
+
+st.title("💬 Chat: dense vs pruned")
+st.markdown("Both models answer the same prompt, one after the other (dense first), streamed token by token. "
+            "Each prompt is answered on its own, without the earlier turns.")
+
+finished = [r for r in _ui.runs() if r.results and r.has_masks]
+if not finished:
+    st.info("No finished run yet. Finish a run on **Prune** (or load one on **Runs**) to chat with its pruned model.")
+    st.stop()
+
+paths = [str(r.path) for r in finished]
+current = _ui.selected_run()
+index = paths.index(current) if current in paths else 0
+run = st.selectbox("Pruned run", finished, index=index, format_func=_ui.run_label,
+                   help="A finished run of the Prune page (its masks and sliced export).")
+MODES = {
+    "masked": "Masks on the base model (shares the dense weights)",
+    "sliced": "Sliced export (physically smaller: real speed)",
+}
+mode = st.radio("Pruned model", list(MODES), format_func=MODES.get, horizontal=True,
+                help="Masked: the dense weights with the pruned units zeroed by hooks; one copy of the weights "
+                     "serves both columns, so the two answers are generated one after the other. "
+                     "Sliced: the exported model whose matrices are physically smaller; it shows the real speed-up.")
+with st.expander("Generation settings (shared by both columns)", expanded=False):
+    g1, g2, g3 = st.columns(3)
+    max_new = g1.slider("Max new tokens", 8, 512, 64, 8)
+    greedy = g2.toggle("Greedy", value=True, help="Deterministic: always the most likely token.")
+    temperature = g3.slider("Temperature", 0.05, 1.5, 0.7, 0.05, disabled=greedy)
+settings = GenerationSettings(max_new_tokens=int(max_new), temperature=float(temperature), greedy=bool(greedy))
+
+history_key = "chat_history"
+history = st.session_state.setdefault(history_key, [])
+
+
+def stats_line(stats, params) -> str:
+    return f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tokens/s · {_ui.fmt_params(params)} parameters"
+
+
+def show_turn(turn: dict) -> None:
+    with st.chat_message("user"):
+        st.markdown(turn["prompt"])
+    cols = st.columns(2)
+    for col, side in zip(cols, ("dense", "pruned")):
+        with col:
+            st.markdown(f"**{turn[side + '_label']}**")
+            st.markdown(turn[side] or "*(empty answer)*")
+            st.caption(turn[side + "_stats"])
+
+
+for turn in history:
+    show_turn(turn)
+
+prompt = st.chat_input("Ask both models…")
+if prompt:
+    try:
+        dense = _ui.base_model(run.config["model"], run.config.get("dtype", "float32"))
+        if mode == "masked":
+            pruned = masked_from_run(dense, run.path)
+        else:
+            pruned = _ui.sliced_model(str(run.path), run.modified)
+    except UserError as e:
+        st.error(f"Cannot load the models: {e}")
+        st.stop()
+    with st.chat_message("user"):
+        st.markdown(prompt)
+    turn = {"prompt": prompt}
+    cols = st.columns(2)
+    for col, side, model, label in ((cols[0], "dense", dense, f"Dense · {Path(run.config['model']).name}"),
+                                    (cols[1], "pruned", pruned, f"Pruned · {MODES[mode].split(' (')[0].lower()}")):
+        with col:
+            st.markdown(f"**{label}**")
+            try:
+                gen = stream(model, prompt, settings)
+                text = st.write_stream(gen)
+                stats = stats_line(gen.stats, model.params)
+            except UserError as e:
+                st.error(str(e))
+                text, stats = "", "failed"
+            st.caption(stats)
+        turn.update({side: text if isinstance(text, str) else "".join(map(str, text)), side + "_stats": stats,
+                     side + "_label": label})
+    history.append(turn)
+
+if history and st.button("Clear the conversation"):
+    st.session_state[history_key] = []
+    st.rerun()

@@ -1,0 +1,90 @@
+"""Compare: a global and a uniform run on the same model and rate, side by side."""
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)  # for _ui, beside this page
+import _ui  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from engine import figures  # noqa: E402
+from engine.config import PruneConfig  # noqa: E402
+from engine.errors import UserError  # noqa: E402
+from engine.jobs import new_run_name  # noqa: E402
+
+st.title("⚖️ Compare: global vs uniform")
+st.markdown("**Global** scope shares one budget across all layers, so the method decides how much to cut in each "
+            "layer; **uniform** cuts the same fraction everywhere. Same model, rate and step budget: which "
+            "profile does the method learn, and what does it cost in perplexity?")
+
+all_runs = _ui.runs()
+if not all_runs:
+    st.info("No runs yet: start one on **Prune**.")
+    st.stop()
+
+
+def pick_default(scope: str, like=None):
+    for r in all_runs:
+        c = r.config
+        if c.get("scope") != scope:
+            continue
+        if like is None or (c.get("model") == like.config.get("model")
+                            and abs(c.get("prune_ratio", 0) - like.config.get("prune_ratio", 0)) < 1e-9):
+            return r
+    return None
+
+
+a_default = pick_default("global") or all_runs[0]
+b_default = pick_default("uniform", like=a_default) or pick_default("uniform") or \
+    next((r for r in all_runs if r.path != a_default.path), None)
+c1, c2 = st.columns(2)
+a = c1.selectbox("Run A", all_runs, index=all_runs.index(a_default), format_func=_ui.run_label, key="cmp_a")
+b_options = [r for r in all_runs if r.path != a.path]
+b = None
+if b_options:
+    b_index = b_options.index(b_default) if b_default in b_options else 0
+    b = c2.selectbox("Run B", b_options, index=b_index, format_func=_ui.run_label, key="cmp_b")
+else:
+    c2.info("Only one run on disk.")
+
+chosen = [r for r in (a, b) if r is not None]
+
+# One summary row per run.
+rows = []
+for r in chosen:
+    c, res = r.config, r.results or {}
+    rows.append({
+        "run": r.name, "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}", "units": ",".join(c.get("units", [])),
+        "steps": f"{r.steps_done}/{c.get('steps')}", "status": r.status,
+        "ppl dense": res.get("ppl_dense"), "ppl init": res.get("ppl_init"), "ppl pruned": res.get("ppl_pruned"),
+        "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
+    })
+st.dataframe(rows, hide_index=True, width="stretch")
+
+if b is not None and (a.config.get("model") != b.config.get("model")
+                      or abs(a.config.get("prune_ratio", 0) - b.config.get("prune_ratio", 0)) > 1e-9):
+    st.warning("These two runs differ in model or pruning rate: the comparison is not like for like.")
+
+units = sorted({u for r in chosen for u in r.config.get("units", [])}, key=["heads", "channels"].index)
+profiles = [(f"{r.config.get('scope')}: {r.name}", _ui.run_figures_for_compare(r)) for r in chosen]
+st.plotly_chart(figures.sparsity_profiles(profiles, units), key="cmp-profiles", width="stretch")
+finished = [(f"{r.config.get('scope')}: {r.name}", r.results) for r in chosen if r.results]
+if finished:
+    st.plotly_chart(figures.perplexity_bars(finished), key="cmp-ppl", width="stretch")
+else:
+    st.info("Perplexities appear once a run has finished.")
+
+# Offer the missing counterpart of run A.
+other = "uniform" if a.config.get("scope") == "global" else "global"
+if b is None or b.config.get("scope") == a.config.get("scope"):
+    st.markdown(f"No **{other}** run to compare with run A yet.")
+    if st.button(f"▶ Start the matching {other} run (same model, rate and settings)"):
+        try:
+            config = PruneConfig.from_dict({**a.config, "scope": other})
+            out = _ui.runs_dir() / new_run_name(config)
+            _ui.job_manager().start(config, out)
+            st.success(f"Started {out.name}: watch it on **Prune**.")
+        except UserError as e:
+            st.error(f"Cannot start: {e}")

@@ -1,0 +1,156 @@
+"""Prune: choose a model and a pruning rate, start a run, watch the masks being learned."""
+
+import sys
+import time
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)  # for _ui, beside this page
+import _ui  # noqa: E402  (also puts the repository root on sys.path)
+import streamlit as st  # noqa: E402
+
+from engine.config import BASELINES, ESTIMATORS, INITS, LR_SCHEDULES, PROB_MAPS, PruneConfig
+from engine.errors import UserError
+from engine.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
+from engine.loading import DEFAULT_MODEL
+
+D = PruneConfig()
+jobs = _ui.job_manager()
+
+st.title("✂️ Prune")
+st.markdown(
+    "Learn which **KV groups** (attention heads sharing a key/value head) and **MLP channels** to remove, "
+    "with forward passes only: every unit has a keep probability *s*; each step samples masks from *s*, "
+    "measures the calibration loss of each masked model, and moves *s* by a policy gradient. "
+    "The pruned model keeps the units with the highest *s*."
+)
+
+MODEL_CHOICES = {"default": "SmolLM2-135M-Instruct (packaged, 30 layers)", "local": "A local model folder or .gguf file"}
+
+with st.form("prune-form"):
+    choice = st.radio("Model", list(MODEL_CHOICES), format_func=MODEL_CHOICES.get, horizontal=True,
+                      help="The default ships with the project (a 4-bit GGUF, loaded as float32). "
+                           "A local model is a transformers folder (with config.json) or a .gguf file.", key="model_choice")
+    local_path = st.text_input("Local model path (used when 'A local model folder or .gguf file' is chosen)",
+                               placeholder="/path/to/model-folder or /path/to/model.gguf", key="model_path")
+    units = st.multiselect("Units to prune", ["heads", "channels"], default=D.units,
+                           format_func={"heads": "KV groups (heads)", "channels": "MLP channels"}.get,
+                           help="Each unit type has its own budget: the pruning rate applies to each.", key="units")
+    rate = st.slider("Pruning rate", 0.0, 1.0, D.prune_ratio, 0.05, format="%.2f",
+                     help="Fraction of each unit pool removed (0.3 = keep 70% of the KV groups and of the channels).", key="rate")
+    c1, c2, c3 = st.columns(3)
+    scope = c1.radio("Scope", ["global", "uniform"], index=0, horizontal=True,
+                     help="global: one budget across all layers, so the method learns how much to cut in each layer; "
+                          "uniform: every layer loses the same fraction.", key="scope")
+    init = c2.selectbox("Initial scores", INITS, index=INITS.index(D.init),
+                        help="wanda-sp: start from the Wanda-sp importance metric (|W|·‖X‖ on calibration data); "
+                             "random: a seeded random start.", key="init")
+    steps = c3.number_input("Steps", 1, 100_000, D.steps,
+                            help="Policy-gradient steps (paper: 1000). Each step runs one forward per mask sample "
+                                 "on one calibration batch: about 5 s per step for SmolLM2 on 2 CPU cores.", key="steps")
+    with st.expander("Hyperparameters (paper defaults)"):
+        h1, h2, h3 = st.columns(3)
+        lr = h1.number_input("Learning rate η", 1e-5, 10.0, D.lr, format="%.4f",
+                             help="Step size on the scores s (paper: 0.002). Short CPU runs move faster near 0.02.", key="lr")
+        lr_schedule = h2.selectbox("LR schedule", LR_SCHEDULES, index=LR_SCHEDULES.index(D.lr_schedule),
+                                   help="cosine decays η to 0 over the steps.", key="lr_schedule")
+        num_samples = h3.number_input("Mask samples per step (N_s)", 1, 16, D.num_mask_samples,
+                                      help="Masks drawn from s each step; more = less noisy gradient, slower steps.", key="num_samples")
+        batch_size = h1.number_input("Calibration batch size", 1, 64, D.batch_size,
+                                     help="C4 segments per forward.", key="batch_size")
+        seqlen = h2.number_input("Calibration segment length", 16, 2048, D.seqlen, help="Tokens per C4 segment.", key="seqlen")
+        baseline = h3.selectbox("Baseline", BASELINES, index=BASELINES.index(D.baseline),
+                                help="Subtracting a moving average of the loss lowers the variance of the gradient.", key="baseline")
+        baseline_window = h1.number_input("Baseline window T", 1, 100, D.baseline_window,
+                                          help="Steps averaged by the moving-average baseline.", key="baseline_window")
+        estimator = h2.selectbox("Estimator", ESTIMATORS, index=ESTIMATORS.index(D.estimator),
+                                 help="paper: (m−s)/(s(1−s)); sqrt: the reference code's normalised variant.", key="estimator")
+        prob_map = h3.selectbox("Metric → probability", PROB_MAPS, index=PROB_MAPS.index(D.prob_map),
+                                help="How the init metric becomes initial keep probabilities.", key="prob_map")
+        max_windows = h1.number_input("Evaluation windows (0 = all)", 0, 10_000, 64,
+                                      help="WikiText-2 windows used for the dense, init and pruned perplexities. "
+                                           "All 2,370 windows take about 15 min per evaluation for SmolLM2 on this CPU.", key="max_windows")
+        eval_seqlen = h2.number_input("Evaluation window length", 16, 2048, D.eval_seqlen, key="eval_seqlen")
+        init_batches = h3.number_input("Init batches (Wanda-sp)", 1, 256, D.init_batches,
+                                       help="Calibration batches used by the Wanda-sp metric.", key="init_batches")
+        seed = h1.number_input("Seed", 0, 2**31 - 1, D.seed, key="seed")
+        checkpoint_every = h2.number_input("Checkpoint every N steps", 1, 10_000, D.checkpoint_every, key="checkpoint_every")
+    label = st.text_input("Run name (optional)", help=f"The run is saved under {_ui.runs_dir()}/<date>-<model>-<scope>-<rate>-<name>.", key="run_name")
+    submitted = st.form_submit_button("▶ Start pruning", type="primary")
+
+if submitted:
+    try:
+        if choice == "local" and not local_path.strip():
+            raise UserError("give the path of a local model folder or .gguf file")
+        config = PruneConfig(
+            model=DEFAULT_MODEL if choice == "default" else local_path.strip(), units=list(units), prune_ratio=float(rate),
+            scope=scope, init=init, prob_map=prob_map, init_batches=int(init_batches), steps=int(steps), lr=float(lr),
+            lr_schedule=lr_schedule, batch_size=int(batch_size), seqlen=int(seqlen), num_mask_samples=int(num_samples),
+            baseline=baseline, baseline_window=int(baseline_window), estimator=estimator, seed=int(seed),
+            eval_seqlen=int(eval_seqlen), max_windows=int(max_windows) or None, checkpoint_every=int(checkpoint_every),
+        )
+        out = _ui.runs_dir() / new_run_name(config, label)
+        jobs.start(config, out)
+        _ui.select_run(out)
+        st.toast(f"Started {out.name}")
+    except UserError as e:
+        st.error(f"Cannot start: {e}")
+
+st.divider()
+
+
+@st.fragment(run_every=1.5)
+def live() -> None:
+    snap = jobs.snapshot()
+    shown = _ui.selected_run()
+    if snap.status == IDLE and not shown:
+        st.info("No run yet. Choose a model and a rate above and press **Start pruning**, "
+                "or load a finished run on the **Runs** page.")
+        return
+    job_is_shown = snap.status != IDLE and (snap.active or shown is None or shown == snap.out_dir)
+    if not job_is_shown:
+        _ui.render_disk_run(shown, key="disk")
+        return
+
+    cfg = snap.config or {}
+    last = snap.last
+    head = st.columns([3, 1])
+    badge = {"loading": "🟡", "running": "🟢", "stopping": "🟠", "stopped": "⏸️", "done": "✅", "failed": "❌"}
+    head[0].subheader(f"{badge.get(snap.status, '')} {snap.status.capitalize()}: {cfg.get('model', '')}")
+    head[0].caption(f"{snap.phase} · run folder `{snap.out_dir}`")
+    if snap.active:
+        if head[1].button("⏹ Stop", key="stop", disabled=snap.status == "stopping",
+                          help="Stop after the current step; the state is saved and the run can be resumed."):
+            jobs.stop()
+            st.rerun(scope="fragment")
+    elif snap.status == STOPPED:
+        if head[1].button("▶ Resume", key="resume", help="Continue from the saved state."):
+            try:
+                jobs.start(None, snap.out_dir, resume=True)
+                st.rerun(scope="fragment")
+            except UserError as e:
+                st.error(f"Cannot resume: {e}")
+    if snap.status == FAILED:
+        st.error(f"The run failed: {snap.error}")
+        if snap.error_detail:
+            with st.expander("Details"):
+                st.code(snap.error_detail)
+        return
+
+    total = cfg.get("steps", 1)
+    done_steps = last["step"] if last else 0
+    if snap.status == DONE:
+        st.progress(1.0, text=f"{done_steps}/{total} steps · done")
+    else:
+        eta = last["eta_seconds"] if last else None
+        elapsed = time.time() - (snap.started_at or time.time())
+        st.progress(min(done_steps / total, 1.0),
+                    text=f"{done_steps}/{total} steps · {last['seconds']:.2f} s/step · ETA {_ui.fmt_seconds(eta)} · "
+                         f"running for {_ui.fmt_seconds(elapsed)}" if last else f"preparing · {snap.phase}")
+    _ui.render_run(snap.history, cfg, snap.head_mask, snap.result, key="job")
+    if snap.status == DONE:
+        st.success("Done. Compare it with the other scope on **Compare**, or talk to it on **Chat**.")
+
+
+live()

@@ -1,0 +1,103 @@
+"""Runs: the run folders on disk; load one into the pages, resume, export, delete."""
+
+import sys
+from datetime import datetime
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)  # for _ui, beside this page
+import _ui  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from engine.errors import UserError  # noqa: E402
+from engine.export import MASKS_FILE  # noqa: E402
+from engine.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
+
+st.title("🗂️ Runs")
+st.caption(f"Runs folder: `{_ui.runs_dir()}` (set $PG_PRUNE_RUNS_DIR to use another). "
+           "Each run folder holds config.json, metrics.jsonl, checkpoint.pt, and once finished masks, "
+           "the sliced model (model/) and results.json.")
+
+jobs = _ui.job_manager()
+all_runs = _ui.runs()
+if not all_runs:
+    st.info("No runs yet: start one on **Prune**.")
+    st.stop()
+
+rows = []
+for r in all_runs:
+    c, res = r.config, r.results or {}
+    rows.append({
+        "run": r.name, "status": "running" if jobs.busy_with(r.path) else r.status,
+        "model": Path(c.get("model", "")).name, "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}",
+        "units": ",".join(c.get("units", [])), "steps": f"{r.steps_done}/{c.get('steps')}",
+        "ppl dense": res.get("ppl_dense"), "ppl pruned": res.get("ppl_pruned"),
+        "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
+        "modified": datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"),
+    })
+st.dataframe(rows, hide_index=True, width="stretch")
+
+paths = [str(r.path) for r in all_runs]
+current = _ui.selected_run()
+run = st.selectbox("Run", all_runs, index=paths.index(current) if current in paths else 0, format_func=_ui.run_label)
+busy = jobs.busy_with(run.path)
+
+b1, b2 = st.columns(2)
+if b1.button("📂 Load into the pages", type="primary",
+             help="Prune shows its charts, Chat talks to it, Compare starts from it."):
+    _ui.select_run(run.path)
+    st.success(f"Loaded {run.name}.")
+if run.status == STOPPED and not busy:
+    if b2.button("▶ Resume this run", help="Continue from its last checkpoint (watch it on Prune)."):
+        try:
+            jobs.start(None, run.path, resume=True)
+            _ui.select_run(run.path)
+            st.success("Resumed: watch it on **Prune**.")
+        except UserError as e:
+            st.error(f"Cannot resume: {e}")
+
+t1, t2, t3 = st.tabs(["Config", "Results", "Files"])
+with t1:
+    st.json(run.config, expanded=True)
+with t2:
+    if run.results:
+        st.json(run.results, expanded=True)
+    else:
+        st.info("No results yet: the run has not finished.")
+with t3:
+    files = sorted(p for p in run.path.rglob("*") if p.is_file())
+    st.dataframe([{"file": str(p.relative_to(run.path)), "size (kB)": round(p.stat().st_size / 1024, 1)} for p in files],
+                 hide_index=True, width="stretch")
+
+st.subheader("Export")
+if run.has_model:
+    dest = st.text_input("Copy the sliced model to a new folder", placeholder="/path/to/new/folder",
+                         help="A normal transformers folder: load it with AutoModelForCausalLM.from_pretrained(folder, "
+                              "trust_remote_code=True).")
+    if st.button("Export model"):
+        try:
+            out = export_run_model(run.path, dest.strip()) if dest.strip() else None
+            if out is None:
+                st.error("Give a destination folder.")
+            else:
+                st.success(f"Exported to {out}")
+        except (UserError, OSError) as e:
+            st.error(f"Cannot export: {e}")
+    if run.has_masks:
+        st.download_button("⬇ Download the masks (safetensors)", (run.path / MASKS_FILE).read_bytes(),
+                           file_name=f"{run.name}-masks.safetensors")
+else:
+    st.info("The sliced model is exported when a run finishes.")
+
+st.subheader("Delete")
+confirm = st.checkbox(f"Yes, delete {run.name} and all its files", key=f"confirm-{run.name}", disabled=busy)
+if st.button("🗑 Delete run", disabled=not confirm or busy, help="Stop its job first if it is running."):
+    try:
+        delete_run(run.path, jobs)
+        if _ui.selected_run() == str(run.path):
+            _ui.select_run(None)
+        st.toast(f"Deleted {run.name}.")
+        st.rerun()
+    except UserError as e:
+        st.error(str(e))

@@ -1,0 +1,236 @@
+"""The Streamlit app through streamlit.testing.v1.AppTest, on the tiny real model (tinystories-656k).
+
+One JobManager serves the whole process (st.cache_resource), as in the real server, so the tests
+run jobs one after the other. Runs go to a temporary folder ($PG_PRUNE_RUNS_DIR).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
+pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason=f"tiny model not found at {TINY}")
+
+FAST = dict(max_windows=4, init_batches=2, batch_size=2, seqlen=64, eval_seqlen=64, lr=0.02)
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    d = tmp_path_factory.mktemp("app") / "runs"
+    mp.setenv("PG_PRUNE_RUNS_DIR", str(d))
+    mp.setenv("TOKENIZERS_PARALLELISM", "false")
+    yield d
+    mp.undo()
+
+
+def app() -> AppTest:
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def fill_prune_form(at: AppTest, model: str = str(TINY), rate: float = 0.5, steps: int = 6, scope: str = "global",
+                    **extra) -> AppTest:
+    at.radio(key="model_choice").set_value("local")
+    at.text_input(key="model_path").input(model)
+    at.slider(key="rate").set_value(rate)
+    at.radio(key="scope").set_value(scope)
+    for k, v in {**FAST, "steps": steps, **extra}.items():
+        at.number_input(key=k).set_value(v)
+    return at
+
+
+def start_button(at: AppTest):
+    return next(b for b in at.button if "Start pruning" in b.label)
+
+
+def status(at: AppTest) -> str:
+    return " ".join(s.value for s in at.subheader)
+
+
+def wait_for(at: AppTest, predicate, timeout: float = 120.0, every: float = 0.5) -> AppTest:
+    """Rerun the page (as run_every would) until predicate(at) holds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        at.run()
+        assert not at.exception, at.exception
+        if predicate(at):
+            return at
+        time.sleep(every)
+    raise AssertionError(f"timed out; page shows: {status(at)} / {[c.value for c in at.caption][:3]} "
+                         f"/ errors {[e.value for e in at.error]}")
+
+
+def charts(at: AppTest) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def chart_types(at: AppTest) -> set[str]:
+    return {trace.get("type", "scatter") for spec in charts(at) for trace in spec["data"]}
+
+
+def finished_run(runs_dir: Path, scope: str) -> Path:
+    for p in sorted(runs_dir.iterdir()):
+        cfg = json.loads((p / "config.json").read_text())
+        if cfg["scope"] == scope and (p / "results.json").exists():
+            return p
+    raise AssertionError(f"no finished {scope} run in {runs_dir}")
+
+
+# --- Prune -----------------------------------------------------------------------------------
+def test_prune_page_defaults(runs_dir):
+    at = app()
+    assert at.title[0].value.endswith("Prune")
+    assert at.slider(key="rate").value == pytest.approx(0.3)
+    assert at.number_input(key="steps").value == 1000  # the paper's budget
+    assert at.radio(key="scope").value == "global"
+    assert any("No run yet" in i.value for i in at.info)
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_rate_0_or_1_is_an_error_not_a_traceback(runs_dir, rate):
+    at = fill_prune_form(app(), rate=rate)
+    start_button(at).click().run()
+    assert not at.exception
+    assert any("prune ratio must be strictly between 0 and 1" in e.value for e in at.error)
+
+
+def test_folder_without_model_is_an_error(runs_dir, tmp_path):
+    at = fill_prune_form(app(), model=str(tmp_path))
+    start_button(at).click().run()
+    assert not at.exception
+    assert any("holds no model" in e.value for e in at.error)
+
+
+def test_unsupported_architecture_is_an_error(runs_dir, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2-tiny"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=64, n_positions=32)).save_pretrained(folder)
+    at = fill_prune_form(app(), model=str(folder))
+    start_button(at).click().run()
+    at = wait_for(at, lambda a: "Failed" in status(a), timeout=60)
+    assert any("unsupported architecture 'gpt2'" in e.value for e in at.error)
+
+
+def test_start_heatmap_refuse_second_stop_resume(runs_dir):
+    at = fill_prune_form(app(), steps=5000)
+    start_button(at).click().run()
+    assert not at.error, [e.value for e in at.error]
+    at = wait_for(at, lambda a: len(charts(a)) >= 3)
+    assert {"heatmap", "bar", "scatter"} <= chart_types(at)
+    heat = next(s for s in charts(at) if s["data"][0].get("type") == "heatmap")["data"][0]
+    assert len(heat["z"]) == 2 and len(heat["z"][0]) == 4  # 2 layers x 4 KV groups
+    assert {t for row in heat["text"] for t in row} <= {"✓", "✗"}
+    # The heatmap follows the steps.
+    step = int(at.caption[0].value.split("step ")[1].split("/")[0])
+    at = wait_for(at, lambda a: "step " in a.caption[0].value
+                  and int(a.caption[0].value.split("step ")[1].split("/")[0]) > step)
+
+    # A second Start while it runs is refused, with a message.
+    second = app()
+    fill_prune_form(second)
+    start_button(second).click().run()
+    assert any("already running" in e.value for e in second.error)
+
+    next(b for b in at.button if "Stop" in b.label).click().run()
+    at = wait_for(at, lambda a: "Stopped" in status(a))
+    run_dir = Path(at.caption[0].value.split("`")[1])
+    assert (run_dir / "checkpoint.pt").exists() and not (run_dir / "results.json").exists()
+
+    # Resume, then stop again.
+    next(b for b in at.button if "Resume" in b.label).click().run()
+    at = wait_for(at, lambda a: "Running" in status(a) or "Loading" in status(a))
+    next(b for b in at.button if "Stop" in b.label).click().run()
+    wait_for(at, lambda a: "Stopped" in status(a))
+
+
+def test_full_run_global(runs_dir):
+    at = fill_prune_form(app(), steps=6, scope="global")
+    start_button(at).click().run()
+    at = wait_for(at, lambda a: "Done" in status(a))
+    labels = [m.label for m in at.metric]
+    assert "Dense perplexity" in labels and "Pruned perplexity" in labels
+    assert "heatmap" in chart_types(at)
+
+
+# --- Compare ---------------------------------------------------------------------------------
+def test_compare_starts_matching_uniform_run_and_compares(runs_dir):
+    at = app()
+    at.switch_page("pages/compare.py").run()
+    assert not at.exception
+    start = next(b for b in at.button if "matching uniform" in b.label)
+    start.click().run()
+    assert any("Started" in s.value for s in at.success), [e.value for e in at.error]
+    prune = app()
+    wait_for(prune, lambda a: "Done" in status(a))
+    finished_run(runs_dir, "uniform")
+
+    at = app()
+    at.switch_page("pages/compare.py").run()
+    a, b = at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value
+    assert {a.config["scope"], b.config["scope"]} == {"global", "uniform"}
+    titles = [s["layout"]["title"]["text"] for s in charts(at)]
+    assert any("Sparsity per layer" in t for t in titles) and any("Perplexity" in t for t in titles)
+    assert len(at.dataframe) == 1
+
+
+# --- Chat ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["masked", "sliced"])
+def test_chat_dense_and_pruned_answer(runs_dir, mode):
+    run = finished_run(runs_dir, "global")
+    at = app()
+    at.session_state["selected_run"] = str(run)
+    at.switch_page("pages/chat.py").run()
+    assert not at.exception, at.exception
+    at.radio[0].set_value(mode)
+    at.slider[0].set_value(16)  # max new tokens
+    at.chat_input[0].set_value("Once upon a time").run()
+    assert not at.exception, at.exception
+    assert not at.error, [e.value for e in at.error]
+    stats = [c.value for c in at.caption if "tokens/s" in c.value]
+    assert len(stats) == 2
+    assert all(int(s.split(" tokens")[0]) > 0 for s in stats)
+    answers = [m.value for m in at.markdown if m.value and not m.value.startswith("**") and m.value != "Once upon a time"]
+    assert len([a for a in answers if len(a.strip()) > 0]) >= 2
+    # dense 656 k parameters, pruned fewer
+    assert "656 k parameters" in stats[0] and "656 k parameters" not in stats[1]
+
+
+# --- Runs ------------------------------------------------------------------------------------
+def test_runs_list_load_export_delete(runs_dir, tmp_path):
+    at = app()
+    at.switch_page("pages/runs.py").run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert len(table) >= 3  # the stopped run, and the global and uniform runs
+
+    done = finished_run(runs_dir, "global")
+    at.selectbox[0].select_index(next(i for i, o in enumerate(at.selectbox[0].options) if done.name in o)).run()
+    next(b for b in at.button if "Load into the pages" in b.label).click().run()
+    assert at.session_state["selected_run"] == str(done)
+
+    dest = tmp_path / "exported"
+    at.text_input[0].input(str(dest))
+    next(b for b in at.button if b.label == "Export model").click().run()
+    assert (dest / "config.json").exists(), [e.value for e in at.error]
+
+    # Delete needs the confirmation box.
+    delete = next(b for b in at.button if "Delete run" in b.label)
+    assert delete.disabled
+    at.checkbox[0].check().run()
+    next(b for b in at.button if "Delete run" in b.label).click().run()
+    assert not done.exists()
