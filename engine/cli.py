@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import BASELINES, ESTIMATORS, INITS, LR_SCHEDULES, PROB_MAPS, PruneConfig
+from .config import BASELINES, ESTIMATORS, FINAL_MASKS, INITS, LR_SCHEDULES, PROB_MAPS, PruneConfig
 from .errors import UserError
 from .loading import DEFAULT_MODEL, DTYPES
 from .units import SCOPES
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--estimator-clamp", type=float, default=D.estimator_clamp, help="s clamped to [c, 1-c] inside the estimate (default %(default)s)")
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--calib", default=None, help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 or ../shared/data/c4, else the hub)")
+    p.add_argument("--val-every", type=int, default=D.val_every, help="every N steps, held-out perplexity of the current hard mask (0: off; every 10th calibration document is held out)")
+    p.add_argument("--val-batches", type=int, default=D.val_batches, help="held-out batches per check (default %(default)s)")
+    p.add_argument("--final-mask", default=D.final_mask, choices=FINAL_MASKS, help="last: from the final scores; best-val: from the step whose hard mask validated best (needs --val-every)")
     p.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="save state every N steps (default %(default)s)")
     _data_args(p)
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")

@@ -16,6 +16,7 @@ PROB_MAPS = ("sigmoid-norm", "score-const")
 ESTIMATORS = ("paper", "sqrt")
 BASELINES = ("moving-average", "none")
 LR_SCHEDULES = ("cosine", "constant")
+FINAL_MASKS = ("last", "best-val")
 
 
 @dataclass
@@ -47,6 +48,9 @@ class PruneConfig:
     dtype: str = "float32"
     device: str = "cpu"
     checkpoint_every: int = 50
+    val_every: int = 0  # every N steps, perplexity of the current hard mask on held-out calibration text (0: off)
+    val_batches: int = 4  # held-out batches for that check (every 10th calibration document is held out)
+    final_mask: str = "last"  # last: from the final scores; best-val: from the scores whose hard mask validated best
 
     @property
     def keep_ratio(self) -> float:
@@ -68,15 +72,20 @@ class PruneConfig:
             ("baseline", self.baseline, BASELINES),
             ("lr schedule", self.lr_schedule, LR_SCHEDULES),
             ("dtype", self.dtype, tuple(DTYPES)),
+            ("final mask", self.final_mask, FINAL_MASKS),
         ):
             if value not in allowed:
                 bad(f"unknown {name} {value!r}; choose from {', '.join(allowed)}")
         for name in ("steps", "batch_size", "seqlen", "num_mask_samples", "baseline_window", "eval_seqlen",
-                     "eval_batch_size", "checkpoint_every", "init_batches"):
+                     "eval_batch_size", "checkpoint_every", "init_batches", "val_batches"):
             if getattr(self, name) < 1:
                 bad(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
         if self.max_windows is not None and self.max_windows < 1:
             bad(f"max windows must be at least 1, got {self.max_windows}")
+        if self.val_every < 0:
+            bad(f"val every must be 0 (off) or positive, got {self.val_every}")
+        if self.final_mask == "best-val" and self.val_every == 0:
+            bad("final mask best-val needs held-out validation: set val every to a positive step count")
         if self.lr <= 0:
             bad(f"learning rate must be positive, got {self.lr}")
         if not 0.5 < self.score_const < 1.0:

@@ -87,6 +87,12 @@ def _hub_texts(name, config, split, data_files=None) -> list[str]:
     return [t for t in ds["text"]]
 
 
+def split_holdout(texts: list[str], every: int = 10) -> tuple[list[str], list[str]]:
+    """(calibration, held-out): every `every`-th document is held out, deterministically."""
+    return ([t for i, t in enumerate(texts) if i % every != every - 1],
+            [t for i, t in enumerate(texts) if i % every == every - 1])
+
+
 class CalibrationSampler:
     """Random seqlen-token segments of random documents (documents longer than seqlen), seeded.
 

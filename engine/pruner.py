@@ -14,7 +14,7 @@ import resource
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +22,7 @@ import torch
 
 from .adapter import ModelAdapter
 from .config import PruneConfig
-from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text
+from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
 from .errors import UserError
 from .evaluate import batch_loss, perplexity
 from .importance import initial_scores, wanda_sp
@@ -50,6 +50,7 @@ class StepReport:
     head_scores: list[list[float]] | None  # s of every KV group, per layer (small; for heatmaps)
     seconds: float  # wall time of this step
     eta_seconds: float
+    val_ppl: float | None = None  # held-out perplexity of the current hard mask, on validation steps
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -66,7 +67,9 @@ class RunState:
     ppl_init: float
     init_scores: dict[str, torch.Tensor]
     seconds_in_steps: float = 0.0
-    extra: dict = field(default_factory=dict)
+    best_val_ppl: float | None = None  # best held-out perplexity so far, its step and scores
+    best_step: int | None = None
+    best_scores: dict[str, torch.Tensor] | None = None
 
 
 Observer = Callable[[StepReport], None]
@@ -116,6 +119,13 @@ class PruneRun:
         sizes = {"heads": self.adapter.kv_groups_per_layer(), "channels": self.adapter.channels_per_layer()}
         self.layout = UnitLayout({u: sizes[u] for u in config.units})
         texts, self.calib_source = load_calibration_texts(config.calib)
+        self.val_batches: list[torch.Tensor] = []
+        if config.val_every:
+            texts, held_out = split_holdout(texts)
+            if not held_out:
+                raise UserError("validation needs at least 10 calibration documents (every 10th is held out)")
+            val_sampler = CalibrationSampler(tokenizer, held_out, config.seqlen, config.batch_size, config.seed + 3)
+            self.val_batches = [val_sampler.next_batch() for _ in range(config.val_batches)]
         self.sampler = CalibrationSampler(tokenizer, texts, config.seqlen, config.batch_size, config.seed)
         text, self.eval_source = load_eval_text(config.eval_data)
         self.windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
@@ -137,6 +147,17 @@ class PruneRun:
             self.log(f"evaluating {what} perplexity on {self.windows.shape[0]} windows of {self.config.eval_seqlen} tokens")
             ppl = perplexity(self.model, self.windows, self.config.eval_batch_size, progress=self.progress)
         self.log(f"{what} perplexity: {ppl:.3f}")
+        return ppl
+
+    def validate(self, state: RunState) -> float:
+        """Held-out perplexity of the current hard mask; remembers the best scores."""
+        with MaskHooks(self.adapter) as hooks:
+            hooks.set(self.layer_masks(self.hard_masks(state.scores)))
+            loss = torch.cat([batch_loss(self.model, b) for b in self.val_batches]).double().mean()
+        ppl = float(torch.exp(loss))
+        if state.best_val_ppl is None or ppl < state.best_val_ppl:
+            state.best_val_ppl, state.best_step = ppl, state.step
+            state.best_scores = {u: s.clone() for u, s in state.scores.items()}
         return ppl
 
     # --- init ------------------------------------------------------------------------------
@@ -252,6 +273,8 @@ class PruneRun:
                     stopped = True
                     break
                 report = self.step(state)
+                if c.val_every and (state.step % c.val_every == 0 or state.step == c.steps):
+                    report.val_ppl = self.validate(state)
                 metrics.write(report.to_json() + "\n")
                 metrics.flush()
                 if bar is not None:
@@ -274,8 +297,9 @@ class PruneRun:
         from .export import export_pruned, save_mask_artifact
 
         c = self.config
-        masks = self.hard_masks(state.scores)
-        save_mask_artifact(self.out, self.source.name, self.layout, state.scores, masks, state.init_scores)
+        scores = state.best_scores if c.final_mask == "best-val" else state.scores
+        masks = self.hard_masks(scores)
+        save_mask_artifact(self.out, self.source.name, self.layout, scores, masks, state.init_scores)
         ppl_pruned = self.masked_perplexity(masks, "pruned")
         self.log(f"exporting the sliced model to {self.out / MODEL_DIR}")
         export = export_pruned(self.model, self.tokenizer, self.layout, masks, self.out / MODEL_DIR)
@@ -294,6 +318,9 @@ class PruneRun:
             "kept_per_layer": {u: [int(m.sum()) for m in self.layout.split(u, mask)] for u, mask in masks.items()},
             "units_per_layer": self.layout.sizes,
             "steps": state.step,
+            "final_mask": c.final_mask,
+            "mask_step": state.best_step if c.final_mask == "best-val" else state.step,
+            "best_val_ppl": state.best_val_ppl,
             "lr": c.lr,
             "seconds_per_step": state.seconds_in_steps / max(state.step, 1),
             "peak_rss_mb": peak_rss_mb(),
