@@ -9,14 +9,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 _FONT = dict(size=13)
-_MARGIN = dict(l=10, r=10, t=48, b=10)
+_MARGIN = dict(l=10, r=10, t=64, b=10)
 UNIT_TITLES = {"heads": "KV groups (attention heads)", "channels": "MLP channels"}
 _RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
 
 def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     fig.update_layout(title=dict(text=title, x=0, xanchor="left"), height=height, margin=_MARGIN, font=_FONT,
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1))
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0))
     return fig
 
 
@@ -34,15 +34,15 @@ def heads_heatmap(head_scores: list[list[float]], head_mask: list[list[int]] | N
         z=head_scores, x=[f"g{j}" for j in range(n_groups)], y=[f"L{i}" for i in range(n_layers)],
         zmin=0, zmax=1, colorscale="Viridis", text=text, texttemplate="%{text}" if text else None,
         textfont=dict(size=12, color="white"), xgap=2, ygap=2,
-        colorbar=dict(title=dict(text="s", side="top"), thickness=12, len=0.8),
+        colorbar=dict(title=dict(text="s", side="top"), thickness=12, len=1.0, tickvals=[0, 0.5, 1]),
         hovertemplate="layer %{y}, group %{x}<br>s = %{z:.3f}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed", title="layer", dtick=1 if n_layers <= 16 else 2)
     fig.update_xaxes(title="KV group", side="bottom")
     kept = sum(map(sum, head_mask)) if head_mask else None
     total = sum(len(r) for r in head_scores)
-    suffix = f" — hard mask keeps {kept}/{total} (✓ kept, ✗ pruned)" if kept is not None else ""
-    return _layout(fig, title or f"KV groups: keep probability s{suffix}", height=min(140 + 22 * n_layers, 820))
+    suffix = f"<br><sup>hard mask keeps {kept} of {total}: ✓ kept, ✗ pruned</sup>" if kept is not None else ""
+    return _layout(fig, title or f"KV groups: keep probability s{suffix}", height=min(max(300, 150 + 22 * n_layers), 820))
 
 
 def channels_figure(mean_score: list[float], kept_fraction: list[float] | None, title: str = "") -> go.Figure:
@@ -56,7 +56,7 @@ def channels_figure(mean_score: list[float], kept_fraction: list[float] | None, 
                     line=dict(width=1), hovertemplate="%{x}: mean s %{y:.3f}<extra></extra>")
     fig.update_yaxes(range=[0, 1.05], title="fraction", tickformat=".0%")
     fig.update_xaxes(title="layer")
-    return _layout(fig, title or "MLP channels kept per layer", height=330)
+    return _layout(fig, title or "MLP channels kept per layer<br><sup>bars: hard mask; dots: mean s</sup>", height=360)
 
 
 def loss_figure(history: list[dict], title: str = "") -> go.Figure:
@@ -75,8 +75,8 @@ def loss_figure(history: list[dict], title: str = "") -> go.Figure:
                     line=dict(width=1.5, dash="dot", color="#e45756"), secondary_y=True)
     fig.update_xaxes(title="step")
     fig.update_yaxes(title="calibration loss", secondary_y=False)
-    fig.update_yaxes(title="lr", secondary_y=True, showgrid=False, exponentformat="e")
-    return _layout(fig, title or "Loss of each mask sample, baseline and learning rate", height=360)
+    fig.update_yaxes(title="lr", secondary_y=True, showgrid=False, tickformat=".1e", rangemode="tozero")
+    return _layout(fig, title or "Calibration loss per mask sample, baseline, learning rate", height=400)
 
 
 def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types: list[str]) -> go.Figure:
@@ -97,8 +97,8 @@ def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types
                             showlegend=row == 1, row=row, col=1,
                             hovertemplate="layer %{x}: %{y:.1%} pruned<extra>" + label + "</extra>")
             fig.update_yaxes(title="pruned", tickformat=".0%", rangemode="tozero", row=row, col=1)
-            fig.update_xaxes(title="layer", row=row, col=1)
-    return _layout(fig, "Sparsity per layer", height=170 + 230 * len(unit_types))
+            fig.update_xaxes(title="layer", tickformat="d", dtick=1 if len(kept[u]) <= 16 else 2, row=row, col=1)
+    return _layout(fig, "Sparsity per layer (fraction pruned)", height=200 + 240 * len(unit_types))
 
 
 def perplexity_bars(runs: list[tuple[str, dict]]) -> go.Figure:

@@ -18,7 +18,8 @@ from engine import figures  # noqa: E402
 from engine.jobs import (JobManager, RunInfo, default_runs_dir, head_mask_from_scores, list_runs,  # noqa: E402
                          read_metrics, run_head_mask)
 
-RUN_KEY = "selected_run"  # session state: the run folder loaded into the pages
+RUN_KEY = "selected_run"
+PLOT_CONFIG = {"displayModeBar": False}  # session state: the run folder loaded into the pages
 
 
 @st.cache_resource
@@ -91,12 +92,12 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
         if head_mask is None:
             head_mask = head_mask_from_scores(heads, config.get("scope", "global"), 1 - config.get("prune_ratio", 0.3))
         with cols[0]:
-            st.plotly_chart(figures.heads_heatmap(heads, head_mask), key=f"{key}-heads", width="stretch")
+            st.plotly_chart(figures.heads_heatmap(heads, head_mask), key=f"{key}-heads", width="stretch", config=PLOT_CONFIG)
     if chans:
         with cols[-1]:
             st.plotly_chart(figures.channels_figure(chans, last["kept_fraction"].get("channels")),
-                            key=f"{key}-channels", width="stretch")
-    st.plotly_chart(figures.loss_figure(history), key=f"{key}-loss", width="stretch")
+                            key=f"{key}-channels", width="stretch", config=PLOT_CONFIG)
+    st.plotly_chart(figures.loss_figure(history), key=f"{key}-loss", width="stretch", config=PLOT_CONFIG)
 
 
 def render_disk_run(run_dir: str | Path, key: str) -> None:

@@ -12,7 +12,7 @@ import streamlit as st  # noqa: E402
 from engine.chat import GenerationSettings, masked_from_run, stream  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 
-st.title("💬 Chat: dense vs pruned")
+st.title(":material/forum: Chat: dense vs pruned")
 st.markdown("Both models answer the same prompt, one after the other (dense first), streamed token by token. "
             "Each prompt is answered on its own, without the earlier turns.")
 

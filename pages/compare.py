@@ -14,7 +14,7 @@ from engine.config import PruneConfig  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.jobs import new_run_name  # noqa: E402
 
-st.title("⚖️ Compare: global vs uniform")
+st.title(":material/compare_arrows: Compare: global vs uniform")
 st.markdown("**Global** scope shares one budget across all layers, so the method decides how much to cut in each "
             "layer; **uniform** cuts the same fraction everywhere. Same model, rate and step budget: which "
             "profile does the method learn, and what does it cost in perplexity?")
@@ -53,10 +53,10 @@ chosen = [r for r in (a, b) if r is not None]
 
 # One summary row per run.
 rows = []
-for r in chosen:
+for ab, r in zip("AB", chosen):
     c, res = r.config, r.results or {}
     rows.append({
-        "run": r.name, "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}", "units": ",".join(c.get("units", [])),
+        "id": ab, "run": r.name, "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}", "units": ",".join(c.get("units", [])),
         "steps": f"{r.steps_done}/{c.get('steps')}", "status": r.status,
         "ppl dense": res.get("ppl_dense"), "ppl init": res.get("ppl_init"), "ppl pruned": res.get("ppl_pruned"),
         "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
@@ -68,11 +68,12 @@ if b is not None and (a.config.get("model") != b.config.get("model")
     st.warning("These two runs differ in model or pruning rate: the comparison is not like for like.")
 
 units = sorted({u for r in chosen for u in r.config.get("units", [])}, key=["heads", "channels"].index)
-profiles = [(f"{r.config.get('scope')}: {r.name}", _ui.run_figures_for_compare(r)) for r in chosen]
-st.plotly_chart(figures.sparsity_profiles(profiles, units), key="cmp-profiles", width="stretch")
-finished = [(f"{r.config.get('scope')}: {r.name}", r.results) for r in chosen if r.results]
+labels = {str(r.path): f"{ab} · {r.config.get('scope')}" for ab, r in zip("AB", chosen)}
+profiles = [(labels[str(r.path)], _ui.run_figures_for_compare(r)) for r in chosen]
+st.plotly_chart(figures.sparsity_profiles(profiles, units), key="cmp-profiles", width="stretch", config=_ui.PLOT_CONFIG)
+finished = [(labels[str(r.path)], r.results) for r in chosen if r.results]
 if finished:
-    st.plotly_chart(figures.perplexity_bars(finished), key="cmp-ppl", width="stretch")
+    st.plotly_chart(figures.perplexity_bars(finished), key="cmp-ppl", width="stretch", config=_ui.PLOT_CONFIG)
 else:
     st.info("Perplexities appear once a run has finished.")
 
@@ -80,11 +81,12 @@ else:
 other = "uniform" if a.config.get("scope") == "global" else "global"
 if b is None or b.config.get("scope") == a.config.get("scope"):
     st.markdown(f"No **{other}** run to compare with run A yet.")
-    if st.button(f"▶ Start the matching {other} run (same model, rate and settings)"):
+    if st.button(icon=":material/play_arrow:", label=f"Start the matching {other} run (same model, rate and settings)"):
         try:
             config = PruneConfig.from_dict({**a.config, "scope": other})
             out = _ui.runs_dir() / new_run_name(config)
             _ui.job_manager().start(config, out)
+            _ui.select_run(out)
             st.success(f"Started {out.name}: watch it on **Prune**.")
         except UserError as e:
             st.error(f"Cannot start: {e}")

@@ -18,7 +18,7 @@ from engine.loading import DEFAULT_MODEL
 D = PruneConfig()
 jobs = _ui.job_manager()
 
-st.title("✂️ Prune")
+st.title(":material/content_cut: Prune")
 st.markdown(
     "Learn which **KV groups** (attention heads sharing a key/value head) and **MLP channels** to remove, "
     "with forward passes only: every unit has a keep probability *s*; each step samples masks from *s*, "
@@ -28,7 +28,10 @@ st.markdown(
 
 MODEL_CHOICES = {"default": "SmolLM2-135M-Instruct (packaged, 30 layers)", "local": "A local model folder or .gguf file"}
 
-with st.form("prune-form"):
+_snap = jobs.snapshot()
+_has_view = _snap.status != IDLE or _ui.selected_run() is not None
+with st.expander("**Run settings**: model, units, pruning rate, scope, steps", expanded=not _has_view,
+                 icon=":material/tune:"), st.form("prune-form", border=False):
     choice = st.radio("Model", list(MODEL_CHOICES), format_func=MODEL_CHOICES.get, horizontal=True,
                       help="The default ships with the project (a 4-bit GGUF, loaded as float32). "
                            "A local model is a transformers folder (with config.json) or a .gguf file.", key="model_choice")
@@ -77,7 +80,7 @@ with st.form("prune-form"):
         seed = h1.number_input("Seed", 0, 2**31 - 1, D.seed, key="seed")
         checkpoint_every = h2.number_input("Checkpoint every N steps", 1, 10_000, D.checkpoint_every, key="checkpoint_every")
     label = st.text_input("Run name (optional)", help=f"The run is saved under {_ui.runs_dir()}/<date>-<model>-<scope>-<rate>-<name>.", key="run_name")
-    submitted = st.form_submit_button("▶ Start pruning", type="primary")
+    submitted = st.form_submit_button("Start pruning", type="primary", icon=":material/play_arrow:")
 
 if submitted:
     try:
@@ -94,6 +97,7 @@ if submitted:
         jobs.start(config, out)
         _ui.select_run(out)
         st.toast(f"Started {out.name}")
+        st.rerun()  # redraw with the settings folded away
     except UserError as e:
         st.error(f"Cannot start: {e}")
 
@@ -116,16 +120,17 @@ def live() -> None:
     cfg = snap.config or {}
     last = snap.last
     head = st.columns([3, 1])
-    badge = {"loading": "🟡", "running": "🟢", "stopping": "🟠", "stopped": "⏸️", "done": "✅", "failed": "❌"}
-    head[0].subheader(f"{badge.get(snap.status, '')} {snap.status.capitalize()}: {cfg.get('model', '')}")
+    badge = {"loading": ":material/hourglass_top:", "running": ":material/play_circle:", "stopping": ":material/pending:",
+             "stopped": ":material/pause_circle:", "done": ":material/check_circle:", "failed": ":material/error:"}
+    head[0].subheader(f"{badge.get(snap.status, '')} {snap.status.capitalize()}: {Path(cfg.get('model', '')).name}")
     head[0].caption(f"{snap.phase} · run folder `{snap.out_dir}`")
     if snap.active:
-        if head[1].button("⏹ Stop", key="stop", disabled=snap.status == "stopping",
+        if head[1].button("Stop", icon=":material/stop:", key="stop", disabled=snap.status == "stopping",
                           help="Stop after the current step; the state is saved and the run can be resumed."):
             jobs.stop()
             st.rerun(scope="fragment")
     elif snap.status == STOPPED:
-        if head[1].button("▶ Resume", key="resume", help="Continue from the saved state."):
+        if head[1].button("Resume", icon=":material/play_arrow:", key="resume", help="Continue from the saved state."):
             try:
                 jobs.start(None, snap.out_dir, resume=True)
                 st.rerun(scope="fragment")

@@ -14,7 +14,7 @@ from engine.errors import UserError  # noqa: E402
 from engine.export import MASKS_FILE  # noqa: E402
 from engine.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
 
-st.title("🗂️ Runs")
+st.title(":material/folder_open: Runs")
 st.caption(f"Runs folder: `{_ui.runs_dir()}` (set $PG_PRUNE_RUNS_DIR to use another). "
            "Each run folder holds config.json, metrics.jsonl, checkpoint.pt, and once finished masks, "
            "the sliced model (model/) and results.json.")
@@ -44,12 +44,12 @@ run = st.selectbox("Run", all_runs, index=paths.index(current) if current in pat
 busy = jobs.busy_with(run.path)
 
 b1, b2 = st.columns(2)
-if b1.button("📂 Load into the pages", type="primary",
+if b1.button("Load into the pages", icon=":material/upload:", type="primary",
              help="Prune shows its charts, Chat talks to it, Compare starts from it."):
     _ui.select_run(run.path)
     st.success(f"Loaded {run.name}.")
 if run.status == STOPPED and not busy:
-    if b2.button("▶ Resume this run", help="Continue from its last checkpoint (watch it on Prune)."):
+    if b2.button("Resume this run", icon=":material/play_arrow:", help="Continue from its last checkpoint (watch it on Prune)."):
         try:
             jobs.start(None, run.path, resume=True)
             _ui.select_run(run.path)
@@ -85,14 +85,15 @@ if run.has_model:
         except (UserError, OSError) as e:
             st.error(f"Cannot export: {e}")
     if run.has_masks:
-        st.download_button("⬇ Download the masks (safetensors)", (run.path / MASKS_FILE).read_bytes(),
+        st.download_button("Download the masks (safetensors)", icon=":material/download:",
+                           data=(run.path / MASKS_FILE).read_bytes(),
                            file_name=f"{run.name}-masks.safetensors")
 else:
     st.info("The sliced model is exported when a run finishes.")
 
 st.subheader("Delete")
 confirm = st.checkbox(f"Yes, delete {run.name} and all its files", key=f"confirm-{run.name}", disabled=busy)
-if st.button("🗑 Delete run", disabled=not confirm or busy, help="Stop its job first if it is running."):
+if st.button("Delete run", icon=":material/delete:", disabled=not confirm or busy, help="Stop its job first if it is running."):
     try:
         delete_run(run.path, jobs)
         if _ui.selected_run() == str(run.path):

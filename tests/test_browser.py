@@ -1,0 +1,284 @@
+"""End to end in a real browser: headless Chromium drives `streamlit run app.py` on the tiny model.
+
+Moves the rate slider, starts a run, waits for the KV-group heatmap to change, stops the run,
+finishes a short run, starts the matching uniform run from Compare, asks the chat a question
+and reads both answers. Screenshots of every page go to assets/screenshots/.
+
+Needs the Debian packages chromium and chromium-driver (.ci/run installs them) and selenium.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+SHOTS = ROOT / "assets" / "screenshots"
+
+if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+    pytest.skip(f"Chromium not installed ({CHROMIUM}, {CHROMEDRIVER}): apt-get install chromium chromium-driver",
+                allow_module_level=True)
+if not TINY.is_dir():
+    pytest.skip(f"tiny model not found at {TINY}", allow_module_level=True)
+selenium = pytest.importorskip("selenium", reason="selenium is not installed (pip install -r requirements.txt)")
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+
+WIDTH, HEIGHT = 1100, 1900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    runs = Path(tempfile.mkdtemp(prefix="app-runs-"))
+    env = {**os.environ, "PG_PRUNE_RUNS_DIR": str(runs), "TOKENIZERS_PARALLELISM": "false"}
+    log = open(runs.parent / f"streamlit-{port}.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"streamlit did not start: {(runs.parent / f'streamlit-{port}.log').read_text()}")
+            time.sleep(0.5)
+        yield url, runs
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(runs, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    profile = tempfile.mkdtemp(prefix="chromium-profile-")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                 f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_window_size(WIDTH, HEIGHT)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+def wait(cond, timeout=60.0, what="condition"):
+    end = time.time() + timeout
+    last_exc = None
+    while time.time() < end:
+        try:
+            value = cond()
+            if value:
+                return value
+        except Exception as e:  # elements come and go while Streamlit redraws
+            last_exc = e
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what} ({last_exc!r})")
+
+
+def page_text(d) -> str:
+    return d.find_element(By.TAG_NAME, "body").text
+
+
+def by_label(d, label: str, tag: str = "input"):
+    return wait(lambda: d.find_element(By.CSS_SELECTOR, f'{tag}[aria-label="{label}"]'), what=f"input '{label}'")
+
+
+def set_input(d, label: str, value) -> None:
+    el = by_label(d, label)
+    d.execute_script("arguments[0].scrollIntoView({block: 'center'});", el)
+    el.click()
+    el.send_keys(Keys.CONTROL, "a")
+    el.send_keys(str(value))
+    el.send_keys(Keys.TAB)
+
+
+def click_text(d, text: str, tag: str = "*") -> None:
+    el = wait(lambda: [e for e in d.find_elements(By.XPATH, f"//{tag}[normalize-space(.)='{text}']") if e.is_displayed()],
+              what=f"'{text}'")[0]
+    d.execute_script("arguments[0].scrollIntoView({block: 'center'});", el)
+    el.click()
+
+
+def button(d, text: str):
+    def find():
+        return [b for b in d.find_elements(By.TAG_NAME, "button") if text in b.text and b.is_displayed()]
+    return wait(find, what=f"button '{text}'")[0]
+
+
+def heatmap_z(d):
+    return d.execute_script("""
+        for (const el of document.querySelectorAll('.js-plotly-plot')) {
+            for (const t of (el.data || [])) if (t.type === 'heatmap') return JSON.stringify(t.z);
+        }
+        return null;""")
+
+
+def goto(d, title: str) -> None:
+    """Use the sidebar navigation (keeps the session)."""
+    link = wait(lambda: [a for a in d.find_elements(By.CSS_SELECTOR, '[data-testid="stSidebarNav"] a')
+                         if a.text.strip().endswith(title)], what=f"nav link {title}")[0]
+    link.click()
+    wait(lambda: d.find_element(By.TAG_NAME, "h1").text.endswith(title) or title in d.find_element(By.TAG_NAME, "h1").text,
+         what=f"page {title}")
+
+
+def shot(d, name: str, plots: int = 0) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    wait(lambda: len([p for p in d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot") if p.is_displayed()]) >= plots,
+         what=f"{plots} charts")
+    time.sleep(0.8)  # let plotly finish drawing
+    d.save_screenshot(str(SHOTS / f"{name}.png"))
+
+
+def open_expander(d, text: str) -> None:
+    summary = wait(lambda: d.find_element(By.XPATH, f"//summary[contains(., '{text}')]"), what=f"expander {text}")
+    if summary.find_element(By.XPATH, "..").get_attribute("open") is None:
+        d.execute_script("arguments[0].scrollIntoView({block: 'center'});", summary)
+        summary.click()
+        wait(lambda: summary.find_element(By.XPATH, "..").get_attribute("open") is not None, what=f"{text} open")
+
+
+def close_expander(d, text: str) -> None:
+    summary = d.find_element(By.XPATH, f"//summary[contains(., '{text}')]")
+    if summary.find_element(By.XPATH, "..").get_attribute("open") is not None:
+        summary.click()
+
+
+def show_status(d) -> None:
+    """Scroll the run's status line to the top of the view."""
+    h = wait(lambda: [e for e in d.find_elements(By.TAG_NAME, "h3") if e.text.strip()], what="status")[0]
+    d.execute_script("arguments[0].scrollIntoView({block: 'start'});", h)
+
+
+def fill_form(d, steps: int) -> None:
+    open_expander(d, "Run settings")
+    click_text(d, "A local model folder or .gguf file", "p")
+    set_input(d, "Local model path (used when 'A local model folder or .gguf file' is chosen)", TINY)
+    set_input(d, "Steps", steps)
+    open_expander(d, "Hyperparameters")
+    for label, value in (("Evaluation windows (0 = all)", 4), ("Init batches (Wanda-sp)", 2),
+                         ("Calibration batch size", 2), ("Calibration segment length", 64),
+                         ("Evaluation window length", 64), ("Learning rate η", 0.02)):
+        set_input(d, label, value)
+
+
+def status_line(d) -> str:
+    return " ".join(h.text for h in d.find_elements(By.TAG_NAME, "h3"))
+
+
+# --- the test ---------------------------------------------------------------------------------
+def test_browser_end_to_end(server, browser):
+    url, runs = server
+    d = browser
+    t0 = time.time()
+    d.get(url)
+    wait(lambda: "Prune" in d.find_element(By.TAG_NAME, "h1").text, timeout=90, what="the Prune page")
+    assert "No run yet" in page_text(d)
+
+    # The rate slider: 0.30 -> 0.50 with the keyboard, on its thumb.
+    rate = by_label(d, "Pruning rate")  # the range input inside the slider's thumb
+    assert rate.get_attribute("value") == "0.3"
+    thumb = rate.find_element(By.XPATH, "../..")
+    d.execute_script("arguments[0].scrollIntoView({block: 'center'});", thumb)
+    ActionChains(d).click(thumb).perform()
+    for _ in range(4):
+        ActionChains(d).send_keys(Keys.ARROW_RIGHT).perform()
+    wait(lambda: by_label(d, "Pruning rate").get_attribute("value") == "0.5", what="the slider at 0.5")
+    assert "0.50" in d.find_element(By.CSS_SELECTOR, '[data-testid="stSliderThumbValue"]').text
+
+    # A long run: watch the heatmap change, then stop it.
+    fill_form(d, steps=5000)
+    button(d, "Start pruning").click()
+    z0 = wait(lambda: heatmap_z(d), timeout=120, what="the KV-group heatmap")
+    wait(lambda: heatmap_z(d) not in (None, z0), timeout=60, what="the heatmap to update")
+    assert "Running" in status_line(d)
+    show_status(d)
+    shot(d, "prune-running", plots=3)
+    button(d, "Stop").click()
+    wait(lambda: "Stopped" in status_line(d), timeout=60, what="the run to stop")
+    assert "Resume" in page_text(d)
+
+    # A short run to the end.
+    open_expander(d, "Run settings")
+    set_input(d, "Steps", 8)
+    button(d, "Start pruning").click()
+    wait(lambda: "Done" in status_line(d) and "Pruned perplexity" in page_text(d), timeout=120,
+         what="the short run to finish")
+    show_status(d)
+    shot(d, "prune-done", plots=3)
+
+    # A narrow window still reads.
+    d.set_window_size(480, HEIGHT)
+    time.sleep(1.5)
+    show_status(d)
+    shot(d, "prune-narrow")
+    d.set_window_size(WIDTH, HEIGHT)
+
+    # Compare: start the matching uniform run, wait for it, compare.
+    goto(d, "Compare")
+    button(d, "Start the matching uniform run").click()
+    wait(lambda: "Started" in page_text(d), what="the uniform run to start")
+    goto(d, "Prune")
+    wait(lambda: "Done" in status_line(d) and "uniform" in page_text(d), timeout=120, what="the uniform run")
+    goto(d, "Compare")
+    wait(lambda: len(d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")) >= 2, what="the comparison charts")
+    text = page_text(d)
+    assert "global" in text and "uniform" in text
+    shot(d, "compare", plots=2)
+
+    # Chat: both models answer.
+    goto(d, "Chat")
+    box = wait(lambda: d.find_element(By.CSS_SELECTOR, '[data-testid="stChatInputTextArea"]'), what="the chat input")
+    box.send_keys("Once upon a time, there was a")
+    box.send_keys(Keys.ENTER)
+    captions = wait(lambda: (c := [e.text for e in d.find_elements(By.CSS_SELECTOR, '[data-testid="stCaptionContainer"]')
+                                   if "tokens/s" in e.text]) and len(c) == 2 and c, timeout=90, what="two answers")
+    assert all(int(c.split(" tokens")[0]) > 0 for c in captions)
+    answers = [e.text for e in d.find_elements(By.CSS_SELECTOR, '[data-testid="stColumn"] [data-testid="stMarkdownContainer"]')
+               if e.text and not e.text.startswith(("Dense", "Pruned")) and "tokens/s" not in e.text]
+    assert len(answers) >= 2 and all(a.strip() for a in answers[:2]), answers
+    shot(d, "chat")
+
+    # Runs: the three runs are listed.
+    goto(d, "Runs")
+    wait(lambda: "Delete run" in page_text(d), what="the runs page")
+    shot(d, "runs")
+    assert len([p for p in runs.iterdir() if (p / "config.json").exists()]) == 3
+    print(f"browser test took {time.time() - t0:.0f} s")
