@@ -5,6 +5,8 @@ Reports are StepReport dicts (metrics.jsonl lines, or JobSnapshot.history).
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -71,6 +73,12 @@ def loss_figure(history: list[dict], title: str = "") -> go.Figure:
     if any(r["baseline"] for r in history):
         fig.add_scatter(x=steps, y=[r["baseline"] for r in history], name="baseline (moving avg)", mode="lines",
                         line=dict(width=2.5, color="black"), secondary_y=False)
+    val = [(r["step"], math.log(r["val_ppl"])) for r in history if r.get("val_ppl")]
+    if val:
+        fig.add_scatter(x=[v[0] for v in val], y=[v[1] for v in val], name="hard mask, held-out (log ppl)",
+                        mode="markers+lines", marker=dict(size=8, symbol="diamond", color="#54a24b"),
+                        hovertemplate="step %{x}: held-out ppl %{customdata:.2f}<extra></extra>",
+                        customdata=[math.exp(v[1]) for v in val], secondary_y=False)
     fig.add_scatter(x=steps, y=[r["lr"] for r in history], name="learning rate", mode="lines",
                     line=dict(width=1.5, dash="dot", color="#e45756"), secondary_y=True)
     fig.update_xaxes(title="step")

@@ -78,6 +78,9 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
         init_batches = h3.number_input("Init batches (Wanda-sp)", 1, 256, D.init_batches,
                                        help="Calibration batches used by the Wanda-sp metric.", key="init_batches")
         seed = h1.number_input("Seed", 0, 2**31 - 1, D.seed, key="seed")
+        val_every = h3.number_input("Validate every N steps (0 = off)", 0, 10_000, getattr(D, "val_every", 0),
+                                    help="Perplexity of the current hard mask on held-out calibration text, "
+                                         "drawn on the loss chart (as its log, a loss).", key="val_every")
         checkpoint_every = h2.number_input("Checkpoint every N steps", 1, 10_000, D.checkpoint_every, key="checkpoint_every")
     label = st.text_input("Run name (optional)", help=f"The run is saved under {_ui.runs_dir()}/<date>-<model>-<scope>-<rate>-<name>.", key="run_name")
     submitted = st.form_submit_button("Start pruning", type="primary", icon=":material/play_arrow:")
@@ -92,6 +95,7 @@ if submitted:
             lr_schedule=lr_schedule, batch_size=int(batch_size), seqlen=int(seqlen), num_mask_samples=int(num_samples),
             baseline=baseline, baseline_window=int(baseline_window), estimator=estimator, seed=int(seed),
             eval_seqlen=int(eval_seqlen), max_windows=int(max_windows) or None, checkpoint_every=int(checkpoint_every),
+            **({"val_every": int(val_every)} if hasattr(D, "val_every") else {}),
         )
         out = _ui.runs_dir() / new_run_name(config, label)
         jobs.start(config, out)
