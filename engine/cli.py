@@ -73,7 +73,7 @@ def cmd_prune(args) -> int:
     from .pruner import CONFIG_FILE, PruneRun, check_out_dir
 
     out = Path(args.out)
-    check_out_dir(out, args.resume, args.overwrite)
+    check_out_dir(out, args.resume, args.overwrite, clear=False)  # refuse early; delete nothing yet
     if args.resume:
         config = PruneConfig.load(out / CONFIG_FILE)
     else:
@@ -83,6 +83,8 @@ def cmd_prune(args) -> int:
         config = PruneConfig(**values)
     config.validate()
     run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr))
+    # model and data loaded: only now may --overwrite remove the old run, not for a typo in an argument
+    check_out_dir(out, args.resume, args.overwrite)
     results = run.run(resume=args.resume)
     if results["status"] == "done":
         print(f"perplexity ({results['eval_windows']} windows x {results['seqlen']} tokens): "

@@ -64,8 +64,10 @@ def load_calibration_texts(path: str | None = None) -> tuple[list[str], str]:
                 for n, line in enumerate(fh, 1):
                     if line.strip():
                         texts.append(json.loads(line)["text"])
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, OSError, EOFError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise UserError(f"{f} line {n}: not JSON lines with a 'text' field ({type(e).__name__})") from e
+        except (UnicodeDecodeError, OSError, EOFError) as e:  # raised while reading: no line to name
+            raise UserError(f"{f}: cannot be read as UTF-8 (or gzipped UTF-8) text ({type(e).__name__})") from e
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise UserError(f"no calibration text found in {path} (expected JSON lines with a 'text' field)")

@@ -53,7 +53,10 @@ def resolve_model(name: str) -> ModelSource:
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    try:
+        tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not load the tokenizer of {source.name}: {str(e).splitlines()[0]}") from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -79,8 +79,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to mix two runs in one folder."""
+def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) -> None:
+    """Refuse to mix two runs in one folder. With overwrite, remove the old run (unless clear=False:
+    check only, so that a caller can validate everything else before deleting anything)."""
     if not out.exists():
         return
     if not out.is_dir():
@@ -94,7 +95,8 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
         return
     if overwrite:
         if holds_run:
-            shutil.rmtree(out)
+            if clear:
+                shutil.rmtree(out)
             return
         raise UserError(f"--overwrite refused: {out} is not empty and holds no run; choose another folder")
     raise UserError(f"{out} already holds files{' of another run' if holds_run else ''}; use --resume, --overwrite or another --out")
