@@ -1,0 +1,58 @@
+"""Shared fixtures: the tiny real model, the shared data folder, and a clean subprocess runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPO.parent / "shared" / "models" / "tinystories-656k"
+DATA_DIR = REPO.parent / "shared" / "data"
+# The smallest calibration file (300 documents) and the raw WikiText-2 test file, for runs where
+# tokenizing the full default data would only cost time.
+SMALL_CALIB = DATA_DIR / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz"
+WIKI_RAW = DATA_DIR / "wikitext-2-raw-v1" / "wiki.test.raw"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """Environment for child processes: offline, quiet, and without the repository on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PG_PRUNE_DATA_DIR")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_engine(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m engine ARGS` in a fresh interpreter, run from the repository root."""
+    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=cwd, env=clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    assert (TINY_MODEL / "config.json").is_file(), f"the tiny test model is missing at {TINY_MODEL}"
+    return TINY_MODEL
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_path):
+    """(model, tokenizer) of TinyStories-656K, loaded once through the engine's own loader.
+
+    Tests share it: anything that changes it (hooks) must undo the change.
+    """
+    from engine.loading import load_model, resolve_model
+
+    return load_model(resolve_model(str(tiny_path)))
+
+
+@pytest.fixture(scope="session")
+def small_eval_file(tmp_path_factory) -> Path:
+    """The first ~40k characters of WikiText-2 raw test (about 20 windows of 128 tiny-model tokens)."""
+    text = WIKI_RAW.read_text(encoding="utf-8")[:40_000]
+    path = tmp_path_factory.mktemp("data") / "wiki.small.txt"
+    path.write_text(text, encoding="utf-8")
+    return path

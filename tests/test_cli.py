@@ -1,0 +1,254 @@
+"""`python -m engine prune|eval` end to end, and bad input: one `error:` line, non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+
+from conftest import REPO, SMALL_CALIB, clean_env, run_engine
+
+
+@pytest.fixture(scope="module")
+def real_processes(tiny_path, tmp_path_factory):
+    """`python -m engine prune` on the tiny model in a fresh interpreter, data found automatically; and,
+    started alongside to share the wait, one with a model path that does not exist."""
+    tmp = tmp_path_factory.mktemp("cli")
+    out = tmp / "run"
+    missing = subprocess.Popen([sys.executable, "-m", "engine", "prune", "--model", str(tmp / "no-such-model"),
+                                "--out", str(tmp / "o1")], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        proc = run_engine("prune", "--model", str(tiny_path), "--steps", "3", "--max-windows", "4", "--init-batches",
+                          "2", "--batch-size", "4", "--lr", "0.05", "--out", str(out))
+        stdout, stderr = missing.communicate(timeout=300)
+    finally:
+        missing.kill()
+    return dict(out=out, prune=proc, tmp=tmp,
+                missing=subprocess.CompletedProcess(missing.args, missing.returncode, stdout, stderr))
+
+
+@pytest.fixture(scope="module")
+def cli_run(real_processes):
+    return real_processes["out"], real_processes["prune"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tiny, tmp_path_factory) -> Path:
+    """A complete, loadable GPT-2 model folder: an architecture the engine does not support."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    d = tmp_path_factory.mktemp("gpt2") / "model"
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=2048, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    model.save_pretrained(d)
+    tiny[1].save_pretrained(d)
+    return d
+
+
+def assert_one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+# --- end to end --------------------------------------------------------------------------------------
+def test_prune_cli_end_to_end(cli_run):
+    out, proc = cli_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    m = re.search(r"dense ([\d.]+) \| init \(wanda-sp\) ([\d.]+) \| pruned ([\d.]+)", proc.stdout)
+    assert m, proc.stdout
+    assert m.groups() == tuple(f"{results[k]:.2f}" for k in ("ppl_dense", "ppl_init", "ppl_pruned"))
+    assert f"{results['params_dense']:,} -> {results['params_pruned']:,}" in proc.stdout
+    assert results["steps"] == 3 and results["eval_windows"] == 4
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+def test_eval_cli_json_matches_run(cli_run):
+    out, proc = cli_run
+    assert proc.returncode == 0
+    results = json.loads((out / "results.json").read_text())
+    ev = run_engine("eval", "--model", str(out / "model"), "--json", "--max-windows", "4")
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    lines = [ln for ln in ev.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1
+    data = json.loads(lines[0])
+    assert data["ppl"] == pytest.approx(results["ppl_pruned"], rel=1e-5)
+    assert data["eval_windows"] == 4 and data["seqlen"] == 128
+    assert data["params"] == results["params_pruned"]
+
+
+def test_cli_error_in_a_real_process(real_processes):
+    """The process itself: non-zero exit status, one `error:` line, no traceback. (Every other bad input
+    is checked below through the same main() in this process, which saves a slow interpreter start each.)"""
+    missing = real_processes["missing"]
+    assert missing.returncode == 2
+    assert "no-such-model" in assert_one_error_line(missing.stderr)
+    assert missing.stdout == ""
+    assert not (real_processes["tmp"] / "o1").exists()
+
+
+# --- bad input, in process (the same main() that `python -m engine` runs) -------------------------------
+def run_main(capfd, argv: list[str]) -> tuple[int, str]:
+    capfd.readouterr()
+    rc = main([str(a) for a in argv])
+    captured = capfd.readouterr()
+    return rc, captured.err
+
+
+def prune_args(tiny_path, out, *extra):
+    return ["prune", "--model", tiny_path, "--out", out, "--steps", "1", "--max-windows", "1", "--init-batches", "1",
+            "--batch-size", "2", *extra]
+
+
+def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, tuple[list, str]]:
+    """name -> (argv, a fragment the error line must contain)."""
+    empty_dir = tmp / "empty_dir"
+    empty_dir.mkdir()
+    bad_config = tmp / "bad_config"
+    bad_config.mkdir()
+    (bad_config / "config.json").write_text("{ not json")
+    no_weights = tmp / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(tiny_path / "config.json", no_weights)
+    no_tokenizer = tmp / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_path / f, no_tokenizer)
+    empty = tmp / "empty.jsonl"
+    empty.write_text("")
+    blank = tmp / "blank.txt"
+    blank.write_text("\n \n")
+    binary = tmp / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00\x81garbage\n" * 10)
+    not_gzip = tmp / "fake.json.gz"
+    not_gzip.write_bytes(b'{"text": "not compressed"}\n')
+    no_text_field = tmp / "notext.jsonl"
+    no_text_field.write_text('{"content": "hello"}\n')
+    short_docs = tmp / "short.jsonl"
+    short_docs.write_text('{"text": "Once upon a time."}\n{"text": "The end."}\n')
+    calib_dir = tmp / "calib_dir"
+    calib_dir.mkdir()
+    (calib_dir / "readme.md").write_text("no json here")
+    not_a_run = tmp / "not_a_run"
+    not_a_run.mkdir()
+    (not_a_run / "notes.txt").write_text("mine")
+    out = tmp / "out"
+    small = ["--calib", SMALL_CALIB]
+    return {
+        "missing model": (prune_args(tmp / "nope", out), "nope"),
+        "folder without config.json": (prune_args(empty_dir, out), "config.json"),
+        "unreadable config.json": (prune_args(bad_config, out), "bad_config"),
+        "config without weights": (prune_args(no_weights, out), "no_weights"),
+        "model without tokenizer": (prune_args(no_tokenizer, out), "tokenizer"),
+        "missing gguf": (prune_args(tmp / "m.gguf", out), "m.gguf"),
+        "unsupported architecture": (prune_args(gpt2_folder, out), "gpt2"),
+        "prune ratio 0": (prune_args(tiny_path, out, "--prune-ratio", "0"), "prune ratio"),
+        "prune ratio 1": (prune_args(tiny_path, out, "--prune-ratio", "1"), "prune ratio"),
+        "prune ratio 1.5": (prune_args(tiny_path, out, "--prune-ratio", "1.5"), "prune ratio"),
+        "unknown unit": (prune_args(tiny_path, out, "--units", "heads,layers"), "units"),
+        "zero steps": (prune_args(tiny_path, out, "--steps", "0"), "steps"),
+        "seqlen beyond positions": (prune_args(tiny_path, out, "--seqlen", "600"), "512"),
+        "prune eval seqlen beyond positions": (prune_args(tiny_path, out, "--eval-seqlen", "513"), "512"),
+        "calib empty file": (prune_args(tiny_path, out, "--calib", empty), "empty.jsonl"),
+        "calib missing file": (prune_args(tiny_path, out, "--calib", tmp / "gone.jsonl"), "gone.jsonl"),
+        "calib binary file": (prune_args(tiny_path, out, "--calib", binary), "binary.jsonl"),
+        "calib not gzip": (prune_args(tiny_path, out, "--calib", not_gzip), "fake.json.gz"),
+        "calib without text field": (prune_args(tiny_path, out, "--calib", no_text_field), "text"),
+        "calib folder without json": (prune_args(tiny_path, out, "--calib", calib_dir), "calib_dir"),
+        "calib longer than every document": (prune_args(tiny_path, out, "--calib", short_docs), "seqlen"),
+        "validation without enough documents": (prune_args(tiny_path, out, "--val-every", "1", "--calib", short_docs),
+                                                "10 calibration documents"),
+        "best-val without validation": (prune_args(tiny_path, out, "--final-mask", "best-val"), "val"),
+        "eval data empty file": (prune_args(tiny_path, out, "--eval-data", blank, *small), "empty"),
+        "eval data missing": (prune_args(tiny_path, out, "--eval-data", tmp / "gone.txt", *small), "gone.txt"),
+        "eval data too short": (prune_args(tiny_path, out, "--eval-data", no_text_field, *small), "window"),
+        "resume without a run": (prune_args(tiny_path, empty_dir, "--resume"), "config.json"),
+        "resume in a missing folder": (prune_args(tiny_path, tmp / "never", "--resume"), "never"),
+        "resume in a folder of other files": (prune_args(tiny_path, not_a_run, "--resume"), "no run"),
+        "overwrite a folder that is not a run": (prune_args(tiny_path, not_a_run, "--overwrite"), "not_a_run"),
+        "out is a file": (prune_args(tiny_path, empty), "not a folder"),
+        "no cuda": (prune_args(tiny_path, out, "--device", "cuda"), "cuda"),
+        "eval missing model": (["eval", "--model", tmp / "nope"], "nope"),
+        "eval empty data": (["eval", "--model", tiny_path, "--eval-data", blank], "empty"),
+        "eval seqlen beyond positions": (["eval", "--model", tiny_path, "--eval-seqlen", "1000"], "512"),
+        "eval zero windows": (["eval", "--model", tiny_path, "--max-windows", "0"], "windows"),
+    }
+
+
+BAD_INPUT_NAMES = [
+    "missing model", "folder without config.json", "unreadable config.json", "config without weights",
+    "model without tokenizer", "missing gguf", "unsupported architecture", "prune ratio 0", "prune ratio 1",
+    "prune ratio 1.5", "unknown unit", "zero steps", "seqlen beyond positions", "prune eval seqlen beyond positions",
+    "calib empty file", "calib missing file", "calib binary file", "calib not gzip", "calib without text field",
+    "calib folder without json", "calib longer than every document", "validation without enough documents",
+    "best-val without validation", "eval data empty file", "eval data missing",
+    "eval data too short", "resume without a run", "resume in a missing folder", "resume in a folder of other files",
+    "overwrite a folder that is not a run", "out is a file", "no cuda", "eval missing model", "eval empty data",
+    "eval seqlen beyond positions", "eval zero windows",
+]
+
+
+@pytest.mark.parametrize("name", BAD_INPUT_NAMES)
+def test_bad_input_is_one_error_line(name, tmp_path, tiny_path, gpt2_folder, capfd):
+    cases = make_bad_inputs(tmp_path, tiny_path, gpt2_folder)
+    assert sorted(cases) == sorted(BAD_INPUT_NAMES)
+    argv, fragment = cases[name]
+    rc, err = run_main(capfd, argv)
+    assert rc == 2
+    line = assert_one_error_line(err)
+    assert fragment in line, line
+    out = tmp_path / "out"
+    assert not out.exists() or not any(out.iterdir())  # nothing half-made was left behind
+    assert (tmp_path / "not_a_run" / "notes.txt").read_text() == "mine"
+
+
+# --- an existing run in --out ------------------------------------------------------------------------
+@pytest.fixture
+def run_copy(cli_run, tmp_path) -> Path:
+    out, proc = cli_run
+    assert proc.returncode == 0
+    dest = tmp_path / "run"
+    shutil.copytree(out, dest)
+    return dest
+
+
+def test_out_holding_a_run_needs_resume_or_overwrite(run_copy, tiny_path, capfd):
+    before = sorted(p.name for p in run_copy.iterdir())
+    rc, err = run_main(capfd, prune_args(tiny_path, run_copy))
+    assert rc == 2
+    assert "--resume" in assert_one_error_line(err)
+    assert sorted(p.name for p in run_copy.iterdir()) == before
+
+
+def test_overwrite_with_bad_arguments_keeps_the_old_run(run_copy, tiny_path, capfd):
+    results = (run_copy / "results.json").read_text()
+    for extra in (["--prune-ratio", "1.5"], ["--seqlen", "600"], ["--calib", str(run_copy / "missing.jsonl")]):
+        rc, err = run_main(capfd, prune_args(tiny_path, run_copy, "--overwrite", *extra))
+        assert rc == 2
+        assert_one_error_line(err)
+        assert (run_copy / "results.json").read_text() == results
+
+
+def test_overwrite_replaces_the_run(run_copy, tiny_path, capfd, small_eval_file):
+    old = json.loads((run_copy / "results.json").read_text())
+    assert old["steps"] == 3
+    rc, err = run_main(capfd, prune_args(tiny_path, run_copy, "--overwrite", "--steps", "2", "--calib", SMALL_CALIB,
+                                         "--eval-data", small_eval_file))
+    assert rc == 0, err
+    assert "Traceback" not in err
+    new = json.loads((run_copy / "results.json").read_text())
+    assert new["steps"] == 2 and new["eval_windows"] == 1
+    assert new["calib_data"] == str(SMALL_CALIB)
+    assert len((run_copy / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((run_copy / "config.json").read_text())["steps"] == 2

@@ -1,0 +1,372 @@
+"""The pure kernels: capped-simplex projection, REINFORCE estimators, baseline, schedule, masks,
+and the importance -> initial score maps. No model is involved here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.importance import initial_scores, score_const, sigmoid_norm, standardize_per_layer
+from engine.policy import (
+    cosine_lr,
+    keep_count,
+    policy_gradient,
+    project_capped_simplex,
+    sample_masks,
+    top_k_mask,
+    update_baseline,
+)
+from engine.units import UnitLayout
+
+F64 = torch.float64
+
+
+# --- projection onto C = {0 <= s <= 1, sum s <= budget} ------------------------------------------
+def exact_projection(z: torch.Tensor, budget: float) -> torch.Tensor:
+    """Reference projection, computed without bisection.
+
+    The projection is clamp(z - v, 0, 1) with v >= 0. f(v) = sum clamp(z - v, 0, 1) is continuous,
+    non-increasing and linear between the breakpoints {z_i, z_i - 1}, so the v with f(v) = budget is
+    found exactly by locating its segment and interpolating linearly.
+    """
+    s0 = z.clamp(0, 1)
+    if float(s0.sum()) <= budget:
+        return s0
+
+    def f(v: float) -> float:
+        return float((z - v).clamp(0, 1).sum())
+
+    points = sorted({0.0} | {float(x) for x in z if x > 0} | {float(x) - 1 for x in z if x - 1 > 0})
+    for a, b in zip(points, points[1:]):
+        fa, fb = f(a), f(b)
+        if fa > budget >= fb:
+            v = a + (fa - budget) * (b - a) / (fa - fb)
+            return (z - v).clamp(0, 1)
+    raise AssertionError("f never reaches the budget")  # impossible: f(max z) = 0 <= budget
+
+
+def random_cases(n_cases: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    kinds = ["normal", "wide", "above_one", "negative", "ties"]
+    for i in range(n_cases):
+        n = [1, 2, 3, 7, 20, 101][i % 6]
+        kind = kinds[i % len(kinds)]
+        if kind == "normal":
+            z = torch.randn(n, generator=g, dtype=F64)
+        elif kind == "wide":
+            z = torch.rand(n, generator=g, dtype=F64) * 4 - 1.5  # in [-1.5, 2.5]
+        elif kind == "above_one":
+            z = 1 + torch.rand(n, generator=g, dtype=F64)
+        elif kind == "negative":
+            z = -torch.rand(n, generator=g, dtype=F64) + torch.rand(n, generator=g, dtype=F64) * 0.8
+        else:
+            z = torch.randint(-2, 5, (n,), generator=g).to(F64) / 3  # many repeated values
+        budget = float(torch.rand((), generator=g, dtype=F64)) * n * 1.2  # sometimes above n: no constraint
+        yield z, budget
+
+
+def test_projection_is_feasible():
+    for z, budget in random_cases(300, seed=0):
+        s = project_capped_simplex(z, budget)
+        assert s.dtype == F64 and s.shape == z.shape
+        assert float(s.min()) >= 0.0 and float(s.max()) <= 1.0
+        assert float(s.sum()) <= budget + 1e-6
+
+
+def test_projection_is_clamp_when_clamp_fits():
+    z = torch.tensor([-0.5, 0.2, 0.4, 1.7, 0.9], dtype=F64)  # clamp -> [0, .2, .4, 1, .9], sum 2.5
+    assert torch.equal(project_capped_simplex(z, 2.5), z.clamp(0, 1))
+    assert torch.equal(project_capped_simplex(z, 10.0), z.clamp(0, 1))
+    for z, budget in random_cases(100, seed=1):
+        if float(z.clamp(0, 1).sum()) <= budget:
+            assert torch.equal(project_capped_simplex(z, budget), z.clamp(0, 1))
+
+
+def test_projection_matches_exact_breakpoint_solution():
+    active = 0
+    for z, budget in random_cases(400, seed=2):
+        expected = exact_projection(z, budget)
+        got = project_capped_simplex(z, budget)
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+        if float(z.clamp(0, 1).sum()) > budget:
+            active += 1
+            assert float(got.sum()) == pytest.approx(budget, abs=1e-9)  # the constraint binds
+    assert active > 100  # the sum constraint was really exercised
+
+
+def test_projection_is_closest_feasible_point():
+    """Variational characterisation of a projection onto a convex set: (z - s) . (y - s) <= 0 for all
+    feasible y, which also makes s closer to z than any feasible y."""
+    g = torch.Generator().manual_seed(3)
+    for z, budget in random_cases(120, seed=4):
+        s = project_capped_simplex(z, budget)
+        n = z.numel()
+        ys = torch.rand((200, n), generator=g, dtype=F64)
+        sums = ys.sum(1, keepdim=True)
+        ys = torch.where(sums > budget, ys * budget / sums.clamp_min(1e-300), ys)  # scaling keeps 0 <= y <= 1
+        k = int(math.floor(budget + 1e-12))
+        if 0 < k <= n:  # vertices of C: 0/1 vectors with k ones
+            idx = torch.argsort(torch.rand((50, n), generator=g), dim=1)[:, :k]
+            ys = torch.cat([ys, torch.zeros((50, n), dtype=F64).scatter_(1, idx, 1.0)])
+        ys = torch.cat([ys, torch.zeros((1, n), dtype=F64)])
+        assert float(((z - s) * (ys - s)).sum(1).max()) <= 1e-9
+        assert float(((ys - z) ** 2).sum(1).min()) >= float(((s - z) ** 2).sum()) - 1e-9
+
+
+def test_projection_edge_budgets():
+    z = torch.tensor([0.3, 2.0, -1.0, 0.8], dtype=F64)
+    assert torch.equal(project_capped_simplex(z, 0.0), torch.zeros(4, dtype=F64))
+    with pytest.raises(ValueError):
+        project_capped_simplex(z, -0.1)
+
+
+# --- policy gradient ---------------------------------------------------------------------------
+def mc_check(scores, loss_fn, exact, *, n_groups, n_s, baseline, seed, estimator="paper"):
+    """Mean of n_groups independent estimates (each from n_s masks) against the exact gradient.
+
+    The tolerance is 5 standard errors of that mean; the test also requires the standard error to
+    be small next to the gradient so that a wrong scale or sign cannot pass.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n = scores.numel()
+    masks = (torch.rand((n_groups, n_s, n), generator=g, dtype=F64) < scores).to(F64)
+    losses = loss_fn(masks)  # (n_groups, n_s)
+    est = torch.stack([
+        policy_gradient(scores, masks[i], losses[i], baseline, estimator=estimator) for i in range(n_groups)
+    ])
+    mean, se = est.mean(0), est.std(0) / math.sqrt(n_groups)
+    assert torch.all(5 * se < 0.5 * exact.abs()), f"test too noisy to be meaningful: se {se}, exact {exact}"
+    assert torch.all((mean - exact).abs() <= 5 * se), f"mean {mean} vs exact {exact} (se {se})"
+
+
+S = torch.tensor([0.25, 0.5, 0.7, 0.4, 0.6], dtype=F64)
+W = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.5], dtype=F64)
+
+
+@pytest.mark.parametrize("baseline", [0.0, 1.3])
+@pytest.mark.parametrize("n_s, n_groups", [(2, 12_000), (500, 400)])
+def test_paper_estimator_unbiased_linear_loss(baseline, n_s, n_groups):
+    # L(m) = w.m + 2 -> E[L] = w.s + 2, dE/ds = w. A constant baseline must not bias the estimate.
+    mc_check(S, lambda m: m @ W + 2.0, W, n_groups=n_groups, n_s=n_s, baseline=baseline, seed=10 + n_s)
+
+
+def test_paper_estimator_unbiased_quadratic_loss():
+    # L(m) = (a.m)^2; E[L] = sum a_i^2 s_i (1 - s_i) + (a.s)^2, so dE/ds_k = a_k^2 (1 - 2 s_k) + 2 a_k (a.s).
+    a = torch.tensor([1.0, -2.0, 1.5, 2.5, -1.0], dtype=F64)
+    exact = a**2 * (1 - 2 * S) + 2 * a * (a @ S)
+    mc_check(S, lambda m: (m @ a) ** 2, exact, n_groups=400, n_s=500, baseline=float((a @ S) ** 2), seed=20)
+
+
+def test_paper_estimator_unbiased_product_loss():
+    # L(m) = 4 m_0 m_1 - 3 m_2 m_3 m_4: E[L] = 4 s0 s1 - 3 s2 s3 s4 (independent masks).
+    s = S
+    exact = torch.stack([4 * s[1], 4 * s[0], -3 * s[3] * s[4], -3 * s[2] * s[4], -3 * s[2] * s[3]])
+    mc_check(s, lambda m: 4 * m[..., 0] * m[..., 1] - 3 * m[..., 2] * m[..., 3] * m[..., 4], exact,
+             n_groups=400, n_s=500, baseline=0.0, seed=30)
+
+
+def test_per_sample_baseline_vector_equals_scalar():
+    g = torch.Generator().manual_seed(5)
+    masks = (torch.rand((4, 5), generator=g, dtype=F64) < S).to(F64)
+    losses = torch.rand(4, generator=g, dtype=F64) * 3
+    for est in ("paper", "sqrt"):
+        torch.testing.assert_close(
+            policy_gradient(S, masks, losses, torch.full((4,), 0.7, dtype=F64), est),
+            policy_gradient(S, masks, losses, 0.7, est), atol=0, rtol=0)
+    # per-sample baselines enter sample by sample: b_j = L_j gives a zero estimate
+    assert torch.equal(policy_gradient(S, masks, losses, losses.clone()), torch.zeros(5, dtype=F64))
+
+
+@pytest.mark.parametrize("n_s", [2, 3, 8])
+def test_sqrt_estimator_defining_relation(n_s):
+    g = torch.Generator().manual_seed(n_s)
+    s = torch.tensor([0.0, 0.003, 0.2, 0.5, 0.9, 0.999, 1.0], dtype=F64)
+    masks = (torch.rand((n_s, s.numel()), generator=g, dtype=F64) < 0.5).to(F64)
+    losses = torch.randn(n_s, generator=g, dtype=F64) + 4
+    for baseline in (0.0, 3.5, torch.randn(n_s, generator=g, dtype=F64)):
+        paper = policy_gradient(s, masks, losses, baseline, "paper", clamp=0.01)
+        sqrt = policy_gradient(s, masks, losses, baseline, "sqrt", clamp=0.01)
+        sc = s.clamp(0.01, 0.99)  # both estimators see the clamped scores
+        torch.testing.assert_close(sqrt, paper * torch.sqrt(sc * (1 - sc)) * n_s / (n_s - 1), rtol=1e-12, atol=1e-12)
+
+
+def test_sqrt_estimator_needs_two_samples():
+    s = torch.tensor([0.5, 0.5], dtype=F64)
+    with pytest.raises(ValueError):
+        policy_gradient(s, torch.ones((1, 2), dtype=F64), torch.ones(1, dtype=F64), 0.0, "sqrt")
+    with pytest.raises(ValueError):
+        policy_gradient(s, torch.ones((2, 2), dtype=F64), torch.ones(2, dtype=F64), 0.0, "nonsense")
+
+
+@pytest.mark.parametrize("estimator", ["paper", "sqrt"])
+def test_estimator_clamp_keeps_saturated_scores_finite(estimator):
+    s = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.5], dtype=F64)
+    masks = torch.tensor([[0, 1, 1, 0, 1], [0, 1, 0, 1, 0], [1, 0, 0, 1, 1]], dtype=F64)
+    losses = torch.tensor([2.0, 3.0, 5.0], dtype=F64)
+    g = policy_gradient(s, masks, losses, 1.0, estimator, clamp=0.01)
+    assert torch.isfinite(g).all()
+    assert g.abs().max() > 0
+    # the clamp acts inside the estimator only: it equals the estimate at the clamped scores
+    torch.testing.assert_close(g, policy_gradient(s.clamp(0.01, 0.99), masks, losses, 1.0, estimator, clamp=0.01),
+                               rtol=0, atol=0)
+    assert torch.equal(s, torch.tensor([0.0, 1.0, 0.0, 1.0, 0.5], dtype=F64))  # input untouched
+
+
+# --- baseline, schedule ----------------------------------------------------------------------------
+def test_update_baseline_starts_at_first_loss():
+    assert update_baseline(None, 3.25, window=5) == 3.25
+
+
+def test_update_baseline_moving_average():
+    T = 4
+    b = update_baseline(None, 2.0, T)
+    for loss in (6.0, 1.0, 3.0):
+        expected = (1 - 1 / T) * b + loss / T
+        b = update_baseline(b, loss, T)
+        assert b == pytest.approx(expected, rel=1e-15)
+    assert update_baseline(5.0, 1.0, window=1) == pytest.approx(1.0)  # T = 1: just the latest mean
+    # constant losses: the gap to them shrinks by (1 - 1/T) per step
+    b = 10.0
+    for k in range(1, 6):
+        b = update_baseline(b, 2.0, T)
+        assert b == pytest.approx(2.0 + 8.0 * (1 - 1 / T) ** k, rel=1e-12)
+
+
+def test_cosine_lr_endpoints_and_monotone():
+    base, total = 0.02, 100
+    assert cosine_lr(base, 0, total) == pytest.approx(base)
+    assert cosine_lr(base, total, total) == pytest.approx(0.0, abs=1e-15)
+    assert cosine_lr(base, total // 2, total) == pytest.approx(base / 2)
+    assert cosine_lr(base, 3 * total, total) == pytest.approx(0.0, abs=1e-15)  # no restart past the end
+    lrs = [cosine_lr(base, t, total) for t in range(total + 1)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(0.0 <= x <= base for x in lrs)
+
+
+# --- masks -------------------------------------------------------------------------------------------
+def test_sample_masks_mean_and_determinism():
+    s = torch.tensor([0.0, 0.1, 0.5, 0.83, 1.0, 0.3])
+    n = 40_000
+    m = sample_masks(s, n, torch.Generator().manual_seed(7))
+    assert m.shape == (n, 6) and m.dtype == s.dtype
+    assert set(m.unique().tolist()) <= {0.0, 1.0}
+    assert torch.all(m[:, 0] == 0) and torch.all(m[:, 4] == 1)
+    se = torch.sqrt(s.double() * (1 - s.double()) / n)
+    assert torch.all((m.double().mean(0) - s.double()).abs() <= 5 * se + 1e-12)
+    again = sample_masks(s, n, torch.Generator().manual_seed(7))
+    assert torch.equal(m, again)
+    assert not torch.equal(m, sample_masks(s, n, torch.Generator().manual_seed(8)))
+
+
+def test_sample_masks_consumes_generator_state():
+    s = torch.full((5,), 0.5)
+    g = torch.Generator().manual_seed(0)
+    first, second = sample_masks(s, 3, g), sample_masks(s, 3, g)
+    assert not torch.equal(first, second)
+    g.manual_seed(0)
+    assert torch.equal(sample_masks(s, 3, g), first)
+
+
+def test_top_k_mask_keeps_largest():
+    g = torch.Generator().manual_seed(9)
+    for n in (1, 5, 33):
+        scores = torch.rand(n, generator=g)
+        for k in range(n + 1):
+            m = top_k_mask(scores, k)
+            assert int(m.sum()) == k and set(m.unique().tolist()) <= {0.0, 1.0}
+            kept = set(torch.nonzero(m).flatten().tolist())
+            expected = set(sorted(range(n), key=lambda i: -float(scores[i]))[:k])
+            assert kept == expected
+
+
+def test_top_k_mask_ties_go_to_lower_index():
+    scores = torch.tensor([0.5, 0.9, 0.5, 0.5, 0.1])
+    assert top_k_mask(scores, 3).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert top_k_mask(torch.zeros(4), 2).tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert torch.equal(top_k_mask(scores, 3), top_k_mask(scores.clone(), 3))
+
+
+def test_keep_count():
+    assert keep_count(0.7, 10) == 7
+    assert keep_count(0.7, 4) == 3  # 2.8 rounds to 3
+    assert keep_count(0.01, 4) == 1  # at least one
+    assert keep_count(0.0, 4) == 1
+    assert keep_count(1.0, 4) == 4
+    for size in range(1, 40):
+        for r in (0.05, 0.3, 0.62, 0.9, 0.99):
+            k = keep_count(r, size)
+            assert 1 <= k <= size
+            assert abs(k - r * size) <= 0.5 or k == 1
+
+
+# --- importance maps ----------------------------------------------------------------------------
+def test_standardize_per_layer():
+    g = torch.Generator().manual_seed(11)
+    layers = [torch.randn(6, generator=g) * 5 + 3, torch.full((4,), 2.5), torch.tensor([7.0]),
+              torch.rand(9, generator=g) * 1e3]
+    z = standardize_per_layer(layers)
+    assert z.dtype == torch.float32 and z.shape == (20,)
+    parts = torch.split(z, [6, 4, 1, 9])
+    for i in (0, 3):
+        assert float(parts[i].double().mean()) == pytest.approx(0.0, abs=1e-6)
+        assert float(parts[i].double().std()) == pytest.approx(1.0, abs=1e-6)
+        assert torch.equal(torch.argsort(parts[i]), torch.argsort(layers[i]))  # order within a layer kept
+    assert torch.equal(parts[1], torch.zeros(4)) and torch.equal(parts[2], torch.zeros(1))
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.5, 0.75])
+def test_sigmoid_norm_mean_is_keep_ratio(keep):
+    z = torch.randn(50, generator=torch.Generator().manual_seed(12)) * 0.4
+    s = sigmoid_norm(z, keep)
+    assert float(s.min()) > 0.01 and float(s.max()) < 0.99  # no clamping happened here
+    assert float(s.double().mean()) == pytest.approx(keep, abs=1e-6)
+    assert torch.equal(torch.argsort(s), torch.argsort(z))
+
+
+def test_sigmoid_norm_clamps():
+    z = torch.tensor([-20.0, -10.0, 0.0, 10.0, 20.0])
+    s = sigmoid_norm(z, 0.95)
+    assert float(s.min()) >= 0.01 - 1e-6 and float(s.max()) <= 0.99 + 1e-6
+    assert float(s.max()) == pytest.approx(0.99)  # the saturated units hit the upper clamp
+
+
+def test_score_const():
+    kept = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    assert score_const(kept, 0.8).tolist() == pytest.approx([0.8, 0.2, 0.2, 0.8])
+    assert score_const(kept, 0.6).tolist() == pytest.approx([0.6, 0.4, 0.4, 0.6])
+
+
+@pytest.mark.parametrize("prob_map", ["sigmoid-norm", "score-const"])
+@pytest.mark.parametrize("scope", ["global", "uniform"])
+@pytest.mark.parametrize("keep", [0.3, 0.7])
+def test_initial_scores_feasible(prob_map, scope, keep):
+    g = torch.Generator().manual_seed(13)
+    layout = UnitLayout({"heads": [4, 4, 3], "channels": [30, 17, 25]})
+    for unit_type in layout.unit_types:
+        # depth-growing scales, as raw activation metrics have
+        metric = [torch.rand(n, generator=g) * (10**i) for i, n in enumerate(layout.sizes[unit_type])]
+        s = initial_scores(metric, layout, unit_type, scope, keep, prob_map, 0.8)
+        assert s.shape == (layout.total(unit_type),)
+        assert float(s.min()) >= 0.0 and float(s.max()) <= 1.0
+        for sl in layout.pools(unit_type, scope):
+            assert float(s[sl].sum()) <= keep * (sl.stop - sl.start) + 1e-5
+        if prob_map == "score-const":
+            # units the metric keeps start strictly above the others (per pool)
+            kept = layout.hard_mask(unit_type, standardize_per_layer(metric), scope, keep)
+            for sl in layout.pools(unit_type, scope):
+                k, d = s[sl][kept[sl] > 0], s[sl][kept[sl] == 0]
+                if len(k) and len(d):
+                    assert float(k.min()) > float(d.max())
+        else:
+            # within a layer, a higher metric means a higher (or equal after clamping) keep probability
+            for part, m in zip(layout.split(unit_type, s), metric):
+                order = torch.argsort(m)
+                assert torch.all(part[order][1:] >= part[order][:-1] - 1e-7)
+
+
+def test_initial_scores_unknown_map():
+    layout = UnitLayout({"heads": [2, 2]})
+    with pytest.raises(ValueError):
+        initial_scores([torch.rand(2), torch.rand(2)], layout, "heads", "global", 0.5, "nope", 0.8)

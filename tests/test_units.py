@@ -1,0 +1,157 @@
+"""UnitLayout: flat score vectors, budget pools per scope, projection per pool, final hard masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.policy import keep_count, project_capped_simplex
+from engine.units import UnitLayout
+
+SIZES = {"heads": [4, 4, 3], "channels": [10, 7, 13]}
+
+
+@pytest.fixture
+def layout() -> UnitLayout:
+    return UnitLayout({u: list(v) for u, v in SIZES.items()})
+
+
+def kept_outrank_dropped(scores: torch.Tensor, mask: torch.Tensor) -> bool:
+    kept, dropped = scores[mask > 0], scores[mask == 0]
+    return len(dropped) == 0 or float(kept.min()) >= float(dropped.max())
+
+
+def test_geometry(layout):
+    assert layout.unit_types == ["heads", "channels"]
+    assert layout.total("heads") == 11 and layout.total("channels") == 30
+    assert layout.layer_slices("heads") == [slice(0, 4), slice(4, 8), slice(8, 11)]
+    flat = torch.arange(30.0)
+    parts = layout.split("channels", flat)
+    assert [p.tolist() for p in parts] == [list(range(0, 10)), list(range(10, 17)), list(range(17, 30))]
+    assert layout.layer_means("channels", flat) == pytest.approx([4.5, 13.0, 23.0])
+
+
+def test_pools(layout):
+    assert layout.pools("heads", "global") == [slice(0, 11)]
+    assert layout.pools("channels", "uniform") == layout.layer_slices("channels")
+    with pytest.raises(ValueError):
+        layout.pools("heads", "per-head")
+
+
+@pytest.mark.parametrize("keep", [0.25, 0.6, 0.9])
+def test_project_uniform_is_per_layer(layout, keep):
+    g = torch.Generator().manual_seed(0)
+    for u in layout.unit_types:
+        z = torch.randn(layout.total(u), generator=g, dtype=torch.float64) + 0.8
+        s = layout.project(u, z, "uniform", keep)
+        assert float(s.min()) >= 0 and float(s.max()) <= 1
+        for sl, part in zip(layout.layer_slices(u), layout.split(u, s)):
+            assert float(part.sum()) <= keep * (sl.stop - sl.start) + 1e-6
+            assert torch.equal(part, project_capped_simplex(z[sl], keep * (sl.stop - sl.start)))
+
+
+@pytest.mark.parametrize("keep", [0.25, 0.6, 0.9])
+def test_project_global_is_one_pool(layout, keep):
+    g = torch.Generator().manual_seed(1)
+    for u in layout.unit_types:
+        z = torch.randn(layout.total(u), generator=g, dtype=torch.float64) + 0.8
+        s = layout.project(u, z, "global", keep)
+        assert float(s.sum()) <= keep * layout.total(u) + 1e-6
+        assert torch.equal(s, project_capped_simplex(z, keep * layout.total(u)))
+
+
+@pytest.mark.parametrize("keep", [0.2, 0.5, 0.7, 0.95])
+def test_hard_mask_uniform_counts(layout, keep):
+    g = torch.Generator().manual_seed(2)
+    for u in layout.unit_types:
+        s = torch.rand(layout.total(u), generator=g)
+        m = layout.hard_mask(u, s, "uniform", keep)
+        assert set(m.unique().tolist()) <= {0.0, 1.0}
+        for n, part, sp in zip(layout.sizes[u], layout.split(u, m), layout.split(u, s)):
+            assert int(part.sum()) == keep_count(keep, n)
+            # the kept units are the best of their layer
+            assert kept_outrank_dropped(sp, part)
+
+
+@pytest.mark.parametrize("keep", [0.2, 0.5, 0.7, 0.95])
+def test_hard_mask_global_counts(layout, keep):
+    g = torch.Generator().manual_seed(3)
+    for u in layout.unit_types:
+        for _ in range(20):
+            s = torch.rand(layout.total(u), generator=g)
+            m = layout.hard_mask(u, s, "global", keep)
+            # on budget; with fewer kept units than layers, each layer keeps exactly one
+            assert int(m.sum()) == max(keep_count(keep, layout.total(u)), len(layout.sizes[u]))
+            assert all(int(p.sum()) >= 1 for p in layout.split(u, m))
+
+
+def test_hard_mask_global_is_top_k_when_no_layer_is_empty():
+    layout = UnitLayout({"heads": [3, 3]})
+    s = torch.tensor([0.9, 0.1, 0.5, 0.8, 0.7, 0.2])
+    assert layout.hard_mask("heads", s, "global", 0.5).tolist() == [1, 0, 0, 1, 1, 0]
+
+
+def test_repair_keeps_best_unit_of_empty_layer_and_stays_on_budget():
+    layout = UnitLayout({"heads": [4, 4, 4]})
+    s = torch.tensor([0.90, 0.91, 0.92, 0.93,   # layer 0: best overall
+                      0.50, 0.60, 0.70, 0.80,   # layer 1
+                      0.10, 0.30, 0.20, 0.05])  # layer 2: all below the global cut
+    # plain top-6 keeps layer 0 entirely and 0.8, 0.7 of layer 1, nothing of layer 2. The rule keeps
+    # layer 2's best (0.30) and drops the lowest unit kept elsewhere in a layer keeping > 1 (0.70).
+    m = layout.hard_mask("heads", s, "global", 0.5)
+    assert m.tolist() == [1, 1, 1, 1,
+                          0, 0, 0, 1,
+                          0, 1, 0, 0]
+    assert int(m.sum()) == keep_count(0.5, 12)
+
+
+def test_repair_of_two_empty_layers():
+    layout = UnitLayout({"channels": [4, 3, 5]})
+    s = torch.tensor([0.9, 0.8, 0.95, 0.85,
+                      0.1, 0.3, 0.2,
+                      0.05, 0.01, 0.4, 0.02, 0.03])
+    m = layout.hard_mask("channels", s, "global", 4 / 12)  # keep 4: all of layer 0, none elsewhere
+    l0, l1, l2 = layout.split("channels", m)
+    assert int(m.sum()) == 4
+    assert l1.tolist() == [0, 1, 0] and l2.tolist() == [0, 0, 1, 0, 0]  # each empty layer gets its best
+    assert l0.tolist() == [1, 0, 1, 0]  # layer 0 gave up its two weakest units (0.8, then 0.85)
+
+
+def test_repair_when_budget_is_below_one_unit_per_layer():
+    """Fewer kept units than layers: every layer still keeps one (an export needs one), budget exceeded."""
+    layout = UnitLayout({"heads": [2, 2, 2]})
+    s = torch.tensor([0.9, 0.8, 0.1, 0.2, 0.3, 0.05])
+    m = layout.hard_mask("heads", s, "global", 0.2)  # keep_count(0.2, 6) = 1
+    assert [p.tolist() for p in layout.split("heads", m)] == [[1, 0], [0, 1], [1, 0]]
+
+
+def test_hard_mask_global_random_properties():
+    """Many random layouts/rankings: one unit per layer at least, total on budget, and in every layer
+    the kept units outrank the dropped ones (a layer's mask is always a top-k of that layer)."""
+    g = torch.Generator().manual_seed(4)
+    for trial in range(300):
+        n_layers = int(torch.randint(1, 6, (1,), generator=g))
+        sizes = torch.randint(1, 9, (n_layers,), generator=g).tolist()
+        layout = UnitLayout({"heads": sizes})
+        total = layout.total("heads")
+        # layer-dependent offsets make whole layers fall below the cut often
+        s = torch.cat([torch.rand(n, generator=g) * 0.3 + float(torch.rand(1, generator=g)) for n in sizes])
+        keep = float(torch.rand(1, generator=g)) * 0.9 + 0.05
+        m = layout.hard_mask("heads", s, "global", keep)
+        k = keep_count(keep, total)
+        parts, sparts = layout.split("heads", m), layout.split("heads", s)
+        assert all(int(p.sum()) >= 1 for p in parts)
+        if k >= n_layers:
+            assert int(m.sum()) == k
+        else:
+            assert int(m.sum()) == n_layers
+        for p, sp in zip(parts, sparts):
+            assert kept_outrank_dropped(sp, p)
+
+
+def test_hard_mask_deterministic_on_ties():
+    layout = UnitLayout({"heads": [3, 3]})
+    s = torch.full((6,), 0.5)
+    m1 = layout.hard_mask("heads", s, "global", 0.5)
+    m2 = layout.hard_mask("heads", s.clone(), "global", 0.5)
+    assert torch.equal(m1, m2) and int(m1.sum()) == 3
