@@ -101,7 +101,7 @@ def main() -> None:
     # A plain safetensors copy (a GGUF loads by de-quantizing, whose spike would blur the peaks).
     model, tok = load_model(resolve_model(args.model), args.dtype)
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.kv_groups_per_layer(), "channels": a.channels_per_layer()})
+    layout = UnitLayout(a.unit_sizes())
     full = {u: torch.ones(layout.total(u)) for u in layout.unit_types}
     copy_dir = Path(tempfile.mkdtemp()) / "plain"
     build_pruned_model(model, layout, full).save_pretrained(copy_dir)

@@ -49,6 +49,11 @@ class ModelAdapter:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def layer(self, i: int) -> nn.Module:
+        """Decoder layer i (itself, also while MaskHooks has it inside a layer gate)."""
+        m = self.layers[i]
+        return getattr(m, "gated_layer", m)
+
     @property
     def head_dim(self) -> int:
         c = self.config
@@ -60,10 +65,10 @@ class ModelAdapter:
         return self.config.num_attention_heads // self.config.num_key_value_heads
 
     def attention(self, i: int) -> nn.Module:
-        return get_path(self.layers[i], self.spec.attention)
+        return get_path(self.layer(i), self.spec.attention)
 
     def mlp(self, i: int) -> nn.Module:
-        return get_path(self.layers[i], self.spec.mlp)
+        return get_path(self.layer(i), self.spec.mlp)
 
     def attn_out_proj(self, i: int) -> nn.Linear:
         return getattr(self.attention(i), self.spec.attn_out)
@@ -77,6 +82,21 @@ class ModelAdapter:
 
     def channels_per_layer(self) -> list[int]:
         return [self.mlp_out_proj(i).in_features for i in range(self.num_layers)]
+
+    def unit_sizes(self) -> dict[str, list[int]]:
+        """Units per layer of every unit type: KV groups, MLP channels, and the layer itself."""
+        return {"heads": self.kv_groups_per_layer(), "channels": self.channels_per_layer(),
+                "layers": [1] * self.num_layers}
+
+    def unit_weights(self, i: int) -> dict[str, list[tuple[nn.Linear, int, int]]]:
+        """Per unit type, the linears of layer i that carry its units: (module, dim of the units, width of one unit)."""
+        s, hd = self.spec, self.head_dim
+        attn, mlp, g = self.attention(i), self.mlp(i), self.queries_per_group * hd
+        return {
+            "heads": [(getattr(attn, s.query), 0, g), (getattr(attn, s.key), 0, hd), (getattr(attn, s.value), 0, hd),
+                      (getattr(attn, s.attn_out), 1, g)],
+            "channels": [(getattr(mlp, n), 0, 1) for n in s.mlp_in] + [(getattr(mlp, s.mlp_out), 1, 1)],
+        }
 
     def group_columns(self, group_mask: torch.Tensor) -> torch.Tensor:
         """Expand a per-KV-group mask (..., groups) to the attention-output input columns."""

@@ -82,7 +82,7 @@ def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
     from .adapter import ModelAdapter
 
     adapter = ModelAdapter.for_model(base.model)
-    sizes = {"heads": adapter.kv_groups_per_layer(), "channels": adapter.channels_per_layer()}
+    sizes = adapter.unit_sizes()
     for u in layout.unit_types:
         if layout.sizes[u] != sizes[u]:
             raise UserError(f"the masks of {Path(run_dir).name} do not fit this model ({u}: {layout.sizes[u]} vs {sizes[u]})")

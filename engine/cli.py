@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import BASELINES, ESTIMATORS, FINAL_MASKS, INITS, LR_SCHEDULES, PROB_MAPS, PruneConfig
+from .config import BASELINES, ESTIMATORS, FINAL_MASKS, INITS, LAYER_INITS, LR_SCHEDULES, METHODS, PROB_MAPS, PruneConfig
 from .errors import UserError
 from .loading import DEFAULT_MODEL, DTYPES
 from .units import SCOPES
@@ -31,25 +31,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="Policy-gradient structural pruning of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prune", help="learn masks over KV groups and MLP channels, evaluate, export")
+    p = sub.add_parser("prune", help="learn masks over KV groups, MLP channels and layers, evaluate, export")
     p.add_argument("--model", default=D.model, help=f"{DEFAULT_MODEL} (packaged GGUF), a model folder, a .gguf file or a hub id")
-    p.add_argument("--units", default=",".join(D.units), help="comma list of: heads (KV groups), channels (default %(default)s)")
+    p.add_argument("--units", default=",".join(D.units), help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers) (default %(default)s)")
     p.add_argument("--prune-ratio", type=float, default=D.prune_ratio, help="fraction of each unit pool removed (default %(default)s)")
     p.add_argument("--scope", default=D.scope, choices=SCOPES, help="global: budget shared across layers (learned per-layer split); uniform: same ratio per layer")
-    p.add_argument("--init", default=D.init, choices=INITS, help="initial scores (default %(default)s)")
+    p.add_argument("--method", default=D.method, choices=METHODS,
+                   help="pg: policy gradient, forward passes only (default); gumbel: Gumbel-softmax masks trained by "
+                        "back-propagation through the model (for comparison); metric: no optimisation, keep the top "
+                        "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, Layerwise-PPL, SLEB)")
+    p.add_argument("--init", default=D.init, choices=INITS,
+                   help="initial scores of KV groups and channels (default %(default)s). taylor needs one backward pass "
+                        "per init batch (LLM-Pruner's first-order importance); random-progressive starts random at "
+                        "--progressive-increment pruning and raises the rate by that much per stage")
+    p.add_argument("--layer-init", default=D.layer_init, choices=LAYER_INITS,
+                   help="initial scores of whole layers (default %(default)s): layerwise-ppl = calibration loss with each "
+                        "layer removed alone; sleb = greedy removal order")
+    p.add_argument("--progressive-increment", type=float, default=D.progressive_increment,
+                   help="random-progressive: prune-ratio step per stage (default %(default)s)")
     p.add_argument("--prob-map", default=D.prob_map, choices=PROB_MAPS, help="metric -> initial keep probability (default %(default)s)")
     p.add_argument("--score-const", type=float, default=D.score_const, help="score-const: s of metric-kept units (default %(default)s)")
-    p.add_argument("--init-batches", type=int, default=D.init_batches, help="calibration batches for the Wanda-sp metric (default %(default)s)")
+    p.add_argument("--init-batches", type=int, default=D.init_batches, help="calibration batches for the init metric (default %(default)s)")
     p.add_argument("--steps", type=int, default=D.steps, help="policy-gradient steps (default %(default)s)")
     p.add_argument("--lr", type=float, default=D.lr, help="learning rate eta (default %(default)s, the paper's; short CPU runs do better near 0.02)")
     p.add_argument("--lr-schedule", default=D.lr_schedule, choices=LR_SCHEDULES, help="(default %(default)s)")
     p.add_argument("--batch-size", type=int, default=D.batch_size, help="calibration segments per step (default %(default)s)")
     p.add_argument("--seqlen", type=int, default=D.seqlen, help="tokens per calibration segment (default %(default)s)")
     p.add_argument("--num-mask-samples", type=int, default=D.num_mask_samples, help="N_s masks sampled per step (default %(default)s)")
-    p.add_argument("--baseline", default=D.baseline, choices=BASELINES, help="variance-reducing baseline (default %(default)s)")
+    p.add_argument("--baseline", default=D.baseline, choices=BASELINES, help="variance-reducing baseline: moving-average (window T), leave-one-out (mean loss of the other samples of the batch), none (default %(default)s)")
     p.add_argument("--baseline-window", type=int, default=D.baseline_window, help="T of the moving-average baseline (default %(default)s)")
     p.add_argument("--estimator", default=D.estimator, choices=ESTIMATORS, help="paper: (m-s)/(s(1-s)); sqrt: the reference code's (m-s)/sqrt(s(1-s))/(N_s-1)")
     p.add_argument("--estimator-clamp", type=float, default=D.estimator_clamp, help="s clamped to [c, 1-c] inside the estimate (default %(default)s)")
+    p.add_argument("--gumbel-temperature", type=float, default=D.gumbel_temperature, help="gumbel: temperature at the first step (default %(default)s)")
+    p.add_argument("--gumbel-final-temperature", type=float, default=D.gumbel_final_temperature, help="gumbel: temperature at the last step (default %(default)s)")
+    p.add_argument("--gumbel-straight-through", action="store_true", help="gumbel: hard masks forward, relaxed gradient backward")
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--calib", default=None, help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 or ../shared/data/c4, else the hub)")
     p.add_argument("--val-every", type=int, default=D.val_every, help="every N steps, held-out perplexity of the current hard mask (0: off; every 10th calibration document is held out)")

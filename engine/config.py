@@ -11,10 +11,12 @@ from .errors import UserError
 from .loading import DEFAULT_MODEL, DTYPES
 from .units import SCOPES, UNIT_TYPES
 
-INITS = ("wanda-sp", "random")
+METHODS = ("pg", "gumbel", "metric")
+INITS = ("wanda-sp", "magnitude-sp", "taylor", "random", "random-progressive")
+LAYER_INITS = ("layerwise-ppl", "sleb", "random")
 PROB_MAPS = ("sigmoid-norm", "score-const")
 ESTIMATORS = ("paper", "sqrt")
-BASELINES = ("moving-average", "none")
+BASELINES = ("moving-average", "leave-one-out", "none")
 LR_SCHEDULES = ("cosine", "constant")
 FINAL_MASKS = ("last", "best-val")
 
@@ -24,11 +26,16 @@ class PruneConfig:
     model: str = DEFAULT_MODEL
     units: list[str] = field(default_factory=lambda: ["heads", "channels"])
     prune_ratio: float = 0.3  # fraction of each unit pool removed
-    scope: str = "global"  # global: one pool per unit type across layers; uniform: one per layer
-    init: str = "wanda-sp"
+    scope: str = "global"  # global: one pool per unit type across layers; uniform: one per layer (layers: always one pool)
+    # pg: policy gradient (forward only); gumbel: Gumbel-softmax relaxation trained by back-propagation
+    # through the model (the paper's comparison); metric: no optimisation, the init metric's ranking is the mask
+    method: str = "pg"
+    init: str = "wanda-sp"  # for KV groups and channels; random-progressive also raises the rate in stages
+    layer_init: str = "layerwise-ppl"  # for whole layers
+    progressive_increment: float = 0.05  # random-progressive: prune-ratio step between stages
     prob_map: str = "sigmoid-norm"  # how metric scores become initial keep probabilities
     score_const: float = 0.8  # score-const: initial s of units the metric keeps (1 - it for the others)
-    init_batches: int = 16  # calibration batches for the Wanda-sp metric
+    init_batches: int = 16  # calibration batches for the init metric (Wanda-sp, Taylor, Layerwise-PPL, SLEB)
     steps: int = 1000
     lr: float = 2e-3
     lr_schedule: str = "cosine"
@@ -39,6 +46,9 @@ class PruneConfig:
     baseline_window: int = 5  # T of the moving average
     estimator: str = "paper"
     estimator_clamp: float = 0.01  # s is clamped to [c, 1-c] inside the gradient estimate only
+    gumbel_temperature: float = 1.0  # gumbel: relaxation temperature at step 0 ...
+    gumbel_final_temperature: float = 0.1  # ... annealed geometrically to this at the last step
+    gumbel_straight_through: bool = False  # gumbel: hard 0/1 masks forward, relaxed gradient backward
     seed: int = 0
     calib: str | None = None  # calibration data file/folder; None: the default data dir or the hub
     eval_data: str | None = None  # evaluation text file/folder; None: the default data dir or the hub
@@ -66,7 +76,9 @@ class PruneConfig:
             bad(f"units must be a comma list of {', '.join(UNIT_TYPES)}, got {','.join(self.units) or 'nothing'}")
         for name, value, allowed in (
             ("scope", self.scope, SCOPES),
+            ("method", self.method, METHODS),
             ("init", self.init, INITS),
+            ("layer init", self.layer_init, LAYER_INITS),
             ("prob map", self.prob_map, PROB_MAPS),
             ("estimator", self.estimator, ESTIMATORS),
             ("baseline", self.baseline, BASELINES),
@@ -94,6 +106,16 @@ class PruneConfig:
             bad(f"estimator clamp must be in (0, 0.5), got {self.estimator_clamp}")
         if self.estimator == "sqrt" and self.num_mask_samples < 2:
             bad("the sqrt estimator needs at least 2 mask samples per step")
+        if self.baseline == "leave-one-out" and self.num_mask_samples < 2:
+            bad("the leave-one-out baseline needs at least 2 mask samples per step")
+        if self.init == "random-progressive" and not 0.0 < self.progressive_increment <= self.prune_ratio:
+            bad(f"progressive increment must be in (0, prune ratio], got {self.progressive_increment}")
+        if not 0.0 < self.gumbel_final_temperature <= self.gumbel_temperature:
+            bad("gumbel temperatures must satisfy 0 < final temperature <= temperature")
+        if self.method == "metric" and self.init == "random-progressive":
+            bad("random-progressive is a schedule of the optimisation; method metric has none (use init random)")
+        if self.method == "metric" and self.val_every:
+            bad("method metric runs no steps; held-out validation (val every) needs pg or gumbel")
         return self
 
     def to_dict(self) -> dict:

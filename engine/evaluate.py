@@ -8,13 +8,18 @@ import torch.nn.functional as F
 from .loading import model_device
 
 
-@torch.no_grad()
-def batch_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of each row: (batch,)."""
+def token_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of each row, (batch,), on the model's device; differentiable."""
     input_ids = input_ids.to(model_device(model))
     logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
-    return ce.view(input_ids.shape[0], -1).mean(1).cpu()
+    return ce.view(input_ids.shape[0], -1).mean(1)
+
+
+@torch.no_grad()
+def batch_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of each row: (batch,), on the CPU."""
+    return token_loss(model, input_ids).cpu()
 
 
 @torch.no_grad()

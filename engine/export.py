@@ -59,43 +59,76 @@ def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tenso
     return meta, masks, scores
 
 
-def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: ModelAdapter) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(kept KV groups, kept channels) per layer; a unit type that was not pruned keeps everything."""
+def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: ModelAdapter) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(layer index, kept KV groups, kept channels) of every kept layer; a unit type that was not
+    pruned keeps everything. The KV groups and channels of a removed layer do not matter."""
+    layers = layout.split("layers", masks["layers"]) if "layers" in masks else None
     groups = layout.split("heads", masks["heads"]) if "heads" in masks else None
     channels = layout.split("channels", masks["channels"]) if "channels" in masks else None
     out = []
     for i, (n_groups, n_channels) in enumerate(zip(adapter.kv_groups_per_layer(), adapter.channels_per_layer())):
+        if layers is not None and not layers[i].any():
+            continue
         g = torch.nonzero(groups[i]).flatten() if groups is not None else torch.arange(n_groups)
         c = torch.nonzero(channels[i]).flatten() if channels is not None else torch.arange(n_channels)
         if len(g) == 0 or len(c) == 0:
             raise ValueError(f"layer {i} would keep no KV group or no channel")
-        out.append((g, c))
+        out.append((i, g, c))
+    if not out:
+        raise ValueError("the masks keep no layer")
     return out
 
 
 @torch.no_grad()
 def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]):
-    """A physically smaller copy of `model` (on CPU) whose forward equals the masked model's."""
+    """A physically smaller copy of `model` (on CPU) whose forward equals the masked model's.
+
+    Removed layers are dropped and the kept ones renumbered (so the KV cache lines up). When every
+    kept layer keeps all its KV groups and channels, the copy is the plain base architecture with
+    fewer layers (it reloads with plain transformers); otherwise it is the pruned_<type> model with
+    per-layer KV-head counts and MLP widths.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     adapter = ModelAdapter.for_model(model)
     keep = kept_indices(layout, masks, adapter)
-    config_cls, model_cls = adapter.pruned_classes()
+    base_type = base_model_type(model.config)
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in _SOURCE_ONLY_KEYS}
-    cfg["kv_heads_per_layer"] = [len(g) for g, _ in keep]
-    cfg["intermediate_size_per_layer"] = [len(c) for _, c in keep]
-    cfg["base_model_type"] = base_model_type(model.config)
-    cfg["auto_map"] = {
-        "AutoConfig": f"{Path(_MODELING_FILE).stem}.{config_cls.__name__}",
-        "AutoModelForCausalLM": f"{Path(_MODELING_FILE).stem}.{model_cls.__name__}",
-    }
-    config = config_cls(**cfg)
-    dtype = next(model.parameters()).dtype
-    pruned = model_cls(config).to(dtype)
+    for key in ("kv_heads_per_layer", "intermediate_size_per_layer", "base_model_type"):
+        cfg.pop(key, None)
+    cfg["num_hidden_layers"] = len(keep)
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = [cfg["layer_types"][i] for i, _, _ in keep]
+    kv = [len(g) for _, g, _ in keep]
+    width = [len(c) for _, _, c in keep]
+    if all(k == model.config.num_key_value_heads for k in kv) and all(w == model.config.intermediate_size for w in width):
+        config = AutoConfig.for_model(base_type, **cfg)
+        pruned = AutoModelForCausalLM.from_config(config)
+    else:
+        config_cls, model_cls = adapter.pruned_classes()
+        cfg["kv_heads_per_layer"], cfg["intermediate_size_per_layer"], cfg["base_model_type"] = kv, width, base_type
+        cfg["auto_map"] = {
+            "AutoConfig": f"{Path(_MODELING_FILE).stem}.{config_cls.__name__}",
+            "AutoModelForCausalLM": f"{Path(_MODELING_FILE).stem}.{model_cls.__name__}",
+        }
+        pruned = model_cls(config_cls(**cfg))
+    pruned = pruned.to(next(model.parameters()).dtype)
     state = dict(model.state_dict())
-    for i, (g, c) in enumerate(keep):
+    prefix = adapter.spec.layers + "."
+    for i, g, c in keep:
         for key, (dim, idx) in adapter.layer_slices(i, g, c).items():
             if key in state:
                 state[key] = state[key].index_select(dim, idx.to(state[key].device))
-    pruned.load_state_dict({k: v.cpu() for k, v in state.items()}, strict=True)
+    renumber = {i: j for j, (i, _, _) in enumerate(keep)}
+    new_state = {}
+    for key, value in state.items():
+        if key.startswith(prefix):
+            index, rest = key[len(prefix):].split(".", 1)
+            if int(index) not in renumber:
+                continue
+            key = f"{prefix}{renumber[int(index)]}.{rest}"
+        new_state[key] = value.cpu()
+    pruned.load_state_dict(new_state, strict=True)
     pruned.generation_config = model.generation_config
     pruned.eval().requires_grad_(False)
     return pruned
@@ -107,5 +140,6 @@ def export_pruned(model, tokenizer, layout: UnitLayout, masks: dict[str, torch.T
     with atomic_dir(Path(dest)) as tmp:
         pruned.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        shutil.copyfile(modeling_pruned.__file__, tmp / _MODELING_FILE)
+        if getattr(pruned.config, "auto_map", None):
+            shutil.copyfile(modeling_pruned.__file__, tmp / _MODELING_FILE)
     return {"params": count_parameters(pruned)}

@@ -1,25 +1,44 @@
-"""Initial scores: unit importance metrics and the maps that turn them into keep probabilities."""
+"""Initial scores: unit importance metrics and the maps that turn them into keep probabilities.
+
+Every metric returns, per unit type, one tensor per layer ("higher = more important"):
+- Wanda-sp (FLAP's structured Wanda) and magnitude-sp for KV groups and MLP channels;
+- first-order Taylor importance (LLM-Pruner style; one backward pass per calibration batch);
+- Layerwise-PPL (the calibration loss with each layer removed alone, as Shortened-LLaMA) and
+  SLEB (greedy removal of the layer whose absence costs least, one at a time) for whole layers.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .adapter import ModelAdapter
-from .evaluate import batch_loss
-from .units import UnitLayout
+from .evaluate import batch_loss, token_loss
+from .masking import MaskHooks
+from .policy import keep_count
+from .units import WHOLE_LAYER_TYPES, UnitLayout
+
+
+def _to_units(adapter: ModelAdapter, unit_type: str, col: torch.Tensor) -> torch.Tensor:
+    """Per-column scores of an output projection's input -> per-unit scores. A query head sums its
+    head_dim columns, a KV group averages its query heads; an MLP channel is one column."""
+    if unit_type == "heads":
+        per_head = col.view(-1, adapter.head_dim).sum(1)
+        return per_head.view(-1, adapter.queries_per_group).mean(1)
+    return col
+
+
+def _out_proj(adapter: ModelAdapter, unit_type: str, i: int):
+    return adapter.attn_out_proj(i) if unit_type == "heads" else adapter.mlp_out_proj(i)
 
 
 @torch.no_grad()
 def wanda_sp(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    """Wanda-sp (FLAP's structured Wanda) per unit, per layer.
-
-    For an output projection W (out x in) and its input activations X, column j scores
-    mean_rows |W[:, j]| * sqrt(mean_tokens X_j^2). A query head sums its head_dim columns, a
-    KV group averages its query heads; an MLP channel is one column.
-    """
+    """Wanda-sp: for an output projection W (out x in) and its input activations X, column j
+    scores mean_rows |W[:, j]| * sqrt(mean_tokens X_j^2)."""
     n = adapter.num_layers
-    sq_sums = {("heads", i): None for i in range(n)} | {("channels", i): None for i in range(n)}
-    tokens = [0]
+    sq_sums: dict[tuple[str, int], torch.Tensor | None] = {(u, i): None for u in ("heads", "channels") for i in range(n)}
+    tokens = 0
     handles = []
 
     def recorder(key):
@@ -31,36 +50,114 @@ def wanda_sp(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, li
         return hook
 
     for i in range(n):
-        handles.append(adapter.attn_out_proj(i).register_forward_pre_hook(recorder(("heads", i))))
-        handles.append(adapter.mlp_out_proj(i).register_forward_pre_hook(recorder(("channels", i))))
+        for u in ("heads", "channels"):
+            handles.append(_out_proj(adapter, u, i).register_forward_pre_hook(recorder((u, i))))
     try:
         for batch in batches:
             batch_loss(adapter.model, batch)
-            tokens[0] += batch.numel()
+            tokens += batch.numel()
     finally:
         for h in handles:
             h.remove()
-
     out: dict[str, list[torch.Tensor]] = {"heads": [], "channels": []}
     for i in range(n):
-        for unit_type, proj in (("heads", adapter.attn_out_proj(i)), ("channels", adapter.mlp_out_proj(i))):
-            col = proj.weight.detach().float().abs().mean(0).cpu() * torch.sqrt(sq_sums[(unit_type, i)].cpu() / tokens[0])
-            if unit_type == "heads":
-                per_head = col.view(-1, adapter.head_dim).sum(1)
-                col = per_head.view(-1, adapter.queries_per_group).mean(1)
-            out[unit_type].append(col)
+        for u in out:
+            w = _out_proj(adapter, u, i).weight.detach().float().abs().mean(0).cpu()
+            out[u].append(_to_units(adapter, u, w * torch.sqrt(sq_sums[(u, i)].cpu() / tokens)))
     return out
+
+
+@torch.no_grad()
+def magnitude_sp(adapter: ModelAdapter) -> dict[str, list[torch.Tensor]]:
+    """Magnitude-sp: column j of an output projection scores mean_rows |W[:, j]| (no data)."""
+    return {u: [_to_units(adapter, u, _out_proj(adapter, u, i).weight.detach().float().abs().mean(0).cpu())
+                for i in range(adapter.num_layers)] for u in ("heads", "channels")}
+
+
+def taylor(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """First-order Taylor importance (LLM-Pruner): a unit scores sum |w * dL/dw| over every weight
+    it owns (query/key/value rows and output columns of a KV group; gate/up rows and the down column
+    of a channel), with the gradient of the calibration loss accumulated over `batches`.
+
+    This is the one place that back-propagates through the model (one backward pass per batch);
+    the policy-gradient optimisation itself stays forward-only.
+    """
+    n = adapter.num_layers
+    linears = {id(m): m for i in range(n) for parts in adapter.unit_weights(i).values() for m, _, _ in parts}
+    for m in linears.values():
+        m.weight.requires_grad_(True)
+        m.weight.grad = None
+    try:
+        with torch.enable_grad():
+            for batch in batches:
+                token_loss(adapter.model, batch).mean().backward()
+        out: dict[str, list[torch.Tensor]] = {"heads": [], "channels": []}
+        for i in range(n):
+            for u, parts in adapter.unit_weights(i).items():
+                total = None
+                for m, dim, width in parts:
+                    contrib = (m.weight.detach() * m.weight.grad).abs().float()
+                    per_unit = contrib.transpose(0, dim).reshape(-1, width, contrib.shape[1 - dim]).sum((1, 2)).cpu()
+                    total = per_unit if total is None else total + per_unit
+                out[u].append(total)
+        return out
+    finally:
+        for m in linears.values():
+            m.weight.grad = None
+            m.weight.requires_grad_(False)
+
+
+@torch.no_grad()
+def _loss_without(adapter: ModelAdapter, batches: list[torch.Tensor], removed: list[int]) -> float:
+    gates = [torch.tensor(0.0 if i in removed else 1.0) for i in range(adapter.num_layers)]
+    with MaskHooks(adapter) as hooks:
+        hooks.set({"layers": gates})
+        return float(torch.cat([batch_loss(adapter.model, b) for b in batches]).double().mean())
+
+
+def layerwise_ppl(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Layerwise-PPL (Shortened-LLaMA): the calibration log-perplexity with layer i removed alone.
+    A layer whose removal hurts more is more important."""
+    return {"layers": [torch.tensor([_loss_without(adapter, batches, [i])]) for i in range(adapter.num_layers)]}
+
+
+def sleb(adapter: ModelAdapter, batches: list[torch.Tensor], keep_ratio: float) -> dict[str, list[torch.Tensor]]:
+    """SLEB: remove layers one at a time, each time the one whose removal gives the lowest
+    calibration loss given those already removed, until keep_ratio of the layers remain.
+    Score: the removal round (0 = removed first); layers never removed score highest."""
+    n = adapter.num_layers
+    to_remove = n - keep_count(keep_ratio, n)
+    removed: list[int] = []
+    for _ in range(to_remove):
+        losses = {i: _loss_without(adapter, batches, removed + [i]) for i in range(n) if i not in removed}
+        removed.append(min(losses, key=losses.get))
+    score = {i: float(k) for k, i in enumerate(removed)}
+    return {"layers": [torch.tensor([score.get(i, float(to_remove))]) for i in range(n)]}
+
+
+def random_metric(layout: UnitLayout, unit_types: list[str], seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {u: [torch.randn(k, generator=g) for k in layout.sizes[u]] for u in unit_types}
+
+
+def _zscore(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    std = x.std() if x.numel() > 1 else torch.zeros((), dtype=x.dtype)
+    return (x - x.mean()) / std if std > 0 else torch.zeros_like(x)
 
 
 def standardize_per_layer(layer_scores: list[torch.Tensor]) -> torch.Tensor:
     """z-score inside each layer, concatenated. Raw activation scales grow with depth, so a metric
     compared across layers without this prunes the early layers first."""
-    parts = []
-    for s in layer_scores:
-        s = s.double()
-        std = s.std() if s.numel() > 1 else torch.zeros((), dtype=s.dtype)
-        parts.append(((s - s.mean()) / std) if std > 0 else torch.zeros_like(s))
-    return torch.cat(parts).float()
+    return torch.cat([_zscore(s) for s in layer_scores]).float()
+
+
+def standardize(unit_type: str, layer_scores: list[torch.Tensor]) -> torch.Tensor:
+    """The flat, standardized metric of one unit type: per layer for units inside layers, over the
+    whole model for whole layers (one unit per layer)."""
+    if unit_type in WHOLE_LAYER_TYPES:
+        return _zscore(torch.cat(layer_scores)).float()
+    return standardize_per_layer(layer_scores)
 
 
 def sigmoid_norm(z: torch.Tensor, keep_ratio: float, clamp: float = 0.01) -> torch.Tensor:
@@ -75,12 +172,9 @@ def score_const(kept: torch.Tensor, c: float) -> torch.Tensor:
     return torch.where(kept > 0, torch.full_like(kept, c), torch.full_like(kept, 1.0 - c))
 
 
-def initial_scores(
-    metric: list[torch.Tensor], layout: UnitLayout, unit_type: str, scope: str, keep_ratio: float,
-    prob_map: str, c: float,
-) -> torch.Tensor:
-    """Per-layer metric values -> feasible keep probabilities for one unit type."""
-    z = standardize_per_layer(metric)
+def initial_scores(z: torch.Tensor, layout: UnitLayout, unit_type: str, scope: str, keep_ratio: float,
+                   prob_map: str, c: float) -> torch.Tensor:
+    """A standardized metric (flat, see `standardize`) -> feasible keep probabilities for one unit type."""
     if prob_map == "sigmoid-norm":
         s = sigmoid_norm(z, keep_ratio)
     elif prob_map == "score-const":

@@ -67,6 +67,55 @@ def update_baseline(baseline: float | None, mean_loss: float, window: int) -> fl
     return (1.0 - 1.0 / window) * baseline + mean_loss / window
 
 
+def leave_one_out_baselines(losses: torch.Tensor) -> torch.Tensor:
+    """Per-sample baselines b_j = mean of the other N_s - 1 losses of the same batch (no stale losses)."""
+    n = losses.numel()
+    if n < 2:
+        raise ValueError("a leave-one-out baseline needs at least 2 samples")
+    return (losses.sum() - losses) / (n - 1)
+
+
+def progressive_stages(target_prune_ratio: float, steps: int, increment: float = 0.05) -> list[tuple[int, float]]:
+    """Random-progressive schedule: [(first step, prune ratio)] per stage.
+
+    The prune ratio starts at `increment` and rises by `increment` per stage up to the target;
+    the step budget is split evenly across stages (the last stage takes the remainder).
+    """
+    n = max(1, math.ceil(round(target_prune_ratio / increment, 6)))
+    ratios = [min(target_prune_ratio, increment * (k + 1)) for k in range(n)]
+    per = steps // n
+    if per == 0:  # fewer steps than stages: spend them on the last stages
+        ratios, per = ratios[-steps:], 1
+    return [(k * per, r) for k, r in enumerate(ratios)]
+
+
+def stage_at(stages: list[tuple[int, float]], step: int, total_steps: int) -> tuple[float, int, int]:
+    """(prune ratio, steps into the stage, stage length) of 0-based `step`."""
+    k = 0
+    for i, (start, _) in enumerate(stages):
+        if start <= step:
+            k = i
+    start = stages[k][0]
+    end = stages[k + 1][0] if k + 1 < len(stages) else total_steps
+    return stages[k][1], step - start, max(end - start, 1)
+
+
+def relaxed_bernoulli(scores: torch.Tensor, temperature: float, generator: torch.Generator,
+                      straight_through: bool = False, clamp: float = 1e-2) -> torch.Tensor:
+    """Gumbel-softmax (binary concrete) sample of Bernoulli(s) masks, differentiable in s.
+
+    m = sigmoid((logit(s) + logit(u)) / tau), u ~ U(0, 1). Straight-through: the forward value is
+    the hard 0/1 mask (m > 0.5), the gradient that of the relaxed m.
+    """
+    s = scores.clamp(clamp, 1.0 - clamp)
+    u = torch.rand(s.shape, generator=generator, dtype=torch.float64).clamp(1e-6, 1 - 1e-6).to(s)
+    soft = torch.sigmoid((torch.log(s) - torch.log1p(-s) + torch.log(u) - torch.log1p(-u)) / temperature)
+    if not straight_through:
+        return soft
+    hard = (soft > 0.5).to(soft)
+    return hard + soft - soft.detach()
+
+
 def cosine_lr(base_lr: float, step: int, total_steps: int) -> float:
     """Cosine decay from base_lr at step 0 to 0 at total_steps."""
     return 0.5 * base_lr * (1.0 + math.cos(math.pi * min(step, total_steps) / max(total_steps, 1)))

@@ -24,12 +24,13 @@ from .adapter import ModelAdapter
 from .config import PruneConfig
 from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
 from .errors import UserError
-from .evaluate import batch_loss, perplexity
-from .importance import initial_scores, wanda_sp
+from .evaluate import batch_loss, perplexity, token_loss
+from . import importance
 from .io import atomic_file, atomic_write_text
 from .loading import count_parameters, load_model, resolve_model
 from .masking import MaskHooks
-from .policy import cosine_lr, policy_gradient, sample_masks, update_baseline
+from .policy import (cosine_lr, leave_one_out_baselines, policy_gradient, progressive_stages, relaxed_bernoulli,
+                     sample_masks, stage_at, update_baseline)
 from .units import UnitLayout
 
 CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
@@ -51,6 +52,7 @@ class StepReport:
     seconds: float  # wall time of this step
     eta_seconds: float
     val_ppl: float | None = None  # held-out perplexity of the current hard mask, on validation steps
+    keep_ratio: float | None = None  # the budget this step (rises in stages under random-progressive)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -70,6 +72,7 @@ class RunState:
     best_val_ppl: float | None = None  # best held-out perplexity so far, its step and scores
     best_step: int | None = None
     best_scores: dict[str, torch.Tensor] | None = None
+    init_metric: dict[str, torch.Tensor] | None = None  # the standardized init metric (method metric ranks it)
 
 
 Observer = Callable[[StepReport], None]
@@ -118,8 +121,10 @@ class PruneRun:
         for name in ("seqlen", "eval_seqlen"):
             if max_pos is not None and getattr(config, name) > max_pos:
                 raise UserError(f"{name.replace('_', ' ')} {getattr(config, name)} is beyond the model's {max_pos} positions")
-        sizes = {"heads": self.adapter.kv_groups_per_layer(), "channels": self.adapter.channels_per_layer()}
+        sizes = self.adapter.unit_sizes()
         self.layout = UnitLayout({u: sizes[u] for u in config.units})
+        self.stages = (progressive_stages(config.prune_ratio, config.steps, config.progressive_increment)
+                       if config.init == "random-progressive" else [(0, config.prune_ratio)])
         texts, self.calib_source = load_calibration_texts(config.calib)
         self.val_batches: list[torch.Tensor] = []
         if config.val_every:
@@ -134,10 +139,23 @@ class PruneRun:
         self.mask_rng = torch.Generator().manual_seed(config.seed + 1)
         self.progress = True  # tqdm bars on stderr; run(progress=False) turns them off
 
-    # --- masks -----------------------------------------------------------------------------
-    def hard_masks(self, scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # --- masks ---------------------------------------------------------------------------
+    def keep_ratio_at(self, step: int) -> float:
+        """The budget at 0-based `step`: the target, or the current stage's under random-progressive."""
+        return 1.0 - stage_at(self.stages, step, self.config.steps)[0]
+
+    def lr_at(self, step: int) -> float:
+        """Cosine decay over the run, or over each stage under random-progressive; or constant."""
         c = self.config
-        return {u: self.layout.hard_mask(u, s, c.scope, c.keep_ratio) for u, s in scores.items()}
+        if c.lr_schedule == "constant":
+            return c.lr
+        _, into, length = stage_at(self.stages, step, c.steps)
+        return cosine_lr(c.lr, into, length)
+
+    def hard_masks(self, scores: dict[str, torch.Tensor], keep_ratio: float | None = None) -> dict[str, torch.Tensor]:
+        c = self.config
+        keep = c.keep_ratio if keep_ratio is None else keep_ratio
+        return {u: self.layout.hard_mask(u, s, c.scope, keep) for u, s in scores.items()}
 
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         return {u: self.layout.split(u, m) for u, m in flat.items()}
@@ -163,28 +181,46 @@ class PruneRun:
         return ppl
 
     # --- init ------------------------------------------------------------------------------
-    def initial_scores(self) -> dict[str, torch.Tensor]:
-        c = self.config
-        if c.init == "wanda-sp":
+    def initial_metric(self) -> dict[str, torch.Tensor]:
+        """The standardized importance metric of every unit type (flat; higher = keep)."""
+        c, a = self.config, self.adapter
+        wanted = {u: ("random" if c.init == "random-progressive" else c.init) if u != "layers" else c.layer_init
+                  for u in self.layout.unit_types}
+        batches = None
+        if any(m in ("wanda-sp", "taylor", "layerwise-ppl", "sleb") for m in wanted.values()):
             batches = [self.sampler.next_batch() for _ in range(c.init_batches)]
-            metric = wanda_sp(self.adapter, batches)
-        else:  # random: a seeded Gaussian metric, mapped like any other
-            g = torch.Generator().manual_seed(c.seed + 2)
-            metric = {u: [torch.randn(n, generator=g) for n in self.layout.sizes[u]] for u in self.layout.unit_types}
-        return {
-            u: initial_scores(metric[u], self.layout, u, c.scope, c.keep_ratio, c.prob_map, c.score_const)
-            for u in self.layout.unit_types
-        }
+        raw: dict[str, list[torch.Tensor]] = {}
+        for name in dict.fromkeys(wanted.values()):
+            units = [u for u, m in wanted.items() if m == name]
+            self.log(f"computing the {name} metric for {', '.join(units)}")
+            if name == "wanda-sp":
+                metric = importance.wanda_sp(a, batches)
+            elif name == "magnitude-sp":
+                metric = importance.magnitude_sp(a)
+            elif name == "taylor":
+                metric = importance.taylor(a, batches)
+            elif name == "layerwise-ppl":
+                metric = importance.layerwise_ppl(a, batches)
+            elif name == "sleb":
+                metric = importance.sleb(a, batches, c.keep_ratio)
+            else:  # random: a seeded Gaussian metric, mapped like any other
+                metric = importance.random_metric(self.layout, units, c.seed + 2)
+            raw.update({u: metric[u] for u in units})
+        return {u: importance.standardize(u, raw[u]) for u in self.layout.unit_types}
 
     def fresh_state(self) -> RunState:
-        self.log(f"initialising scores ({self.config.init}, {self.config.prob_map})")
-        scores = self.initial_scores()
+        c = self.config
+        self.log(f"initialising scores ({c.init if set(c.units) - {'layers'} else c.layer_init}, {c.prob_map})")
+        z = self.initial_metric()
+        keep0 = self.keep_ratio_at(0)
+        scores = {u: importance.initial_scores(z[u], self.layout, u, c.scope, keep0, c.prob_map, c.score_const)
+                  for u in self.layout.unit_types}
         ppl_dense = self.masked_perplexity(None, "dense")
-        ppl_init = self.masked_perplexity(self.hard_masks(scores), "init")
+        ppl_init = self.masked_perplexity(self.hard_masks(z), "init")
         return RunState(
             step=0, scores=scores, baseline=None, sampler_state=self.sampler.state_dict(),
             mask_rng_state=self.mask_rng.get_state(), ppl_dense=ppl_dense, ppl_init=ppl_init,
-            init_scores={u: s.clone() for u, s in scores.items()},
+            init_scores={u: s.clone() for u, s in scores.items()}, init_metric=z,
         )
 
     # --- checkpoints -----------------------------------------------------------------------
@@ -214,8 +250,33 @@ class PruneRun:
 
     # --- the loop --------------------------------------------------------------------------
     def step(self, state: RunState) -> StepReport:
+        """One optimisation step: policy gradient (forward passes only) or, for method gumbel,
+        one back-propagated step through relaxed masks. Then s <- proj_C(s - lr g)."""
         c, t0 = self.config, time.perf_counter()
         batch = self.sampler.next_batch()
+        keep, lr = self.keep_ratio_at(state.step), self.lr_at(state.step)
+        if c.method == "gumbel":
+            losses, grads, baseline = self._gumbel_gradient(state, batch)
+        else:
+            losses, grads, baseline = self._policy_gradient(state, batch)
+        for u, s in state.scores.items():
+            state.scores[u] = self.layout.project(u, (s.double() - lr * grads[u]).float(), c.scope, keep)
+        state.step += 1
+        seconds = time.perf_counter() - t0
+        state.seconds_in_steps += seconds
+        hard = self.hard_masks(state.scores, keep)
+        return StepReport(
+            step=state.step, total_steps=c.steps, losses=[float(x) for x in losses], baseline=float(baseline), lr=lr,
+            mean_score={u: self.layout.layer_means(u, s) for u, s in state.scores.items()},
+            kept_fraction={u: self.layout.layer_means(u, m) for u, m in hard.items()},
+            head_scores=[p.tolist() for p in self.layout.split("heads", state.scores["heads"])] if "heads" in state.scores else None,
+            seconds=seconds,
+            eta_seconds=(state.seconds_in_steps / state.step) * (c.steps - state.step),
+            keep_ratio=keep,
+        )
+
+    def _policy_gradient(self, state: RunState, batch: torch.Tensor):
+        c = self.config
         samples = {u: sample_masks(s, c.num_mask_samples, self.mask_rng) for u, s in state.scores.items()}
         losses = torch.empty(c.num_mask_samples, dtype=torch.float64)
         with MaskHooks(self.adapter) as hooks:
@@ -224,25 +285,31 @@ class PruneRun:
                 losses[j] = batch_loss(self.model, batch).double().mean()
         if c.baseline == "moving-average":
             state.baseline = update_baseline(state.baseline, float(losses.mean()), c.baseline_window)
-            baseline = state.baseline
+            baseline, shown = state.baseline, state.baseline
+        elif c.baseline == "leave-one-out":
+            baseline, shown = leave_one_out_baselines(losses), float(losses.mean())
         else:
-            baseline = 0.0
-        lr = cosine_lr(c.lr, state.step, c.steps) if c.lr_schedule == "cosine" else c.lr
-        for u, s in state.scores.items():
-            g = policy_gradient(s.double(), samples[u].double(), losses, baseline, c.estimator, c.estimator_clamp)
-            state.scores[u] = self.layout.project(u, (s.double() - lr * g).float(), c.scope, c.keep_ratio)
-        state.step += 1
-        seconds = time.perf_counter() - t0
-        state.seconds_in_steps += seconds
-        hard = self.hard_masks(state.scores)
-        return StepReport(
-            step=state.step, total_steps=c.steps, losses=[float(x) for x in losses], baseline=float(baseline), lr=lr,
-            mean_score={u: self.layout.layer_means(u, s) for u, s in state.scores.items()},
-            kept_fraction={u: self.layout.layer_means(u, m) for u, m in hard.items()},
-            head_scores=[p.tolist() for p in self.layout.split("heads", state.scores["heads"])] if "heads" in state.scores else None,
-            seconds=seconds,
-            eta_seconds=(state.seconds_in_steps / state.step) * (c.steps - state.step),
-        )
+            baseline, shown = 0.0, 0.0
+        grads = {u: policy_gradient(s.double(), samples[u].double(), losses, baseline, c.estimator, c.estimator_clamp)
+                 for u, s in state.scores.items()}
+        return losses, grads, shown
+
+    def _gumbel_gradient(self, state: RunState, batch: torch.Tensor):
+        """d loss / d s through Gumbel-softmax relaxed masks, back-propagated through the model
+        (N_s relaxed samples, averaged); the temperature anneals geometrically over the run."""
+        c = self.config
+        tau = c.gumbel_temperature * (c.gumbel_final_temperature / c.gumbel_temperature) ** (state.step / max(c.steps - 1, 1))
+        leaves = {u: s.detach().float().clone().requires_grad_(True) for u, s in state.scores.items()}
+        losses = torch.empty(c.num_mask_samples, dtype=torch.float64)
+        with MaskHooks(self.adapter) as hooks, torch.enable_grad():
+            for j in range(c.num_mask_samples):
+                relaxed = {u: relaxed_bernoulli(s, tau, self.mask_rng, c.gumbel_straight_through, c.estimator_clamp)
+                           for u, s in leaves.items()}
+                hooks.set(self.layer_masks(relaxed))
+                loss = token_loss(self.model, batch).mean()
+                (loss / c.num_mask_samples).backward()
+                losses[j] = float(loss.detach())
+        return losses, {u: leaves[u].grad.double().cpu() for u in leaves}, 0.0
 
     def run(self, resume: bool = False, observer: Observer | None = None, stop: threading.Event | None = None,
             progress: bool = True) -> dict:
@@ -264,13 +331,13 @@ class PruneRun:
             (self.out / METRICS_FILE).write_text("")
 
         bar = None
-        if progress:
+        if progress and c.method != "metric":
             from tqdm.auto import tqdm
 
             bar = tqdm(total=c.steps, initial=state.step, desc="pruning", unit="step")
         stopped = False
         with open(self.out / METRICS_FILE, "a") as metrics:
-            while state.step < c.steps:
+            while c.method != "metric" and state.step < c.steps:
                 if stop is not None and stop.is_set():
                     stopped = True
                     break
@@ -299,7 +366,10 @@ class PruneRun:
         from .export import export_pruned, save_mask_artifact
 
         c = self.config
-        scores = state.best_scores if c.final_mask == "best-val" else state.scores
+        if c.method == "metric":
+            scores = state.init_metric  # the metric's own ranking: no optimisation
+        else:
+            scores = state.best_scores if c.final_mask == "best-val" else state.scores
         masks = self.hard_masks(scores)
         save_mask_artifact(self.out, self.source.name, self.layout, scores, masks, state.init_scores)
         ppl_pruned = self.masked_perplexity(masks, "pruned")
@@ -308,6 +378,13 @@ class PruneRun:
         results = {
             "status": "done",
             "model": self.source.name,
+            "method": c.method,
+            "init": c.init,
+            "layer_init": c.layer_init if "layers" in c.units else None,
+            "units": c.units,
+            "scope": c.scope,
+            "prune_ratio": c.prune_ratio,
+            "seed": c.seed,
             "ppl_dense": state.ppl_dense,
             "ppl_init": state.ppl_init,
             "ppl_pruned": ppl_pruned,
@@ -325,6 +402,7 @@ class PruneRun:
             "best_val_ppl": state.best_val_ppl,
             "lr": c.lr,
             "seconds_per_step": state.seconds_in_steps / max(state.step, 1),
+            "seconds_in_steps": state.seconds_in_steps,
             "peak_rss_mb": peak_rss_mb(),
         }
         atomic_write_text(self.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")

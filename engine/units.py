@@ -2,7 +2,8 @@
 
 Scores of one unit type (e.g. "heads" = KV groups) live in one flat vector, layer after layer.
 Scope "global" makes the whole vector one pool with one budget, so the per-layer split is learned;
-"uniform" gives every layer its own pool with the same keep ratio.
+"uniform" gives every layer its own pool with the same keep ratio. Whole layers ("layers", one unit
+per decoder layer) always form one pool across the model.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import torch
 
 from .policy import keep_count, project_capped_simplex, top_k_mask
 
-UNIT_TYPES = ("heads", "channels")
+UNIT_TYPES = ("heads", "channels", "layers")
+# Unit types with one unit per layer: always one pool across layers (a per-layer pool of one unit
+# could never be pruned), and a hard mask may drop every unit of a layer (that is the point).
+WHOLE_LAYER_TYPES = ("layers",)
 SCOPES = ("global", "uniform")
 
 
@@ -39,7 +43,7 @@ class UnitLayout:
         return [flat[sl] for sl in self.layer_slices(unit_type)]
 
     def pools(self, unit_type: str, scope: str) -> list[slice]:
-        if scope == "global":
+        if scope == "global" or unit_type in WHOLE_LAYER_TYPES:
             return [slice(0, self.total(unit_type))]
         if scope == "uniform":
             return self.layer_slices(unit_type)
@@ -62,7 +66,7 @@ class UnitLayout:
         mask = torch.zeros_like(scores)
         for sl in self.pools(unit_type, scope):
             mask[sl] = top_k_mask(scores[sl], keep_count(keep_ratio, sl.stop - sl.start))
-        if scope == "global":
+        if scope == "global" and unit_type not in WHOLE_LAYER_TYPES:
             _repair_empty_layers(mask, scores, self.layer_slices(unit_type))
         return mask
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.importance import initial_scores, score_const, sigmoid_norm, standardize_per_layer
+from engine.importance import initial_scores, score_const, sigmoid_norm, standardize, standardize_per_layer
 from engine.policy import (
     cosine_lr,
     keep_count,
@@ -347,7 +347,7 @@ def test_initial_scores_feasible(prob_map, scope, keep):
     for unit_type in layout.unit_types:
         # depth-growing scales, as raw activation metrics have
         metric = [torch.rand(n, generator=g) * (10**i) for i, n in enumerate(layout.sizes[unit_type])]
-        s = initial_scores(metric, layout, unit_type, scope, keep, prob_map, 0.8)
+        s = initial_scores(standardize(unit_type, metric), layout, unit_type, scope, keep, prob_map, 0.8)
         assert s.shape == (layout.total(unit_type),)
         assert float(s.min()) >= 0.0 and float(s.max()) <= 1.0
         for sl in layout.pools(unit_type, scope):
@@ -369,4 +369,4 @@ def test_initial_scores_feasible(prob_map, scope, keep):
 def test_initial_scores_unknown_map():
     layout = UnitLayout({"heads": [2, 2]})
     with pytest.raises(ValueError):
-        initial_scores([torch.rand(2), torch.rand(2)], layout, "heads", "global", 0.5, "nope", 0.8)
+        initial_scores(torch.rand(4), layout, "heads", "global", 0.5, "nope", 0.8)

@@ -1,0 +1,299 @@
+"""The paper's whole method: layer pruning, every initialisation, the other estimators and the
+one-shot baselines. Pure kernels first, then masks/export on tiny random models, then short runs
+on the tiny real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import importance
+from engine.adapter import ModelAdapter
+from engine.config import PruneConfig
+from engine.errors import UserError
+from engine.evaluate import batch_loss, token_loss
+from engine.export import build_pruned_model, export_pruned
+from engine.masking import MaskHooks
+from engine.policy import (keep_count, leave_one_out_baselines, policy_gradient, progressive_stages, relaxed_bernoulli,
+                           sample_masks, stage_at)
+from engine.pruner import PruneRun
+from engine.units import UnitLayout
+
+from conftest import SMALL_CALIB, clean_env
+from test_adapters_export import ARCHS, build_model, masked_logits
+from test_pruner import metric_lines, quiet, small_config
+
+
+# --- pure kernels -------------------------------------------------------------------------------
+def test_leave_one_out_baselines():
+    losses = torch.tensor([1.0, 2.0, 4.0, 7.0], dtype=torch.float64)
+    b = leave_one_out_baselines(losses)
+    for j in range(4):
+        others = torch.cat([losses[:j], losses[j + 1:]])
+        assert float(b[j]) == pytest.approx(float(others.mean()))
+    with pytest.raises(ValueError):
+        leave_one_out_baselines(torch.tensor([1.0]))
+
+
+def test_leave_one_out_estimator_is_unbiased():
+    """E[L(m)] = a.m + c for Bernoulli(s) masks has gradient a; the leave-one-out baseline does not
+    depend on sample j, so the mean of many estimates must match a."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.tensor([0.2, 0.5, 0.7, 0.9], dtype=torch.float64)
+    a = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+    n_samples, trials = 3, 20000
+    total = torch.zeros_like(s)
+    for _ in range(trials):
+        m = sample_masks(s, n_samples, g).double()
+        losses = m @ a + 5.0
+        total += policy_gradient(s, m, losses, leave_one_out_baselines(losses))
+    assert torch.allclose(total / trials, a, atol=0.12)
+
+
+def test_progressive_stages():
+    stages = progressive_stages(0.3, 600, 0.05)
+    assert [r for _, r in stages] == pytest.approx([0.05, 0.10, 0.15, 0.20, 0.25, 0.30])
+    assert [start for start, _ in stages] == [0, 100, 200, 300, 400, 500]
+    assert stage_at(stages, 0, 600) == (pytest.approx(0.05), 0, 100)
+    assert stage_at(stages, 250, 600) == (pytest.approx(0.15), 50, 100)
+    assert stage_at(stages, 599, 600) == (pytest.approx(0.30), 99, 100)
+    # a target that is not a multiple of the increment ends exactly at the target
+    assert progressive_stages(0.33, 70, 0.05)[-1][1] == pytest.approx(0.33)
+    # fewer steps than stages: the last stages get one step each, the target is reached
+    short = progressive_stages(0.5, 3, 0.05)
+    assert [r for _, r in short] == pytest.approx([0.40, 0.45, 0.50]) and [s for s, _ in short] == [0, 1, 2]
+
+
+def test_relaxed_bernoulli():
+    g = torch.Generator().manual_seed(0)
+    s = torch.tensor([0.1, 0.5, 0.9]).repeat(4000).requires_grad_(True)
+    soft = relaxed_bernoulli(s, 1.0, g)
+    soft_values = soft.detach()
+    inside = ((soft_values > 0) & (soft_values < 1)).double().mean()
+    assert float(soft_values.min()) >= 0 and float(soft_values.max()) <= 1 and float(inside) > 0.9  # relaxed, not 0/1
+    # P(m > 0.5) = s at any temperature: the relaxation is of Bernoulli(s)
+    frac = (soft.detach().view(-1, 3) > 0.5).double().mean(0)
+    assert torch.allclose(frac, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64), atol=0.03)
+    # a higher s gives a larger relaxed mask: d(sum m)/ds > 0
+    soft.sum().backward()
+    assert bool((s.grad > 0).all())
+    st = relaxed_bernoulli(s.detach().requires_grad_(True), 0.5, g, straight_through=True)
+    assert torch.allclose(st.detach(), st.detach().round(), atol=1e-6)  # forward values are 0/1
+
+
+def test_layers_are_one_pool_even_when_uniform():
+    layout = UnitLayout({"heads": [2, 2, 2, 2], "layers": [1, 1, 1, 1]})
+    assert layout.pools("layers", "uniform") == [slice(0, 4)]
+    s = torch.tensor([0.9, 0.1, 0.8, 0.2])
+    mask = layout.hard_mask("layers", s, "uniform", 0.5)
+    assert mask.tolist() == [1.0, 0.0, 1.0, 0.0]  # whole layers dropped, no repair
+    assert float(layout.project("layers", torch.full((4,), 0.9), "uniform", 0.5).sum()) == pytest.approx(2.0)
+
+
+def test_standardize_layers_over_the_pool():
+    z = importance.standardize("layers", [torch.tensor([1.0]), torch.tensor([3.0]), torch.tensor([2.0])])
+    assert z.tolist() == pytest.approx([-1.0, 1.0, 0.0])
+    # units inside layers are standardized per layer
+    z = importance.standardize("heads", [torch.tensor([1.0, 3.0]), torch.tensor([10.0, 30.0])])
+    assert z.tolist() == pytest.approx(z[:2].tolist() * 2)
+
+
+# --- layer masks and the export without layers ----------------------------------------------------
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(7))
+
+
+def layer_layout(model, units=("heads", "channels", "layers")) -> UnitLayout:
+    sizes = ModelAdapter.for_model(model).unit_sizes()
+    return UnitLayout({u: sizes[u] for u in units})
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_mask_equals_model_without_that_layer(arch, ids):
+    model = build_model(arch)
+    layout = layer_layout(model, ("layers",))
+    with torch.no_grad():
+        dense = model(input_ids=ids).logits
+    ones = masked_logits(model, layout, {"layers": torch.ones(3)}, ids)
+    assert torch.equal(ones, dense.float())
+    dropped = masked_logits(model, layout, {"layers": torch.tensor([1.0, 0.0, 1.0])}, ids)
+    # the same model with layer 1 taken out of its layer list by hand (llama-style models only read layer_types
+    # by position, so keep the config consistent)
+    reference = build_model(arch)
+    del reference.model.layers[1]
+    reference.config.num_hidden_layers = 2
+    if getattr(reference.config, "layer_types", None):
+        reference.config.layer_types = [reference.config.layer_types[i] for i in (0, 2)]
+    with torch.no_grad():
+        ref = reference(input_ids=ids, use_cache=False).logits.float()
+    assert torch.allclose(dropped, ref, atol=1e-5)
+    # leaving the context restores the model
+    assert all(type(layer).__name__.endswith("DecoderLayer") for layer in model.model.layers)
+
+
+def test_soft_layer_mask_blends_and_is_differentiable(ids):
+    model = build_model("llama")
+    layout = layer_layout(model, ("layers",))
+    m = torch.tensor([1.0, 0.5, 1.0], requires_grad=True)
+    with MaskHooks(ModelAdapter.for_model(model)) as hooks, torch.enable_grad():
+        hooks.set({"layers": layout.split("layers", m)})
+        loss = token_loss(model, ids).mean()
+        loss.backward()
+    assert m.grad is not None and float(m.grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_without_layers_reloads_with_plain_transformers(arch, ids, tmp_path, tiny):
+    model = build_model(arch)
+    layout = layer_layout(model, ("layers",))
+    masks = {"layers": torch.tensor([1.0, 0.0, 1.0])}
+    export_pruned(model, tiny[1], layout, masks, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == arch and config["num_hidden_layers"] == 2 and "auto_map" not in config
+    assert not (tmp_path / "m" / "modeling_pruned.py").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        logits = reloaded(input_ids=ids).logits.float()
+    assert torch.allclose(logits, masked_logits(model, layout, masks, ids), atol=1e-5)
+    # the renumbered layers line up with the KV cache: cached greedy decoding equals uncached
+    prompt = ids[:1, :5]
+    cached = reloaded.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    uncached = reloaded.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_export_layers_heads_channels_together(arch, ids, tmp_path, tiny):
+    model = build_model(arch)
+    layout = layer_layout(model)
+    g = torch.Generator().manual_seed(5)
+    masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in ("heads", "channels")}
+    masks["layers"] = torch.tensor([0.0, 1.0, 1.0])
+    export_pruned(model, tiny[1], layout, masks, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == f"pruned_{arch}" and config["num_hidden_layers"] == 2
+    assert len(config["kv_heads_per_layer"]) == 2
+    script = textwrap.dedent("""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.save(m(input_ids=torch.load(sys.argv[2])).logits.float(), sys.argv[3])
+    """)
+    torch.save(ids, tmp_path / "ids.pt")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m"), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=clean_env(HF_MODULES_CACHE=str(tmp_path / "hf_modules")))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert torch.allclose(torch.load(tmp_path / "out.pt"), masked_logits(model, layout, masks, ids), atol=1e-5)
+
+
+# --- metrics --------------------------------------------------------------------------------------
+def test_magnitude_sp_is_the_output_projection_column_magnitude():
+    model = build_model("llama")
+    a = ModelAdapter.for_model(model)
+    metric = importance.magnitude_sp(a)
+    w = a.mlp_out_proj(1).weight.abs().mean(0)
+    assert torch.allclose(metric["channels"][1], w)
+    hw = a.attn_out_proj(2).weight.abs().mean(0).view(-1, a.head_dim).sum(1).view(-1, a.queries_per_group).mean(1)
+    assert torch.allclose(metric["heads"][2], hw)
+
+
+def test_taylor_matches_a_hand_computed_unit(ids):
+    model = build_model("llama")
+    a = ModelAdapter.for_model(model)
+    metric = importance.taylor(a, [ids])
+    assert [len(t) for t in metric["heads"]] == a.kv_groups_per_layer()
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+    # by hand: gradient of every parameter, then sum |w * g| over what KV group 1 of layer 0 owns
+    reference = build_model("llama").requires_grad_(True)
+    token_loss(reference, ids).mean().backward()
+    attn = reference.model.layers[0].self_attn
+    q, hd = a.queries_per_group * a.head_dim, a.head_dim
+    expected = sum(float((p.weight * p.weight.grad).abs()[rows].sum()) for p, rows in
+                   ((attn.q_proj, slice(q, 2 * q)), (attn.k_proj, slice(hd, 2 * hd)), (attn.v_proj, slice(hd, 2 * hd))))
+    expected += float((attn.o_proj.weight * attn.o_proj.weight.grad).abs()[:, q:2 * q].sum())
+    assert float(metric["heads"][0][1]) == pytest.approx(expected, rel=1e-4)
+    mlp = reference.model.layers[2].mlp
+    channel = sum(float((p.weight * p.weight.grad).abs()[7].sum()) for p in (mlp.gate_proj, mlp.up_proj))
+    channel += float((mlp.down_proj.weight * mlp.down_proj.weight.grad).abs()[:, 7].sum())
+    assert float(metric["channels"][2][7]) == pytest.approx(channel, rel=1e-4)
+
+
+def test_layerwise_ppl_and_sleb(ids):
+    model = build_model("llama")
+    a = ModelAdapter.for_model(model)
+    lw = importance.layerwise_ppl(a, [ids])["layers"]
+    for i in range(3):
+        keep = torch.ones(3)
+        keep[i] = 0
+        with MaskHooks(a) as hooks:
+            hooks.set({"layers": list(keep.view(3, 1))})
+            assert float(lw[i]) == pytest.approx(float(batch_loss(model, ids).double().mean()), rel=1e-6)
+    sl = importance.sleb(a, [ids], keep_ratio=0.34)  # keep 1 of 3: remove two, greedily
+    order = [float(t) for t in sl["layers"]]
+    first = min(range(3), key=lambda i: float(lw[i]))
+    assert order[first] == 0.0  # SLEB's first removal is the cheapest single removal
+    assert sorted(order) == [0.0, 1.0, 2.0]
+
+
+# --- runs on the tiny real model --------------------------------------------------------------------
+def run_tiny(tiny, tiny_path, eval_file, out, **kw):
+    return PruneRun(small_config(tiny_path, eval_file, **kw), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+
+
+def test_metric_method_is_the_one_shot_ranking(tiny, tiny_path, small_eval_file, tmp_path):
+    results = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="metric", scope="uniform")
+    assert results["steps"] == 0 and metric_lines(tmp_path / "r") == []
+    assert results["ppl_pruned"] == pytest.approx(results["ppl_init"])  # the init mask is the final mask
+    kept = results["kept_per_layer"]
+    assert kept["heads"] == [keep_count(0.7, 4)] * 2 and kept["channels"] == [keep_count(0.7, 384)] * 2
+
+
+def test_random_progressive_raises_the_rate_in_stages(tiny, tiny_path, small_eval_file, tmp_path):
+    results = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", init="random-progressive", steps=6,
+                       prune_ratio=0.3, progressive_increment=0.1)
+    lines = metric_lines(tmp_path / "r")
+    assert [round(ln["keep_ratio"], 6) for ln in lines] == [0.9, 0.9, 0.8, 0.8, 0.7, 0.7]
+    assert lines[2]["lr"] == pytest.approx(lines[0]["lr"])  # cosine restarts in each stage
+    assert results["kept_per_layer"]["channels"] and sum(results["kept_per_layer"]["channels"]) == round(0.7 * 768)
+
+
+@pytest.mark.parametrize("kw", [dict(baseline="leave-one-out", num_mask_samples=3),
+                                dict(method="gumbel", lr=0.5), dict(method="gumbel", gumbel_straight_through=True),
+                                dict(init="taylor"), dict(init="magnitude-sp", prob_map="score-const")],
+                         ids=["leave-one-out", "gumbel", "gumbel-st", "taylor", "magnitude-score-const"])
+def test_estimators_and_inits_run_within_budget(kw, tiny, tiny_path, small_eval_file, tmp_path):
+    results = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", steps=3, **kw)
+    lines = metric_lines(tmp_path / "r")
+    assert len(lines) == 3 and all(len(ln["losses"]) == kw.get("num_mask_samples", 2) for ln in lines)
+    assert lines[0]["mean_score"] != lines[-1]["mean_score"]  # the scores moved
+    assert sum(results["kept_per_layer"]["heads"]) == keep_count(0.7, 8)
+    assert all(p.grad is None for p in tiny[0].parameters())  # nothing left behind on the shared model
+
+
+def test_layer_pruning_run_exports_a_shallower_model(tiny, tiny_path, small_eval_file, tmp_path):
+    results = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", units=["layers"], prune_ratio=0.5, steps=3)
+    assert results["kept_per_layer"]["layers"] in ([1, 0], [0, 1])
+    config = json.loads((tmp_path / "r" / "model" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    for layer_init in ("sleb", "random"):
+        out = tmp_path / layer_init
+        r = run_tiny(tiny, tiny_path, small_eval_file, out, units=["layers", "heads"], layer_init=layer_init,
+                     method="metric", prune_ratio=0.5)
+        assert sum(r["kept_per_layer"]["layers"]) == 1
+
+
+@pytest.mark.parametrize("bad", [dict(baseline="leave-one-out", num_mask_samples=1), dict(method="nope"),
+                                 dict(layer_init="wanda-sp"), dict(method="metric", init="random-progressive"),
+                                 dict(gumbel_final_temperature=2.0), dict(init="random-progressive", progressive_increment=0.5)])
+def test_bad_method_settings_are_user_errors(bad):
+    with pytest.raises(UserError):
+        PruneConfig(**bad).validate()
