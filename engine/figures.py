@@ -12,7 +12,7 @@ from plotly.subplots import make_subplots
 
 _FONT = dict(size=13)
 _MARGIN = dict(l=10, r=10, t=64, b=10)
-UNIT_TITLES = {"heads": "KV groups (attention heads)", "channels": "MLP channels"}
+UNIT_TITLES = {"heads": "KV groups (attention heads)", "channels": "MLP channels", "layers": "Whole layers"}
 _RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
 
@@ -61,6 +61,20 @@ def channels_figure(mean_score: list[float], kept_fraction: list[float] | None, 
     return _layout(fig, title or "MLP channels kept per layer<br><sup>bars: hard mask; dots: mean s</sup>", height=360)
 
 
+def layers_figure(layer_scores: list[float], kept: list[float] | None, title: str = "") -> go.Figure:
+    """Per layer: its keep probability s (bars, coloured by the current hard mask: kept or removed)."""
+    layers = [f"L{i}" for i in range(len(layer_scores))]
+    colours = ["#4c78a8" if (kept is None or k) else "#d62728" for k in (kept or [1] * len(layers))]
+    fig = go.Figure(go.Bar(x=layers, y=layer_scores, marker_color=colours,
+                           text=None if kept is None else ["" if k else "✗" for k in kept], textposition="outside",
+                           hovertemplate="%{x}: s %{y:.3f}<extra></extra>"))
+    fig.update_yaxes(range=[0, 1.1], title="keep probability s")
+    fig.update_xaxes(title="layer")
+    n_removed = None if kept is None else sum(1 for k in kept if not k)
+    sub = f"<br><sup>hard mask removes {n_removed} of {len(layers)} (red, ✗)</sup>" if kept is not None else ""
+    return _layout(fig, title or f"Whole layers: keep probability s{sub}", height=340)
+
+
 def loss_figure(history: list[dict], title: str = "") -> go.Figure:
     """Each mask sample's loss, the moving-average baseline, and the learning rate (right axis)."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
@@ -71,7 +85,7 @@ def loss_figure(history: list[dict], title: str = "") -> go.Figure:
                         name=f"loss, sample {j + 1}", mode="lines", line=dict(width=1), opacity=0.55,
                         secondary_y=False)
     if any(r["baseline"] for r in history):
-        fig.add_scatter(x=steps, y=[r["baseline"] for r in history], name="baseline (moving avg)", mode="lines",
+        fig.add_scatter(x=steps, y=[r["baseline"] for r in history], name="baseline", mode="lines",
                         line=dict(width=2.5, color="black"), secondary_y=False)
     val = [(r["step"], math.log(r["val_ppl"])) for r in history if r.get("val_ppl")]
     if val:

@@ -73,7 +73,7 @@ def fmt_params(n: int | None) -> str:
 # --- a run's charts -----------------------------------------------------------------------------
 def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | None, results: dict | None,
                key: str) -> None:
-    """Heatmap of KV groups, MLP channels per layer, loss curves, and final results."""
+    """Heatmap of KV groups, MLP channels and whole layers per layer, loss curves, and final results."""
     last = history[-1] if history else None
     if results and results.get("status") == "done":
         c1, c2, c3, c4 = st.columns(4)
@@ -97,6 +97,10 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
         with cols[-1]:
             st.plotly_chart(figures.channels_figure(chans, last["kept_fraction"].get("channels")),
                             key=f"{key}-channels", width="stretch", config=PLOT_CONFIG)
+    layers = last["mean_score"].get("layers")
+    if layers:
+        st.plotly_chart(figures.layers_figure(layers, last["kept_fraction"].get("layers")), key=f"{key}-layers",
+                        width="stretch", config=PLOT_CONFIG)
     st.plotly_chart(figures.loss_figure(history), key=f"{key}-loss", width="stretch", config=PLOT_CONFIG)
 
 

@@ -10,7 +10,7 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402  (also puts the repository root on sys.path)
 import streamlit as st  # noqa: E402
 
-from engine.config import BASELINES, ESTIMATORS, INITS, LR_SCHEDULES, PROB_MAPS, PruneConfig
+from engine.config import BASELINES, ESTIMATORS, INITS, LAYER_INITS, LR_SCHEDULES, METHODS, PROB_MAPS, PruneConfig
 from engine.errors import UserError
 from engine.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
 from engine.loading import DEFAULT_MODEL
@@ -20,7 +20,7 @@ jobs = _ui.job_manager()
 
 st.title(":material/content_cut: Prune")
 st.markdown(
-    "Learn which **KV groups** (attention heads sharing a key/value head) and **MLP channels** to remove, "
+    "Learn which **KV groups** (attention heads sharing a key/value head), **MLP channels** and **whole layers** to remove, "
     "with forward passes only: every unit has a keep probability *s*; each step samples masks from *s*, "
     "measures the calibration loss of each masked model, and moves *s* by a policy gradient. "
     "The pruned model keeps the units with the highest *s*."
@@ -37,21 +37,36 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                            "A local model is a transformers folder (with config.json) or a .gguf file.", key="model_choice")
     local_path = st.text_input("Local model path (used when 'A local model folder or .gguf file' is chosen)",
                                placeholder="/path/to/model-folder or /path/to/model.gguf", key="model_path")
-    units = st.multiselect("Units to prune", ["heads", "channels"], default=D.units,
-                           format_func={"heads": "KV groups (heads)", "channels": "MLP channels"}.get,
-                           help="Each unit type has its own budget: the pruning rate applies to each.", key="units")
+    units = st.multiselect("Units to prune", ["heads", "channels", "layers"], default=D.units,
+                           format_func={"heads": "KV groups (heads)", "channels": "MLP channels", "layers": "Whole layers"}.get,
+                           help="Each unit type has its own budget: the pruning rate applies to each. A removed layer "
+                                "is skipped (the residual stream passes through) and dropped from the export.", key="units")
     rate = st.slider("Pruning rate", 0.0, 1.0, D.prune_ratio, 0.05, format="%.2f",
-                     help="Fraction of each unit pool removed (0.3 = keep 70% of the KV groups and of the channels).", key="rate")
+                     help="Fraction of each unit pool removed (0.3 = keep 70% of the KV groups, of the channels, "
+                          "of the layers).", key="rate")
     c1, c2, c3 = st.columns(3)
     scope = c1.radio("Scope", ["global", "uniform"], index=0, horizontal=True,
                      help="global: one budget across all layers, so the method learns how much to cut in each layer; "
                           "uniform: every layer loses the same fraction.", key="scope")
     init = c2.selectbox("Initial scores", INITS, index=INITS.index(D.init),
-                        help="wanda-sp: start from the Wanda-sp importance metric (|W|·‖X‖ on calibration data); "
-                             "random: a seeded random start.", key="init")
+                        help="Of KV groups and channels. wanda-sp: the Wanda-sp metric (|W|·‖X‖ on calibration data); "
+                             "magnitude-sp: |W| alone; taylor: LLM-Pruner's first-order |w·∂L/∂w| (one backward pass "
+                             "per init batch); random: a seeded random start; random-progressive: random at 5% "
+                             "pruning, the rate raised by 5% per stage up to the target.", key="init")
     steps = c3.number_input("Steps", 1, 100_000, D.steps,
                             help="Policy-gradient steps (paper: 1000). Each step runs one forward per mask sample "
                                  "on one calibration batch: about 5 s per step for SmolLM2 on 2 CPU cores.", key="steps")
+    c4, c5 = st.columns(2)
+    method = c4.selectbox("Method", METHODS, index=METHODS.index(D.method),
+                          format_func={"pg": "policy gradient (forward passes only)",
+                                       "gumbel": "Gumbel-softmax (back-propagation, for comparison)",
+                                       "metric": "no optimisation: the init metric's top units"}.get,
+                          help="pg is the paper's method. gumbel trains relaxed masks by back-propagating through the "
+                               "model (more memory). metric keeps the units the initial metric ranks highest "
+                               "(the one-shot baselines).", key="method")
+    layer_init = c5.selectbox("Initial scores of layers", LAYER_INITS, index=LAYER_INITS.index(D.layer_init),
+                              help="Used when whole layers are pruned. layerwise-ppl: calibration loss with each layer "
+                                   "removed alone; sleb: greedy removal order; random.", key="layer_init")
     with st.expander("Hyperparameters (paper defaults)"):
         h1, h2, h3 = st.columns(3)
         lr = h1.number_input("Learning rate η", 1e-5, 10.0, D.lr, format="%.4f",
@@ -64,7 +79,9 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                                      help="C4 segments per forward.", key="batch_size")
         seqlen = h2.number_input("Calibration segment length", 16, 2048, D.seqlen, help="Tokens per C4 segment.", key="seqlen")
         baseline = h3.selectbox("Baseline", BASELINES, index=BASELINES.index(D.baseline),
-                                help="Subtracting a moving average of the loss lowers the variance of the gradient.", key="baseline")
+                                help="moving-average: subtract a moving average of the loss (window T) to lower the "
+                                     "variance of the gradient; leave-one-out: subtract the mean loss of the other "
+                                     "samples of the same batch; none.", key="baseline")
         baseline_window = h1.number_input("Baseline window T", 1, 100, D.baseline_window,
                                           help="Steps averaged by the moving-average baseline.", key="baseline_window")
         estimator = h2.selectbox("Estimator", ESTIMATORS, index=ESTIMATORS.index(D.estimator),
@@ -75,10 +92,11 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                                       help="WikiText-2 windows used for the dense, init and pruned perplexities. "
                                            "All 2,370 windows take about 15 min per evaluation for SmolLM2 on this CPU.", key="max_windows")
         eval_seqlen = h2.number_input("Evaluation window length", 16, 2048, D.eval_seqlen, key="eval_seqlen")
-        init_batches = h3.number_input("Init batches (Wanda-sp)", 1, 256, D.init_batches,
-                                       help="Calibration batches used by the Wanda-sp metric.", key="init_batches")
+        init_batches = h3.number_input("Init batches (metric)", 1, 256, D.init_batches,
+                                       help="Calibration batches used by the init metric (Wanda-sp, Taylor, "
+                                            "Layerwise-PPL, SLEB).", key="init_batches")
         seed = h1.number_input("Seed", 0, 2**31 - 1, D.seed, key="seed")
-        val_every = h3.number_input("Validate every N steps (0 = off)", 0, 10_000, getattr(D, "val_every", 0),
+        val_every = h3.number_input("Validate every N steps (0 = off)", 0, 10_000, D.val_every,
                                     help="Perplexity of the current hard mask on held-out calibration text, "
                                          "drawn on the loss chart (as its log, a loss).", key="val_every")
         checkpoint_every = h2.number_input("Checkpoint every N steps", 1, 10_000, D.checkpoint_every, key="checkpoint_every")
@@ -91,11 +109,11 @@ if submitted:
             raise UserError("give the path of a local model folder or .gguf file")
         config = PruneConfig(
             model=DEFAULT_MODEL if choice == "default" else local_path.strip(), units=list(units), prune_ratio=float(rate),
-            scope=scope, init=init, prob_map=prob_map, init_batches=int(init_batches), steps=int(steps), lr=float(lr),
+            scope=scope, method=method, init=init, layer_init=layer_init, prob_map=prob_map, init_batches=int(init_batches), steps=int(steps), lr=float(lr),
             lr_schedule=lr_schedule, batch_size=int(batch_size), seqlen=int(seqlen), num_mask_samples=int(num_samples),
             baseline=baseline, baseline_window=int(baseline_window), estimator=estimator, seed=int(seed),
             eval_seqlen=int(eval_seqlen), max_windows=int(max_windows) or None, checkpoint_every=int(checkpoint_every),
-            **({"val_every": int(val_every)} if hasattr(D, "val_every") else {}),
+            val_every=int(val_every),
         )
         out = _ui.runs_dir() / new_run_name(config, label)
         jobs.start(config, out)

@@ -234,3 +234,17 @@ def test_runs_list_load_export_delete(runs_dir, tmp_path):
     at.checkbox[0].check().run()
     next(b for b in at.button if "Delete run" in b.label).click().run()
     assert not done.exists()
+
+
+# --- Layers ----------------------------------------------------------------------------------
+def test_layer_pruning_run_shows_the_layers_chart(runs_dir):
+    at = fill_prune_form(app(), steps=4, rate=0.5)
+    at.multiselect(key="units").set_value(["heads", "layers"])
+    at.selectbox(key="layer_init").set_value("sleb")
+    start_button(at).click().run()
+    assert not at.error, [e.value for e in at.error]
+    at = wait_for(at, lambda a: "Done" in status(a))
+    titles = [s["layout"]["title"]["text"] for s in charts(at)]
+    assert any(t.startswith("Whole layers") for t in titles), titles
+    layers = next(s for s in charts(at) if s["layout"]["title"]["text"].startswith("Whole layers"))["data"][0]
+    assert len(layers["x"]) == 2 and layers["text"].count("✗") == 1  # 2 layers, the hard mask removes one

@@ -200,9 +200,9 @@ def fill_form(d, steps: int) -> None:
         set_input(d, "Local model path (used when 'A local model folder or .gguf file' is chosen)", TINY)
     set_input(d, "Steps", steps)
     open_expander(d, "Hyperparameters")
-    settings = ((("Evaluation windows (0 = all)", 32), ("Init batches (Wanda-sp)", 4), ("Learning rate η", 0.02),
+    settings = ((("Evaluation windows (0 = all)", 32), ("Init batches (metric)", 4), ("Learning rate η", 0.02),
                  ("Validate every N steps (0 = off)", 5)) if REAL else
-                (("Evaluation windows (0 = all)", 4), ("Init batches (Wanda-sp)", 2),
+                (("Evaluation windows (0 = all)", 4), ("Init batches (metric)", 2),
                  ("Calibration batch size", 2), ("Calibration segment length", 64),
                  ("Evaluation window length", 64), ("Learning rate η", 0.02)))
     for label, value in settings:

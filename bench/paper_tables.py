@@ -1,0 +1,250 @@
+"""The seed paper's tables on one model, from real runs: resumable, each cell cached on disk.
+
+    python bench/paper_tables.py [--tables 1,2,3,4,5] [--steps 150] [--max-windows 128] [--seeds 0,1,2]
+                                 [--model smollm2-135m-instruct] [--out bench/results/paper_tables]
+    python bench/paper_tables.py --list            # the cells and whether each is done
+    python bench/paper_tables.py --report-only     # write the markdown from the cells done so far
+
+Every cell is one `python -m engine prune` run in its own process, in OUT/cells/<cell>/ (the run's
+usual folder: config.json, metrics.jsonl, checkpoint.pt, results.json; the sliced model is
+deleted after the run to save disk). A cell with results.json is done and never rerun; one with
+a checkpoint resumes. So an interrupted table continues where it stopped. The model is first
+copied once to OUT/model (plain safetensors: loads in a second instead of de-quantizing a GGUF).
+
+Tables (perplexity on WikiText-2 raw test, the first --max-windows windows of --eval-seqlen tokens;
+calibration on the local C4 sample):
+  1. heads + channels at 30/40/50 %: random, magnitude-sp, Wanda-sp (uniform), Wanda-sp metric
+     ranked globally, PG (global, Wanda-sp init; mean +- std over --seeds), PG (uniform)
+  2. initialisations of PG at 30/40/50 %: random, random-progressive, Taylor, Wanda-sp
+  3. layers at 30/40/50 %: Layerwise-PPL, SLEB, PG (Layerwise-PPL init)
+  4. ablations at 40 %: baseline (moving average / leave-one-out / none), sqrt estimator,
+     score-const map, N_s = 4
+  5. PG vs Gumbel-softmax at 30/50 %: perplexity, wall time of the optimisation, peak memory
+Results go to OUT/tables.md (and are printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RATES = (0.3, 0.4, 0.5)
+HC = {"units": "heads,channels"}
+
+
+@dataclass
+class Cell:
+    table: int
+    row: str
+    rate: float
+    settings: dict  # PruneConfig fields, as CLI values
+    seed: int = 0
+    pg: bool = True  # an optimisation run (uses --steps and --lr)
+
+
+def cells(tables: set[int], seeds: list[int]) -> list[Cell]:
+    out: list[Cell] = []
+    pg_global = {**HC, "method": "pg", "scope": "global", "init": "wanda-sp"}
+    for r in RATES:
+        if 1 in tables:
+            out += [Cell(1, "Random", r, {**HC, "method": "metric", "scope": "uniform", "init": "random"}, pg=False),
+                    Cell(1, "Magnitude-sp", r, {**HC, "method": "metric", "scope": "uniform", "init": "magnitude-sp"}, pg=False),
+                    Cell(1, "Wanda-sp (uniform)", r, {**HC, "method": "metric", "scope": "uniform", "init": "wanda-sp"}, pg=False),
+                    Cell(1, "Wanda-sp metric, global ranking", r, {**HC, "method": "metric", "scope": "global", "init": "wanda-sp"}, pg=False)]
+            out += [Cell(1, "PG (global, Wanda-sp init)", r, pg_global, seed=s) for s in seeds]
+            out += [Cell(1, "PG (uniform, Wanda-sp init)", r, {**pg_global, "scope": "uniform"})]
+        if 2 in tables:
+            out += [Cell(2, "Random", r, {**pg_global, "init": "random"}),
+                    Cell(2, "Random-progressive", r, {**pg_global, "init": "random-progressive"}),
+                    Cell(2, "LLM-Pruner (Taylor)", r, {**pg_global, "init": "taylor"}),
+                    Cell(2, "Wanda-sp", r, pg_global)]
+        if 3 in tables:
+            layers = {"units": "layers", "scope": "global"}
+            out += [Cell(3, "Layerwise-PPL", r, {**layers, "method": "metric", "layer_init": "layerwise-ppl"}, pg=False),
+                    Cell(3, "SLEB", r, {**layers, "method": "metric", "layer_init": "sleb"}, pg=False),
+                    Cell(3, "PG (Layerwise-PPL init)", r, {**layers, "method": "pg", "layer_init": "layerwise-ppl"})]
+        if 5 in tables and r in (0.3, 0.5):
+            out += [Cell(5, "PG", r, pg_global),
+                    Cell(5, "Gumbel-softmax", r, {**pg_global, "method": "gumbel"})]
+    if 4 in tables:
+        r = 0.4
+        out += [Cell(4, "moving-average baseline (T = 5)", r, pg_global),
+                Cell(4, "leave-one-out baseline", r, {**pg_global, "baseline": "leave-one-out"}),
+                Cell(4, "no baseline", r, {**pg_global, "baseline": "none"}),
+                Cell(4, "sqrt estimator (reference code)", r, {**pg_global, "estimator": "sqrt"}),
+                Cell(4, "score-const map (c = 0.8)", r, {**pg_global, "prob_map": "score-const"}),
+                Cell(4, "N_s = 4", r, {**pg_global, "num_mask_samples": 4})]
+    return out
+
+
+def cell_key(c: Cell) -> str:
+    """The run folder's name. Cells with the same settings share one run (PG global, Wanda-sp init
+    at 40 % serves tables 1, 2 and 4)."""
+    import hashlib
+
+    blob = json.dumps([c.settings, c.rate, c.seed], sort_keys=True).encode()
+    s = c.settings
+    what = s.get("init") if s["units"] != "layers" else s.get("layer_init")
+    return f"{s['method']}-{s['units'].replace(',', '+')}-{what}-{int(round(c.rate * 100))}-s{c.seed}-{hashlib.sha1(blob).hexdigest()[:6]}"
+
+
+def cli_args(c: Cell, args) -> list[str]:
+    values = {**c.settings, "prune_ratio": c.rate, "seed": c.seed, "max_windows": args.max_windows,
+              "eval_seqlen": args.eval_seqlen, "init_batches": args.init_batches}
+    if c.pg:
+        values |= {"steps": args.steps, "lr": args.gumbel_lr if c.settings.get("method") == "gumbel" else args.lr}
+    out = []
+    for k, v in values.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def run_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict:
+    out = cells_dir / cell_key(c)
+    done = out / "results.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    resume = (out / "checkpoint.pt").exists() and (out / "config.json").exists()
+    cmd = [sys.executable, "-m", "engine", "prune", "--model", str(model_dir), "--out", str(out)] + \
+        (["--resume"] if resume else cli_args(c, args) + ["--overwrite"])
+    print(f"[{time.strftime('%H:%M:%S')}] table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed}: "
+          f"{'resuming' if resume else 'running'} {out.name}", flush=True)
+    with open(cells_dir / f"{cell_key(c)}.log", "a") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"cell {out.name} failed (exit {proc.returncode}); see {cells_dir / (cell_key(c) + '.log')}")
+    shutil.rmtree(out / "model", ignore_errors=True)  # the tables need the figures, not 40 sliced models
+    return json.loads(done.read_text())
+
+
+def plain_copy(model: str, dest: Path) -> Path:
+    """The model as plain safetensors (a GGUF loads by de-quantizing; a copy loads in a second)."""
+    if (dest / "config.json").exists():
+        return dest
+    import torch
+
+    from engine.adapter import ModelAdapter
+    from engine.export import export_pruned
+    from engine.loading import load_model, resolve_model
+    from engine.units import UnitLayout
+
+    m, tok = load_model(resolve_model(model))
+    layout = UnitLayout(ModelAdapter.for_model(m).unit_sizes())
+    export_pruned(m, tok, layout, {u: torch.ones(layout.total(u)) for u in layout.unit_types}, dest)
+    return dest
+
+
+# --- report ---------------------------------------------------------------------------------------
+def fmt(values: list[float]) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:,.1f}"
+    return f"{statistics.mean(values):,.1f} ± {statistics.stdev(values):,.1f}"
+
+
+def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
+    done = [results[cell_key(c)] for c in all_cells if cell_key(c) in results]
+    if not done:
+        return "no cell finished yet\n"
+    dense = done[0]["ppl_dense"]
+    lines = [f"Model: {args.model}; WikiText-2 raw test, first {done[0]['eval_windows']} windows x {done[0]['seqlen']} tokens "
+             f"(dense perplexity {dense:.2f}); calibration: local C4 sample, {args.init_batches} batches of 8 x 128 for the "
+             f"metrics; PG: {args.steps} steps, lr {args.lr} cosine, N_s 2, T 5 unless stated. Seeds in brackets.", ""]
+    titles = {1: "Table 1: heads + channels, one-shot baselines vs PG", 2: "Table 2: initialisations of PG (global)",
+              3: "Table 3: layer pruning", 4: "Table 4: ablations at 40 % (PG, global, Wanda-sp init)",
+              5: "Table 5: PG vs Gumbel-softmax (heads + channels, global, Wanda-sp init)"}
+    for t in sorted({c.table for c in all_cells}):
+        tc = [c for c in all_cells if c.table == t]
+        rates = sorted({c.rate for c in tc})
+        rows = list(dict.fromkeys(c.row for c in tc))
+        lines += [f"### {titles[t]}", ""]
+        if t == 5:
+            lines += ["| method | rate | perplexity | init ppl | optimisation time (s) | s / step | peak RSS (MB) | seed |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for row in rows:
+                for r in rates:
+                    for c in (c for c in tc if c.row == row and c.rate == r):
+                        res = results.get(cell_key(c))
+                        if res:
+                            lines.append(f"| {row} | {r:.0%} | {res['ppl_pruned']:,.1f} | {res['ppl_init']:,.1f} | "
+                                         f"{res['seconds_in_steps']:.0f} | {res['seconds_per_step']:.2f} | "
+                                         f"{res['peak_rss_mb']:.0f} | {c.seed} |")
+            lines.append("")
+            continue
+        lines += ["| method | " + " | ".join(f"{r:.0%}" for r in rates) + " |", "|---" * (len(rates) + 1) + "|",
+                  "| dense | " + " | ".join(f"{dense:.2f}" for _ in rates) + " |"]
+        for row in rows:
+            cols = []
+            for r in rates:
+                group = [c for c in tc if c.row == row and c.rate == r]
+                vals = [results[cell_key(c)]["ppl_pruned"] for c in group if cell_key(c) in results]
+                seeds = ",".join(str(c.seed) for c in group if cell_key(c) in results)
+                cols.append(f"{fmt(vals)} [{seeds}]" if vals else "–")
+            lines.append(f"| {row} | " + " | ".join(cols) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--tables", default="1,2,3,4,5")
+    p.add_argument("--steps", type=int, default=150, help="PG (and Gumbel) steps per cell (default %(default)s)")
+    p.add_argument("--lr", type=float, default=0.02, help="PG learning rate (default %(default)s)")
+    p.add_argument("--gumbel-lr", type=float, default=0.02, help="Gumbel-softmax learning rate (default %(default)s)")
+    p.add_argument("--seeds", default="0,1,2", help="seeds of the main PG cells (table 1, global)")
+    p.add_argument("--max-windows", type=int, default=128)
+    p.add_argument("--eval-seqlen", type=int, default=128)
+    p.add_argument("--init-batches", type=int, default=8)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "paper_tables"))
+    p.add_argument("--list", action="store_true", help="list the cells and whether each is done")
+    p.add_argument("--report-only", action="store_true", help="write the tables from the cells done so far")
+    args = p.parse_args()
+    tables = {int(t) for t in args.tables.split(",")}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out)
+    cells_dir = out / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    todo = cells(tables, seeds)
+    # only table 1's global PG row is run over several seeds
+    todo = [c for c in todo if c.seed == seeds[0] or (c.table == 1 and c.row.startswith("PG (global"))]
+    unique: dict[str, Cell] = {}
+    for c in todo:
+        unique.setdefault(cell_key(c), c)
+    # cheap one-shot cells first, then table 1's PG cells, then the rest
+    unique = sorted(unique.values(), key=lambda c: (c.pg, c.table != 1, c.seed, c.table, c.rate))
+    if args.list:
+        for c in unique:
+            state = "done" if (cells_dir / cell_key(c) / "results.json").exists() else "todo"
+            print(f"{state:5} table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed} | {cell_key(c)}")
+        return
+    results: dict[str, dict] = {}
+    if not args.report_only:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        model_dir = plain_copy(args.model, out / "model")
+        for c in unique:
+            results[cell_key(c)] = run_cell(c, args, model_dir, cells_dir)
+            (out / "tables.md").write_text(report(todo, results, args))
+    for c in unique:
+        f = cells_dir / cell_key(c) / "results.json"
+        if f.exists():
+            results[cell_key(c)] = json.loads(f.read_text())
+    text = report(todo, results, args)
+    (out / "tables.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
