@@ -297,3 +297,19 @@ def test_layer_pruning_run_exports_a_shallower_model(tiny, tiny_path, small_eval
 def test_bad_method_settings_are_user_errors(bad):
     with pytest.raises(UserError):
         PruneConfig(**bad).validate()
+
+
+def test_masked_chat_without_a_layer_matches_the_sliced_export(tiny, tmp_path):
+    """Chat's masked mode with layer 0 removed (nothing in its KV cache) answers like the sliced export."""
+    from engine.chat import ChatModel, GenerationSettings, answer
+
+    model, tok = tiny
+    layout = layer_layout(model, ("layers",))
+    masks = {"layers": torch.tensor([0.0, 1.0])}
+    export_pruned(model, tok, layout, masks, tmp_path / "m")
+    sliced = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    settings = GenerationSettings(max_new_tokens=12, greedy=True)
+    masked = ChatModel(model, tok, "masked", 0, layer_masks={"layers": layout.split("layers", masks["layers"])})
+    masked_text, _ = answer(masked, "Once upon a time", settings)
+    sliced_text, _ = answer(ChatModel(sliced, tok, "sliced", 0), "Once upon a time", settings)
+    assert masked_text == sliced_text and len(masked_text.strip()) > 0
