@@ -185,7 +185,8 @@ class JobManager:
             def observe(report) -> None:
                 mask = None
                 if report.head_scores is not None:
-                    mask = head_mask_from_scores(report.head_scores, config.scope, config.keep_ratio)
+                    # the step's own budget: it rises in stages under random-progressive
+                    mask = head_mask_from_scores(report.head_scores, config.scope, report.keep_ratio)
                 with self._lock:
                     self._snap.history.append(dataclasses.asdict(report))
                     self._snap.head_mask = mask
