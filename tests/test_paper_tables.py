@@ -1,0 +1,48 @@
+"""bench/paper_tables.py: which runs the tables need, how they are shared and reported (no model runs here;
+`python bench/paper_tables.py --model ../shared/models/tinystories-656k --steps 2 --max-windows 2` runs them)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import paper_tables as pt  # noqa: E402
+
+from engine.config import PruneConfig  # noqa: E402
+
+
+def test_every_cell_is_a_valid_run_config():
+    args = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, steps=5, lr=0.02, gumbel_lr=0.1)
+    from engine.cli import build_parser
+
+    for c in pt.cells({1, 2, 3, 4, 5}, [0, 1, 2]):
+        ns = build_parser().parse_args(["prune", "--out", "x", *pt.cli_args(c, args)])
+        fields = {k: v for k, v in vars(ns).items() if k in PruneConfig.__dataclass_fields__}
+        fields["units"] = ns.units.split(",")
+        PruneConfig(**fields).validate()
+        assert ns.prune_ratio == c.rate and ns.seed == c.seed
+        if c.settings.get("method") == "gumbel":
+            assert ns.lr == 0.1
+
+
+def test_cells_with_the_same_settings_share_a_run():
+    cells = pt.cells({1, 2, 4}, [0])
+    pg40 = [c for c in cells if c.rate == 0.4 and c.settings == {**pt.HC, "method": "pg", "scope": "global", "init": "wanda-sp"}]
+    assert {c.table for c in pg40} == {1, 2, 4}  # one PG run at 40 % serves three tables
+    assert len({pt.cell_key(c) for c in pg40}) == 1
+    assert len({pt.cell_key(c) for c in cells}) < len(cells)
+
+
+def test_report_means_and_stds_over_seeds():
+    cells = [c for c in pt.cells({1}, [0, 1]) if c.rate == 0.3]
+    fake = {}
+    for c in cells:
+        fake[pt.cell_key(c)] = dict(ppl_dense=10.0, ppl_pruned=20.0 + c.seed * 2, eval_windows=8, seqlen=128)
+    args = argparse.Namespace(model="m", init_batches=2, steps=5, lr=0.02)
+    text = pt.report(cells, fake, args)
+    assert "| PG (global, Wanda-sp init) | 21.0 ± 1.4 [0,1] |" in text
+    assert "| Wanda-sp (uniform) | 20.0 [0] |" in text
+    assert "first 8 windows x 128 tokens (dense perplexity 10.00)" in text
