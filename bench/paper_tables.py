@@ -88,12 +88,13 @@ def cells(tables: set[int], seeds: list[int]) -> list[Cell]:
     return out
 
 
-def cell_key(c: Cell) -> str:
-    """The run folder's name. Cells with the same settings share one run (PG global, Wanda-sp init
-    at 40 % serves tables 1, 2 and 4)."""
+def cell_key(c: Cell, args) -> str:
+    """The run folder's name, from every setting of the run (the budget too, so a rerun with other
+    --steps or --max-windows never takes an old cell). Cells with the same settings share one run
+    (PG global, Wanda-sp init at 40 % serves tables 1, 2 and 4)."""
     import hashlib
 
-    blob = json.dumps([c.settings, c.rate, c.seed], sort_keys=True).encode()
+    blob = json.dumps(cli_args(c, args)).encode()
     s = c.settings
     what = s.get("init") if s["units"] != "layers" else s.get("layer_init")
     return f"{s['method']}-{s['units'].replace(',', '+')}-{what}-{int(round(c.rate * 100))}-s{c.seed}-{hashlib.sha1(blob).hexdigest()[:6]}"
@@ -111,7 +112,7 @@ def cli_args(c: Cell, args) -> list[str]:
 
 
 def run_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict:
-    out = cells_dir / cell_key(c)
+    out = cells_dir / cell_key(c, args)
     done = out / "results.json"
     if done.exists():
         return json.loads(done.read_text())
@@ -120,10 +121,10 @@ def run_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict:
         (["--resume"] if resume else cli_args(c, args) + ["--overwrite"])
     print(f"[{time.strftime('%H:%M:%S')}] table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed}: "
           f"{'resuming' if resume else 'running'} {out.name}", flush=True)
-    with open(cells_dir / f"{cell_key(c)}.log", "a") as log:
+    with open(cells_dir / f"{cell_key(c, args)}.log", "a") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise SystemExit(f"cell {out.name} failed (exit {proc.returncode}); see {cells_dir / (cell_key(c) + '.log')}")
+        raise SystemExit(f"cell {out.name} failed (exit {proc.returncode}); see {cells_dir / (cell_key(c, args) + '.log')}")
     shutil.rmtree(out / "model", ignore_errors=True)  # the tables need the figures, not 40 sliced models
     return json.loads(done.read_text())
 
@@ -155,7 +156,7 @@ def fmt(values: list[float]) -> str:
 
 
 def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
-    done = [results[cell_key(c)] for c in all_cells if cell_key(c) in results]
+    done = [results[cell_key(c, args)] for c in all_cells if cell_key(c, args) in results]
     if not done:
         return "no cell finished yet\n"
     dense = done[0]["ppl_dense"]
@@ -176,7 +177,7 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
             for row in rows:
                 for r in rates:
                     for c in (c for c in tc if c.row == row and c.rate == r):
-                        res = results.get(cell_key(c))
+                        res = results.get(cell_key(c, args))
                         if res:
                             lines.append(f"| {row} | {r:.0%} | {res['ppl_pruned']:,.1f} | {res['ppl_init']:,.1f} | "
                                          f"{res['seconds_in_steps']:.0f} | {res['seconds_per_step']:.2f} | "
@@ -189,8 +190,8 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
             cols = []
             for r in rates:
                 group = [c for c in tc if c.row == row and c.rate == r]
-                vals = [results[cell_key(c)]["ppl_pruned"] for c in group if cell_key(c) in results]
-                seeds = ",".join(str(c.seed) for c in group if cell_key(c) in results)
+                vals = [results[cell_key(c, args)]["ppl_pruned"] for c in group if cell_key(c, args) in results]
+                seeds = ",".join(str(c.seed) for c in group if cell_key(c, args) in results)
                 cols.append(f"{fmt(vals)} [{seeds}]" if vals else "–")
             lines.append(f"| {row} | " + " | ".join(cols) + " |")
         lines.append("")
@@ -222,25 +223,25 @@ def main() -> None:
     todo = [c for c in todo if c.seed == seeds[0] or (c.table == 1 and c.row.startswith("PG (global"))]
     unique: dict[str, Cell] = {}
     for c in todo:
-        unique.setdefault(cell_key(c), c)
+        unique.setdefault(cell_key(c, args), c)
     # cheap one-shot cells first, then table 1's PG cells, then the rest
     unique = sorted(unique.values(), key=lambda c: (c.pg, c.table != 1, c.seed, c.table, c.rate))
     if args.list:
         for c in unique:
-            state = "done" if (cells_dir / cell_key(c) / "results.json").exists() else "todo"
-            print(f"{state:5} table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed} | {cell_key(c)}")
+            state = "done" if (cells_dir / cell_key(c, args) / "results.json").exists() else "todo"
+            print(f"{state:5} table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed} | {cell_key(c, args)}")
         return
     results: dict[str, dict] = {}
     if not args.report_only:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         model_dir = plain_copy(args.model, out / "model")
         for c in unique:
-            results[cell_key(c)] = run_cell(c, args, model_dir, cells_dir)
+            results[cell_key(c, args)] = run_cell(c, args, model_dir, cells_dir)
             (out / "tables.md").write_text(report(todo, results, args))
     for c in unique:
-        f = cells_dir / cell_key(c) / "results.json"
+        f = cells_dir / cell_key(c, args) / "results.json"
         if f.exists():
-            results[cell_key(c)] = json.loads(f.read_text())
+            results[cell_key(c, args)] = json.loads(f.read_text())
     text = report(todo, results, args)
     (out / "tables.md").write_text(text)
     print(text)

@@ -13,9 +13,11 @@ import paper_tables as pt  # noqa: E402
 
 from engine.config import PruneConfig  # noqa: E402
 
+ARGS = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, steps=5, lr=0.02, gumbel_lr=0.1, model="m")
+
 
 def test_every_cell_is_a_valid_run_config():
-    args = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, steps=5, lr=0.02, gumbel_lr=0.1)
+    args = ARGS
     from engine.cli import build_parser
 
     for c in pt.cells({1, 2, 3, 4, 5}, [0, 1, 2]):
@@ -32,17 +34,21 @@ def test_cells_with_the_same_settings_share_a_run():
     cells = pt.cells({1, 2, 4}, [0])
     pg40 = [c for c in cells if c.rate == 0.4 and c.settings == {**pt.HC, "method": "pg", "scope": "global", "init": "wanda-sp"}]
     assert {c.table for c in pg40} == {1, 2, 4}  # one PG run at 40 % serves three tables
-    assert len({pt.cell_key(c) for c in pg40}) == 1
-    assert len({pt.cell_key(c) for c in cells}) < len(cells)
+    assert len({pt.cell_key(c, ARGS) for c in pg40}) == 1
+    assert len({pt.cell_key(c, ARGS) for c in cells}) < len(cells)
+    # another budget is another run
+    other = argparse.Namespace(**{**vars(ARGS), "steps": 6})
+    assert pt.cell_key(pg40[0], other) != pt.cell_key(pg40[0], ARGS)
+    metric = next(c for c in cells if not c.pg)
+    assert pt.cell_key(metric, other) == pt.cell_key(metric, ARGS)  # no steps in a one-shot cell
 
 
 def test_report_means_and_stds_over_seeds():
     cells = [c for c in pt.cells({1}, [0, 1]) if c.rate == 0.3]
     fake = {}
     for c in cells:
-        fake[pt.cell_key(c)] = dict(ppl_dense=10.0, ppl_pruned=20.0 + c.seed * 2, eval_windows=8, seqlen=128)
-    args = argparse.Namespace(model="m", init_batches=2, steps=5, lr=0.02)
-    text = pt.report(cells, fake, args)
+        fake[pt.cell_key(c, ARGS)] = dict(ppl_dense=10.0, ppl_pruned=20.0 + c.seed * 2, eval_windows=8, seqlen=128)
+    text = pt.report(cells, fake, ARGS)
     assert "| PG (global, Wanda-sp init) | 21.0 ± 1.4 [0,1] |" in text
     assert "| Wanda-sp (uniform) | 20.0 [0] |" in text
     assert "first 8 windows x 128 tokens (dense perplexity 10.00)" in text
