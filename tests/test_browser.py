@@ -30,7 +30,7 @@ TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 REAL = os.environ.get("PG_PRUNE_BROWSER_MODEL", "") == "default"
 SHOTS = ROOT / "assets" / "screenshots" / ("default" if REAL else "")
-SLOW = 12 if REAL else 1  # wait this many times longer on the real model
+SLOW = 30 if REAL else 1  # wait this many times longer on the real model (2 shared CPU cores)
 
 if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
     pytest.skip(f"Chromium not installed ({CHROMIUM}, {CHROMEDRIVER}): apt-get install chromium chromium-driver",
@@ -240,7 +240,7 @@ def test_browser_end_to_end(server, browser):
     wait(lambda: heatmap_z(d) not in (None, z0), timeout=60 * SLOW, what="the heatmap to update")
     assert "Running" in status_line(d)
     if REAL:  # let the loss curve and a held-out check or two accumulate
-        wait(lambda: "12/5000 steps" in page_text(d), timeout=60 * SLOW, what="12 steps")
+        wait(lambda: "8/5000 steps" in page_text(d), timeout=60 * SLOW, what="8 steps")
     show_status(d)
     shot(d, "prune-running", plots=3)
     button(d, "Stop").click()
