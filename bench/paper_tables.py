@@ -53,10 +53,10 @@ class Cell:
     pg: bool = True  # an optimisation run (uses --steps and --lr)
 
 
-def cells(tables: set[int], seeds: list[int]) -> list[Cell]:
+def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) -> list[Cell]:
     out: list[Cell] = []
     pg_global = {**HC, "method": "pg", "scope": "global", "init": "wanda-sp"}
-    for r in RATES:
+    for r in rates:
         if 1 in tables:
             out += [Cell(1, "Random", r, {**HC, "method": "metric", "scope": "uniform", "init": "random"}, pg=False),
                     Cell(1, "Magnitude-sp", r, {**HC, "method": "metric", "scope": "uniform", "init": "magnitude-sp"}, pg=False),
@@ -77,7 +77,7 @@ def cells(tables: set[int], seeds: list[int]) -> list[Cell]:
         if 5 in tables and r in (0.3, 0.5):
             out += [Cell(5, "PG", r, pg_global),
                     Cell(5, "Gumbel-softmax", r, {**pg_global, "method": "gumbel"})]
-    if 4 in tables:
+    if 4 in tables and 0.4 in rates:
         r = 0.4
         out += [Cell(4, "moving-average baseline (T = 5)", r, pg_global),
                 Cell(4, "leave-one-out baseline", r, {**pg_global, "baseline": "leave-one-out"}),
@@ -206,6 +206,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.02, help="PG learning rate (default %(default)s)")
     p.add_argument("--gumbel-lr", type=float, default=0.02, help="Gumbel-softmax learning rate (default %(default)s)")
     p.add_argument("--seeds", default="0,1,2", help="seeds of the main PG cells (table 1, global)")
+    p.add_argument("--rates", default=",".join(str(r) for r in RATES), help="prune ratios (default %(default)s)")
     p.add_argument("--max-windows", type=int, default=128)
     p.add_argument("--eval-seqlen", type=int, default=128)
     p.add_argument("--init-batches", type=int, default=8)
@@ -218,7 +219,7 @@ def main() -> None:
     out = Path(args.out)
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
-    todo = cells(tables, seeds)
+    todo = cells(tables, seeds, tuple(float(r) for r in args.rates.split(",")))
     # only table 1's global PG row is run over several seeds
     todo = [c for c in todo if c.seed == seeds[0] or (c.table == 1 and c.row.startswith("PG (global"))]
     unique: dict[str, Cell] = {}
