@@ -202,6 +202,12 @@ def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=prin
         from .loading import DEFAULT_MODEL
 
         config.model = DEFAULT_MODEL
+    from .loading import resolve_model
+
+    if config.model is not None:
+        resolve_model(config.model)  # a typo fails before anything is written or loaded
+    if config.run is not None and not (Path(config.run) / "masks.json").is_file():
+        raise UserError(f"{config.run} is not a finished prune run (no masks.json)")
     data = zeroshot_data_dir(config.data_dir)  # fail on missing data before loading a model
     out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="zeroshot-"))
     out_dir.mkdir(parents=True, exist_ok=True)
