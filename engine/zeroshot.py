@@ -137,7 +137,9 @@ def evaluate_model(model, tokenizer, tasks, task_dir: str | Path, limit: int | N
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
-    manager = TaskManager(include_path=str(task_dir))
+    # Only our folder is indexed (indexing the harness's thousands of built-in tasks takes ~30 s); each of
+    # our configs includes its built-in YAML by absolute path, so nothing of the harness's is missing.
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=0, limit=limit, task_manager=manager,
                            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                            fewshot_random_seed=seed, log_samples=log_samples, bootstrap_iters=0)
