@@ -2,11 +2,12 @@
 # The figures of README's issue-5 section, on the default model (SmolLM2-135M-Instruct), CPU.
 # Needs runs/pg30 and runs/pg50 from:
 #   python -m engine prune --prune-ratio 0.3 --steps 40 --lr 0.02 --max-windows 64 --out runs/pg30   (and 0.5 -> runs/pg50)
-# Usage: bash bench/issue5.sh STAGE   (stages: faith dense pruned finetune after measure)
+# Usage: [LIMIT=50] [RATIOS="30 50"] bash bench/issue5.sh STAGE   (stages: faith dense pruned finetune after measure)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 LIMIT=${LIMIT:-50}
+RATIOS=${RATIOS:-30 50}  # which pruned runs (runs/pgR) the stages pruned, finetune, after use
 TASKS=piqa,hellaswag,winogrande,arc_easy,arc_challenge
 O=runs/issue5
 mkdir -p $O
@@ -19,14 +20,14 @@ case "$1" in
   dense)
     python -m engine zeroshot --model smollm2-135m-instruct --tasks $TASKS --limit $LIMIT --out $O/zs-dense ;;
   pruned)
-    for r in 30 50; do python -m engine zeroshot --model runs/pg$r/model --tasks $TASKS --limit $LIMIT --out $O/zs-pg$r; done ;;
+    for r in $RATIOS; do python -m engine zeroshot --model runs/pg$r/model --tasks $TASKS --limit $LIMIT --out $O/zs-pg$r; done ;;
   finetune)
-    for r in 30 50; do
-      python -m engine finetune --model runs/pg$r/model --out runs/pg$r-ft --samples 256 --seqlen 256 --batch-size 4 \
+    for r in $RATIOS; do
+      python -m engine finetune --model runs/pg$r/model --out runs/pg$r-ft --samples 200 --seqlen 256 --batch-size 4 \
           --grad-accum 2 --lr 5e-4 --max-windows 64
     done ;;
   after)
-    for r in 30 50; do python -m engine zeroshot --model runs/pg$r-ft/model --tasks $TASKS --limit $LIMIT --out $O/zs-pg$r-ft; done ;;
+    for r in $RATIOS; do python -m engine zeroshot --model runs/pg$r-ft/model --tasks $TASKS --limit $LIMIT --out $O/zs-pg$r-ft; done ;;
   measure)
     python -m engine measure --model smollm2-135m-instruct --compare runs/pg30/model --compare runs/pg50/model \
         --batch-size 1 --seqlen 128 --new-tokens 32 --repeats 5 --out $O/measure ;;
