@@ -23,7 +23,7 @@ case "$1" in
     for r in $RATIOS; do python -m engine zeroshot --model runs/pg$r/model --tasks $TASKS --limit $LIMIT --out $O/zs-pg$r; done ;;
   finetune)
     for r in $RATIOS; do
-      python -m engine finetune --model runs/pg$r/model --out runs/pg$r-ft --samples 200 --seqlen 256 --batch-size 4 \
+      python -m engine finetune --model runs/pg$r/model --out runs/pg$r-ft --samples 128 --seqlen 256 --batch-size 4 \
           --grad-accum 2 --lr 5e-4 --max-windows 64
     done ;;
   after)
