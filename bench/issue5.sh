@@ -15,7 +15,7 @@ case "$1" in
   faith)  # our path on the default model vs lm-eval's own CLI on a plain safetensors copy of the same weights
     python bench/plain_copy.py $O/smollm2-plain
     python -m engine zeroshot --write-tasks $O/tasks
-    python -m lm_eval --model hf --model_args pretrained=$O/smollm2-plain,device=cpu,dtype=float32 \
+    python -m lm_eval --model hf --model_args pretrained=$O/smollm2-plain,dtype=float32 --device cpu \
         --include_path $O/tasks --tasks arc_easy,piqa --limit $LIMIT --batch_size 8 --output_path $O/faith-lmeval ;;
   dense)
     python -m engine zeroshot --model smollm2-135m-instruct --tasks $TASKS --limit $LIMIT --out $O/zs-dense ;;
