@@ -30,5 +30,5 @@ case "$1" in
     for r in $RATIOS; do python -m engine zeroshot --model runs/pg$r-ft/model --tasks $TASKS --limit $LIMIT --out $O/zs-pg$r-ft; done ;;
   measure)
     python -m engine measure --model smollm2-135m-instruct --compare runs/pg30/model --compare runs/pg50/model \
-        --batch-size 1 --seqlen 128 --new-tokens 32 --repeats 5 --out $O/measure ;;
+        --batch-size 1 --seqlen 128 --new-tokens 32 --repeats ${REPEATS:-5} --threads ${THREADS:-2} --out $O/measure ;;
 esac

@@ -190,7 +190,7 @@ def load_for_zeroshot(config: ZeroshotConfig):
     from .loading import count_parameters
 
     model, tok = load_model(resolve_model(config.model), config.dtype, config.device)
-    return model, tok, Path(config.model).name if "/" in config.model else config.model, None, count_parameters(model)
+    return model, tok, config.model, None, count_parameters(model)
 
 
 def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=print) -> dict:
