@@ -8,7 +8,8 @@ Per model:
 - peak memory of inference: on CPU, in a fresh subprocess per model, the rise of the peak resident
   set (VmHWM) over the resident set after loading, while it runs one prefill and one generation
   (the peak counter is reset after loading through /proc/self/clear_refs, so loading does not
-  count); on CUDA, torch.cuda.max_memory_allocated during the same work, minus the memory
+  count; before that every weight page is touched and freed heap is returned with malloc_trim, so
+  memory-mapped safetensors and a GGUF load's freed buffers do not distort the baseline); on CUDA, torch.cuda.max_memory_allocated during the same work, minus the memory
   allocated after loading.
 - prefill: seconds of one forward pass of batch x seqlen tokens (random token ids, seeded) with the
   KV cache on, as generation's first step does.
@@ -78,6 +79,24 @@ def _status_mb(key: str) -> float:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
+def _settle(model) -> None:
+    """Make the loaded state comparable across loaders before the baseline is read: every weight page
+    resident (safetensors weights are memory-mapped and would otherwise count as inference memory on
+    first touch), and freed heap returned to the system (a GGUF load frees much memory that glibc keeps,
+    which inference would reuse unseen)."""
+    import ctypes
+    import gc
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.sum()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
@@ -141,6 +160,7 @@ def memory_worker(name: str, config: MeasureConfig) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         return {"peak_mb": peak / 2**20, "peak_delta_mb": (peak - base) / 2**20, "kind": "cuda max_memory_allocated"}
+    _settle(model)
     base = _status_mb("VmRSS")
     _reset_peak_rss()
     prefill(model, ids)
