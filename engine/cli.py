@@ -1,4 +1,4 @@
-"""Command line: `python -m engine prune|eval ...`. Bad input ends in one line on stderr, exit 2."""
+"""Command line: `python -m engine prune|eval|zeroshot|finetune|measure ...`. Bad input ends in one line on stderr, exit 2."""
 
 from __future__ import annotations
 
@@ -81,6 +81,53 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=DEFAULT_MODEL, help="a model folder (a pruned export too), a .gguf file, a hub id, or the default")
     _data_args(e)
     e.add_argument("--json", action="store_true", help="print one JSON object")
+
+    from .finetune import FinetuneConfig
+    from .measure import MeasureConfig
+    from .zeroshot import ALL_TASKS, DEFAULT_TASKS, ZeroshotConfig
+
+    Z, F, M = ZeroshotConfig(), FinetuneConfig(), MeasureConfig()
+    z = sub.add_parser("zeroshot", help="zero-shot accuracy with lm-evaluation-harness on local task data")
+    z.add_argument("--model", default=None, help=f"a model folder (a pruned export too), a .gguf file, a hub id, or {DEFAULT_MODEL} "
+                   "(the default; with --run: the run's base model)")
+    z.add_argument("--run", default=None, help="a prune run folder: evaluate its base model with the run's masks applied as hooks")
+    z.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help=f"comma list of: {', '.join(ALL_TASKS)} (default %(default)s)")
+    z.add_argument("--limit", type=int, default=None, help="evaluate the first N documents of each task (default: all)")
+    z.add_argument("--batch-size", type=int, default=Z.batch_size, help="(default %(default)s)")
+    z.add_argument("--data-dir", default=None, help="task data folder (default: $PG_PRUNE_DATA_DIR/zeroshot or ../shared/data/zeroshot)")
+    z.add_argument("--dtype", default=Z.dtype, choices=list(DTYPES))
+    z.add_argument("--device", default=Z.device, help="cpu, cuda, cuda:N (default %(default)s)")
+    z.add_argument("--out", default=None, help="folder for zeroshot_config.json, zeroshot.json, zeroshot.md and the task configs used")
+    z.add_argument("--write-tasks", metavar="DIR", default=None,
+                   help="only write the local task configs to DIR (for `python -m lm_eval --include_path DIR`) and exit")
+
+    f = sub.add_parser("finetune", help="LoRA recovery fine-tuning of a (pruned) model folder, merged and saved")
+    f.add_argument("--model", required=True, help="the model folder, e.g. RUN/model (a pruned export)")
+    f.add_argument("--out", required=True, help="folder for model/ (merged), finetune_config.json, finetune_log.jsonl, finetune_results.json")
+    for name, help_ in (("samples", "training segments (the paper: 4000)"), ("seqlen", "tokens per segment (the paper: 1024)"),
+                        ("epochs", None), ("batch_size", "segments per forward"), ("grad_accum", "forwards per optimizer step"),
+                        ("warmup_steps", "linear warm-up steps"), ("lora_r", None), ("eval_seqlen", None), ("seed", None)):
+        f.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(F, name), help=f"{help_ + ' ' if help_ else ''}(default %(default)s)")
+    for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay"):
+        f.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(F, name), help="(default %(default)s)")
+    f.add_argument("--calib", default=None, help="training text: C4-style JSON lines file or folder (default: the local C4 sample)")
+    f.add_argument("--eval-data", default=None, help="WikiText-2 raw test for perplexity before/after (default: the data dir)")
+    f.add_argument("--max-windows", type=int, default=None, help="perplexity on the first N windows (default: all)")
+    f.add_argument("--skip-eval", action="store_true", help="no perplexity before and after")
+    f.add_argument("--dtype", default=F.dtype, choices=list(DTYPES))
+    f.add_argument("--device", default=F.device)
+
+    m = sub.add_parser("measure", help="params, memory, prefill latency and generation speed of models side by side")
+    m.add_argument("--model", default=DEFAULT_MODEL, help="the reference model (default %(default)s)")
+    m.add_argument("--compare", action="append", default=[], help="a model to measure beside it (repeatable)")
+    for name in ("batch_size", "seqlen", "new_tokens", "repeats", "seed"):
+        m.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(M, name), help="(default %(default)s)")
+    m.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    m.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    m.add_argument("--dtype", default=M.dtype, choices=list(DTYPES))
+    m.add_argument("--device", default=M.device, help="cpu or cuda[:N] (default %(default)s)")
+    m.add_argument("--out", default=None, help="folder for measure_config.json, measure.json and measure.md")
+    m.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
 
@@ -138,6 +185,61 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _tasks(value: str) -> list[str]:
+    return [t.strip() for t in value.split(",") if t.strip()]
+
+
+def cmd_zeroshot(args) -> int:
+    from .zeroshot import ALL_TASKS, ZeroshotConfig, run_zeroshot, write_task_dir
+
+    config = ZeroshotConfig(model=args.model, run=args.run, tasks=_tasks(args.tasks), limit=args.limit,
+                            batch_size=args.batch_size, data_dir=args.data_dir, dtype=args.dtype, device=args.device)
+    if args.write_tasks:
+        config.validate()
+        dest = write_task_dir(args.write_tasks, ALL_TASKS, args.data_dir)
+        print(f"task configs for {', '.join(ALL_TASKS)} in {dest}; use: python -m lm_eval --include_path {dest} --tasks ...")
+        return 0
+    summary = run_zeroshot(config, args.out, log=lambda m: print(m, file=sys.stderr))
+    print(summary["table"], end="")
+    limit = f"first {config.limit} documents per task" if config.limit else "all documents"
+    print(f"({limit}; {summary['seconds']:.0f} s; results in {summary['out']})")
+    return 0
+
+
+def cmd_finetune(args) -> int:
+    from .finetune import FinetuneConfig, finetune
+
+    fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    config = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    config.validate()
+    r = finetune(config, args.out)
+    if "ppl_before" in r:
+        print(f"perplexity ({r['eval_windows']} windows x {config.eval_seqlen} tokens): before {r['ppl_before']:.2f} | after {r['ppl_after']:.2f}")
+    print(f"training loss (first {config.loss_probe_segments} segments): before {r['train_loss_before']:.4f} | after {r['train_loss_after']:.4f}; "
+          f"{r['samples_used']} segments x {config.seqlen} tokens, {r['steps']} steps, {r['train_seconds']:.0f} s; merged model in {r['out_model']}")
+    return 0
+
+
+def cmd_measure(args) -> int:
+    from .measure import MeasureConfig, run_measure
+
+    config = MeasureConfig(models=[args.model, *args.compare], batch_size=args.batch_size, seqlen=args.seqlen,
+                           new_tokens=args.new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,
+                           threads=args.threads, seed=args.seed, memory=not args.no_memory)
+    config.validate()
+    from .loading import resolve_model
+
+    for name in config.models:  # a typo fails before any model is loaded
+        resolve_model(name)
+    result = run_measure(config, args.out)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "table"}))
+    else:
+        print(result["table"], end="")
+        print(f"(median of {config.repeats} after a warm-up; torch threads {result['torch_threads']}; {config.dtype} on {config.device})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -146,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
-        return {"prune": cmd_prune, "eval": cmd_eval}[args.command](args)
+        commands = {"prune": cmd_prune, "eval": cmd_eval, "zeroshot": cmd_zeroshot, "finetune": cmd_finetune, "measure": cmd_measure}
+        return commands[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
