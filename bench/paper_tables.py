@@ -225,8 +225,12 @@ def main() -> None:
     unique: dict[str, Cell] = {}
     for c in todo:
         unique.setdefault(cell_key(c, args), c)
-    # cheap one-shot cells first, then table 1's PG cells, then the rest
-    unique = sorted(unique.values(), key=lambda c: (c.pg, c.table != 1, c.seed, c.table, c.rate))
+    # table 1 first: the cells of the headline comparison (PG vs Wanda-sp, uniform and global ranking) rate
+    # by rate, then its other rows; seed 0 before the other seeds; then the cheap one-shot cells of the
+    # other tables, then their PG cells
+    headline = ("Wanda-sp (uniform)", "Wanda-sp metric, global ranking", "PG (global, Wanda-sp init)")
+    unique = sorted(unique.values(), key=lambda c: (c.table != 1, c.seed, c.row not in headline, c.pg if c.table != 1 else 0,
+                                                    c.rate, c.pg, c.table))
     if args.list:
         for c in unique:
             state = "done" if (cells_dir / cell_key(c, args) / "results.json").exists() else "todo"
