@@ -126,10 +126,19 @@ def by_label(d, label: str, tag: str = "input"):
     return wait(lambda: d.find_element(By.CSS_SELECTOR, f'{tag}[aria-label="{label}"]'), what=f"input '{label}'")
 
 
+def click_when_free(d, el) -> None:
+    """Click, retrying while a redraw (a fragment tick on a busy machine) covers the element."""
+    def attempt():
+        d.execute_script("arguments[0].scrollIntoView({block: 'center'});", el)
+        el.click()  # raises while covered; wait() retries
+        return True
+
+    wait(attempt, timeout=30 * SLOW, what="a clickable element")
+
+
 def set_input(d, label: str, value) -> None:
     el = by_label(d, label)
-    d.execute_script("arguments[0].scrollIntoView({block: 'center'});", el)
-    el.click()
+    click_when_free(d, el)
     el.send_keys(Keys.CONTROL, "a")
     el.send_keys(str(value))
     el.send_keys(Keys.TAB)
