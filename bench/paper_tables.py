@@ -163,6 +163,9 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
     lines = [f"Model: {args.model}; WikiText-2 raw test, first {done[0]['eval_windows']} windows x {done[0]['seqlen']} tokens "
              f"(dense perplexity {dense:.2f}); calibration: local C4 sample, {args.init_batches} batches of 8 x 128 for the "
              f"metrics; PG: {args.steps} steps, lr {args.lr} cosine, N_s 2, T 5 unless stated. Seeds in brackets.", ""]
+    if 5 in {c.table for c in all_cells}:
+        lines[0] += (f" Gumbel-softmax: lr {args.gumbel_lr} (chosen with bench/gumbel_lr.py, calibration data only), "
+                     "temperature and schedule as `python -m engine prune --help` gives by default.")
     titles = {1: "Table 1: heads + channels, one-shot baselines vs PG", 2: "Table 2: initialisations of PG (global)",
               3: "Table 3: layer pruning", 4: "Table 4: ablations at 40 % (PG, global, Wanda-sp init)",
               5: "Table 5: PG vs Gumbel-softmax (heads + channels, global, Wanda-sp init)"}
@@ -182,7 +185,9 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
                             lines.append(f"| {row} | {r:.0%} | {res['ppl_pruned']:,.1f} | {res['ppl_init']:,.1f} | "
                                          f"{res['seconds_in_steps']:.0f} | {res['seconds_per_step']:.2f} | "
                                          f"{res['peak_rss_mb']:.0f} | {c.seed} |")
-            lines.append("")
+            lines += ["", "Each cell's time and peak memory come from its own run (its process, under whatever load the "
+                      "machine had then); `python bench/step_cost.py` measures one PG and one Gumbel-softmax step side by "
+                      "side in one process, which is the comparison to trust.", ""]
             continue
         lines += ["| method | " + " | ".join(f"{r:.0%}" for r in rates) + " |", "|---" * (len(rates) + 1) + "|",
                   "| dense | " + " | ".join(f"{dense:.2f}" for _ in rates) + " |"]

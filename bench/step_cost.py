@@ -7,6 +7,8 @@ process, so both see the same machine load), and peak resident memory during PG 
 during plain forwards (each in a fresh subprocess with identical set-up; the peak counter is
 reset after set-up through /proc/self/clear_refs, so model loading does not count).
 The method needs N_s masked forwards per step; a ratio near N_s means the bookkeeping is free.
+The same is measured for one Gumbel-softmax step (N_s relaxed masks, back-propagated through the
+model): the time and memory side of the paper's PG vs Gumbel-softmax comparison (its Table 3).
 """
 
 from __future__ import annotations
@@ -36,15 +38,21 @@ def reset_peak() -> None:
 
 
 def setup(args):
-    """Identical set-up for every worker: model copy, data, a PruneRun with its initial state."""
+    """Identical set-up for every worker: model copy, data, a PG run and a Gumbel-softmax run over
+    the same model object, with the PG run's initial state."""
+    from dataclasses import replace
+
     from engine.config import PruneConfig
     from engine.pruner import PruneRun
 
     config = PruneConfig(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
                          num_mask_samples=args.num_mask_samples, max_windows=1, dtype=args.dtype)
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
+    gumbel = PruneRun(replace(config, method="gumbel"), tempfile.mkdtemp(), model=run.model, tokenizer=run.tokenizer,
+                      log=lambda m: None)
+    run.progress = gumbel.progress = False
     state = run.fresh_state()
-    return run, state
+    return run, gumbel, state
 
 
 def worker(args) -> dict:
@@ -53,12 +61,15 @@ def worker(args) -> dict:
     from engine.evaluate import batch_loss
 
     torch.manual_seed(0)
-    run, state = setup(args)
+    run, gumbel, state = setup(args)
     batch = run.sampler.next_batch()
     batch_loss(run.model, batch)  # warm-up
-    run.step(state)
+    if args.worker in ("time", "mem-pg"):
+        run.step(state)
+    if args.worker in ("time", "mem-gumbel"):
+        gumbel.step(state)
     if args.worker == "time":
-        dense, pg = [], []
+        dense, pg, gs = [], [], []
         for _ in range(args.repeats):
             t = time.perf_counter()
             batch_loss(run.model, batch)
@@ -66,13 +77,19 @@ def worker(args) -> dict:
             t = time.perf_counter()
             run.step(state)
             pg.append(time.perf_counter() - t)
-        return {"sec_dense_forward": statistics.median(dense), "sec_pg_step": statistics.median(pg)}
+            t = time.perf_counter()
+            gumbel.step(state)
+            gs.append(time.perf_counter() - t)
+        return {"sec_dense_forward": statistics.median(dense), "sec_pg_step": statistics.median(pg),
+                "sec_gumbel_step": statistics.median(gs)}
     reset_peak()
     for _ in range(args.repeats):
         if args.worker == "mem-dense":
             batch_loss(run.model, batch)
-        else:
+        elif args.worker == "mem-pg":
             run.step(state)
+        else:
+            gumbel.step(state)
     return {"peak_mb": vm_hwm_mb()}
 
 
@@ -84,7 +101,7 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--num-mask-samples", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--worker", choices=["time", "mem-dense", "mem-pg"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["time", "mem-dense", "mem-pg", "mem-gumbel"], help=argparse.SUPPRESS)
     p.add_argument("--plain-copy", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -109,7 +126,7 @@ def main() -> None:
     del model
 
     out = {}
-    for w in ("time", "mem-dense", "mem-pg"):
+    for w in ("time", "mem-dense", "mem-pg", "mem-gumbel"):
         cmd = [sys.executable, __file__, "--worker", w, "--plain-copy", str(copy_dir)] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "plain_copy")
         ]
@@ -117,7 +134,7 @@ def main() -> None:
         if res.returncode != 0:
             sys.exit(f"worker {w} failed:\n{res.stderr[-2000:]}")
         out[w] = json.loads(res.stdout.strip().splitlines()[-1])
-    t, md, mp = out["time"], out["mem-dense"]["peak_mb"], out["mem-pg"]["peak_mb"]
+    t, md, mp, mg = out["time"], out["mem-dense"]["peak_mb"], out["mem-pg"]["peak_mb"], out["mem-gumbel"]["peak_mb"]
     print(f"model {args.model} ({args.dtype}), batch {args.batch_size}x{args.seqlen}, N_s={args.num_mask_samples}, "
           f"median of {args.repeats}; torch threads {torch.get_num_threads()}")
     print(f"dense forward (with loss): {t['sec_dense_forward']:.3f} s")
@@ -126,6 +143,8 @@ def main() -> None:
     print(f"peak RSS plain inference:  {md:.0f} MB")
     print(f"peak RSS PG steps:         {mp:.0f} MB")
     print(f"peak ratio PG / inference: {mp / md:.3f}")
+    print(f"Gumbel-softmax step:       {t['sec_gumbel_step']:.3f} s  ({t['sec_gumbel_step'] / t['sec_pg_step']:.2f} x a PG step)")
+    print(f"peak RSS Gumbel steps:     {mg:.0f} MB  ({mg / mp:.3f} x PG's; {mg / md:.3f} x inference)")
 
 
 if __name__ == "__main__":

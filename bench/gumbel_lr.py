@@ -1,0 +1,65 @@
+"""How large the Gumbel-softmax gradient is next to the policy-gradient estimate, at the same scores.
+
+    python bench/gumbel_lr.py [--model smollm2-135m-instruct] [--prune-ratio 0.3] [--batches 4] [--lr 0.02]
+
+The PG estimate (L - delta)(m - s)/(s(1 - s)) has the size of a loss difference for every unit,
+however small the unit; the back-propagated d loss / d s of one MLP channel is tiny. So one learning
+rate cannot serve both. This measures, on calibration batches only (never the evaluation text),
+the mean |g| of each estimator per unit type at the Wanda-sp initial scores, and prints the Gumbel
+learning rate that gives its first steps the same mean |step| as PG's at --lr: that is how
+`bench/paper_tables.py --gumbel-lr` was chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prune-ratio", type=float, default=0.3)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.02, help="the PG learning rate to match")
+    args = p.parse_args()
+
+    import torch
+
+    from engine.config import PruneConfig
+    from engine.pruner import PruneRun
+
+    torch.manual_seed(0)
+    config = PruneConfig(model=args.model, prune_ratio=args.prune_ratio, init="wanda-sp", max_windows=1, steps=100,
+                         baseline="leave-one-out")
+    run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
+    run.progress = False
+    state = run.fresh_state()
+    pg = {u: [] for u in state.scores}
+    gs = {u: [] for u in state.scores}
+    for _ in range(args.batches):
+        _, g_pg, _ = run._policy_gradient(state, run.sampler.next_batch())
+        _, g_gs, _ = run._gumbel_gradient(state, run.sampler.next_batch())
+        for u in state.scores:
+            pg[u].append(float(g_pg[u].abs().mean()))
+            gs[u].append(float(g_gs[u].abs().mean()))
+    print(f"model {args.model}, prune ratio {args.prune_ratio}, {args.batches} calibration batches, "
+          f"N_s {config.num_mask_samples} (PG with leave-one-out baseline, so no warm-up of a moving average)")
+    ratios = []
+    for u in state.scores:
+        a, b = sum(pg[u]) / len(pg[u]), sum(gs[u]) / len(gs[u])
+        ratios.append(a / b)
+        print(f"{u:9s} mean |g|  PG {a:.3e}   Gumbel {b:.3e}   ratio {a / b:,.1f}")
+    import statistics
+
+    ratio = statistics.geometric_mean(ratios)
+    print(f"geometric mean ratio {ratio:,.1f}: Gumbel lr matching PG at lr {args.lr}: {args.lr * ratio:.3g}")
+
+
+if __name__ == "__main__":
+    main()
