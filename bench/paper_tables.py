@@ -102,7 +102,8 @@ def cell_key(c: Cell, args) -> str:
 
 def cli_args(c: Cell, args) -> list[str]:
     values = {**c.settings, "prune_ratio": c.rate, "seed": c.seed, "max_windows": args.max_windows,
-              "eval_seqlen": args.eval_seqlen, "init_batches": args.init_batches}
+              "eval_seqlen": args.eval_seqlen,
+              "init_batches": args.layer_init_batches if c.settings["units"] == "layers" else args.init_batches}
     if c.pg:
         values |= {"steps": args.steps, "lr": args.gumbel_lr if c.settings.get("method") == "gumbel" else args.lr}
     out = []
@@ -162,7 +163,7 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
     dense = done[0]["ppl_dense"]
     lines = [f"Model: {args.model}; WikiText-2 raw test, first {done[0]['eval_windows']} windows x {done[0]['seqlen']} tokens "
              f"(dense perplexity {dense:.2f}); calibration: local C4 sample, {args.init_batches} batches of 8 x 128 for the "
-             f"metrics; PG: {args.steps} steps, lr {args.lr} cosine, N_s 2, T 5 unless stated. Seeds in brackets.", ""]
+             f"metrics ({args.layer_init_batches} for the layer metrics of table 3); PG: {args.steps} steps, lr {args.lr} cosine, N_s 2, T 5 unless stated. Seeds in brackets.", ""]
     if 5 in {c.table for c in all_cells}:
         lines[0] += (f" Gumbel-softmax: lr {args.gumbel_lr} (chosen with bench/gumbel_lr.py, calibration data only), "
                      "temperature and schedule as `python -m engine prune --help` gives by default.")
@@ -214,7 +215,10 @@ def main() -> None:
     p.add_argument("--rates", default=",".join(str(r) for r in RATES), help="prune ratios (default %(default)s)")
     p.add_argument("--max-windows", type=int, default=128)
     p.add_argument("--eval-seqlen", type=int, default=128)
-    p.add_argument("--init-batches", type=int, default=8)
+    p.add_argument("--init-batches", type=int, default=8, help="calibration batches for the unit metrics (default %(default)s)")
+    p.add_argument("--layer-init-batches", type=int, default=2,
+                   help="calibration batches for the layer metrics of table 3 (default %(default)s): Layerwise-PPL "
+                        "runs the model once per layer and SLEB once per layer per removal, so on CPU they get fewer")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "paper_tables"))
     p.add_argument("--list", action="store_true", help="list the cells and whether each is done")
     p.add_argument("--report-only", action="store_true", help="write the tables from the cells done so far")
@@ -234,8 +238,11 @@ def main() -> None:
     # by rate, then its other rows; seed 0 before the other seeds; then the cheap one-shot cells of the
     # other tables, then their PG cells
     headline = ("Wanda-sp (uniform)", "Wanda-sp metric, global ranking", "PG (global, Wanda-sp init)")
-    unique = sorted(unique.values(), key=lambda c: (c.table != 1, c.seed, c.row not in headline, c.pg if c.table != 1 else 0,
-                                                    c.rate, c.pg, c.table))
+    # (SLEB, O(layers^2) model runs, goes after the PG cells)
+    def cost(c: Cell) -> int:
+        return 0 if c.table == 1 else 2 if c.row == "SLEB" else int(c.pg)
+
+    unique = sorted(unique.values(), key=lambda c: (c.table != 1, c.seed, c.row not in headline, cost(c), c.rate, c.pg, c.table))
     if args.list:
         for c in unique:
             state = "done" if (cells_dir / cell_key(c, args) / "results.json").exists() else "todo"

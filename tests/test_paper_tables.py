@@ -13,7 +13,7 @@ import paper_tables as pt  # noqa: E402
 
 from engine.config import PruneConfig  # noqa: E402
 
-ARGS = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, steps=5, lr=0.02, gumbel_lr=0.1, model="m")
+ARGS = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, layer_init_batches=1, steps=5, lr=0.02, gumbel_lr=0.1, model="m")
 
 
 def test_every_cell_is_a_valid_run_config():
@@ -28,6 +28,7 @@ def test_every_cell_is_a_valid_run_config():
         assert ns.prune_ratio == c.rate and ns.seed == c.seed
         if c.settings.get("method") == "gumbel":
             assert ns.lr == 0.1
+        assert ns.init_batches == (1 if c.settings["units"] == "layers" else 2)
 
 
 def test_cells_with_the_same_settings_share_a_run():
