@@ -163,7 +163,8 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
     dense = done[0]["ppl_dense"]
     lines = [f"Model: {args.model}; WikiText-2 raw test, first {done[0]['eval_windows']} windows x {done[0]['seqlen']} tokens "
              f"(dense perplexity {dense:.2f}); calibration: local C4 sample, {args.init_batches} batches of 8 x 128 for the "
-             f"metrics ({args.layer_init_batches} for the layer metrics of table 3); PG: {args.steps} steps, lr {args.lr} cosine, N_s 2, T 5 unless stated. Seeds in brackets.", ""]
+             f"metrics ({args.layer_init_batches} for the layer metrics of table 3); PG: {args.steps} steps, lr {args.lr} cosine, N_s 2, T 5 unless stated. "
+             f"Each cell: perplexity [seeds] (parameters of the pruned model; dense {done[0]['params_dense'] / 1e6:.1f} M).", ""]
     if 5 in {c.table for c in all_cells}:
         lines[0] += (f" Gumbel-softmax: lr {args.gumbel_lr} (chosen with bench/gumbel_lr.py, calibration data only), "
                      "temperature and schedule as `python -m engine prune --help` gives by default.")
@@ -196,9 +197,11 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
             cols = []
             for r in rates:
                 group = [c for c in tc if c.row == row and c.rate == r]
-                vals = [results[cell_key(c, args)]["ppl_pruned"] for c in group if cell_key(c, args) in results]
+                got = [results[cell_key(c, args)] for c in group if cell_key(c, args) in results]
                 seeds = ",".join(str(c.seed) for c in group if cell_key(c, args) in results)
-                cols.append(f"{fmt(vals)} [{seeds}]" if vals else "–")
+                # parameters too: a uniform budget rounds per layer (3 KV groups at 50 % keep 2), so rows differ
+                cols.append(f"{fmt([g['ppl_pruned'] for g in got])} [{seeds}] ({got[0]['params_pruned'] / 1e6:.1f} M)"
+                            if got else "–")
             lines.append(f"| {row} | " + " | ".join(cols) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"

@@ -48,8 +48,10 @@ def test_report_means_and_stds_over_seeds():
     cells = [c for c in pt.cells({1}, [0, 1]) if c.rate == 0.3]
     fake = {}
     for c in cells:
-        fake[pt.cell_key(c, ARGS)] = dict(ppl_dense=10.0, ppl_pruned=20.0 + c.seed * 2, eval_windows=8, seqlen=128)
+        fake[pt.cell_key(c, ARGS)] = dict(ppl_dense=10.0, ppl_pruned=20.0 + c.seed * 2, eval_windows=8, seqlen=128,
+                                          params_dense=2e6, params_pruned=1.5e6 if c.settings['scope'] == 'global' else 1.6e6)
     text = pt.report(cells, fake, ARGS)
-    assert "| PG (global, Wanda-sp init) | 21.0 ± 1.4 [0,1] |" in text
-    assert "| Wanda-sp (uniform) | 20.0 [0] |" in text
+    assert "| PG (global, Wanda-sp init) | 21.0 ± 1.4 [0,1] (1.5 M) |" in text
+    assert "| Wanda-sp (uniform) | 20.0 [0] (1.6 M) |" in text
+    assert "dense 2.0 M" in text
     assert "first 8 windows x 128 tokens (dense perplexity 10.00)" in text
