@@ -13,6 +13,7 @@ learning rate that gives its first steps the same mean |step| as PG's at --lr: t
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -55,8 +56,6 @@ def main() -> None:
         a, b = sum(pg[u]) / len(pg[u]), sum(gs[u]) / len(gs[u])
         ratios.append(a / b)
         print(f"{u:9s} mean |g|  PG {a:.3e}   Gumbel {b:.3e}   ratio {a / b:,.1f}")
-    import statistics
-
     ratio = statistics.geometric_mean(ratios)
     print(f"geometric mean ratio {ratio:,.1f}: Gumbel lr matching PG at lr {args.lr}: {args.lr * ratio:.3g}")
 

@@ -197,8 +197,9 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
             cols = []
             for r in rates:
                 group = [c for c in tc if c.row == row and c.rate == r]
-                got = [results[cell_key(c, args)] for c in group if cell_key(c, args) in results]
-                seeds = ",".join(str(c.seed) for c in group if cell_key(c, args) in results)
+                finished = [c for c in group if cell_key(c, args) in results]
+                got = [results[cell_key(c, args)] for c in finished]
+                seeds = ",".join(str(c.seed) for c in finished)
                 # parameters too: a uniform budget rounds per layer (3 KV groups at 50 % keep 2), so rows differ
                 cols.append(f"{fmt([g['ppl_pruned'] for g in got])} [{seeds}] ({got[0]['params_pruned'] / 1e6:.1f} M)"
                             if got else "–")

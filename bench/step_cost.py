@@ -63,33 +63,23 @@ def worker(args) -> dict:
     torch.manual_seed(0)
     run, gumbel, state = setup(args)
     batch = run.sampler.next_batch()
-    batch_loss(run.model, batch)  # warm-up
-    if args.worker in ("time", "mem-pg"):
-        run.step(state)
-    if args.worker in ("time", "mem-gumbel"):
-        gumbel.step(state)
-    if args.worker == "time":
-        dense, pg, gs = [], [], []
+    work = {"dense": lambda: batch_loss(run.model, batch), "pg": lambda: run.step(state),
+            "gumbel": lambda: gumbel.step(state)}
+    if args.worker == "time":  # all three interleaved, so they see the same machine load
+        for f in work.values():
+            f()  # warm-up
+        seconds = {k: [] for k in work}
         for _ in range(args.repeats):
-            t = time.perf_counter()
-            batch_loss(run.model, batch)
-            dense.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            run.step(state)
-            pg.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            gumbel.step(state)
-            gs.append(time.perf_counter() - t)
-        return {"sec_dense_forward": statistics.median(dense), "sec_pg_step": statistics.median(pg),
-                "sec_gumbel_step": statistics.median(gs)}
+            for k, f in work.items():
+                t = time.perf_counter()
+                f()
+                seconds[k].append(time.perf_counter() - t)
+        return {f"sec_{k}": statistics.median(v) for k, v in seconds.items()}
+    f = work[args.worker.removeprefix("mem-")]
+    f()  # warm-up, before the peak counter is reset
     reset_peak()
     for _ in range(args.repeats):
-        if args.worker == "mem-dense":
-            batch_loss(run.model, batch)
-        elif args.worker == "mem-pg":
-            run.step(state)
-        else:
-            gumbel.step(state)
+        f()
     return {"peak_mb": vm_hwm_mb()}
 
 
@@ -137,13 +127,13 @@ def main() -> None:
     t, md, mp, mg = out["time"], out["mem-dense"]["peak_mb"], out["mem-pg"]["peak_mb"], out["mem-gumbel"]["peak_mb"]
     print(f"model {args.model} ({args.dtype}), batch {args.batch_size}x{args.seqlen}, N_s={args.num_mask_samples}, "
           f"median of {args.repeats}; torch threads {torch.get_num_threads()}")
-    print(f"dense forward (with loss): {t['sec_dense_forward']:.3f} s")
-    print(f"PG step:                   {t['sec_pg_step']:.3f} s")
-    print(f"step / forward:            {t['sec_pg_step'] / t['sec_dense_forward']:.2f}  (N_s = {args.num_mask_samples})")
+    print(f"dense forward (with loss): {t['sec_dense']:.3f} s")
+    print(f"PG step:                   {t['sec_pg']:.3f} s")
+    print(f"step / forward:            {t['sec_pg'] / t['sec_dense']:.2f}  (N_s = {args.num_mask_samples})")
     print(f"peak RSS plain inference:  {md:.0f} MB")
     print(f"peak RSS PG steps:         {mp:.0f} MB")
     print(f"peak ratio PG / inference: {mp / md:.3f}")
-    print(f"Gumbel-softmax step:       {t['sec_gumbel_step']:.3f} s  ({t['sec_gumbel_step'] / t['sec_pg_step']:.2f} x a PG step)")
+    print(f"Gumbel-softmax step:       {t['sec_gumbel']:.3f} s  ({t['sec_gumbel'] / t['sec_pg']:.2f} x a PG step)")
     print(f"peak RSS Gumbel steps:     {mg:.0f} MB  ({mg / mp:.3f} x PG's; {mg / md:.3f} x inference)")
 
 

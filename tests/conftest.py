@@ -26,6 +26,15 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def assert_cli_fails_with_one_line(argv: list[str], message: str, capfd) -> None:
+    """In-process `engine.cli.main(argv)`: exit status 2 and exactly one `error: ...` line naming `message`."""
+    from engine.cli import main
+
+    assert main(argv) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
 def run_engine(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m engine ARGS` in a fresh interpreter, run from the repository root."""
     return subprocess.run([sys.executable, "-m", "engine", *args], cwd=cwd, env=clean_env(), capture_output=True,

@@ -16,6 +16,8 @@ from engine.finetune import FinetuneConfig, finetune, lora_target_modules, merge
 from engine.loading import load_model, resolve_model
 from engine.units import UnitLayout
 
+from conftest import assert_cli_fails_with_one_line
+
 from conftest import SMALL_CALIB, clean_env
 
 
@@ -116,9 +118,5 @@ def test_training_segments_are_disjoint_and_capped(tiny):
     (["--max-windows", "0"], "max windows"),
 ])
 def test_bad_input_is_one_error_line(args, message, pruned_export, tmp_path, capfd):
-    from engine.cli import main
-
     argv = ["finetune", "--model", str(pruned_export), "--out", str(tmp_path / "o"), *args]
-    assert main(argv) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert_cli_fails_with_one_line(argv, message, capfd)

@@ -13,6 +13,8 @@ from engine.loading import count_parameters, load_model, resolve_model
 from engine.measure import MeasureConfig, generate, markdown, run_measure, weights_bytes
 from engine.units import UnitLayout
 
+from conftest import assert_cli_fails_with_one_line
+
 
 @pytest.fixture(scope="module")
 def half_export(tiny, tmp_path_factory):
@@ -91,8 +93,4 @@ def test_markdown_without_memory_has_no_memory_column():
     (["--device", "tpu"], "unknown device"),
 ])
 def test_bad_input_is_one_error_line(args, message, tiny_path, capfd):
-    from engine.cli import main
-
-    assert main(["measure", "--model", str(tiny_path), *args]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert_cli_fails_with_one_line(["measure", "--model", str(tiny_path), *args], message, capfd)

@@ -18,7 +18,7 @@ from engine.export import export_pruned, save_mask_artifact
 from engine.zeroshot import ALL_TASKS, TABLE_METRIC, ZeroshotConfig, evaluate_model, run_zeroshot, summarize, write_task_dir
 from engine.units import UnitLayout
 
-from conftest import DATA_DIR
+from conftest import DATA_DIR, assert_cli_fails_with_one_line
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +139,7 @@ def test_summarize_picks_the_table_metric():
     (["--batch-size", "0"], "batch size must be at least 1"),
 ])
 def test_bad_input_is_one_error_line(args, message, tiny_path, capfd):
-    from engine.cli import main
-
-    assert main(["zeroshot", "--model", str(tiny_path), *args]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert_cli_fails_with_one_line(["zeroshot", "--model", str(tiny_path), *args], message, capfd)
 
 
 def test_missing_default_data_dir_is_a_user_error(tiny_path, tmp_path, monkeypatch, capfd):
