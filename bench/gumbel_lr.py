@@ -54,8 +54,13 @@ def main() -> None:
     ratios = []
     for u in state.scores:
         a, b = sum(pg[u]) / len(pg[u]), sum(gs[u]) / len(gs[u])
-        ratios.append(a / b)
-        print(f"{u:9s} mean |g|  PG {a:.3e}   Gumbel {b:.3e}   ratio {a / b:,.1f}")
+        if a > 0 and b > 0:
+            ratios.append(a / b)
+            print(f"{u:9s} mean |g|  PG {a:.3e}   Gumbel {b:.3e}   ratio {a / b:,.1f}")
+        else:  # e.g. PG with N_s = 2 when both samples drew the same mask of a small unit type
+            print(f"{u:9s} mean |g|  PG {a:.3e}   Gumbel {b:.3e}   (a zero: left out; try more --batches)")
+    if not ratios:
+        sys.exit("error: every unit type had a zero gradient on these batches; try more --batches")
     ratio = statistics.geometric_mean(ratios)
     print(f"geometric mean ratio {ratio:,.1f}: Gumbel lr matching PG at lr {args.lr}: {args.lr * ratio:.3g}")
 
