@@ -26,8 +26,8 @@ def test_every_cell_is_a_valid_run_config():
         fields["units"] = ns.units.split(",")
         PruneConfig(**fields).validate()
         assert ns.prune_ratio == c.rate and ns.seed == c.seed
-        if c.settings.get("method") == "gumbel":
-            assert ns.lr == 0.1
+        if c.pg:
+            assert ns.lr == (0.1 if c.settings.get("method") == "gumbel" else 0.02) * c.lr_scale
         assert ns.init_batches == (1 if c.settings["units"] == "layers" else 2)
 
 
@@ -40,6 +40,10 @@ def test_cells_with_the_same_settings_share_a_run():
     # another budget is another run
     other = argparse.Namespace(**{**vars(ARGS), "steps": 6})
     assert pt.cell_key(pg40[0], other) != pt.cell_key(pg40[0], ARGS)
+    # the same settings at another lr are another run
+    halved = [c for c in cells if c.lr_scale != 1.0]
+    assert halved and all(pt.cli_args(c, ARGS)[pt.cli_args(c, ARGS).index("--lr") + 1] == "0.01" for c in halved)
+    assert len({pt.cell_key(c, ARGS) for c in cells if c.settings == halved[0].settings}) == 2
     metric = next(c for c in cells if not c.pg)
     assert pt.cell_key(metric, other) == pt.cell_key(metric, ARGS)  # no steps in a one-shot cell
 
