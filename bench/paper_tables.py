@@ -121,22 +121,67 @@ def cli_args(c: Cell, args) -> list[str]:
     return out
 
 
-def run_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict:
-    out = cells_dir / cell_key(c, args)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim(lock: Path) -> int | None:
+    """Take a cell's lock file (it holds our pid). Returns None when we hold it, or the pid of the live
+    process that does: two queues side by side (as README runs them) must never run one cell twice,
+    since a fresh run starts with --overwrite. A lock whose process is gone is taken over."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and _alive(pid):
+                return pid
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return None
+    raise SystemExit(f"could not take the lock {lock}")
+
+
+def run_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
+    """The cell's results, running it if needed; None when another process is running it now."""
+    key = cell_key(c, args)
+    out = cells_dir / key
     done = out / "results.json"
     if done.exists():
         return json.loads(done.read_text())
-    resume = (out / "checkpoint.pt").exists() and (out / "config.json").exists()
-    cmd = [sys.executable, "-m", "engine", "prune", "--model", str(model_dir), "--out", str(out)] + \
-        (["--resume"] if resume else cli_args(c, args) + ["--overwrite"])
-    print(f"[{time.strftime('%H:%M:%S')}] table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed}: "
-          f"{'resuming' if resume else 'running'} {out.name}", flush=True)
-    with open(cells_dir / f"{cell_key(c, args)}.log", "a") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"cell {out.name} failed (exit {proc.returncode}); see {cells_dir / (cell_key(c, args) + '.log')}")
-    shutil.rmtree(out / "model", ignore_errors=True)  # the tables need the figures, not 40 sliced models
-    return json.loads(done.read_text())
+    lock = cells_dir / f"{key}.lock"
+    other = claim(lock)
+    if other is not None:
+        print(f"table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed}: process {other} is running {key}; skipped",
+              flush=True)
+        return None
+    try:
+        if done.exists():  # finished by another process between our check and the lock
+            return json.loads(done.read_text())
+        resume = (out / "checkpoint.pt").exists() and (out / "config.json").exists()
+        cmd = [sys.executable, "-m", "engine", "prune", "--model", str(model_dir), "--out", str(out)] + \
+            (["--resume"] if resume else cli_args(c, args) + ["--overwrite"])
+        print(f"[{time.strftime('%H:%M:%S')}] table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed}: "
+              f"{'resuming' if resume else 'running'} {key}", flush=True)
+        with open(cells_dir / f"{key}.log", "a") as log:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            raise SystemExit(f"cell {key} failed (exit {proc.returncode}); see {cells_dir / (key + '.log')}")
+        shutil.rmtree(out / "model", ignore_errors=True)  # the tables need the figures, not 40 sliced models
+        return json.loads(done.read_text())
+    finally:
+        lock.unlink(missing_ok=True)
 
 
 def plain_copy(model: str, dest: Path) -> Path:
@@ -267,9 +312,16 @@ def main() -> None:
     if not args.report_only:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         model_dir = plain_copy(args.model, out / "model")
+        busy = 0
         for c in unique:
-            results[cell_key(c, args)] = run_cell(c, args, model_dir, cells_dir)
+            res = run_cell(c, args, model_dir, cells_dir)
+            if res is None:
+                busy += 1
+                continue
+            results[cell_key(c, args)] = res
             (out / "tables.md").write_text(report(todo, results, args))
+        if busy:
+            print(f"{busy} cell(s) were running in another process: rerun this command when it has finished", flush=True)
     for c in unique:
         f = cells_dir / cell_key(c, args) / "results.json"
         if f.exists():

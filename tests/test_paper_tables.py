@@ -59,3 +59,20 @@ def test_report_means_and_stds_over_seeds():
     assert "| Wanda-sp (uniform) | 20.0 [0] (1.6 M) |" in text
     assert "dense 2.0 M" in text
     assert "first 8 windows x 128 tokens (dense perplexity 10.00)" in text
+
+
+def test_a_cell_that_another_live_process_runs_is_skipped(tmp_path):
+    lock = tmp_path / "cell.lock"
+    assert pt.claim(lock) is None and lock.read_text() == str(pt.os.getpid())  # free: ours
+    lock.write_text(str(pt.os.getppid()))  # a live process holds it
+    assert pt.claim(lock) == pt.os.getppid()
+    c = pt.cells({4}, [0])[0]
+    (tmp_path / f"{pt.cell_key(c, ARGS)}.lock").write_text(str(pt.os.getppid()))
+    assert pt.run_cell(c, ARGS, tmp_path / "model", tmp_path) is None  # skipped, nothing run
+    assert not (tmp_path / pt.cell_key(c, ARGS)).exists()
+    # a lock left by a process that is gone is taken over
+    import subprocess
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(str(dead.pid))
+    assert pt.claim(lock) is None and lock.read_text() == str(pt.os.getpid())
