@@ -217,13 +217,13 @@ def test_taylor_matches_a_hand_computed_unit(ids):
     token_loss(reference, ids).mean().backward()
     attn = reference.model.layers[0].self_attn
     q, hd = a.queries_per_group * a.head_dim, a.head_dim
-    expected = sum(float((p.weight * p.weight.grad).abs()[rows].sum()) for p, rows in
+    expected = sum(float((p.weight.detach() * p.weight.grad).abs()[rows].sum()) for p, rows in
                    ((attn.q_proj, slice(q, 2 * q)), (attn.k_proj, slice(hd, 2 * hd)), (attn.v_proj, slice(hd, 2 * hd))))
-    expected += float((attn.o_proj.weight * attn.o_proj.weight.grad).abs()[:, q:2 * q].sum())
+    expected += float((attn.o_proj.weight.detach() * attn.o_proj.weight.grad).abs()[:, q:2 * q].sum())
     assert float(metric["heads"][0][1]) == pytest.approx(expected, rel=1e-4)
     mlp = reference.model.layers[2].mlp
-    channel = sum(float((p.weight * p.weight.grad).abs()[7].sum()) for p in (mlp.gate_proj, mlp.up_proj))
-    channel += float((mlp.down_proj.weight * mlp.down_proj.weight.grad).abs()[:, 7].sum())
+    channel = sum(float((p.weight.detach() * p.weight.grad).abs()[7].sum()) for p in (mlp.gate_proj, mlp.up_proj))
+    channel += float((mlp.down_proj.weight.detach() * mlp.down_proj.weight.grad).abs()[:, 7].sum())
     assert float(metric["channels"][2][7]) == pytest.approx(channel, rel=1e-4)
 
 
