@@ -80,8 +80,8 @@ def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) 
                     Cell(3, "PG (Layerwise-PPL init, score-const map)", r,
                          {**layers, "method": "pg", "layer_init": "layerwise-ppl", "prob_map": "score-const"})]
         if 5 in tables and r in (0.3, 0.5):
-            out += [Cell(5, "PG", r, pg_global),
-                    Cell(5, "Gumbel-softmax", r, {**pg_global, "method": "gumbel"})]
+            out += [Cell(5, "PG", r, pg_global, seed=s) for s in seeds]
+            out += [Cell(5, "Gumbel-softmax", r, {**pg_global, "method": "gumbel"}, seed=s) for s in seeds]
     if 4 in tables and 0.4 in rates:
         r = 0.4
         out += [Cell(4, "moving-average baseline (T = 5)", r, pg_global),
@@ -235,12 +235,15 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
                       "|---|---|---|---|---|---|---|---|"]
             for row in rows:
                 for r in rates:
-                    for c in (c for c in tc if c.row == row and c.rate == r):
-                        res = results.get(cell_key(c, args))
-                        if res:
-                            lines.append(f"| {row} | {r:.0%} | {res['ppl_pruned']:,.1f} | {res['ppl_init']:,.1f} | "
-                                         f"{res['seconds_in_steps']:.0f} | {res['seconds_per_step']:.2f} | "
-                                         f"{res['peak_rss_mb']:.0f} | {c.seed} |")
+                    got = [(c, results[cell_key(c, args)]) for c in tc if c.row == row and c.rate == r
+                           and cell_key(c, args) in results]
+                    for c, res in got:
+                        lines.append(f"| {row} | {r:.0%} | {res['ppl_pruned']:,.1f} | {res['ppl_init']:,.1f} | "
+                                     f"{res['seconds_in_steps']:.0f} | {res['seconds_per_step']:.2f} | "
+                                     f"{res['peak_rss_mb']:.0f} | {c.seed} |")
+                    if len(got) > 1:
+                        lines.append(f"| {row} | {r:.0%} | **{fmt([res['ppl_pruned'] for _, res in got])}** | | | | | "
+                                     f"{','.join(str(c.seed) for c, _ in got)} |")
             lines += ["", "Each cell's time and peak memory come from its own run (its process, under whatever load the "
                       "machine had then); `python bench/step_cost.py` measures one PG and one Gumbel-softmax step side by "
                       "side in one process, which is the comparison to trust.", ""]
@@ -271,7 +274,7 @@ def main() -> None:
     p.add_argument("--gumbel-lr", type=float, default=0.6,
                    help="Gumbel-softmax learning rate (default %(default)s: on this model its gradient is ~30x smaller "
                         "than PG's estimate, geometric mean over heads and channels; bench/gumbel_lr.py measures it)")
-    p.add_argument("--seeds", default="0,1,2", help="seeds of the main PG cells (table 1, global)")
+    p.add_argument("--seeds", default="0,1,2", help="seeds of the main PG cells (table 1's PG global, table 5)")
     p.add_argument("--rates", default=",".join(str(r) for r in RATES), help="prune ratios (default %(default)s)")
     p.add_argument("--max-windows", type=int, default=128)
     p.add_argument("--eval-seqlen", type=int, default=128)
@@ -289,8 +292,8 @@ def main() -> None:
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
     todo = cells(tables, seeds, tuple(float(r) for r in args.rates.split(",")))
-    # only table 1's global PG row is run over several seeds
-    todo = [c for c in todo if c.seed == seeds[0] or (c.table == 1 and c.row.startswith("PG (global"))]
+    # only table 1's global PG row and table 5 (PG vs Gumbel-softmax) are run over several seeds
+    todo = [c for c in todo if c.seed == seeds[0] or (c.table == 1 and c.row.startswith("PG (global")) or c.table == 5]
     unique: dict[str, Cell] = {}
     for c in todo:
         unique.setdefault(cell_key(c, args), c)

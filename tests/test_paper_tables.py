@@ -76,3 +76,14 @@ def test_a_cell_that_another_live_process_runs_is_skipped(tmp_path):
     dead.wait()
     lock.write_text(str(dead.pid))
     assert pt.claim(lock) is None and lock.read_text() == str(pt.os.getpid())
+
+
+def test_table_5_gives_every_seed_and_their_mean():
+    cells = [c for c in pt.cells({5}, [0, 1]) if c.rate == 0.3]
+    assert sorted((c.row, c.seed) for c in cells) == [("Gumbel-softmax", 0), ("Gumbel-softmax", 1), ("PG", 0), ("PG", 1)]
+    fake = {pt.cell_key(c, ARGS): dict(ppl_dense=10.0, ppl_pruned=30.0 + 2 * c.seed, ppl_init=40.0, eval_windows=8,
+                                       seqlen=128, params_dense=2e6, params_pruned=1.5e6, seconds_in_steps=5.0,
+                                       seconds_per_step=1.0, peak_rss_mb=100.0) for c in cells}
+    text = pt.report(cells, fake, ARGS)
+    assert "| Gumbel-softmax | 30% | 32.0 | 40.0 | 5 | 1.00 | 100 | 1 |" in text
+    assert "| Gumbel-softmax | 30% | **31.0 ± 1.4** | | | | | 0,1 |" in text
