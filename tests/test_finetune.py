@@ -16,9 +16,7 @@ from engine.finetune import FinetuneConfig, finetune, lora_target_modules, merge
 from engine.loading import load_model, resolve_model
 from engine.units import UnitLayout
 
-from conftest import assert_cli_fails_with_one_line
-
-from conftest import SMALL_CALIB, clean_env
+from conftest import SMALL_CALIB, assert_cli_fails_with_one_line, clean_env
 
 
 @pytest.fixture(scope="module")

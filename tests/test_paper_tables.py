@@ -87,3 +87,11 @@ def test_table_5_gives_every_seed_and_their_mean():
     text = pt.report(cells, fake, ARGS)
     assert "| Gumbel-softmax | 30% | 32.0 | 40.0 | 5 | 1.00 | 100 | 1 |" in text
     assert "| Gumbel-softmax | 30% | **31.0 ± 1.4** | | | | | 0,1 |" in text
+
+
+def test_a_row_run_once_takes_the_first_of_the_seeds():
+    default, other = pt.cells({1, 2, 3, 4, 5}, [0, 1, 2]), pt.cells({1, 2, 3, 4, 5}, [3, 4, 5])
+    assert len(other) == len(default)  # --seeds 3,4,5 drops no row
+    multi = {(1, "PG (global, Wanda-sp init)"), (5, "PG"), (5, "Gumbel-softmax")}
+    assert {c.seed for c in other if (c.table, c.row) not in multi} == {3}
+    assert {c.seed for c in other if (c.table, c.row) in multi} == {3, 4, 5}
