@@ -266,34 +266,61 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def csv_list(kind, ok, what: str):
+    """An argparse type: comma-separated values of `kind`, each passing `ok` (else a one-line usage error)."""
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not all(ok(v) for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        return values
+    return parse
+
+
+def positive(kind):
+    """An argparse type: one value of `kind` above 0 (else a one-line usage error)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+        return value
+    return parse
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--tables", default="1,2,3,4,5")
-    p.add_argument("--steps", type=int, default=150, help="PG (and Gumbel) steps per cell (default %(default)s)")
-    p.add_argument("--lr", type=float, default=0.02, help="PG learning rate (default %(default)s)")
-    p.add_argument("--gumbel-lr", type=float, default=0.6,
+    p.add_argument("--tables", default="1,2,3,4,5", type=csv_list(int, lambda t: 1 <= t <= 5, "table numbers 1 to 5"))
+    p.add_argument("--steps", type=positive(int), default=150, help="PG (and Gumbel) steps per cell (default %(default)s)")
+    p.add_argument("--lr", type=positive(float), default=0.02, help="PG learning rate (default %(default)s)")
+    p.add_argument("--gumbel-lr", type=positive(float), default=0.6,
                    help="Gumbel-softmax learning rate (default %(default)s: on this model its gradient is ~30x smaller "
                         "than PG's estimate, geometric mean over heads and channels; bench/gumbel_lr.py measures it)")
-    p.add_argument("--seeds", default="0,1,2", help="seeds of the main PG cells (table 1's PG global, table 5)")
-    p.add_argument("--rates", default=",".join(str(r) for r in RATES), help="prune ratios (default %(default)s)")
-    p.add_argument("--max-windows", type=int, default=128)
-    p.add_argument("--eval-seqlen", type=int, default=128)
-    p.add_argument("--init-batches", type=int, default=8, help="calibration batches for the unit metrics (default %(default)s)")
-    p.add_argument("--layer-init-batches", type=int, default=2,
+    p.add_argument("--seeds", default="0,1,2", type=csv_list(int, lambda s: s >= 0, "seeds (integers >= 0)"),
+                   help="seeds of the main PG cells (table 1's PG global, table 5)")
+    p.add_argument("--rates", default=",".join(str(r) for r in RATES),
+                   type=csv_list(float, lambda r: 0 < r < 1, "prune ratios in (0, 1)"), help="prune ratios (default %(default)s)")
+    p.add_argument("--max-windows", type=positive(int), default=128)
+    p.add_argument("--eval-seqlen", type=positive(int), default=128)
+    p.add_argument("--init-batches", type=positive(int), default=8, help="calibration batches for the unit metrics (default %(default)s)")
+    p.add_argument("--layer-init-batches", type=positive(int), default=2,
                    help="calibration batches for the layer metrics of table 3 (default %(default)s): Layerwise-PPL "
                         "runs the model once per layer and SLEB once per layer per removal, so on CPU they get fewer")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "paper_tables"))
     p.add_argument("--list", action="store_true", help="list the cells and whether each is done")
     p.add_argument("--report-only", action="store_true", help="write the tables from the cells done so far")
     args = p.parse_args()
-    tables = {int(t) for t in args.tables.split(",")}
-    seeds = [int(s) for s in args.seeds.split(",")]
+    tables, seeds = set(args.tables), args.seeds
     out = Path(args.out)
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
     # only table 1's global PG row and table 5 (PG vs Gumbel-softmax) are run over several seeds
-    todo = cells(tables, seeds, tuple(float(r) for r in args.rates.split(",")))
+    todo = cells(tables, seeds, tuple(args.rates))
     unique: dict[str, Cell] = {}
     for c in todo:
         unique.setdefault(cell_key(c, args), c)

@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import paper_tables as pt  # noqa: E402
@@ -95,3 +97,18 @@ def test_a_row_run_once_takes_the_first_of_the_seeds():
     multi = {(1, "PG (global, Wanda-sp init)"), (5, "PG"), (5, "Gumbel-softmax")}
     assert {c.seed for c in other if (c.table, c.row) not in multi} == {3}
     assert {c.seed for c in other if (c.table, c.row) in multi} == {3, 4, 5}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tables", "7"], "table numbers 1 to 5"),
+    (["--seeds", "x"], "seeds (integers >= 0)"),
+    (["--rates", "0.3,1.5"], "prune ratios in (0, 1)"),
+    (["--steps", "0"], "above 0"),
+    (["--max-windows", "many"], "above 0"),
+])
+def test_bad_arguments_are_one_error_line(args, message, tmp_path):
+    import subprocess
+    proc = subprocess.run([sys.executable, str(pt.ROOT / "bench" / "paper_tables.py"), *args, "--out", str(tmp_path), "--list"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("paper_tables.py: error:") and message in proc.stderr
