@@ -16,18 +16,16 @@ import argparse
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from cli_common import positive, run
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--prune-ratio", type=float, default=0.3)
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.02, help="the PG learning rate to match")
+    p.add_argument("--batches", type=positive(int), default=4)
+    p.add_argument("--lr", type=positive(float), default=0.02, help="the PG learning rate to match")
     args = p.parse_args()
 
     import torch
@@ -66,4 +64,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -26,7 +26,6 @@ Results go to OUT/tables.md (and are printed).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -34,11 +33,10 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from cli_common import ROOT, csv_list, positive, run
 
 RATES = (0.3, 0.4, 0.5)
 HC = {"units": "heads,channels"}
@@ -94,7 +92,7 @@ def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) 
                 Cell(4, "sqrt estimator (reference code)", r, {**pg_global, "estimator": "sqrt"}),
                 Cell(4, "score-const map (c = 0.8)", r, {**pg_global, "prob_map": "score-const"}),
                 Cell(4, "N_s = 4", r, {**pg_global, "num_mask_samples": 4})]
-    return [dataclasses.replace(c, seed=seeds[0]) if c.seed is None else c for c in out]
+    return [replace(c, seed=seeds[0]) if c.seed is None else c for c in out]
 
 
 def cell_key(c: Cell, args) -> str:
@@ -279,19 +277,6 @@ def csv_list(kind, ok, what: str):
     return parse
 
 
-def positive(kind):
-    """An argparse type: one value of `kind` above 0 (else a one-line usage error)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
-        return value
-    return parse
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -362,4 +347,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from cli_common import ROOT, positive, run
 
 
 def vm_hwm_mb() -> float:
@@ -87,10 +86,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seqlen", type=int, default=128)
-    p.add_argument("--num-mask-samples", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch-size", type=positive(int), default=8)
+    p.add_argument("--seqlen", type=positive(int), default=128)
+    p.add_argument("--num-mask-samples", type=positive(int), default=2)
+    p.add_argument("--repeats", type=positive(int), default=5)
     p.add_argument("--worker", choices=["time", "mem-dense", "mem-pg", "mem-gumbel"], help=argparse.SUPPRESS)
     p.add_argument("--plain-copy", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -138,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
