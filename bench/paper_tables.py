@@ -63,7 +63,7 @@ def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) 
                     Cell(1, "Wanda-sp (uniform)", r, {**HC, "method": "metric", "scope": "uniform", "init": "wanda-sp"}, pg=False),
                     Cell(1, "Wanda-sp metric, global ranking", r, {**HC, "method": "metric", "scope": "global", "init": "wanda-sp"}, pg=False)]
             out += [Cell(1, "PG (global, Wanda-sp init)", r, pg_global, seed=s) for s in seeds]
-            out += [Cell(1, "PG (uniform, Wanda-sp init)", r, {**pg_global, "scope": "uniform"})]
+            out += [Cell(1, "PG (uniform, Wanda-sp init)", r, {**pg_global, "scope": "uniform"}, seed=s) for s in seeds]
         if 2 in tables:
             out += [Cell(2, "Random", r, {**pg_global, "init": "random"}),
                     Cell(2, "Random-progressive", r, {**pg_global, "init": "random-progressive"}),
@@ -83,15 +83,19 @@ def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) 
             out += [Cell(5, "Gumbel-softmax", r, {**pg_global, "method": "gumbel"}, seed=s) for s in seeds]
     if 4 in tables and 0.4 in rates:
         r = 0.4
-        out += [Cell(4, "moving-average baseline (T = 5)", r, pg_global),
-                Cell(4, "leave-one-out baseline", r, {**pg_global, "baseline": "leave-one-out"}),
+        rows = [("moving-average baseline (T = 5)", pg_global, 1.0),
+                ("leave-one-out baseline", {**pg_global, "baseline": "leave-one-out"}, 1.0),
                 # at N_s = 2 the leave-one-out advantage L1 - L2 is twice the batch-mean one, (L1 - L2) / 2: half
                 # the lr separates "no stale losses" from "a doubled step"
-                Cell(4, "leave-one-out baseline, lr halved", r, {**pg_global, "baseline": "leave-one-out"}, lr_scale=0.5),
-                Cell(4, "no baseline", r, {**pg_global, "baseline": "none"}),
-                Cell(4, "sqrt estimator (reference code)", r, {**pg_global, "estimator": "sqrt"}),
-                Cell(4, "score-const map (c = 0.8)", r, {**pg_global, "prob_map": "score-const"}),
-                Cell(4, "N_s = 4", r, {**pg_global, "num_mask_samples": 4})]
+                ("leave-one-out baseline, lr halved", {**pg_global, "baseline": "leave-one-out"}, 0.5),
+                ("no baseline", {**pg_global, "baseline": "none"}, 1.0),
+                ("sqrt estimator (reference code)", {**pg_global, "estimator": "sqrt"}, 1.0),
+                ("score-const map (c = 0.8)", {**pg_global, "prob_map": "score-const"}, 1.0),
+                ("N_s = 4", {**pg_global, "num_mask_samples": 4}, 1.0),
+                ("N_s = 8, one batched forward", {**pg_global, "num_mask_samples": 8, "sample_forward": "batched"}, 1.0),
+                ("leave-one-out, N_s = 8, one batched forward",
+                 {**pg_global, "num_mask_samples": 8, "sample_forward": "batched", "baseline": "leave-one-out"}, 1.0)]
+        out += [Cell(4, row, r, settings, seed=s, lr_scale=scale) for row, settings, scale in rows for s in seeds]
     return [replace(c, seed=seeds[0]) if c.seed is None else c for c in out]
 
 
@@ -109,7 +113,7 @@ def cell_key(c: Cell, args) -> str:
 
 def cli_args(c: Cell, args) -> list[str]:
     values = {**c.settings, "prune_ratio": c.rate, "seed": c.seed, "max_windows": args.max_windows,
-              "eval_seqlen": args.eval_seqlen,
+              "eval_seqlen": args.eval_seqlen, "device": args.device,
               "init_batches": args.layer_init_batches if c.settings["units"] == "layers" else args.init_batches}
     if c.pg:
         lr = args.gumbel_lr if c.settings.get("method") == "gumbel" else args.lr
@@ -264,19 +268,6 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def csv_list(kind, ok, what: str):
-    """An argparse type: comma-separated values of `kind`, each passing `ok` (else a one-line usage error)."""
-    def parse(text: str) -> list:
-        try:
-            values = [kind(v) for v in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
-        if not all(ok(v) for v in values):
-            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
-        return values
-    return parse
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -296,6 +287,8 @@ def main() -> None:
     p.add_argument("--layer-init-batches", type=positive(int), default=2,
                    help="calibration batches for the layer metrics of table 3 (default %(default)s): Layerwise-PPL "
                         "runs the model once per layer and SLEB once per layer per removal, so on CPU they get fewer")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]; several queues of this script side by side "
+                   "share the cells through lock files (a GPU runs a few at once far better than one)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "paper_tables"))
     p.add_argument("--list", action="store_true", help="list the cells and whether each is done")
     p.add_argument("--report-only", action="store_true", help="write the tables from the cells done so far")
@@ -304,7 +297,7 @@ def main() -> None:
     out = Path(args.out)
     cells_dir = out / "cells"
     cells_dir.mkdir(parents=True, exist_ok=True)
-    # only table 1's global PG row and table 5 (PG vs Gumbel-softmax) are run over several seeds
+    # the PG rows of tables 1, 4 and 5 run over every seed; tables 2 and 3 and the one-shot rows once
     todo = cells(tables, seeds, tuple(args.rates))
     unique: dict[str, Cell] = {}
     for c in todo:

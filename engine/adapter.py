@@ -126,5 +126,12 @@ class ModelAdapter:
         out[mlp + s.mlp_out + ".weight"] = (1, keep_channels)
         return out
 
+    def output_bias_key(self, i: int, unit_type: str) -> str:
+        """State-dict key of the bias of the projection that takes layer i's units of this type."""
+        s = self.spec
+        if unit_type == "heads":
+            return f"{s.layers}.{i}.{s.attention}.{s.attn_out}.bias"
+        return f"{s.layers}.{i}.{s.mlp}.{s.mlp_out}.bias"
+
     def pruned_classes(self) -> tuple[type, type]:
         return PRUNED_CLASSES[base_model_type(self.config)]

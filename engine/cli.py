@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import BASELINES, ESTIMATORS, FINAL_MASKS, INITS, LAYER_INITS, LR_SCHEDULES, METHODS, PROB_MAPS, PruneConfig
+from .config import (BASELINES, CONTROL_VARIATES, ESTIMATORS, FINAL_MASKS, INITS, LAYER_INITS, LR_SCHEDULES, MASK_SAMPLINGS,
+                     METHODS, PROB_MAPS, SAMPLE_FORWARDS, WITHIN_LAYER_RANKINGS, PruneConfig)
 from .errors import UserError
 from .loading import DEFAULT_MODEL, DTYPES
 from .units import SCOPES
@@ -61,7 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default=D.baseline, choices=BASELINES, help="variance-reducing baseline: moving-average (window T), leave-one-out (mean loss of the other samples of the batch), none (default %(default)s)")
     p.add_argument("--baseline-window", type=int, default=D.baseline_window, help="T of the moving-average baseline (default %(default)s)")
     p.add_argument("--estimator", default=D.estimator, choices=ESTIMATORS, help="paper: (m-s)/(s(1-s)); sqrt: the reference code's (m-s)/sqrt(s(1-s))/(N_s-1)")
-    p.add_argument("--estimator-clamp", type=float, default=D.estimator_clamp, help="s clamped to [c, 1-c] inside the estimate (default %(default)s)")
+    p.add_argument("--estimator-clamp", type=float, default=D.estimator_clamp, help="s clamped to [c, 1-c] in the estimator's denominator only (default %(default)s)")
+    p.add_argument("--mask-sampling", default=D.mask_sampling, choices=MASK_SAMPLINGS,
+                   help="independent, or antithetic pairs (u, 1 - u) (needs an even N_s) (default %(default)s)")
+    p.add_argument("--control-variate", default=D.control_variate, choices=CONTROL_VARIATES,
+                   help="init-metric: subtract a linear loss model of the init metric, fitted online, from the losses "
+                        "and add its exact gradient back (unbiased) (default %(default)s)")
+    p.add_argument("--sample-forward", default=D.sample_forward, choices=SAMPLE_FORWARDS,
+                   help="the N_s masked forwards: sequential, batched (the batch repeated N_s times, one mask per copy, "
+                        "one forward), auto (batched on a GPU, sequential on the CPU) (default %(default)s)")
+    p.add_argument("--bias-compensation", action=argparse.BooleanOptionalAction, default=D.bias_compensation,
+                   help="FLAP's bias compensation: removed units' inputs replaced by their calibration mean, in the "
+                        "optimisation, the evaluation and the export (as output-projection biases) (default %(default)s)")
+    p.add_argument("--within-layer-ranking", default=D.within_layer_ranking, choices=WITHIN_LAYER_RANKINGS,
+                   help="final mask: per-layer counts from the scores; units inside a layer ranked by the scores or by "
+                        "the init metric (default %(default)s)")
     p.add_argument("--gumbel-temperature", type=float, default=D.gumbel_temperature, help="gumbel: temperature at the first step (default %(default)s)")
     p.add_argument("--gumbel-final-temperature", type=float, default=D.gumbel_final_temperature, help="gumbel: temperature at the last step (default %(default)s)")
     p.add_argument("--gumbel-straight-through", action="store_true", help="gumbel: hard masks forward, relaxed gradient backward")

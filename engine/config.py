@@ -19,6 +19,10 @@ ESTIMATORS = ("paper", "sqrt")
 BASELINES = ("moving-average", "leave-one-out", "none")
 LR_SCHEDULES = ("cosine", "constant")
 FINAL_MASKS = ("last", "best-val")
+MASK_SAMPLINGS = ("independent", "antithetic")
+SAMPLE_FORWARDS = ("auto", "sequential", "batched")
+CONTROL_VARIATES = ("none", "init-metric")
+WITHIN_LAYER_RANKINGS = ("scores", "init-metric")
 
 
 @dataclass
@@ -45,7 +49,16 @@ class PruneConfig:
     baseline: str = "moving-average"
     baseline_window: int = 5  # T of the moving average
     estimator: str = "paper"
-    estimator_clamp: float = 0.01  # s is clamped to [c, 1-c] inside the gradient estimate only
+    estimator_clamp: float = 0.01  # s is clamped to [c, 1-c] in the estimator's denominator only
+    mask_sampling: str = "independent"  # antithetic: samples in pairs from u and 1 - u (needs an even N_s)
+    # a linear loss model from the init metric, fitted online, subtracted from the losses (its exact
+    # gradient added back, so the estimate stays unbiased)
+    control_variate: str = "none"
+    sample_forward: str = "auto"  # how the N_s masked forwards run: sequential, batched (one forward), auto (by device)
+    # FLAP's bias compensation: a removed unit's input is replaced by its mean on calibration data (in the
+    # optimisation, the evaluation, and as a bias of the output projection in the export)
+    bias_compensation: bool = False
+    within_layer_ranking: str = "scores"  # final mask: per-layer counts from the scores, units in a layer ranked by scores or init-metric
     gumbel_temperature: float = 1.0  # gumbel: relaxation temperature at step 0 ...
     gumbel_final_temperature: float = 0.1  # ... annealed geometrically to this at the last step
     gumbel_straight_through: bool = False  # gumbel: hard 0/1 masks forward, relaxed gradient backward
@@ -85,6 +98,10 @@ class PruneConfig:
             ("lr schedule", self.lr_schedule, LR_SCHEDULES),
             ("dtype", self.dtype, tuple(DTYPES)),
             ("final mask", self.final_mask, FINAL_MASKS),
+            ("mask sampling", self.mask_sampling, MASK_SAMPLINGS),
+            ("control variate", self.control_variate, CONTROL_VARIATES),
+            ("sample forward", self.sample_forward, SAMPLE_FORWARDS),
+            ("within-layer ranking", self.within_layer_ranking, WITHIN_LAYER_RANKINGS),
         ):
             if value not in allowed:
                 bad(f"unknown {name} {value!r}; choose from {', '.join(allowed)}")
@@ -108,6 +125,8 @@ class PruneConfig:
             bad("the sqrt estimator needs at least 2 mask samples per step")
         if self.baseline == "leave-one-out" and self.num_mask_samples < 2:
             bad("the leave-one-out baseline needs at least 2 mask samples per step")
+        if self.mask_sampling == "antithetic" and self.num_mask_samples % 2:
+            bad(f"antithetic mask sampling draws pairs: num mask samples must be even, got {self.num_mask_samples}")
         if self.init == "random-progressive" and not 0.0 < self.progressive_increment <= self.prune_ratio:
             bad(f"progressive increment must be in (0, prune ratio], got {self.progressive_increment}")
         if not 0.0 < self.gumbel_final_temperature <= self.gumbel_temperature:

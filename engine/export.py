@@ -79,9 +79,30 @@ def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: Mo
     return out
 
 
+def _compensation_biases(adapter: ModelAdapter, i: int, groups: torch.Tensor, channels: torch.Tensor,
+                         fill: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Layer i's output-projection biases that stand in for its removed units: W[:, removed] mu[removed]
+    (the masked model with compensation computes exactly m x + (1 - m) mu before the projection)."""
+    out = {}
+    for unit_type, proj, kept_cols in (("heads", adapter.attn_out_proj(i), adapter.group_columns_index(groups)),
+                                       ("channels", adapter.mlp_out_proj(i), channels)):
+        w = proj.weight.detach().double().cpu()
+        bias = torch.zeros(w.shape[0], dtype=torch.float64) if proj.bias is None else proj.bias.detach().double().cpu()
+        if unit_type in fill:
+            removed = torch.ones(w.shape[1], dtype=torch.bool)
+            removed[kept_cols] = False
+            bias = bias + w[:, removed] @ fill[unit_type][i].double().cpu()[removed]
+        out[unit_type] = bias
+    return out
+
+
 @torch.no_grad()
-def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]):
+def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor],
+                       fill: dict[str, list[torch.Tensor]] | None = None):
     """A physically smaller copy of `model` (on CPU) whose forward equals the masked model's.
+
+    fill: bias compensation (see masking.MaskHooks.set): each removed unit's mean input becomes part
+    of the output projections' biases, so the copy equals the masked model with that fill.
 
     Removed layers are dropped and the kept ones renumbered (so the KV cache lines up). When every
     kept layer keeps all its KV groups and channels, the copy is the plain base architecture with
@@ -101,12 +122,13 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
         cfg["layer_types"] = [cfg["layer_types"][i] for i, _, _ in keep]
     kv = [len(g) for _, g, _ in keep]
     width = [len(c) for _, _, c in keep]
-    if all(k == model.config.num_key_value_heads for k in kv) and all(w == model.config.intermediate_size for w in width):
+    if not fill and all(k == model.config.num_key_value_heads for k in kv) and all(w == model.config.intermediate_size for w in width):
         config = AutoConfig.for_model(base_type, **cfg)
         pruned = AutoModelForCausalLM.from_config(config)
     else:
         config_cls, model_cls = adapter.pruned_classes()
         cfg["kv_heads_per_layer"], cfg["intermediate_size_per_layer"], cfg["base_model_type"] = kv, width, base_type
+        cfg["output_bias"] = bool(fill)
         cfg["auto_map"] = {
             "AutoConfig": f"{Path(_MODELING_FILE).stem}.{config_cls.__name__}",
             "AutoModelForCausalLM": f"{Path(_MODELING_FILE).stem}.{model_cls.__name__}",
@@ -119,6 +141,11 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
         for key, (dim, idx) in adapter.layer_slices(i, g, c).items():
             if key in state:
                 state[key] = state[key].index_select(dim, idx.to(state[key].device))
+        if fill:
+            dtype = state[f"{prefix}{i}.{adapter.spec.attention}.{adapter.spec.attn_out}.weight"].dtype
+            for unit_type, bias in _compensation_biases(adapter, i, g, c, fill).items():
+                key = adapter.output_bias_key(i, unit_type)
+                state[key] = bias.to(dtype)
     renumber = {i: j for j, (i, _, _) in enumerate(keep)}
     new_state = {}
     for key, value in state.items():
@@ -134,9 +161,10 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
     return pruned
 
 
-def export_pruned(model, tokenizer, layout: UnitLayout, masks: dict[str, torch.Tensor], dest: str | Path) -> dict:
+def export_pruned(model, tokenizer, layout: UnitLayout, masks: dict[str, torch.Tensor], dest: str | Path,
+                  fill: dict[str, list[torch.Tensor]] | None = None) -> dict:
     """Write the sliced model to `dest` atomically; returns {"params": ...}."""
-    pruned = build_pruned_model(model, layout, masks)
+    pruned = build_pruned_model(model, layout, masks, fill)
     with atomic_dir(Path(dest)) as tmp:
         pruned.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

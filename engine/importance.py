@@ -160,11 +160,14 @@ def standardize(unit_type: str, layer_scores: list[torch.Tensor]) -> torch.Tenso
     return standardize_per_layer(layer_scores)
 
 
-def sigmoid_norm(z: torch.Tensor, keep_ratio: float, clamp: float = 0.01) -> torch.Tensor:
-    """sigmoid of the standardized metric, shifted so its mean is the keep ratio, clamped.
-    (The caller projects the result onto the budget set.)"""
+def sigmoid_norm(z: torch.Tensor, keep_ratio: float) -> torch.Tensor:
+    """sigmoid of the standardized metric, shifted so its mean is the keep ratio. Not capped: the
+    caller projects the result onto the budget set, which clips it to [0, 1], so a unit the metric
+    is sure of starts at exactly 1 (or 0) and is never flipped by a sampled mask. (A cap such as
+    [0.01, 0.99] drops a sure unit in 1 % of the samples, and each such drop kicks its score by
+    about lr |L - delta| / 0.01.)"""
     s = torch.sigmoid(z)
-    return (s - s.mean() + keep_ratio).clamp(clamp, 1.0 - clamp)
+    return s - s.mean() + keep_ratio
 
 
 def score_const(kept: torch.Tensor, c: float) -> torch.Tensor:

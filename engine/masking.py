@@ -6,6 +6,13 @@ a whole decoder layer: while the context is active each decoder layer sits insid
 that returns its input unchanged when the layer's mask is 0 (the layer is not computed at all),
 runs it when the mask is 1, and blends h + m (layer(h) - h) for a soft mask. Multiplying by 1 is
 exact, so an all-ones mask reproduces the dense model. Leaving the context restores the model.
+
+Per-row masks: a mask of shape (rows, units) gives every row of the batch its own mask, so N_s
+mask samples run as one forward over the calibration batch repeated N_s times.
+
+Compensation (FLAP's bias compensation): with `fill`, a masked input column is replaced by its
+mean over calibration data instead of 0, x' = m x + (1 - m) mu, which is exactly what an export
+gets by adding W[:, removed] mu[removed] to the output projection's bias.
 """
 
 from __future__ import annotations
@@ -26,17 +33,30 @@ class _LayerGate(nn.Module):
         self.index = index
 
     def forward(self, hidden_states, *args, **kwargs):
-        gates = self._hooks[0]._columns.get("layers")
+        hooks = self._hooks[0]
+        gates = hooks._columns.get("layers")
         if gates is None:
             return self.gated_layer(hidden_states, *args, **kwargs)
         m = gates[self.index]
         if not m.requires_grad:
-            if float(m) == 0.0:
+            decided = hooks._layer_decisions[self.index]  # from the CPU copy: no device sync
+            if decided == 0.0:
                 return hidden_states
-            if float(m) == 1.0:
+            if decided == 1.0:
                 return self.gated_layer(hidden_states, *args, **kwargs)
         out = self.gated_layer(hidden_states, *args, **kwargs)
+        if m.dim() == 1:  # one gate per row
+            m = m.view(-1, *([1] * (hidden_states.dim() - 1)))
         return hidden_states + m * (out - hidden_states)
+
+
+def _all_equal(m: torch.Tensor) -> float | None:
+    """0.0 or 1.0 when every entry of a (hard, CPU) gate is that value, else None."""
+    if bool((m == 0).all()):
+        return 0.0
+    if bool((m == 1).all()):
+        return 1.0
+    return None
 
 
 class MaskHooks:
@@ -45,11 +65,17 @@ class MaskHooks:
     def __init__(self, adapter: ModelAdapter):
         self.adapter = adapter
         self._columns: dict[str, list[torch.Tensor | None]] = {}
+        self._fill: dict[str, list[torch.Tensor]] = {}
+        self._layer_decisions: list[float | None] = []
         self._handles = []
         self._originals: list[nn.Module] | None = None
 
-    def set(self, layer_masks: dict[str, list[torch.Tensor]]) -> None:
-        """layer_masks: unit type -> one 0/1 (or soft) vector per layer. Types not given are unmasked."""
+    def set(self, layer_masks: dict[str, list[torch.Tensor]],
+            fill: dict[str, list[torch.Tensor]] | None = None) -> None:
+        """layer_masks: unit type -> one vector per layer, 0/1 (or soft), of shape (units,) for the
+        whole batch or (rows, units) for one mask per row. Types not given are unmasked.
+        fill: unit type -> per layer, the mean input of each column of its output projection
+        (see `input_means`): masked columns take that value instead of 0."""
         a = self.adapter
         cols: dict[str, list[torch.Tensor | None]] = {}
         if "heads" in layer_masks:
@@ -60,18 +86,32 @@ class MaskHooks:
             cols["channels"] = [m.to(a.mlp_out_proj(i).weight) for i, m in enumerate(layer_masks["channels"])]
         if "layers" in layer_masks:
             dtype = a.attn_out_proj(0).weight.dtype
-            cols["layers"] = [m.reshape(()).to(dtype) for m in layer_masks["layers"]]
+            gates = [m.reshape(-1) if m.numel() > 1 else m.reshape(()) for m in layer_masks["layers"]]
+            self._layer_decisions = [None if g.requires_grad else _all_equal(g.detach().cpu()) for g in gates]
+            cols["layers"] = [g.to(device=a.attn_out_proj(0).weight.device, dtype=dtype) for g in gates]
+        self._fill = {}
+        for u, means in (fill or {}).items():
+            if u in cols:
+                proj = a.attn_out_proj if u == "heads" else a.mlp_out_proj
+                self._fill[u] = [mu.to(proj(i).weight) for i, mu in enumerate(means)]
         self._columns = cols
 
     def clear(self) -> None:
         self._columns = {}
+        self._fill = {}
 
     def _hook(self, unit_type: str, layer: int):
         def scale_input(module, args):
             cols = self._columns.get(unit_type)
             if cols is None:
                 return None
-            return (args[0] * cols[layer],) + tuple(args[1:])
+            m = cols[layer]
+            x = args[0]
+            if m.dim() == 2:  # (rows, columns): one mask per row of the batch
+                m = m.view(m.shape[0], *([1] * (x.dim() - 2)), m.shape[1])
+            fill = self._fill.get(unit_type)
+            out = x * m if fill is None else x * m + (1 - m) * fill[layer]
+            return (out,) + tuple(args[1:])
 
         return scale_input
 
@@ -96,3 +136,36 @@ class MaskHooks:
                 layers[i] = layer
             self._originals = None
         self._columns = {}
+        self._fill = {}
+
+
+@torch.no_grad()
+def input_means(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Per layer, the mean over calibration tokens of every input column of the attention and MLP
+    output projections, on the unmasked model (FLAP's bias compensation uses the dense means).
+    "heads" holds the attention-output columns (head_dim per query head), "channels" the MLP ones."""
+    from .evaluate import batch_loss
+
+    n = adapter.num_layers
+    sums: dict[tuple[str, int], torch.Tensor] = {}
+    tokens = 0
+    handles = []
+
+    def recorder(key):
+        def hook(module, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1]).sum(0)
+            sums[key] = x if key not in sums else sums[key] + x
+
+        return hook
+
+    for i in range(n):
+        handles.append(adapter.attn_out_proj(i).register_forward_pre_hook(recorder(("heads", i))))
+        handles.append(adapter.mlp_out_proj(i).register_forward_pre_hook(recorder(("channels", i))))
+    try:
+        for b in batches:
+            batch_loss(adapter.model, b)
+            tokens += b.numel()
+    finally:
+        for h in handles:
+            h.remove()
+    return {u: [(sums[(u, i)] / tokens).cpu() for i in range(n)] for u in ("heads", "channels")}

@@ -67,13 +67,17 @@ def get_path(obj, dotted: str):
     return obj
 
 
-def _resized_linear(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
+def _resized_linear(old: nn.Linear, in_features: int, out_features: int, bias: bool | None = None) -> nn.Linear:
+    """A fresh linear of the new shape; bias None: as the old one has."""
     w = old.weight
-    return nn.Linear(in_features, out_features, bias=old.bias is not None, device=w.device, dtype=w.dtype)
+    bias = old.bias is not None if bias is None else bias
+    return nn.Linear(in_features, out_features, bias=bias, device=w.device, dtype=w.dtype)
 
 
-def resize_decoder_layers(model: nn.Module, spec: ArchSpec, kv_heads: list[int], intermediate: list[int]) -> None:
-    """Give each decoder layer of ``model`` the stated KV-head count and MLP width (fresh weights)."""
+def resize_decoder_layers(model: nn.Module, spec: ArchSpec, kv_heads: list[int], intermediate: list[int],
+                          output_bias: bool = False) -> None:
+    """Give each decoder layer of ``model`` the stated KV-head count and MLP width (fresh weights).
+    output_bias: the attention and MLP output projections carry a bias (bias compensation)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_kv = config.num_attention_heads // config.num_key_value_heads
@@ -86,11 +90,13 @@ def resize_decoder_layers(model: nn.Module, spec: ArchSpec, kv_heads: list[int],
             (spec.value, (config.hidden_size, kv_width)),
             (spec.attn_out, (q_width, config.hidden_size)),
         ):
-            setattr(attn, name, _resized_linear(getattr(attn, name), *shape))
+            bias = True if output_bias and name == spec.attn_out else None
+            setattr(attn, name, _resized_linear(getattr(attn, name), *shape, bias=bias))
         mlp = get_path(layer, spec.mlp)
         for name in spec.mlp_in:
             setattr(mlp, name, _resized_linear(getattr(mlp, name), config.hidden_size, width))
-        setattr(mlp, spec.mlp_out, _resized_linear(getattr(mlp, spec.mlp_out), width, config.hidden_size))
+        setattr(mlp, spec.mlp_out, _resized_linear(getattr(mlp, spec.mlp_out), width, config.hidden_size,
+                                                   bias=True if output_bias else None))
 
 
 class _PrunedMixin:
@@ -105,7 +111,8 @@ class _PrunedMixin:
             raise ValueError(f"per-layer lists must have {n} entries, got {len(kv)} and {len(width)}")
         if any(k < 1 or k > config.num_key_value_heads for k in kv) or any(w < 1 for w in width):
             raise ValueError("every layer needs 1..num_key_value_heads KV heads and at least one MLP channel")
-        resize_decoder_layers(self, ARCHITECTURES[config.base_model_type], list(kv), list(width))
+        resize_decoder_layers(self, ARCHITECTURES[config.base_model_type], list(kv), list(width),
+                              bool(getattr(config, "output_bias", False)))
 
 
 class PrunedLlamaConfig(LlamaConfig):
@@ -113,6 +120,7 @@ class PrunedLlamaConfig(LlamaConfig):
     kv_heads_per_layer: list[int] | None = None
     intermediate_size_per_layer: list[int] | None = None
     base_model_type: str = "llama"
+    output_bias: bool = False  # bias on the attention and MLP output projections (bias compensation)
 
 
 class PrunedMistralConfig(MistralConfig):
@@ -120,6 +128,7 @@ class PrunedMistralConfig(MistralConfig):
     kv_heads_per_layer: list[int] | None = None
     intermediate_size_per_layer: list[int] | None = None
     base_model_type: str = "mistral"
+    output_bias: bool = False  # bias on the attention and MLP output projections (bias compensation)
 
 
 class PrunedQwen2Config(Qwen2Config):
@@ -127,6 +136,7 @@ class PrunedQwen2Config(Qwen2Config):
     kv_heads_per_layer: list[int] | None = None
     intermediate_size_per_layer: list[int] | None = None
     base_model_type: str = "qwen2"
+    output_bias: bool = False  # bias on the attention and MLP output projections (bias compensation)
 
 
 class PrunedQwen3Config(Qwen3Config):
@@ -134,6 +144,7 @@ class PrunedQwen3Config(Qwen3Config):
     kv_heads_per_layer: list[int] | None = None
     intermediate_size_per_layer: list[int] | None = None
     base_model_type: str = "qwen3"
+    output_bias: bool = False  # bias on the attention and MLP output projections (bias compensation)
 
 
 class PrunedLlamaForCausalLM(_PrunedMixin, LlamaForCausalLM):

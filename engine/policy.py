@@ -45,11 +45,13 @@ def policy_gradient(
     masks: (N_s, n) samples, losses: (N_s,), baseline: scalar or (N_s,) per-sample baselines.
     "paper":  g = 1/N_s     sum_j (L_j - b)(m_j - s) / (s(1 - s))
     "sqrt":   g = 1/(N_s-1) sum_j (L_j - b)(m_j - s) / sqrt(s(1 - s))   (the reference code's variant)
-    s is clamped to [clamp, 1 - clamp] inside the estimator only, so saturated scores stay finite.
+    The masks are centred on the unclamped s, so E[m - s] = 0 and the baseline only changes the
+    variance, never the mean; a saturated unit (s = 0 or 1) is never flipped, so its estimate is
+    exactly 0. s is clamped to [clamp, 1 - clamp] in the denominator only, to keep it finite.
     """
     s = scores.clamp(clamp, 1.0 - clamp)
     adv = (losses - torch.as_tensor(baseline, dtype=losses.dtype)).to(s.dtype)  # (N_s,)
-    centred = masks.to(s.dtype) - s  # (N_s, n)
+    centred = masks.to(s.dtype) - scores.to(s.dtype)  # (N_s, n)
     n_samples = masks.shape[0]
     if estimator == "paper":
         return (adv[:, None] * centred).sum(0) / (s * (1 - s)) / n_samples
@@ -58,6 +60,26 @@ def policy_gradient(
             raise ValueError("the sqrt estimator divides by N_s - 1 and needs at least 2 samples")
         return (adv[:, None] * centred).sum(0) / torch.sqrt(s * (1 - s)) / (n_samples - 1)
     raise ValueError(f"unknown estimator {estimator!r}")
+
+
+def metric_feature(metric: torch.Tensor, scores: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """The control variate of a linear loss model: f_j = sum_i z_i (s_i - m_ji), (N_s,).
+
+    If dropping unit i costs about beta * z_i, the loss of mask m_j is about const + beta f_j.
+    E[f_j] = 0 and f_j = h(m_j) - E[h] for h(m) = -sum_i z_i m_i, so subtracting beta f_j from
+    the losses leaves the REINFORCE estimate unbiased once -beta z (= beta dE[h]/ds) is added back:
+    see `metric_control_variate_gradient`.
+    """
+    return (metric.to(masks.dtype)[None, :] * (scores.to(masks.dtype)[None, :] - masks)).sum(1)
+
+
+def fit_control_coefficients(cov_ff: torch.Tensor, cov_fa: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """beta minimising E[(a - beta . f)^2] from running second moments, (C_ff + ridge) beta = C_fa,
+    with the ridge relative to each feature's own scale (features differ by orders of magnitude)."""
+    d = torch.sqrt(torch.diagonal(cov_ff)).clamp_min(1e-30)
+    normed = cov_ff / (d[:, None] * d[None, :])
+    k = cov_ff.shape[0]
+    return torch.linalg.solve(normed + ridge * torch.eye(k, dtype=cov_ff.dtype), cov_fa / d) / d
 
 
 def update_baseline(baseline: float | None, mean_loss: float, window: int) -> float:
@@ -121,9 +143,19 @@ def cosine_lr(base_lr: float, step: int, total_steps: int) -> float:
     return 0.5 * base_lr * (1.0 + math.cos(math.pi * min(step, total_steps) / max(total_steps, 1)))
 
 
-def sample_masks(scores: torch.Tensor, n_samples: int, generator: torch.Generator) -> torch.Tensor:
-    """(n_samples, n) Bernoulli(s) draws as 0/1 floats."""
-    u = torch.rand((n_samples, scores.numel()), generator=generator, dtype=torch.float64)
+def sample_masks(scores: torch.Tensor, n_samples: int, generator: torch.Generator, antithetic: bool = False) -> torch.Tensor:
+    """(n_samples, n) Bernoulli(s) draws as 0/1 floats.
+
+    Antithetic: the samples come in pairs drawn from u and 1 - u, so each is still Bernoulli(s)
+    but the two are negatively correlated (a unit dropped in one is likelier kept in the other).
+    """
+    if not antithetic:
+        u = torch.rand((n_samples, scores.numel()), generator=generator, dtype=torch.float64)
+    else:
+        if n_samples % 2:
+            raise ValueError("antithetic sampling needs an even number of samples")
+        half = torch.rand((n_samples // 2, scores.numel()), generator=generator, dtype=torch.float64)
+        u = torch.stack([half, 1.0 - half], dim=1).reshape(n_samples, -1)
     return (u < scores.double()).to(scores.dtype)
 
 

@@ -28,9 +28,10 @@ from .evaluate import batch_loss, perplexity, token_loss
 from . import importance
 from .io import atomic_file, atomic_write_text
 from .loading import count_parameters, load_model, resolve_model
-from .masking import MaskHooks
-from .policy import (cosine_lr, leave_one_out_baselines, policy_gradient, progressive_stages, relaxed_bernoulli,
-                     sample_masks, stage_at, update_baseline)
+from .executors import EXECUTORS, resolve_executor
+from .masking import MaskHooks, input_means
+from .policy import (cosine_lr, fit_control_coefficients, leave_one_out_baselines, metric_feature, policy_gradient,
+                     progressive_stages, relaxed_bernoulli, sample_masks, stage_at, update_baseline)
 from .units import UnitLayout
 
 CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
@@ -73,6 +74,8 @@ class RunState:
     best_step: int | None = None
     best_scores: dict[str, torch.Tensor] | None = None
     init_metric: dict[str, torch.Tensor] | None = None  # the standardized init metric (method metric ranks it)
+    input_means: dict[str, list[torch.Tensor]] | None = None  # bias compensation: mean input of each output column
+    control_moments: dict[str, torch.Tensor] | None = None  # control variate: running E[f f^T], E[f a]
 
 
 Observer = Callable[[StepReport], None]
@@ -137,6 +140,8 @@ class PruneRun:
         text, self.eval_source = load_eval_text(config.eval_data)
         self.windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
         self.mask_rng = torch.Generator().manual_seed(config.seed + 1)
+        self.sample_losses = EXECUTORS[resolve_executor(config.sample_forward, config.device)]
+        self.fill: dict[str, list[torch.Tensor]] | None = None  # bias compensation means, once known
         self.progress = True  # tqdm bars on stderr; run(progress=False) turns them off
 
     # --- masks ---------------------------------------------------------------------------
@@ -160,10 +165,11 @@ class PruneRun:
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         return {u: self.layout.split(u, m) for u, m in flat.items()}
 
-    def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str) -> float:
+    def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str,
+                          fill: dict[str, list[torch.Tensor]] | None = None) -> float:
         with MaskHooks(self.adapter) as hooks:
             if flat_masks is not None:
-                hooks.set(self.layer_masks(flat_masks))
+                hooks.set(self.layer_masks(flat_masks), fill)
             self.log(f"evaluating {what} perplexity on {self.windows.shape[0]} windows of {self.config.eval_seqlen} tokens")
             ppl = perplexity(self.model, self.windows, self.config.eval_batch_size, progress=self.progress)
         self.log(f"{what} perplexity: {ppl:.3f}")
@@ -172,7 +178,7 @@ class PruneRun:
     def validate(self, state: RunState) -> float:
         """Held-out perplexity of the current hard mask; remembers the best scores."""
         with MaskHooks(self.adapter) as hooks:
-            hooks.set(self.layer_masks(self.hard_masks(state.scores)))
+            hooks.set(self.layer_masks(self.hard_masks(state.scores)), self.fill)
             loss = torch.cat([batch_loss(self.model, b) for b in self.val_batches]).double().mean()
         ppl = float(torch.exp(loss))
         if state.best_val_ppl is None or ppl < state.best_val_ppl:
@@ -181,14 +187,11 @@ class PruneRun:
         return ppl
 
     # --- init ------------------------------------------------------------------------------
-    def initial_metric(self) -> dict[str, torch.Tensor]:
+    def initial_metric(self, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The standardized importance metric of every unit type (flat; higher = keep)."""
         c, a = self.config, self.adapter
         wanted = {u: ("random" if c.init == "random-progressive" else c.init) if u != "layers" else c.layer_init
                   for u in self.layout.unit_types}
-        batches = None
-        if any(m in ("wanda-sp", "taylor", "layerwise-ppl", "sleb") for m in wanted.values()):
-            batches = [self.sampler.next_batch() for _ in range(c.init_batches)]
         raw: dict[str, list[torch.Tensor]] = {}
         for name in dict.fromkeys(wanted.values()):
             units = [u for u, m in wanted.items() if m == name]
@@ -211,17 +214,33 @@ class PruneRun:
     def fresh_state(self) -> RunState:
         c = self.config
         self.log(f"initialising scores ({c.init if set(c.units) - {'layers'} else c.layer_init}, {c.prob_map})")
-        z = self.initial_metric()
+        wanted = {c.layer_init} if "layers" in c.units else set()
+        if set(c.units) - {"layers"}:
+            wanted.add(c.init)
+        needs_data = c.bias_compensation or bool(wanted & {"wanda-sp", "taylor", "layerwise-ppl", "sleb"})
+        batches = [self.sampler.next_batch() for _ in range(c.init_batches)] if needs_data else []
+        z = self.initial_metric(batches)
+        means = None
+        if c.bias_compensation:
+            self.log("measuring mean inputs of the output projections (bias compensation)")
+            means = input_means(self.adapter, batches)
+            self.fill = self.compensation_fill(means)
         keep0 = self.keep_ratio_at(0)
         scores = {u: importance.initial_scores(z[u], self.layout, u, c.scope, keep0, c.prob_map, c.score_const)
                   for u in self.layout.unit_types}
         ppl_dense = self.masked_perplexity(None, "dense")
-        ppl_init = self.masked_perplexity(self.hard_masks(z), "init")
+        ppl_init = self.masked_perplexity(self.hard_masks(z), "init", self.fill)
         return RunState(
             step=0, scores=scores, baseline=None, sampler_state=self.sampler.state_dict(),
             mask_rng_state=self.mask_rng.get_state(), ppl_dense=ppl_dense, ppl_init=ppl_init,
-            init_scores={u: s.clone() for u, s in scores.items()}, init_metric=z,
+            init_scores={u: s.clone() for u, s in scores.items()}, init_metric=z, input_means=means,
         )
+
+    def compensation_fill(self, means: dict[str, list[torch.Tensor]] | None) -> dict[str, list[torch.Tensor]] | None:
+        """The fill values of the unit types this run prunes (whole layers have none)."""
+        if means is None:
+            return None
+        return {u: means[u] for u in self.layout.unit_types if u in means}
 
     # --- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, state: RunState) -> None:
@@ -236,6 +255,7 @@ class PruneRun:
         except (OSError, RuntimeError, EOFError) as e:
             raise UserError(f"cannot read checkpoint in {self.out}: {e}") from e
         state = RunState(**data)
+        self.fill = self.compensation_fill(state.input_means)
         self.sampler.load_state_dict(state.sampler_state)
         self.mask_rng.set_state(state.mask_rng_state)
         return state
@@ -277,22 +297,52 @@ class PruneRun:
 
     def _policy_gradient(self, state: RunState, batch: torch.Tensor):
         c = self.config
-        samples = {u: sample_masks(s, c.num_mask_samples, self.mask_rng) for u, s in state.scores.items()}
-        losses = torch.empty(c.num_mask_samples, dtype=torch.float64)
+        antithetic = c.mask_sampling == "antithetic"
+        samples = {u: sample_masks(s, c.num_mask_samples, self.mask_rng, antithetic) for u, s in state.scores.items()}
         with MaskHooks(self.adapter) as hooks:
-            for j in range(c.num_mask_samples):
-                hooks.set(self.layer_masks({u: m[j] for u, m in samples.items()}))
-                losses[j] = batch_loss(self.model, batch).double().mean()
+            losses = self.sample_losses(hooks, self.layout, batch, samples, self.fill)
+        beta, features = None, None
+        if c.control_variate == "init-metric":  # subtract the metric's linear loss model (fitted on past steps)
+            features = torch.stack([metric_feature(state.init_metric[u].double(), s.double(), samples[u].double())
+                                    for u, s in state.scores.items()], 1)  # (N_s, unit types)
+            beta = self._control_coefficients(state)
+            target = losses - features @ beta
+        else:
+            target = losses
         if c.baseline == "moving-average":
-            state.baseline = update_baseline(state.baseline, float(losses.mean()), c.baseline_window)
+            state.baseline = update_baseline(state.baseline, float(target.mean()), c.baseline_window)
             baseline, shown = state.baseline, state.baseline
         elif c.baseline == "leave-one-out":
-            baseline, shown = leave_one_out_baselines(losses), float(losses.mean())
+            baseline, shown = leave_one_out_baselines(target), float(target.mean())
         else:
             baseline, shown = 0.0, 0.0
-        grads = {u: policy_gradient(s.double(), samples[u].double(), losses, baseline, c.estimator, c.estimator_clamp)
+        grads = {u: policy_gradient(s.double(), samples[u].double(), target, baseline, c.estimator, c.estimator_clamp)
                  for u, s in state.scores.items()}
+        if beta is not None:
+            for k, u in enumerate(state.scores):  # + beta dE[h]/ds, h(m) = -sum z m: keeps the estimate unbiased
+                grads[u] = grads[u] - beta[k] * state.init_metric[u].double()
+            self._update_control_moments(state, features, losses)
         return losses, grads, shown
+
+    def _control_coefficients(self, state: RunState) -> torch.Tensor:
+        k = len(state.scores)
+        m = state.control_moments
+        if m is None or m["count"] < 2:
+            return torch.zeros(k, dtype=torch.float64)
+        return fit_control_coefficients(m["ff"], m["fa"])
+
+    def _update_control_moments(self, state: RunState, features: torch.Tensor, losses: torch.Tensor,
+                                decay: float = 0.95) -> None:
+        """Running second moments of (feature, loss centred in its batch), for the next step's beta."""
+        a = losses - losses.mean()
+        ff = features.T @ features / features.shape[0]
+        fa = features.T @ a / features.shape[0]
+        m = state.control_moments
+        if m is None:
+            state.control_moments = {"ff": ff, "fa": fa, "count": 1}
+        else:
+            state.control_moments = {"ff": decay * m["ff"] + (1 - decay) * ff, "fa": decay * m["fa"] + (1 - decay) * fa,
+                                     "count": m["count"] + 1}
 
     def _gumbel_gradient(self, state: RunState, batch: torch.Tensor):
         """d loss / d s through Gumbel-softmax relaxed masks, back-propagated through the model
@@ -305,7 +355,7 @@ class PruneRun:
             for j in range(c.num_mask_samples):
                 relaxed = {u: relaxed_bernoulli(s, tau, self.mask_rng, c.gumbel_straight_through, c.estimator_clamp)
                            for u, s in leaves.items()}
-                hooks.set(self.layer_masks(relaxed))
+                hooks.set(self.layer_masks(relaxed), self.fill)
                 loss = token_loss(self.model, batch).mean()
                 (loss / c.num_mask_samples).backward()
                 losses[j] = float(loss.detach())
@@ -362,6 +412,14 @@ class PruneRun:
         return self.finish(state)
 
     # --- results ---------------------------------------------------------------------------
+    def final_masks(self, scores: dict[str, torch.Tensor], metric: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The deterministic final masks: top keep ratio of the scores per pool; with within-layer
+        ranking init-metric, each layer keeps as many units as that, chosen by the init metric."""
+        masks = self.hard_masks(scores)
+        if self.config.within_layer_ranking == "init-metric" and metric is not None:
+            masks = {u: self.layout.ranked_within_layers(u, m, metric[u]) for u, m in masks.items()}
+        return masks
+
     def finish(self, state: RunState) -> dict:
         from .export import export_pruned, save_mask_artifact
 
@@ -370,11 +428,11 @@ class PruneRun:
             scores = state.init_metric  # the metric's own ranking: no optimisation
         else:
             scores = state.best_scores if c.final_mask == "best-val" else state.scores
-        masks = self.hard_masks(scores)
+        masks = self.final_masks(scores, state.init_metric)
         save_mask_artifact(self.out, self.source.name, self.layout, scores, masks, state.init_scores)
-        ppl_pruned = self.masked_perplexity(masks, "pruned")
+        ppl_pruned = self.masked_perplexity(masks, "pruned", self.fill)
         self.log(f"exporting the sliced model to {self.out / MODEL_DIR}")
-        export = export_pruned(self.model, self.tokenizer, self.layout, masks, self.out / MODEL_DIR)
+        export = export_pruned(self.model, self.tokenizer, self.layout, masks, self.out / MODEL_DIR, self.fill)
         results = {
             "status": "done",
             "model": self.source.name,

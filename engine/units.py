@@ -42,6 +42,10 @@ class UnitLayout:
     def split(self, unit_type: str, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[sl] for sl in self.layer_slices(unit_type)]
 
+    def split_rows(self, unit_type: str, rows: torch.Tensor) -> list[torch.Tensor]:
+        """(rows, total units) -> per layer (rows, units of the layer)."""
+        return [rows[:, sl] for sl in self.layer_slices(unit_type)]
+
     def pools(self, unit_type: str, scope: str) -> list[slice]:
         if scope == "global" or unit_type in WHOLE_LAYER_TYPES:
             return [slice(0, self.total(unit_type))]
@@ -69,6 +73,14 @@ class UnitLayout:
         if scope == "global" and unit_type not in WHOLE_LAYER_TYPES:
             _repair_empty_layers(mask, scores, self.layer_slices(unit_type))
         return mask
+
+    def ranked_within_layers(self, unit_type: str, mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """Keep each layer's count of `mask`, but choose the kept units of every layer by `order`
+        (higher first): a learned per-layer allocation with another ranking inside each layer."""
+        out = torch.zeros_like(mask)
+        for sl in self.layer_slices(unit_type):
+            out[sl] = top_k_mask(order[sl], int(mask[sl].sum()))
+        return out
 
     def layer_means(self, unit_type: str, flat: torch.Tensor) -> list[float]:
         return [float(part.float().mean()) for part in self.split(unit_type, flat)]

@@ -11,7 +11,9 @@ import torch
 from engine.importance import initial_scores, score_const, sigmoid_norm, standardize, standardize_per_layer
 from engine.policy import (
     cosine_lr,
+    fit_control_coefficients,
     keep_count,
+    metric_feature,
     policy_gradient,
     project_capped_simplex,
     sample_masks,
@@ -200,18 +202,113 @@ def test_sqrt_estimator_needs_two_samples():
         policy_gradient(s, torch.ones((2, 2), dtype=F64), torch.ones(2, dtype=F64), 0.0, "nonsense")
 
 
+def all_masks(n: int) -> torch.Tensor:
+    """Every 0/1 mask over n units, (2^n, n)."""
+    return torch.tensor([[(k >> i) & 1 for i in range(n)] for k in range(2**n)], dtype=F64)
+
+
+def mask_probs(masks: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """P(m) under independent Bernoulli(s), for each row of `masks`."""
+    return torch.where(masks > 0, s, 1 - s).prod(1)
+
+
+def exact_expectation(s, loss_fn, baseline, estimator="paper", clamp=1e-2):
+    """E over Bernoulli(s) masks of the estimate, by enumerating every mask (no sampling noise): one
+    sample for the paper's estimator (an average of per-sample terms), every pair for sqrt (N_s >= 2)."""
+    masks = all_masks(s.numel())
+    probs = mask_probs(masks, s)
+    if estimator == "paper":
+        est = torch.stack([policy_gradient(s, m[None], loss_fn(m)[None], baseline, estimator, clamp) for m in masks])
+        return (probs[:, None] * est).sum(0)
+    total = torch.zeros_like(s)
+    for a, pa in zip(masks, probs):
+        for b, pb in zip(masks, probs):
+            pair = torch.stack([a, b])
+            total += pa * pb * policy_gradient(s, pair, loss_fn(pair), baseline, estimator, clamp)
+    return total
+
+
+BOUNDARY_S = torch.tensor([0.0, 1.0, 0.005, 0.995, 0.3], dtype=F64)
+BOUNDARY_W = torch.tensor([1.5, -2.0, 3.0, -1.0, 0.5], dtype=F64)
+
+
 @pytest.mark.parametrize("estimator", ["paper", "sqrt"])
-def test_estimator_clamp_keeps_saturated_scores_finite(estimator):
-    s = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.5], dtype=F64)
-    masks = torch.tensor([[0, 1, 1, 0, 1], [0, 1, 0, 1, 0], [1, 0, 0, 1, 1]], dtype=F64)
-    losses = torch.tensor([2.0, 3.0, 5.0], dtype=F64)
-    g = policy_gradient(s, masks, losses, 1.0, estimator, clamp=0.01)
-    assert torch.isfinite(g).all()
-    assert g.abs().max() > 0
-    # the clamp acts inside the estimator only: it equals the estimate at the clamped scores
-    torch.testing.assert_close(g, policy_gradient(s.clamp(0.01, 0.99), masks, losses, 1.0, estimator, clamp=0.01),
-                               rtol=0, atol=0)
-    assert torch.equal(s, torch.tensor([0.0, 1.0, 0.0, 1.0, 0.5], dtype=F64))  # input untouched
+def test_estimate_is_zero_at_saturated_scores(estimator):
+    # s = 0 is never kept and s = 1 never dropped: whatever the losses and the baseline, nothing is
+    # learned about them. (Centring on the clamped score gave them a drift of about L - delta.)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        masks = sample_masks(BOUNDARY_S, 4, g)
+        losses = torch.randn(4, generator=g, dtype=F64) * 3 + 5
+        for baseline in (0.0, 2.0, float(losses.mean()) + 1.7, torch.randn(4, generator=g, dtype=F64)):
+            est = policy_gradient(BOUNDARY_S, masks, losses, baseline, estimator, clamp=0.01)
+            assert torch.isfinite(est).all()
+            assert est[0] == 0.0 and est[1] == 0.0, est
+
+
+@pytest.mark.parametrize("estimator", ["paper", "sqrt"])
+@pytest.mark.parametrize("clamp", [1e-2, 1e-4])
+def test_expected_estimate_does_not_depend_on_the_baseline(estimator, clamp):
+    # E[m - s] = 0 makes any constant baseline drop out of the mean, also for scores inside the
+    # clamp (0.005, 0.995 with clamp 1e-2), where the denominator is clamped.
+    loss = lambda m: m @ BOUNDARY_W + 4.0
+    ref = exact_expectation(BOUNDARY_S, loss, 0.0, estimator, clamp)
+    for baseline in (4.0, 50.0, -30.0):
+        torch.testing.assert_close(exact_expectation(BOUNDARY_S, loss, baseline, estimator, clamp), ref,
+                                   rtol=1e-10, atol=1e-10)
+    assert ref[0] == 0.0 and ref[1] == 0.0
+
+
+def test_estimate_is_unbiased_where_the_clamp_does_not_act():
+    # with the clamp below min(s, 1 - s), the expected estimate is exactly dE[L]/ds for any baseline
+    s = BOUNDARY_S[2:]
+    for baseline in (0.0, 9.0):
+        torch.testing.assert_close(exact_expectation(s, lambda m: m @ BOUNDARY_W[2:] + 4.0, baseline, clamp=1e-3),
+                                   BOUNDARY_W[2:], rtol=1e-10, atol=1e-10)
+
+
+def test_antithetic_masks_are_bernoulli_pairs():
+    s = torch.tensor([0.0, 0.1, 0.5, 0.83, 1.0, 0.3])
+    n = 40_000
+    m = sample_masks(s, n, torch.Generator().manual_seed(7), antithetic=True).double()
+    se = torch.sqrt(s.double() * (1 - s.double()) / n)
+    assert torch.all((m.mean(0) - s.double()).abs() <= 5 * se + 1e-12)  # each sample is still Bernoulli(s)
+    first, second = m[0::2], m[1::2]
+    # from u and 1 - u: for s <= 0.5 the pair never keeps a unit twice, for s >= 0.5 never drops it twice
+    assert torch.all((first + second)[:, s <= 0.5] <= 1) and torch.all((first + second)[:, s >= 0.5] >= 1)
+    assert torch.equal(m, sample_masks(s, n, torch.Generator().manual_seed(7), antithetic=True).double())
+    with pytest.raises(ValueError):
+        sample_masks(s, 3, torch.Generator(), antithetic=True)
+
+
+def test_metric_control_variate_is_unbiased_and_cuts_variance():
+    # L(m) = 2 - beta z.m + small interactions: the metric explains most of it. Subtracting beta f
+    # from the losses and adding back -beta z keeps the expected estimate at the true gradient.
+    z = torch.tensor([1.0, -0.5, 2.0, 0.3, -1.2], dtype=F64)
+    s = torch.tensor([0.6, 0.3, 0.8, 0.5, 0.45], dtype=F64)
+    beta = 0.7
+    loss = lambda m: 2.0 - beta * (m @ z) + 0.2 * m[..., 0] * m[..., 1]
+    masks = all_masks(5)
+    p = mask_probs(masks, s)
+    exact = -beta * z + torch.tensor([0.2 * s[1], 0.2 * s[0], 0, 0, 0], dtype=F64)
+    f = metric_feature(z, s, masks)
+    assert float((p * f).sum()) == pytest.approx(0.0, abs=1e-12)  # E[f] = 0
+    b = float((p * loss(masks)).sum())  # the best constant baseline, E[L] (= E[L - beta f])
+    plain = torch.stack([policy_gradient(s, m[None], loss(m)[None], b) for m in masks])
+    with_cv = torch.stack([policy_gradient(s, m[None], (loss(m) - beta * fj)[None], b) for m, fj in zip(masks, f)]) - beta * z
+    for est in (plain, with_cv):
+        torch.testing.assert_close((p[:, None] * est).sum(0), exact, rtol=1e-10, atol=1e-10)
+    var = lambda est: (p[:, None] * (est - exact) ** 2).sum(0)
+    assert torch.all(var(with_cv) < 0.2 * var(plain))
+
+
+def test_fit_control_coefficients_recovers_a_linear_model():
+    g = torch.Generator().manual_seed(1)
+    f = torch.randn(500, 3, generator=g, dtype=F64) * torch.tensor([1.0, 30.0, 0.01], dtype=F64)
+    true = torch.tensor([0.5, -0.02, 40.0], dtype=F64)
+    a = f @ true + 0.001 * torch.randn(500, generator=g, dtype=F64)
+    beta = fit_control_coefficients(f.T @ f / 500, f.T @ a / 500)
+    torch.testing.assert_close(beta, true, rtol=1e-3, atol=1e-6)
 
 
 # --- baseline, schedule ----------------------------------------------------------------------------
@@ -325,11 +422,15 @@ def test_sigmoid_norm_mean_is_keep_ratio(keep):
     assert torch.equal(torch.argsort(s), torch.argsort(z))
 
 
-def test_sigmoid_norm_clamps():
+def test_sigmoid_norm_reaches_zero_and_one_after_projection():
+    # no cap: a unit the metric is sure of starts at exactly 1 (or 0) and is never flipped
     z = torch.tensor([-20.0, -10.0, 0.0, 10.0, 20.0])
-    s = sigmoid_norm(z, 0.95)
-    assert float(s.min()) >= 0.01 - 1e-6 and float(s.max()) <= 0.99 + 1e-6
-    assert float(s.max()) == pytest.approx(0.99)  # the saturated units hit the upper clamp
+    layout = UnitLayout({"heads": [5]})
+    hi = initial_scores(z, layout, "heads", "global", 0.95, "sigmoid-norm", 0.8)
+    assert float(hi.max()) == 1.0 and float(hi.sum()) <= 0.95 * 5 + 1e-5
+    lo = initial_scores(z, layout, "heads", "global", 0.2, "sigmoid-norm", 0.8)
+    assert float(lo.min()) == 0.0 and float(lo.sum()) <= 0.2 * 5 + 1e-5
+    assert float(sigmoid_norm(z, 0.95).max()) > 1.0  # the map itself is not clamped; the projection clips
 
 
 def test_score_const():

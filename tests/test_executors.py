@@ -1,0 +1,162 @@
+"""Per-row masks, the executors of a PG step, and bias compensation, on tiny random LLaMA / Mistral /
+Qwen2 models (and one real tiny run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.adapter import ModelAdapter
+from engine.config import PruneConfig
+from engine.evaluate import batch_loss
+from engine.executors import EXECUTORS, resolve_executor
+from engine.export import build_pruned_model, export_pruned
+from engine.masking import MaskHooks, input_means
+from engine.policy import sample_masks
+from engine.pruner import PruneRun
+from engine.units import UnitLayout
+
+from test_adapters_export import build_model
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+
+def full_layout(model) -> UnitLayout:
+    return UnitLayout(ModelAdapter.for_model(model).unit_sizes())
+
+
+def batch(model, rows=3, seqlen=17, seed=0) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (rows, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def random_samples(layout: UnitLayout, n: int, seed: int, keep: float = 0.6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {u: sample_masks(torch.full((layout.total(u),), keep), n, g) for u in layout.unit_types}
+
+
+def random_fill(model, seed: int) -> dict[str, list[torch.Tensor]]:
+    """Made-up per-column means (non-zero, so that a wrong fill shows)."""
+    a = ModelAdapter.for_model(model)
+    g = torch.Generator().manual_seed(seed)
+    return {"heads": [torch.randn(a.attn_out_proj(i).in_features, generator=g) * 0.3 for i in range(a.num_layers)],
+            "channels": [torch.randn(a.mlp_out_proj(i).in_features, generator=g) * 0.3 for i in range(a.num_layers)]}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("with_fill", [False, True])
+def test_executors_agree(arch, with_fill):
+    """Given the same masks and batch, every executor gives the same per-sample losses."""
+    model = build_model(arch)
+    layout = full_layout(model)
+    ids = batch(model)
+    fill = random_fill(model, 1) if with_fill else None
+    for n in (1, 2, 5):
+        samples = random_samples(layout, n, seed=n)
+        losses = {}
+        with MaskHooks(ModelAdapter.for_model(model)) as hooks:
+            for name, fn in EXECUTORS.items():
+                losses[name] = fn(hooks, layout, ids, samples, fill)
+        # reference: each sample alone, through the plain whole-batch masks
+        ref = torch.empty(n, dtype=torch.float64)
+        for j in range(n):
+            with MaskHooks(ModelAdapter.for_model(model)) as hooks:
+                hooks.set({u: layout.split(u, m[j]) for u, m in samples.items()}, fill)
+                ref[j] = batch_loss(model, ids).double().mean()
+        assert len(set(losses)) >= 2
+        for name, got in losses.items():
+            assert got.shape == (n,) and got.dtype == torch.float64
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=f"{name} vs one forward per sample")
+        assert not torch.allclose(ref, torch.full_like(ref, float(ref[0]))) or n == 1  # the masks do differ
+
+
+def test_per_row_masks_equal_separate_forwards():
+    model = build_model("llama")
+    layout = full_layout(model)
+    ids = batch(model, rows=4)
+    rows = random_samples(layout, 4, seed=9)  # one mask per row
+    with MaskHooks(ModelAdapter.for_model(model)) as hooks:
+        hooks.set({u: layout.split_rows(u, m) for u, m in rows.items()})
+        together = batch_loss(model, ids)
+        for r in range(4):
+            hooks.set({u: layout.split(u, m[r]) for u, m in rows.items()})
+            torch.testing.assert_close(together[r], batch_loss(model, ids[r:r + 1])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_resolve_executor():
+    assert resolve_executor("auto", "cpu") == "sequential"
+    assert resolve_executor("auto", "cuda") == resolve_executor("auto", "cuda:1") == "batched"
+    assert resolve_executor("sequential", "cuda") == "sequential"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compensated_export_equals_masked_model_with_fill(arch, tmp_path, tiny):
+    """FLAP-style bias compensation: the export carries W[:, removed] mu as output-projection biases and
+    reproduces the masked model whose removed inputs are replaced by their means."""
+    model = build_model(arch)
+    a = ModelAdapter.for_model(model)
+    layout = UnitLayout({"heads": a.kv_groups_per_layer(), "channels": a.channels_per_layer()})
+    g = torch.Generator().manual_seed(3)
+    masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in layout.unit_types}
+    ids = batch(model, rows=2, seqlen=19, seed=4)
+    fill = input_means(a, [batch(model, rows=4, seqlen=19, seed=5)])
+    with torch.no_grad(), MaskHooks(a) as hooks:
+        hooks.set({u: layout.split(u, m) for u, m in masks.items()}, fill)
+        compensated = model(input_ids=ids).logits
+        hooks.set({u: layout.split(u, m) for u, m in masks.items()})
+        plain = model(input_ids=ids).logits
+    assert not torch.allclose(compensated, plain, atol=1e-4)  # the fill does change the model
+    pruned = build_pruned_model(model, layout, masks, fill)
+    assert pruned.config.output_bias is True
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(input_ids=ids).logits, compensated, rtol=1e-4, atol=1e-4)
+    export_pruned(model, tiny[1], layout, masks, tmp_path / "m", fill)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, compensated, rtol=1e-4, atol=1e-4)
+
+
+def test_all_ones_masks_ignore_the_fill():
+    model = build_model("mistral")
+    layout = full_layout(model)
+    ids = batch(model)
+    ones = {u: torch.ones(layout.total(u)) for u in layout.unit_types}
+    with torch.no_grad():
+        dense = model(input_ids=ids).logits
+        with MaskHooks(ModelAdapter.for_model(model)) as hooks:
+            hooks.set({u: layout.split(u, m) for u, m in ones.items()}, random_fill(model, 2))
+            torch.testing.assert_close(model(input_ids=ids).logits, dense, rtol=0, atol=0)
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+@pytest.mark.parametrize("options", [
+    dict(sample_forward="batched", num_mask_samples=4, mask_sampling="antithetic"),
+    dict(sample_forward="batched", num_mask_samples=4, baseline="leave-one-out", control_variate="init-metric"),
+    dict(bias_compensation=True, within_layer_ranking="init-metric", units=["heads", "channels", "layers"],
+         prune_ratio=0.25),
+])
+def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_path):
+    model, tok = tiny
+    config = PruneConfig(model=str(tiny_path), steps=3, max_windows=2, init_batches=1, batch_size=2, lr=0.05, **options)
+    run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tok, log=quiet)
+    results = run.run(progress=False)
+    assert results["status"] == "done" and results["steps"] == 3
+    state = run.load_checkpoint()
+    if config.within_layer_ranking == "init-metric":
+        by_scores = run.hard_masks(state.scores)
+        final = run.final_masks(state.scores, state.init_metric)
+        for u in by_scores:  # same per-layer counts, chosen by the metric inside each layer
+            assert [int(x.sum()) for x in run.layout.split(u, final[u])] == \
+                   [int(x.sum()) for x in run.layout.split(u, by_scores[u])]
+            for part, z in zip(run.layout.split(u, final[u]), run.layout.split(u, state.init_metric[u])):
+                if 0 < part.sum() < part.numel():
+                    assert z[part > 0].min() >= z[part == 0].max()
+    if config.bias_compensation:
+        assert state.input_means is not None and run.fill is not None
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", trust_remote_code=True)
+        assert exported.config.output_bias is True
+    if config.control_variate == "init-metric":
+        assert state.control_moments is not None and state.control_moments["count"] == 3
