@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from .errors import UserError
 
@@ -50,6 +51,11 @@ def resolve_model(name: str) -> ModelSource:
     return ModelSource(name, name)  # a hub id: owner/name
 
 
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
@@ -80,10 +86,11 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu")
         kwargs["device_map"] = "auto"
     try:
         model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
-    except OSError as e:
-        raise UserError(f"could not load model {source.name}: {str(e).splitlines()[0]}") from e
-    except ValueError as e:
-        raise UserError(f"could not load model {source.name}: {str(e).splitlines()[0]}") from e
+    except (OSError, ValueError, SafetensorError) as e:  # missing/unreadable/truncated files
+        raise UserError(f"could not load model {source.name}: {_first_line(e)}") from e
+    except RuntimeError as e:  # weights that do not fit the declared architecture (size mismatch)
+        raise UserError(f"could not load model {source.name}: its weights do not match its config "
+                        f"({_first_line(e)})") from e
     if device not in ("cpu", "auto"):
         model = model.to(device)
     model.eval()
