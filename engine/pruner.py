@@ -11,6 +11,7 @@ own files); --overwrite removes only those files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -138,17 +139,23 @@ def is_run_dir(out: Path, adopt: bool = True) -> bool:
     return False
 
 
+def remove_leftovers(out: Path) -> None:
+    """Remove what interrupted atomic writes of a run left behind (.config.json.x.tmp, .model.x.tmp, .model.old):
+    a process killed with SIGKILL cannot clean up after itself."""
+    for p in out.iterdir():
+        name = p.name
+        if name.startswith(".") and any(name.startswith(f".{n}.") for n in (*RUN_FILES, MODEL_DIR, RUN_MARKER)) \
+                and (name.endswith(".tmp") or name == f".{MODEL_DIR}.old"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
 def remove_run_files(out: Path) -> None:
     """Remove what a run wrote (RUN_FILES, model/, leftovers of interrupted atomic writes, the marker);
     anything else in the folder stays."""
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
-    for leftover in out.iterdir():  # .config.json.abc.tmp, .model.xyz.tmp, .model.old
-        stem = leftover.name
-        if stem.startswith(".") and any(stem.startswith(f".{n}.") for n in (*RUN_FILES, MODEL_DIR, RUN_MARKER)) \
-                and (stem.endswith(".tmp") or stem == f".{MODEL_DIR}.old"):
-            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+    remove_leftovers(out)
     (out / RUN_MARKER).unlink(missing_ok=True)
 
 
@@ -193,6 +200,8 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) 
         if not holds_run:
             raise UserError(f"--resume refused: {out} holds no run (no {RUN_MARKER} marker and no run's "
                             f"{CONFIG_FILE}, {METRICS_FILE} and {CHECKPOINT_FILE})")
+        if clear:
+            remove_leftovers(out)
         return
     if overwrite:
         if holds_run:
@@ -235,6 +244,15 @@ def cleanup_out_dir(created: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+@contextlib.contextmanager
+def _closing(bar):
+    try:
+        yield
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _check_finite(where: str, scores: dict[str, torch.Tensor], values: dict[str, float]) -> None:
@@ -492,7 +510,7 @@ class PruneRun:
 
             bar = tqdm(total=c.steps, initial=state.step, desc="pruning", unit="step")
         stopped = False
-        with open(self.out / METRICS_FILE, "a") as metrics:
+        with open(self.out / METRICS_FILE, "a") as metrics, _closing(bar):  # an error line starts on a line of its own
             while c.method != "metric" and state.step < c.steps:
                 if stop is not None and stop.is_set():
                     stopped = True
