@@ -155,7 +155,13 @@ def test_delete_run_while_its_job_runs(loads, eval_file, tmp_path):
     assert (out / "config.json").is_file() and jobs.snapshot().status == RUNNING
     jobs.stop()
     assert jobs.wait(120).status == STOPPED
+    (out / "notes.txt").write_text("mine")  # a file the user put into the run folder
     delete_run(out, jobs)  # stopped: now it may go
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]  # the run's files went, the user's stayed
+    (out / "notes.txt").unlink()
+    jobs.start(config(eval_file, steps=1), out)
+    jobs.wait(120)
+    delete_run(out, jobs)
     assert not out.exists()
 
 
