@@ -280,6 +280,8 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
         "eval seqlen 1": (["eval", "--model", tiny_path, "--eval-seqlen", "1"], "eval seqlen must be at least 2"),
         "eval folder with two splits": (["eval", "--model", tiny_path, "--eval-data", ambiguous],
                                         "wiki.train.raw, wiki.valid.raw"),
+        "finetune lr nan": (["finetune", "--model", tiny_path, "--out", out, "--lr", "nan"], "lr must be a finite"),
+        "finetune seqlen 1": (["finetune", "--model", tiny_path, "--out", out, "--seqlen", "1"], "at least 2"),
     }
 
 
@@ -296,7 +298,8 @@ BAD_INPUT_NAMES = [
     "calib text is a number", "calib text is null", "truncated model.safetensors", "gguf tensors do not match",
     "eval gguf tensors do not match", "out under a file", "out not writable", "resume with a garbage checkpoint",
     "resume with steps a string", "seed beyond 64 bits", "seed negative", "lr nan", "lr inf", "prune ratio nan",
-    "seqlen 1", "prune eval seqlen 1", "eval seqlen 1", "eval folder with two splits",
+    "seqlen 1", "prune eval seqlen 1", "eval seqlen 1", "eval folder with two splits", "finetune lr nan",
+    "finetune seqlen 1",
 ]
 
 
