@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_prune(args) -> int:
-    from .pruner import CONFIG_FILE, PruneRun, check_out_dir
+    from .pruner import CONFIG_FILE, PruneRun, check_out_dir, cleanup_out_dir, prepare_out_dir
 
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite, clear=False)  # refuse early; delete nothing yet
@@ -159,7 +160,12 @@ def cmd_prune(args) -> int:
         values["units"] = [u.strip() for u in args.units.split(",") if u.strip()]
         config = PruneConfig(**values)
     config.validate()
-    run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr))
+    created = prepare_out_dir(out)  # --out exists and is writable before the slow model load
+    try:
+        run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr))
+    except BaseException:
+        cleanup_out_dir(created)  # a folder made only for this run leaves no trace of a failed start
+        raise
     # model and data loaded: only now may --overwrite remove the old run, not for a typo in an argument
     check_out_dir(out, args.resume, args.overwrite)
     results = run.run(resume=args.resume)
@@ -177,9 +183,10 @@ def cmd_eval(args) -> int:
     from .evaluate import perplexity
     from .loading import count_parameters, load_model, resolve_model
 
-    for name in ("eval_seqlen", "eval_batch_size"):
-        if getattr(args, name) < 1:
-            raise UserError(f"{name.replace('_', ' ')} must be at least 1")
+    if args.eval_seqlen < 2:  # a window of 1 token predicts nothing: its loss is NaN
+        raise UserError(f"eval seqlen must be at least 2 tokens, got {args.eval_seqlen}")
+    if args.eval_batch_size < 1:
+        raise UserError("eval batch size must be at least 1")
     if args.max_windows is not None and args.max_windows < 1:
         raise UserError("max windows must be at least 1")
     source = resolve_model(args.model)
@@ -190,6 +197,8 @@ def cmd_eval(args) -> int:
     text, src = load_eval_text(args.eval_data)
     windows = eval_windows(tok, text, args.eval_seqlen, args.max_windows)
     ppl = perplexity(model, windows, args.eval_batch_size, progress=not args.json)
+    if not math.isfinite(ppl):
+        raise UserError(f"perplexity of {args.model} is {ppl}: the model's outputs are not finite (try another --dtype)")
     result = {"model": args.model, "ppl": ppl, "eval_windows": int(windows.shape[0]), "seqlen": args.eval_seqlen,
               "eval_data": src, "params": count_parameters(model), "dtype": args.dtype}
     if args.json:

@@ -63,7 +63,11 @@ def load_calibration_texts(path: str | None = None) -> tuple[list[str], str]:
             with _open_text(f) as fh:
                 for n, line in enumerate(fh, 1):
                     if line.strip():
-                        texts.append(json.loads(line)["text"])
+                        text = json.loads(line)["text"]
+                        if not isinstance(text, str):
+                            raise UserError(f"{f} line {n}: 'text' must be a string, got "
+                                            f"{'null' if text is None else type(text).__name__}")
+                        texts.append(text)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise UserError(f"{f} line {n}: not JSON lines with a 'text' field ({type(e).__name__})") from e
         except (UnicodeDecodeError, OSError, EOFError) as e:  # raised while reading: no line to name
@@ -140,9 +144,13 @@ def load_eval_text(path: str | None = None) -> tuple[str, str]:
             return "\n\n".join(_hub_texts("wikitext", "wikitext-2-raw-v1", "test")), "hub:wikitext-2-raw-v1"
     p = Path(path)
     if p.is_dir():
-        found = sorted(p.glob("*.parquet")) or sorted(p.glob("*.raw")) or sorted(p.glob("*.txt"))
+        found = ([f for f in sorted(p.glob("*.parquet")) if f.is_file()] or [f for f in sorted(p.glob("*.raw")) if f.is_file()]
+                 or [f for f in sorted(p.glob("*.txt")) if f.is_file()])
         if not found:
             raise UserError(f"no .parquet, .raw or .txt evaluation file in {path}")
+        if len(found) > 1:  # e.g. train and validation splits side by side: never guess which one
+            raise UserError(f"{path} holds {len(found)} candidate evaluation files ({', '.join(f.name for f in found)}); "
+                            "pass the one to use as --eval-data")
         p = found[0]
     if not p.is_file():
         raise UserError(f"evaluation data not found: {path}")

@@ -58,8 +58,13 @@ class FinetuneConfig:
     device: str = "cpu"
 
     def validate(self) -> "FinetuneConfig":
+        from .config import check_fields
         from .loading import DTYPES
 
+        check_fields(self)  # types, finite floats (lr nan/inf, ...), ints within 64 bits
+        for name in ("seqlen", "eval_seqlen"):  # one token predicts nothing: a NaN loss
+            if getattr(self, name) < 2:
+                raise UserError(f"{name.replace('_', ' ')} must be at least 2 tokens, got {getattr(self, name)}")
         for name in ("samples", "seqlen", "epochs", "batch_size", "grad_accum", "lora_r", "eval_seqlen", "loss_probe_segments"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")

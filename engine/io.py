@@ -2,11 +2,59 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from .errors import UserError
+
+_JSON_SUFFIXES = (".json", ".jsonl")
+
+
+def non_finite_key(obj, where: str = "") -> str | None:
+    """The path ("a.b[2]") of the first NaN or infinite float inside obj, or None when there is none."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else (where or "the value")
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(obj))
+    else:
+        return None
+    for k, v in items:
+        key = f"{where}{k}" if str(k).startswith("[") else (f"{where}.{k}" if where else str(k))
+        found = non_finite_key(v, key)
+        if found is not None:
+            return found
+    return None
+
+
+def dumps_json(obj, what: str = "JSON", **kw) -> str:
+    """json.dumps that refuses NaN and infinities (JSON has none; Python would write the invalid NaN)."""
+    bad = non_finite_key(obj)
+    if bad is not None:
+        raise UserError(f"{what}: {bad} is not a finite number; refusing to write it")
+    return json.dumps(obj, allow_nan=False, **kw)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(name)
+
+
+def check_json_text(path: Path, text: str) -> None:
+    """A .json/.jsonl file's text must hold no NaN/Infinity (raises UserError naming the file)."""
+    docs = [ln for ln in text.splitlines() if ln.strip()] if path.name.endswith(".jsonl") else [text]
+    for doc in docs:
+        try:
+            json.loads(doc, parse_constant=_refuse_constant)
+        except ValueError as e:
+            if isinstance(e, json.JSONDecodeError):
+                continue  # not JSON at all is not this check's business
+            raise UserError(f"{path}: refusing to write {e}, which is not a finite number") from None
 
 
 def _umask() -> int:
@@ -21,7 +69,10 @@ def _publish_mode(path: str | Path, directory: bool = False) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write text to path atomically. A .json/.jsonl file holding NaN or Infinity is refused (UserError)."""
     path = Path(path)
+    if path.name.endswith(_JSON_SUFFIXES):
+        check_json_text(path, text)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:

@@ -141,8 +141,11 @@ class JobManager:
 
     def busy_with(self, out_dir: str | Path) -> bool:
         with self._lock:
-            return self._snap.status in ACTIVE and self._snap.out_dir is not None \
-                and Path(self._snap.out_dir).resolve() == Path(out_dir).resolve()
+            return self._busy_with_locked(out_dir)
+
+    def _busy_with_locked(self, out_dir: str | Path) -> bool:
+        return self._snap.status in ACTIVE and self._snap.out_dir is not None \
+            and Path(self._snap.out_dir).resolve() == Path(out_dir).resolve()
 
     # --- the worker ------------------------------------------------------------------------
     def _set(self, **kw) -> None:
@@ -168,15 +171,17 @@ class JobManager:
 
     def _work(self, config: PruneConfig, out: Path, resume: bool, stop: threading.Event) -> None:
         try:
-            from .pruner import METRICS_FILE, PruneRun
+            from .pruner import CHECKPOINT_FILE, METRICS_FILE, PruneRun, trim_metrics
 
             model, tok = self._load(config)
             self._log("reading calibration and evaluation data")
             run = PruneRun(config, out, model=model, tokenizer=tok, log=self._log)
             if self._keep_model:
                 self._model_cache = ((config.model, config.dtype, config.device), model, tok)
-            if resume and (out / METRICS_FILE).exists():
-                history = [json.loads(ln) for ln in (out / METRICS_FILE).read_text().splitlines() if ln.strip()]
+            if resume and (out / CHECKPOINT_FILE).exists():
+                # the steps the run keeps: trimmed to its checkpoint first, as run() will (steps past it are
+                # redone, and reading them before the trim showed them twice)
+                history = trim_metrics(out / METRICS_FILE, run.load_checkpoint().step)
                 self._set(history=history, resumed_from=len(history))
             with self._lock:
                 if self._snap.status == LOADING:
@@ -300,12 +305,23 @@ def head_mask_from_scores(head_scores: list[list[float]], scope: str, keep_ratio
 
 
 def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
+    """Delete a run's files (and its folder, when nothing else is in it). Refused while a job runs in it:
+    the check and the removal hold the job manager's lock, so no job can start in between."""
+    from contextlib import nullcontext
+
+    from .pruner import is_run_dir, remove_run_files
+
     p = Path(run_dir)
-    if jobs is not None and jobs.busy_with(p):
-        raise UserError(f"{p.name} is being pruned right now; stop the job first")
-    if read_run(p) is None:
-        raise UserError(f"{p} holds no run; not deleting it")
-    shutil.rmtree(p)
+    with jobs._lock if jobs is not None else nullcontext():
+        if jobs is not None and jobs._busy_with_locked(p):
+            raise UserError(f"{p.name} is being pruned right now; stop the job first")
+        if read_run(p) is None or not is_run_dir(p):
+            raise UserError(f"{p} holds no run; not deleting it")
+        remove_run_files(p)  # what the run wrote; a file the user put there stays
+        try:
+            p.rmdir()
+        except OSError:
+            pass
 
 
 def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from .errors import UserError
 
@@ -50,6 +53,33 @@ def resolve_model(name: str) -> ModelSource:
     return ModelSource(name, name)  # a hub id: owner/name
 
 
+@contextmanager
+def _quiet_gguf(active: bool):
+    """transformers' GGUF conversion draws a plain tqdm bar even with its progress bars disabled (as the
+    CLI does): silence it too, so that a failed load is one error line."""
+    import transformers
+
+    if not active or transformers.utils.logging.is_progress_bar_enabled():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
@@ -79,11 +109,15 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu")
     if device == "auto":
         kwargs["device_map"] = "auto"
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
-    except OSError as e:
-        raise UserError(f"could not load model {source.name}: {str(e).splitlines()[0]}") from e
-    except ValueError as e:
-        raise UserError(f"could not load model {source.name}: {str(e).splitlines()[0]}") from e
+        with _quiet_gguf(source.gguf_file is not None):
+            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+    except (OSError, ValueError, SafetensorError) as e:  # missing/unreadable/truncated files
+        raise UserError(f"could not load model {source.name}: {_first_line(e)}") from e
+    except RuntimeError as e:  # weights that do not fit the declared architecture (size mismatch)
+        shapes = [ln.strip(" |") for ln in str(e).splitlines() if "mismatch" in ln.lower() and "ckpt" in ln]
+        detail = f" ({' '.join(shapes[0].split())})" if shapes else ""
+        raise UserError(f"could not load model {source.name}: its tensor shapes do not match its declared "
+                        f"architecture{detail}") from e
     if device not in ("cpu", "auto"):
         model = model.to(device)
     model.eval()

@@ -3,15 +3,22 @@
     run = PruneRun(config, out_dir)          # loads model and data
     result = run.run(observer=print)         # optimises, evaluates, exports; resumable
 
-Everything a run makes goes into its folder: config.json, metrics.jsonl, checkpoint.pt,
-masks.safetensors + masks.json, model/ (the sliced export) and results.json.
+Everything a run makes goes into its folder: the marker file pg-prune-run, config.json, metrics.jsonl,
+checkpoint.pt, masks.safetensors + masks.json, model/ (the sliced export) and results.json. --overwrite
+and --resume act only on a folder that carries the marker (or, from before the marker, that holds a run's
+own files); --overwrite removes only those files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
+import re
 import resource
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -26,16 +33,23 @@ from .data import CalibrationSampler, eval_windows, load_calibration_texts, load
 from .errors import UserError
 from .evaluate import batch_loss, perplexity, token_loss
 from . import importance
-from .io import atomic_file, atomic_write_text
+from .io import atomic_file, atomic_write_text, dumps_json
 from .loading import count_parameters, load_model, resolve_model
 from .executors import EXECUTORS, resolve_executor
-from .masking import MaskHooks, input_means
+from .masking import MaskHooks
 from .policy import (cosine_lr, fit_control_coefficients, leave_one_out_baselines, metric_feature, policy_gradient,
                      progressive_stages, relaxed_bernoulli, sample_masks, stage_at, update_baseline)
 from .units import UnitLayout
 
 CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
 MODEL_DIR = "model"
+# A run folder's own marker: its name and content say what the folder is, so that --overwrite can never
+# mistake a model folder (which also holds a config.json) for a run.
+RUN_MARKER, RUN_FORMAT_VERSION = "pg-prune-run", 1
+_MARKER_TEXT = "pg-prune run, format version {}\n"
+_MARKER_RE = re.compile(r"pg-prune run, format version (\d+)")
+# Everything a run writes into its folder (--overwrite removes these and nothing else).
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, "masks.safetensors", "masks.json")
 
 
 @dataclass
@@ -56,7 +70,7 @@ class StepReport:
     keep_ratio: float | None = None  # the budget this step (rises in stages under random-progressive)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return dumps_json(asdict(self), what=f"step {self.step}")
 
 
 @dataclass
@@ -85,27 +99,176 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) -> None:
-    """Refuse to mix two runs in one folder. With overwrite, remove the old run (unless clear=False:
-    check only, so that a caller can validate everything else before deleting anything)."""
-    if not out.exists():
-        return
+def write_run_marker(out: Path) -> None:
+    atomic_write_text(out / RUN_MARKER, _MARKER_TEXT.format(RUN_FORMAT_VERSION))
+
+
+def run_marker_version(out: Path) -> int | None:
+    """The format version the folder's marker names, or None without a (readable, well-formed) marker."""
+    try:
+        m = _MARKER_RE.fullmatch((out / RUN_MARKER).read_text(encoding="utf-8").strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(m.group(1)) if m else None
+
+
+def _is_legacy_run(out: Path) -> bool:
+    """A run from before the marker: a config.json that parses as a run config, and the run's own
+    metrics.jsonl and checkpoint.pt beside it. A model folder's config.json never parses as one."""
+    if not ((out / METRICS_FILE).is_file() and (out / CHECKPOINT_FILE).is_file()):
+        return False
+    try:
+        PruneConfig.load(out / CONFIG_FILE)
+    except UserError:
+        return False
+    return True
+
+
+def is_run_dir(out: Path, adopt: bool = True) -> bool:
+    """Does `out` hold a run? Marked folders do; a pre-marker run is recognised by its content and,
+    with adopt, gets the marker. Nothing else counts."""
+    out = Path(out)
     if not out.is_dir():
+        return False
+    if run_marker_version(out) is not None:
+        return True
+    if _is_legacy_run(out):
+        if adopt:
+            try:
+                write_run_marker(out)
+            except OSError:
+                pass  # a read-only old run is still a run
+        return True
+    return False
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove what interrupted atomic writes of a run left behind (.config.json.x.tmp, .model.x.tmp, .model.old):
+    a process killed with SIGKILL cannot clean up after itself."""
+    for p in out.iterdir():
+        name = p.name
+        if name.startswith(".") and any(name.startswith(f".{n}.") for n in (*RUN_FILES, MODEL_DIR, RUN_MARKER)) \
+                and (name.endswith(".tmp") or name == f".{MODEL_DIR}.old"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def remove_run_files(out: Path) -> None:
+    """Remove what a run wrote (RUN_FILES, model/, leftovers of interrupted atomic writes, the marker);
+    anything else in the folder stays."""
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
+    remove_leftovers(out)
+    (out / RUN_MARKER).unlink(missing_ok=True)
+
+
+def trim_metrics(path: Path, step: int) -> list[dict]:
+    """Keep the metric lines of steps 1..step (the checkpoint's), each once; drop later steps (a resumed run
+    redoes them) and a line cut short by a crash. Returns the kept records."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    kept: dict[int, str] = {}
+    for ln in path.read_text().splitlines():
+        try:
+            record = json.loads(ln)
+            n = record["step"]
+        except (ValueError, KeyError, TypeError):
+            continue  # blank, or cut short by a crash mid-write
+        if isinstance(n, int) and 1 <= n <= step and n not in kept:
+            kept[n] = ln
+    lines = [kept[n] for n in sorted(kept)]
+    atomic_write_text(path, "".join(ln + "\n" for ln in lines))
+    return [json.loads(ln) for ln in lines]
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) -> None:
+    """Refuse to mix two runs in one folder, and refuse --resume/--overwrite on any folder that is not a
+    run (see is_run_dir). With overwrite, remove the old run's files (unless clear=False: check only, so
+    that a caller can validate everything else before deleting anything)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
-    if not any(out.iterdir()):
+    if not out.exists() or not any(out.iterdir()):
+        if resume:
+            raise UserError(f"--resume: {out} holds no run (no {CONFIG_FILE}, no {RUN_MARKER} marker)")
         return
-    holds_run = (out / CONFIG_FILE).exists()
+    holds_run = is_run_dir(out)
+    if holds_run:
+        version = run_marker_version(out)
+        if version is not None and version > RUN_FORMAT_VERSION:
+            raise UserError(f"{out} holds a run of format version {version}, newer than this program's "
+                            f"{RUN_FORMAT_VERSION}; update pg-prune or choose another --out")
     if resume:
         if not holds_run:
-            raise UserError(f"--resume: {out} holds no run (no {CONFIG_FILE})")
+            raise UserError(f"--resume refused: {out} holds no run (no {RUN_MARKER} marker and no run's "
+                            f"{CONFIG_FILE}, {METRICS_FILE} and {CHECKPOINT_FILE})")
+        if clear:
+            remove_leftovers(out)
         return
     if overwrite:
         if holds_run:
             if clear:
-                shutil.rmtree(out)
+                remove_run_files(out)
             return
-        raise UserError(f"--overwrite refused: {out} is not empty and holds no run; choose another folder")
+        raise UserError(f"--overwrite refused: {out} is not empty and holds no run (no {RUN_MARKER} marker); "
+                        "nothing was touched; choose another folder")
     raise UserError(f"{out} already holds files{' of another run' if holds_run else ''}; use --resume, --overwrite or another --out")
+
+
+def prepare_out_dir(out: Path) -> list[Path]:
+    """Create `out` (and missing parents) and check that files can be written in it, before anything
+    slow happens. Returns the folders it created, outermost first, for cleanup_out_dir."""
+    out = Path(out)
+    created = []
+    for d in reversed([out, *out.parents]):
+        if not d.exists():
+            created.append(d)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"--out {out} exists and is not a folder") from None
+    except OSError as e:
+        raise UserError(f"cannot create --out {out}: {e.strerror or e}") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".pg-prune-write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        cleanup_out_dir(created)
+        raise UserError(f"--out {out} is not writable: {e.strerror or e}") from None
+    return created
+
+
+def cleanup_out_dir(created: list[Path]) -> None:
+    """Remove the folders prepare_out_dir created, innermost first, where they are still empty."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+@contextlib.contextmanager
+def _closing(bar):
+    try:
+        yield
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _check_finite(where: str, scores: dict[str, torch.Tensor], values: dict[str, float]) -> None:
+    """Raise UserError naming `where` and the first non-finite value or score."""
+    for name, x in values.items():
+        if not math.isfinite(x):
+            raise UserError(f"{where}: the {name} is {x}; stopped (the checkpoint holds the last finite state; "
+                            "a lower --lr or another --seqlen/--dtype may help)")
+    for u, t in scores.items():
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            raise UserError(f"{where}: {int(bad.sum())} {u} scores are not finite (first at index "
+                            f"{int(bad.nonzero()[0])}); stopped (a lower --lr may help)")
 
 
 class PruneRun:
@@ -223,7 +386,7 @@ class PruneRun:
         means = None
         if c.bias_compensation:
             self.log("measuring mean inputs of the output projections (bias compensation)")
-            means = input_means(self.adapter, batches)
+            means = importance.input_means(self.adapter, batches)
             self.fill = self.compensation_fill(means)
         keep0 = self.keep_ratio_at(0)
         scores = {u: importance.initial_scores(z[u], self.layout, u, c.scope, keep0, c.prob_map, c.score_const)
@@ -250,23 +413,31 @@ class PruneRun:
             torch.save(asdict(state), tmp)
 
     def load_checkpoint(self) -> RunState:
+        path = self.out / CHECKPOINT_FILE
         try:
-            data = torch.load(self.out / CHECKPOINT_FILE, weights_only=False)
-        except (OSError, RuntimeError, EOFError) as e:
-            raise UserError(f"cannot read checkpoint in {self.out}: {e}") from e
-        state = RunState(**data)
-        self.fill = self.compensation_fill(state.input_means)
-        self.sampler.load_state_dict(state.sampler_state)
-        self.mask_rng.set_state(state.mask_rng_state)
+            data = torch.load(path, weights_only=False)
+        except Exception as e:  # garbage, truncated or foreign: unpickling raises almost anything
+            raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); it is damaged: "
+                            "start again with --overwrite") from e
+        try:
+            state = RunState(**data)
+            self.fill = self.compensation_fill(state.input_means)
+            self.sampler.load_state_dict(state.sampler_state)
+            self.mask_rng.set_state(state.mask_rng_state)
+            if not isinstance(state.step, int) or not 0 <= state.step <= self.config.steps:
+                raise ValueError(f"step {state.step!r}")
+            if set(state.scores) != set(self.layout.unit_types) or any(
+                    s.shape != (self.layout.total(u),) for u, s in state.scores.items()):
+                raise ValueError("scores do not fit this model and these units")
+        except Exception as e:
+            raise UserError(f"checkpoint {path} does not belong to this run ({type(e).__name__}: {e}); "
+                            "start again with --overwrite") from e
         return state
 
     def _trim_metrics(self, step: int) -> None:
-        """After a resume, drop metric lines from steps past the checkpoint (they will be redone)."""
-        path = self.out / METRICS_FILE
-        if not path.exists():
-            return
-        kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        atomic_write_text(path, "".join(ln + "\n" for ln in kept))
+        """After a resume, drop metric lines from steps past the checkpoint (they will be redone), and a
+        last line cut short by a crash. Each step stays recorded once (the first record of it)."""
+        trim_metrics(self.out / METRICS_FILE, step)
 
     # --- the loop --------------------------------------------------------------------------
     def step(self, state: RunState) -> StepReport:
@@ -375,8 +546,11 @@ class PruneRun:
             self._trim_metrics(state.step)
             self.log(f"resuming {self.out} at step {state.step}/{c.steps}")
         else:
+            write_run_marker(self.out)  # first: from now on the folder is recognisably a run
             c.save(self.out / CONFIG_FILE)
             state = self.fresh_state()
+            _check_finite("the initial scores", state.scores, {"dense perplexity": state.ppl_dense,
+                                                               "init perplexity": state.ppl_init})
             self.save_checkpoint(state)
             (self.out / METRICS_FILE).write_text("")
 
@@ -386,14 +560,18 @@ class PruneRun:
 
             bar = tqdm(total=c.steps, initial=state.step, desc="pruning", unit="step")
         stopped = False
-        with open(self.out / METRICS_FILE, "a") as metrics:
+        with open(self.out / METRICS_FILE, "a") as metrics, _closing(bar):  # an error line starts on a line of its own
             while c.method != "metric" and state.step < c.steps:
                 if stop is not None and stop.is_set():
                     stopped = True
                     break
                 report = self.step(state)
+                # stop at the first NaN/inf, before it reaches metrics.jsonl or a checkpoint
+                _check_finite(f"step {state.step}", state.scores, {f"loss of mask sample {j + 1}": x
+                                                                   for j, x in enumerate(report.losses)})
                 if c.val_every and (state.step % c.val_every == 0 or state.step == c.steps):
                     report.val_ppl = self.validate(state)
+                    _check_finite(f"step {state.step}", {}, {"held-out perplexity": report.val_ppl})
                 metrics.write(report.to_json() + "\n")
                 metrics.flush()
                 if bar is not None:

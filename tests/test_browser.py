@@ -2,13 +2,15 @@
 
 Moves the rate slider, starts a run, waits for the KV-group heatmap to change, stops the run,
 finishes a short run, starts the matching uniform run from Compare, asks the chat a question
-and reads both answers. Screenshots of every page go to assets/screenshots/.
+and reads both answers. Screenshots of every page go to a fresh temporary folder (pg-prune-shots-*);
+`PG_PRUNE_REFRESH_ASSETS=1` writes them to assets/screenshots/ instead, to refresh the README's images.
 
 Needs the Debian packages chromium and chromium-driver (.ci/run installs them) and selenium.
 
 `PG_PRUNE_BROWSER_MODEL=default python -m pytest -q -s tests/test_browser.py` runs the same test on the
 default model (SmolLM2-135M-Instruct, the paper's batch 8 x 128 tokens, 32 evaluation windows) and
-writes its screenshots to assets/screenshots/default/ (about 20 minutes on 2 CPU cores; not run in CI).
+with PG_PRUNE_REFRESH_ASSETS=1 writes its screenshots to assets/screenshots/default/ (about 20 minutes on 2 CPU
+cores; not run in CI).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 REAL = os.environ.get("PG_PRUNE_BROWSER_MODEL", "") == "default"
-SHOTS = ROOT / "assets" / "screenshots" / ("default" if REAL else "")
+REFRESH_ASSETS = os.environ.get("PG_PRUNE_REFRESH_ASSETS", "") == "1"  # an explicit choice: the repository's images
+SHOTS = ((ROOT / "assets" / "screenshots") if REFRESH_ASSETS else Path(tempfile.mkdtemp(prefix="pg-prune-shots-"))) \
+    / ("default" if REAL else "")
+pytestmark = pytest.mark.browser
 SLOW = 30 if REAL else 1  # wait this many times longer on the real model (2 shared CPU cores)
 
 if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):

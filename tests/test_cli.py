@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from engine.cli import main
 
-from conftest import REPO, SMALL_CALIB, clean_env, run_engine
+from conftest import REPO, SMALL_CALIB, WIKI_RAW, clean_env, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,58 @@ def prune_args(tiny_path, out, *extra):
             "--batch-size", "2", *extra]
 
 
+def small_eval_text() -> str:
+    return WIKI_RAW.read_text(encoding="utf-8")[:6000]
+
+
+def saved_run(folder: Path, tiny_path: Path, tmp: Path) -> Path:
+    """A run folder as a run leaves it after its start: marker, config, empty metrics, a checkpoint."""
+    from engine.config import PruneConfig
+    from engine.pruner import write_run_marker
+
+    eval_file = tmp / "eval-small.txt"
+    eval_file.write_text(small_eval_text())
+    folder.mkdir()
+    write_run_marker(folder)
+    PruneConfig(model=str(tiny_path), steps=2, max_windows=1, init_batches=1, batch_size=2, seqlen=32, eval_seqlen=32,
+                calib=str(SMALL_CALIB), eval_data=str(eval_file)).save(folder / "config.json")
+    (folder / "metrics.jsonl").write_text("")
+    (folder / "checkpoint.pt").write_bytes(b"")
+    return folder
+
+
+def write_mismatched_gguf(path: Path) -> None:
+    """A llama GGUF that declares hidden size 128 but holds 64-wide tensors."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(128)
+    w.add_block_count(1)
+    w.add_feed_forward_length(384)
+    w.add_head_count(8)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(16)
+    w.add_vocab_size(32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(32)])
+    w.add_token_scores([0.0] * 32)
+    w.add_token_types([1] * 32)
+    h = 64
+    w.add_tensor("token_embd.weight", np.zeros((32, h), dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.zeros(h, dtype=np.float32))
+    for name, shape in (("attn_q", (h, h)), ("attn_k", (h // 2, h)), ("attn_v", (h // 2, h)), ("attn_output", (h, h)),
+                        ("ffn_gate", (384, h)), ("ffn_up", (384, h)), ("ffn_down", (h, 384)), ("attn_norm", (h,)),
+                        ("ffn_norm", (h,))):
+        w.add_tensor(f"blk.0.{name}.weight", np.zeros(shape, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, tuple[list, str]]:
     """name -> (argv, a fragment the error line must contain)."""
     empty_dir = tmp / "empty_dir"
@@ -143,6 +196,30 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
     not_a_run = tmp / "not_a_run"
     not_a_run.mkdir()
     (not_a_run / "notes.txt").write_text("mine")
+    int_text = tmp / "int_text.jsonl"
+    int_text.write_text('{"text": "Once upon a time there was a cat."}\n{"text": 123}\n')
+    null_text = tmp / "null_text.jsonl"
+    null_text.write_text('{"text": null}\n')
+    truncated = tmp / "truncated"
+    shutil.copytree(tiny_path, truncated)
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    bad_gguf = tmp / "mismatch.gguf"
+    write_mismatched_gguf(bad_gguf)
+    read_only = tmp / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.access(read_only, os.W_OK):  # root writes anywhere: a path where even root cannot create a folder
+        read_only = Path("/sys/pg-prune-test-out")
+    ambiguous = tmp / "wikitext"
+    ambiguous.mkdir()
+    for split in ("train", "valid"):
+        (ambiguous / f"wiki.{split}.raw").write_text(small_eval_text())
+    garbage_ckpt = saved_run(tmp / "garbage_ckpt", tiny_path, tmp)
+    (garbage_ckpt / "checkpoint.pt").write_bytes(b"\x80\x04 this is not a pickle" * 3)
+    string_steps = saved_run(tmp / "string_steps", tiny_path, tmp)
+    cfg = json.loads((string_steps / "config.json").read_text())
+    (string_steps / "config.json").write_text(json.dumps({**cfg, "steps": "2"}))
     out = tmp / "out"
     small = ["--calib", SMALL_CALIB]
     return {
@@ -183,6 +260,28 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
         "eval empty data": (["eval", "--model", tiny_path, "--eval-data", blank], "empty"),
         "eval seqlen beyond positions": (["eval", "--model", tiny_path, "--eval-seqlen", "1000"], "512"),
         "eval zero windows": (["eval", "--model", tiny_path, "--max-windows", "0"], "windows"),
+        # issue 15
+        "calib text is a number": (prune_args(tiny_path, out, "--calib", int_text), "int_text.jsonl line 2"),
+        "calib text is null": (prune_args(tiny_path, out, "--calib", null_text), "must be a string, got null"),
+        "truncated model.safetensors": (prune_args(truncated, out), "could not load model"),
+        "gguf tensors do not match": (prune_args(bad_gguf, out), "do not match its declared architecture"),
+        "eval gguf tensors do not match": (["eval", "--model", bad_gguf], "do not match"),
+        "out under a file": (prune_args(tiny_path, empty / "sub"), "cannot create --out"),
+        "out not writable": (prune_args(tiny_path, read_only / "run"), "--out"),
+        "resume with a garbage checkpoint": (prune_args(tiny_path, garbage_ckpt, "--resume"), "checkpoint"),
+        "resume with steps a string": (prune_args(tiny_path, string_steps, "--resume"), "steps must be an integer"),
+        "seed beyond 64 bits": (prune_args(tiny_path, out, "--seed", "99999999999999999999"), "seed"),
+        "seed negative": (prune_args(tiny_path, out, "--seed", "-1"), "seed"),
+        "lr nan": (prune_args(tiny_path, out, "--lr", "nan"), "lr must be a finite number"),
+        "lr inf": (prune_args(tiny_path, out, "--lr", "inf"), "lr must be a finite number"),
+        "prune ratio nan": (prune_args(tiny_path, out, "--prune-ratio", "nan"), "prune ratio"),
+        "seqlen 1": (prune_args(tiny_path, out, "--seqlen", "1"), "seqlen must be at least 2"),
+        "prune eval seqlen 1": (prune_args(tiny_path, out, "--eval-seqlen", "1"), "eval seqlen must be at least 2"),
+        "eval seqlen 1": (["eval", "--model", tiny_path, "--eval-seqlen", "1"], "eval seqlen must be at least 2"),
+        "eval folder with two splits": (["eval", "--model", tiny_path, "--eval-data", ambiguous],
+                                        "wiki.train.raw, wiki.valid.raw"),
+        "finetune lr nan": (["finetune", "--model", tiny_path, "--out", out, "--lr", "nan"], "lr must be a finite"),
+        "finetune seqlen 1": (["finetune", "--model", tiny_path, "--out", out, "--seqlen", "1"], "at least 2"),
     }
 
 
@@ -196,6 +295,11 @@ BAD_INPUT_NAMES = [
     "eval data too short", "resume without a run", "resume in a missing folder", "resume in a folder of other files",
     "overwrite a folder that is not a run", "out is a file", "no cuda", "eval missing model", "eval empty data",
     "eval seqlen beyond positions", "eval zero windows",
+    "calib text is a number", "calib text is null", "truncated model.safetensors", "gguf tensors do not match",
+    "eval gguf tensors do not match", "out under a file", "out not writable", "resume with a garbage checkpoint",
+    "resume with steps a string", "seed beyond 64 bits", "seed negative", "lr nan", "lr inf", "prune ratio nan",
+    "seqlen 1", "prune eval seqlen 1", "eval seqlen 1", "eval folder with two splits", "finetune lr nan",
+    "finetune seqlen 1",
 ]
 
 
@@ -211,6 +315,10 @@ def test_bad_input_is_one_error_line(name, tmp_path, tiny_path, gpt2_folder, cap
     out = tmp_path / "out"
     assert not out.exists() or not any(out.iterdir())  # nothing half-made was left behind
     assert (tmp_path / "not_a_run" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "empty.jsonl" / "sub").exists() and (tmp_path / "empty.jsonl").read_text() == ""
+    if (tmp_path / "read_only").exists():
+        (tmp_path / "read_only").chmod(0o755)  # so that pytest can clean it up
+        assert not any((tmp_path / "read_only").iterdir())
 
 
 # --- an existing run in --out ------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from engine.export import load_mask_artifact
 from engine.loading import count_parameters, load_model, resolve_model
 from engine.masking import MaskHooks
 from engine.policy import cosine_lr, keep_count, update_baseline
-from engine.pruner import PruneRun, StepReport, check_out_dir
+from engine.pruner import (RUN_FORMAT_VERSION, RUN_MARKER, PruneRun, StepReport, check_out_dir, is_run_dir,
+                           run_marker_version, write_run_marker)
 
 from conftest import DATA_DIR, SMALL_CALIB
 
@@ -299,23 +300,61 @@ def test_check_out_dir(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
+    write_run_marker(run)
     (run / "config.json").write_text("{}")
     (run / "metrics.jsonl").write_text("")
+    (run / "model").mkdir()
+    (run / "model" / "model.safetensors").write_text("x")
+    (run / "notes.txt").write_text("mine")  # the user's own file inside a run folder
     with pytest.raises(UserError):
         check_out_dir(run, resume=False, overwrite=False)
     check_out_dir(run, resume=True, overwrite=False)
     assert (run / "config.json").exists()  # resume leaves it alone
+    check_out_dir(run, resume=False, overwrite=True, clear=False)
+    assert (run / "config.json").exists()  # clear=False: a check only
     check_out_dir(run, resume=False, overwrite=True)
-    assert not run.exists() or not any(run.iterdir())
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # the run's files went, the user's stayed
 
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    with pytest.raises(UserError):
+    (other / "config.json").write_text("{}")  # a config.json alone (a model folder's) is no run
+    with pytest.raises(UserError, match="--overwrite refused"):
         check_out_dir(other, resume=False, overwrite=True)  # not a run: never deleted
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="--resume refused"):
         check_out_dir(other, resume=True, overwrite=False)
-    assert (other / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in other.iterdir()) == ["config.json", "notes.txt"]
+
+
+def test_run_folder_marker_and_pre_marker_runs(tmp_path):
+    """A marker names the folder a run; a pre-marker run (a run config, metrics.jsonl, checkpoint.pt) is
+    recognised and gets the marker; a marker of a newer format is refused."""
+    assert run_marker_version(tmp_path) is None
+    write_run_marker(tmp_path)
+    text = (tmp_path / RUN_MARKER).read_text()
+    assert RUN_MARKER == "pg-prune-run" and text == f"pg-prune run, format version {RUN_FORMAT_VERSION}\n"
+    assert run_marker_version(tmp_path) == RUN_FORMAT_VERSION
+
+    old = tmp_path / "old"
+    old.mkdir()
+    PruneConfig(steps=3).save(old / "config.json")
+    (old / "metrics.jsonl").write_text("")
+    assert not is_run_dir(old, adopt=False)  # no checkpoint: not yet a run's own files
+    (old / "checkpoint.pt").write_bytes(b"x")
+    assert is_run_dir(old) and run_marker_version(old) == RUN_FORMAT_VERSION  # adopted
+
+    fake = tmp_path / "fake"  # the right file names, but config.json is a model's, not a run's
+    fake.mkdir()
+    (fake / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    (fake / "metrics.jsonl").write_text("")
+    (fake / "checkpoint.pt").write_bytes(b"x")
+    assert not is_run_dir(fake) and not (fake / RUN_MARKER).exists()
+
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / RUN_MARKER).write_text(f"pg-prune run, format version {RUN_FORMAT_VERSION + 1}\n")
+    with pytest.raises(UserError, match="newer"):
+        check_out_dir(newer, resume=True, overwrite=False)
 
 
 # --- the default model ---------------------------------------------------------------------------------
