@@ -55,7 +55,9 @@ class Cell:
 
 def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) -> list[Cell]:
     out: list[Cell] = []
-    pg_global = {**HC, "method": "pg", "scope": "global", "init": "wanda-sp"}
+    # the paper's optimiser (N_s 2, moving-average baseline), not the tool's defaults
+    pg_global = {**HC, "method": "pg", "scope": "global", "init": "wanda-sp", "num_mask_samples": 2,
+                 "baseline": "moving-average"}
     for r in rates:
         if 1 in tables:
             out += [Cell(1, "Random", r, {**HC, "method": "metric", "scope": "uniform", "init": "random"}, pg=False),

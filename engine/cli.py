@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .config import (BASELINES, CONTROL_VARIATES, ESTIMATORS, FINAL_MASKS, INITS, LAYER_INITS, LR_SCHEDULES, MASK_SAMPLINGS,
-                     METHODS, PROB_MAPS, SAMPLE_FORWARDS, WITHIN_LAYER_RANKINGS, PruneConfig)
+                     METHODS, PRESETS, PROB_MAPS, SAMPLE_FORWARDS, WITHIN_LAYER_RANKINGS, PruneConfig)
 from .errors import UserError
 from .loading import DEFAULT_MODEL, DTYPES
 from .units import SCOPES
@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", help="learn masks over KV groups, MLP channels and layers, evaluate, export")
     p.add_argument("--model", default=D.model, help=f"{DEFAULT_MODEL} (packaged GGUF), a model folder, a .gguf file or a hub id")
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="start from named settings, flags given override them: " + "; ".join(
+                       f"{name}: " + ", ".join(f"{k} {v}" for k, v in s.items()) for name, s in PRESETS.items()))
     p.add_argument("--units", default=",".join(D.units), help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers) (default %(default)s)")
     p.add_argument("--prune-ratio", type=float, default=D.prune_ratio, help="fraction of each unit pool removed (default %(default)s)")
     p.add_argument("--scope", default=D.scope, choices=SCOPES, help="global: budget shared across layers (learned per-layer split); uniform: same ratio per layer")
@@ -264,8 +267,20 @@ def cmd_measure(args) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse twice when `prune --preset NAME` is given: the preset's values become the defaults, so that
+    flags given explicitly still override them."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "preset", None):
+        prune = parser._subparsers._group_actions[0].choices["prune"]
+        prune.set_defaults(**PRESETS[args.preset])
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 

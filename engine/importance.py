@@ -33,25 +33,23 @@ def _out_proj(adapter: ModelAdapter, unit_type: str, i: int):
 
 
 @torch.no_grad()
-def wanda_sp(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    """Wanda-sp: for an output projection W (out x in) and its input activations X, column j
-    scores mean_rows |W[:, j]| * sqrt(mean_tokens X_j^2)."""
-    n = adapter.num_layers
-    sq_sums: dict[tuple[str, int], torch.Tensor | None] = {(u, i): None for u in ("heads", "channels") for i in range(n)}
-    tokens = 0
+def _column_sums(adapter: ModelAdapter, batches: list[torch.Tensor], stat) -> tuple[dict[tuple[str, int], torch.Tensor], int]:
+    """Sum over calibration tokens of stat(x) for every input column x of the attention and MLP output
+    projections, keyed (unit type, layer), and the token count."""
+    sums: dict[tuple[str, int], torch.Tensor] = {}
     handles = []
 
     def recorder(key):
         def hook(module, args):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-            s = (x * x).sum(0)
-            sq_sums[key] = s if sq_sums[key] is None else sq_sums[key] + s
+            s = stat(args[0].detach().float().reshape(-1, args[0].shape[-1])).sum(0)
+            sums[key] = s if key not in sums else sums[key] + s
 
         return hook
 
-    for i in range(n):
+    for i in range(adapter.num_layers):
         for u in ("heads", "channels"):
             handles.append(_out_proj(adapter, u, i).register_forward_pre_hook(recorder((u, i))))
+    tokens = 0
     try:
         for batch in batches:
             batch_loss(adapter.model, batch)
@@ -59,12 +57,28 @@ def wanda_sp(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, li
     finally:
         for h in handles:
             h.remove()
+    return sums, tokens
+
+
+@torch.no_grad()
+def wanda_sp(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Wanda-sp: for an output projection W (out x in) and its input activations X, column j
+    scores mean_rows |W[:, j]| * sqrt(mean_tokens X_j^2)."""
+    sq_sums, tokens = _column_sums(adapter, batches, lambda x: x * x)
     out: dict[str, list[torch.Tensor]] = {"heads": [], "channels": []}
-    for i in range(n):
+    for i in range(adapter.num_layers):
         for u in out:
             w = _out_proj(adapter, u, i).weight.detach().float().abs().mean(0).cpu()
             out[u].append(_to_units(adapter, u, w * torch.sqrt(sq_sums[(u, i)].cpu() / tokens)))
     return out
+
+
+def input_means(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Per layer, the mean over calibration tokens of every input column of the attention and MLP output
+    projections, on the unmasked model (FLAP's bias compensation uses the dense means): "heads" holds
+    the attention-output columns (head_dim per query head), "channels" the MLP ones."""
+    sums, tokens = _column_sums(adapter, batches, lambda x: x)
+    return {u: [(sums[(u, i)] / tokens).cpu() for i in range(adapter.num_layers)] for u in ("heads", "channels")}
 
 
 @torch.no_grad()

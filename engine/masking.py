@@ -138,34 +138,3 @@ class MaskHooks:
         self._columns = {}
         self._fill = {}
 
-
-@torch.no_grad()
-def input_means(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    """Per layer, the mean over calibration tokens of every input column of the attention and MLP
-    output projections, on the unmasked model (FLAP's bias compensation uses the dense means).
-    "heads" holds the attention-output columns (head_dim per query head), "channels" the MLP ones."""
-    from .evaluate import batch_loss
-
-    n = adapter.num_layers
-    sums: dict[tuple[str, int], torch.Tensor] = {}
-    tokens = 0
-    handles = []
-
-    def recorder(key):
-        def hook(module, args):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1]).sum(0)
-            sums[key] = x if key not in sums else sums[key] + x
-
-        return hook
-
-    for i in range(n):
-        handles.append(adapter.attn_out_proj(i).register_forward_pre_hook(recorder(("heads", i))))
-        handles.append(adapter.mlp_out_proj(i).register_forward_pre_hook(recorder(("channels", i))))
-    try:
-        for b in batches:
-            batch_loss(adapter.model, b)
-            tokens += b.numel()
-    finally:
-        for h in handles:
-            h.remove()
-    return {u: [(sums[(u, i)] / tokens).cpu() for i in range(n)] for u in ("heads", "channels")}

@@ -12,7 +12,8 @@ from engine.config import PruneConfig
 from engine.evaluate import batch_loss
 from engine.executors import EXECUTORS, resolve_executor
 from engine.export import build_pruned_model, export_pruned
-from engine.masking import MaskHooks, input_means
+from engine.importance import input_means
+from engine.masking import MaskHooks
 from engine.policy import sample_masks
 from engine.pruner import PruneRun
 from engine.units import UnitLayout
