@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import shutil
 import time
 from pathlib import Path
 
@@ -108,7 +109,9 @@ def test_prune_page_defaults(runs_dir):
     at = app()
     assert at.title[0].value.endswith("Prune")
     assert at.slider(key="rate").value == pytest.approx(0.3)
-    assert at.number_input(key="steps").value == 1000  # the paper's budget
+    from engine.config import PruneConfig
+
+    assert at.number_input(key="steps").value == PruneConfig().steps  # the run config's default
     assert at.radio(key="scope").value == "global"
     assert any("No run yet" in i.value for i in at.info)
 
@@ -183,6 +186,7 @@ def test_full_run_global(runs_dir):
 def test_two_sessions_see_one_job(runs_dir):
     """Two browser sessions at once: the first starts a job, the second sees it running, cannot start a
     second one, and stops it; the first sees it stopped. Nothing raises on either page."""
+    before = set(runs_dir.iterdir()) if runs_dir.exists() else set()
     first = fill_prune_form(app(), steps=5000)
     start_button(first).click().run()
     assert not first.error, [e.value for e in first.error]
@@ -197,6 +201,9 @@ def test_two_sessions_see_one_job(runs_dir):
     second = wait_for(second, lambda a: "Stopped" in status(a))
     if run_dir:
         assert (Path(run_dir) / "checkpoint.pt").exists()
+    # leave no stopped 5,000-step run behind: the Compare test would take it for a finished global run
+    for made in set(runs_dir.iterdir()) - before:
+        shutil.rmtree(made)
 
 
 # --- Compare ---------------------------------------------------------------------------------

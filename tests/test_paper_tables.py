@@ -15,7 +15,8 @@ import paper_tables as pt  # noqa: E402
 
 from engine.config import PruneConfig  # noqa: E402
 
-ARGS = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, layer_init_batches=1, steps=5, lr=0.02, gumbel_lr=0.1, model="m")
+ARGS = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, layer_init_batches=1, steps=5, lr=0.02, gumbel_lr=0.1, model="m",
+                          device="cpu")
 
 
 def test_every_cell_is_a_valid_run_config():
@@ -35,7 +36,9 @@ def test_every_cell_is_a_valid_run_config():
 
 def test_cells_with_the_same_settings_share_a_run():
     cells = pt.cells({1, 2, 4}, [0])
-    pg40 = [c for c in cells if c.rate == 0.4 and c.settings == {**pt.HC, "method": "pg", "scope": "global", "init": "wanda-sp"}]
+    paper_pg = {**pt.HC, "method": "pg", "scope": "global", "init": "wanda-sp", "num_mask_samples": 2,
+                "baseline": "moving-average"}
+    pg40 = [c for c in cells if c.rate == 0.4 and c.settings == paper_pg and c.lr_scale == 1.0]
     assert {c.table for c in pg40} == {1, 2, 4}  # one PG run at 40 % serves three tables
     assert len({pt.cell_key(c, ARGS) for c in pg40}) == 1
     assert len({pt.cell_key(c, ARGS) for c in cells}) < len(cells)
@@ -94,9 +97,12 @@ def test_table_5_gives_every_seed_and_their_mean():
 def test_a_row_run_once_takes_the_first_of_the_seeds():
     default, other = pt.cells({1, 2, 3, 4, 5}, [0, 1, 2]), pt.cells({1, 2, 3, 4, 5}, [3, 4, 5])
     assert len(other) == len(default)  # --seeds 3,4,5 drops no row
-    multi = {(1, "PG (global, Wanda-sp init)"), (5, "PG"), (5, "Gumbel-softmax")}
-    assert {c.seed for c in other if (c.table, c.row) not in multi} == {3}
-    assert {c.seed for c in other if (c.table, c.row) in multi} == {3, 4, 5}
+    # the PG rows of tables 1, 4 and 5 run every seed; tables 2 and 3 and the one-shot rows run once
+    multi = lambda c: c.table in (4, 5) or (c.table == 1 and c.row.startswith("PG"))
+    assert {c.seed for c in other if not multi(c)} == {3}
+    assert {c.seed for c in other if multi(c)} == {3, 4, 5}
+    for row in {c.row for c in other if multi(c)}:
+        assert {c.seed for c in other if c.row == row} == {3, 4, 5}, row
 
 
 @pytest.mark.parametrize("args, message", [
