@@ -282,6 +282,9 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
                                         "wiki.train.raw, wiki.valid.raw"),
         "finetune lr nan": (["finetune", "--model", tiny_path, "--out", out, "--lr", "nan"], "lr must be a finite"),
         "finetune seqlen 1": (["finetune", "--model", tiny_path, "--out", out, "--seqlen", "1"], "at least 2"),
+        # issue 12
+        "antithetic pairs with an odd N_s": (prune_args(tiny_path, out, "--mask-sampling", "antithetic",
+                                                        "--num-mask-samples", "3"), "must be even"),
     }
 
 
@@ -299,7 +302,7 @@ BAD_INPUT_NAMES = [
     "eval gguf tensors do not match", "out under a file", "out not writable", "resume with a garbage checkpoint",
     "resume with steps a string", "seed beyond 64 bits", "seed negative", "lr nan", "lr inf", "prune ratio nan",
     "seqlen 1", "prune eval seqlen 1", "eval seqlen 1", "eval folder with two splits", "finetune lr nan",
-    "finetune seqlen 1",
+    "finetune seqlen 1", "antithetic pairs with an odd N_s",
 ]
 
 
