@@ -90,7 +90,7 @@ def worker(args) -> dict:
             out["step50"] = run_.masked_perplexity(run_.hard_masks(state.scores), "step 50", run_.fill)
     out["seconds_per_step"] = statistics.median(step_seconds[5:] or step_seconds)
     last = run_.hard_masks(state.scores)
-    hybrid = {u: run_.layout.ranked_within_layers(u, m, state.init_metric[u]) for u, m in last.items()}
+    hybrid = run_.final_masks(state.scores, state.init_metric, "init-metric")
     fill = run_.fill or run_.compensation_fill(input_means(run_.adapter, [run_.sampler.next_batch() for _ in range(16)]))
     out["last"] = run_.masked_perplexity(last, "last", run_.fill)
     out["hybrid"] = run_.masked_perplexity(hybrid, "hybrid", run_.fill)

@@ -76,6 +76,10 @@ class ModelAdapter:
     def mlp_out_proj(self, i: int) -> nn.Linear:
         return getattr(self.mlp(i), self.spec.mlp_out)
 
+    def output_proj(self, unit_type: str, i: int) -> nn.Linear:
+        """The projection whose input columns are layer i's units of this type (KV groups or channels)."""
+        return self.attn_out_proj(i) if unit_type == "heads" else self.mlp_out_proj(i)
+
     def kv_groups_per_layer(self) -> list[int]:
         g = self.queries_per_group * self.head_dim
         return [self.attn_out_proj(i).in_features // g for i in range(self.num_layers)]

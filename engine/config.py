@@ -105,7 +105,7 @@ class PruneConfig:
     prob_map: str = "sigmoid-norm"  # how metric scores become initial keep probabilities
     score_const: float = 0.8  # score-const: initial s of units the metric keeps (1 - it for the others)
     init_batches: int = 16  # calibration batches for the init metric (Wanda-sp, Taylor, Layerwise-PPL, SLEB)
-    # defaults: the best quality per CPU minute measured on the default model (docs/results.md); the paper's
+    # defaults: the best quality per CPU minute measured on the default model (docs/pg-optimizer.md); the paper's
     # settings are the preset "paper"
     steps: int = 50
     lr: float = 0.02

@@ -84,8 +84,8 @@ def _compensation_biases(adapter: ModelAdapter, i: int, groups: torch.Tensor, ch
     """Layer i's output-projection biases that stand in for its removed units: W[:, removed] mu[removed]
     (the masked model with compensation computes exactly m x + (1 - m) mu before the projection)."""
     out = {}
-    for unit_type, proj, kept_cols in (("heads", adapter.attn_out_proj(i), adapter.group_columns_index(groups)),
-                                       ("channels", adapter.mlp_out_proj(i), channels)):
+    for unit_type, kept_cols in (("heads", adapter.group_columns_index(groups)), ("channels", channels)):
+        proj = adapter.output_proj(unit_type, i)
         w = proj.weight.detach().double().cpu()
         bias = torch.zeros(w.shape[0], dtype=torch.float64) if proj.bias is None else proj.bias.detach().double().cpu()
         if unit_type in fill:
@@ -142,10 +142,8 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
             if key in state:
                 state[key] = state[key].index_select(dim, idx.to(state[key].device))
         if fill:
-            dtype = state[f"{prefix}{i}.{adapter.spec.attention}.{adapter.spec.attn_out}.weight"].dtype
             for unit_type, bias in _compensation_biases(adapter, i, g, c, fill).items():
-                key = adapter.output_bias_key(i, unit_type)
-                state[key] = bias.to(dtype)
+                state[adapter.output_bias_key(i, unit_type)] = bias.to(adapter.output_proj(unit_type, i).weight.dtype)
     renumber = {i: j for j, (i, _, _) in enumerate(keep)}
     new_state = {}
     for key, value in state.items():

@@ -28,10 +28,6 @@ def _to_units(adapter: ModelAdapter, unit_type: str, col: torch.Tensor) -> torch
     return col
 
 
-def _out_proj(adapter: ModelAdapter, unit_type: str, i: int):
-    return adapter.attn_out_proj(i) if unit_type == "heads" else adapter.mlp_out_proj(i)
-
-
 @torch.no_grad()
 def _column_sums(adapter: ModelAdapter, batches: list[torch.Tensor], stat) -> tuple[dict[tuple[str, int], torch.Tensor], int]:
     """Sum over calibration tokens of stat(x) for every input column x of the attention and MLP output
@@ -48,7 +44,7 @@ def _column_sums(adapter: ModelAdapter, batches: list[torch.Tensor], stat) -> tu
 
     for i in range(adapter.num_layers):
         for u in ("heads", "channels"):
-            handles.append(_out_proj(adapter, u, i).register_forward_pre_hook(recorder((u, i))))
+            handles.append(adapter.output_proj(u, i).register_forward_pre_hook(recorder((u, i))))
     tokens = 0
     try:
         for batch in batches:
@@ -68,7 +64,7 @@ def wanda_sp(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, li
     out: dict[str, list[torch.Tensor]] = {"heads": [], "channels": []}
     for i in range(adapter.num_layers):
         for u in out:
-            w = _out_proj(adapter, u, i).weight.detach().float().abs().mean(0).cpu()
+            w = adapter.output_proj(u, i).weight.detach().float().abs().mean(0).cpu()
             out[u].append(_to_units(adapter, u, w * torch.sqrt(sq_sums[(u, i)].cpu() / tokens)))
     return out
 
@@ -84,7 +80,7 @@ def input_means(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str,
 @torch.no_grad()
 def magnitude_sp(adapter: ModelAdapter) -> dict[str, list[torch.Tensor]]:
     """Magnitude-sp: column j of an output projection scores mean_rows |W[:, j]| (no data)."""
-    return {u: [_to_units(adapter, u, _out_proj(adapter, u, i).weight.detach().float().abs().mean(0).cpu())
+    return {u: [_to_units(adapter, u, adapter.output_proj(u, i).weight.detach().float().abs().mean(0).cpu())
                 for i in range(adapter.num_layers)] for u in ("heads", "channels")}
 
 

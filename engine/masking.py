@@ -92,8 +92,7 @@ class MaskHooks:
         self._fill = {}
         for u, means in (fill or {}).items():
             if u in cols:
-                proj = a.attn_out_proj if u == "heads" else a.mlp_out_proj
-                self._fill[u] = [mu.to(proj(i).weight) for i, mu in enumerate(means)]
+                self._fill[u] = [mu.to(a.output_proj(u, i).weight) for i, mu in enumerate(means)]
         self._columns = cols
 
     def clear(self) -> None:

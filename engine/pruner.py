@@ -350,11 +350,16 @@ class PruneRun:
         return ppl
 
     # --- init ------------------------------------------------------------------------------
+    def metric_names(self) -> dict[str, str]:
+        """unit type -> the init metric it is scored by (random-progressive starts from random scores)."""
+        c = self.config
+        return {u: ("random" if c.init == "random-progressive" else c.init) if u != "layers" else c.layer_init
+                for u in self.layout.unit_types}
+
     def initial_metric(self, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The standardized importance metric of every unit type (flat; higher = keep)."""
         c, a = self.config, self.adapter
-        wanted = {u: ("random" if c.init == "random-progressive" else c.init) if u != "layers" else c.layer_init
-                  for u in self.layout.unit_types}
+        wanted = self.metric_names()
         raw: dict[str, list[torch.Tensor]] = {}
         for name in dict.fromkeys(wanted.values()):
             units = [u for u, m in wanted.items() if m == name]
@@ -377,10 +382,8 @@ class PruneRun:
     def fresh_state(self) -> RunState:
         c = self.config
         self.log(f"initialising scores ({c.init if set(c.units) - {'layers'} else c.layer_init}, {c.prob_map})")
-        wanted = {c.layer_init} if "layers" in c.units else set()
-        if set(c.units) - {"layers"}:
-            wanted.add(c.init)
-        needs_data = c.bias_compensation or bool(wanted & {"wanda-sp", "taylor", "layerwise-ppl", "sleb"})
+        data_metrics = {"wanda-sp", "taylor", "layerwise-ppl", "sleb"}
+        needs_data = c.bias_compensation or bool(set(self.metric_names().values()) & data_metrics)
         batches = [self.sampler.next_batch() for _ in range(c.init_batches)] if needs_data else []
         z = self.initial_metric(batches)
         means = None
@@ -590,11 +593,14 @@ class PruneRun:
         return self.finish(state)
 
     # --- results ---------------------------------------------------------------------------
-    def final_masks(self, scores: dict[str, torch.Tensor], metric: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    def final_masks(self, scores: dict[str, torch.Tensor], metric: dict[str, torch.Tensor] | None,
+                    within_layer_ranking: str | None = None) -> dict[str, torch.Tensor]:
         """The deterministic final masks: top keep ratio of the scores per pool; with within-layer
-        ranking init-metric, each layer keeps as many units as that, chosen by the init metric."""
+        ranking init-metric (the config's unless given), each layer keeps as many units as that,
+        chosen by the init metric."""
         masks = self.hard_masks(scores)
-        if self.config.within_layer_ranking == "init-metric" and metric is not None:
+        ranking = within_layer_ranking or self.config.within_layer_ranking
+        if ranking == "init-metric" and metric is not None:
             masks = {u: self.layout.ranked_within_layers(u, m, metric[u]) for u, m in masks.items()}
         return masks
 
