@@ -1,0 +1,55 @@
+"""Artifacts made by an earlier version keep working: exports reload with the same logits, and a stopped
+run resumes to the same final masks.
+
+The fixtures in tests/fixtures/compat_v1 were written by the engine at commit 7cc98ec (before methods,
+metrics, unit types and architectures became registries): two tiny random exports (a pruned_llama with a
+removed layer, GQA, q/k/v/o and MLP biases and bias-compensation output biases; a pruned_mistral) with the
+logits they gave then, and a TinyStories run (heads, channels and layers; 4 steps) stopped after step 2,
+with the final masks and perplexity that version reached when it resumed that run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import engine
+from conftest import SMALL_CALIB, TINY_MODEL, WIKI_RAW
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "compat_v1"
+
+
+def test_old_exports_reload_with_the_same_logits():
+    engine.register_pruned_classes()
+    expected = load_file(str(FIXTURES / "expected_logits.safetensors"))
+    for name in ("llama_fill", "mistral"):
+        model = AutoModelForCausalLM.from_pretrained(FIXTURES / name).eval()
+        assert model.config.model_type.startswith("pruned_")
+        with torch.no_grad():
+            logits = model(input_ids=expected["input_ids"]).logits.float()
+        torch.testing.assert_close(logits, expected[f"logits.{name}"], rtol=1e-5, atol=1e-5)
+
+
+def test_an_old_run_resumes_to_the_same_masks(tmp_path):
+    from engine.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "run_stopped", run)
+    config = json.loads((run / "config.json").read_text())  # the paths of this machine's shared data
+    config.update(model=str(TINY_MODEL), calib=str(SMALL_CALIB), eval_data=str(WIKI_RAW))
+    (run / "config.json").write_text(json.dumps(config, indent=2))
+    assert main(["prune", "--out", str(run), "--resume"]) == 0
+    expected = json.loads((FIXTURES / "run_expected.json").read_text())
+    results = json.loads((run / "results.json").read_text())
+    assert results["steps"] == expected["steps"] == 4
+    assert results["kept_per_layer"] == expected["kept_per_layer"]
+    masks, want = load_file(str(run / "masks.safetensors")), load_file(str(FIXTURES / "run_expected_masks.safetensors"))
+    for key, mask in want.items():
+        assert torch.equal(masks[key], mask), key
+    assert abs(results["ppl_pruned"] - expected["ppl_pruned"]) <= 1e-4 * expected["ppl_pruned"]
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
