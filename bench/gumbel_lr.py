@@ -31,6 +31,7 @@ def main() -> None:
     import torch
 
     from engine.config import PruneConfig
+    from engine.methods import METHODS, method_options
     from engine.pruner import PruneRun
 
     torch.manual_seed(0)
@@ -39,11 +40,12 @@ def main() -> None:
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
     run.progress = False
     state = run.fresh_state()
+    gumbel = METHODS["gumbel"](run, method_options("gumbel", {}))  # the same run, the other method's estimate
     pg = {u: [] for u in state.scores}
     gs = {u: [] for u in state.scores}
     for _ in range(args.batches):
-        _, g_pg, _ = run._policy_gradient(state, run.sampler.next_batch())
-        _, g_gs, _ = run._gumbel_gradient(state, run.sampler.next_batch())
+        g_pg = run.method.gradient(state, run.sampler.next_batch()).grads
+        g_gs = gumbel.gradient(state, run.sampler.next_batch()).grads
         for u in state.scores:
             pg[u].append(float(g_pg[u].abs().mean()))
             gs[u].append(float(g_gs[u].abs().mean()))

@@ -107,23 +107,31 @@ def cell_key(c: Cell, args) -> str:
     (PG global, Wanda-sp init at 40 % serves tables 1, 2 and 4)."""
     import hashlib
 
-    blob = json.dumps(cli_args(c, args)).encode()
+    values = cell_values(c, args)  # hashed as the flags earlier versions passed, so their cells still count
+    blob = json.dumps([x for k, v in values.items() for x in (f"--{k.replace('_', '-')}", str(v))]).encode()
     s = c.settings
     what = s.get("init") if s["units"] != "layers" else s.get("layer_init")
     return f"{s['method']}-{s['units'].replace(',', '+')}-{what}-{int(round(c.rate * 100))}-s{c.seed}-{hashlib.sha1(blob).hexdigest()[:6]}"
 
 
-def cli_args(c: Cell, args) -> list[str]:
+def cell_values(c: Cell, args) -> dict:
+    """The cell's settings as PruneConfig fields (units as the comma list the tables name them by)."""
     values = {**c.settings, "prune_ratio": c.rate, "seed": c.seed, "max_windows": args.max_windows,
               "eval_seqlen": args.eval_seqlen, "device": args.device,
               "init_batches": args.layer_init_batches if c.settings["units"] == "layers" else args.init_batches}
     if c.pg:
         lr = args.gumbel_lr if c.settings.get("method") == "gumbel" else args.lr
         values |= {"steps": args.steps, "lr": lr * c.lr_scale}
-    out = []
-    for k, v in values.items():
-        out += [f"--{k.replace('_', '-')}", str(v)]
-    return out
+    return values
+
+
+def cell_config(c: Cell, args, model: str):
+    """The cell's run config: what `python -m engine prune --config` runs."""
+    from engine.config import PruneConfig
+
+    values = cell_values(c, args)
+    values["units"] = values["units"].split(",")
+    return PruneConfig(model=model, **values)
 
 
 def _alive(pid: int) -> bool:
@@ -175,8 +183,13 @@ def run_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
         if done.exists():  # finished by another process between our check and the lock
             return json.loads(done.read_text())
         resume = (out / "checkpoint.pt").exists() and (out / "config.json").exists()
-        cmd = [sys.executable, "-m", "engine", "prune", "--model", str(model_dir), "--out", str(out)] + \
-            (["--resume"] if resume else cli_args(c, args) + ["--overwrite"])
+        cmd = [sys.executable, "-m", "engine", "prune", "--out", str(out)]
+        if resume:
+            cmd += ["--resume"]
+        else:
+            config_file = cells_dir / f"{key}.config.json"
+            cell_config(c, args, str(model_dir)).validate().save(config_file)
+            cmd += ["--config", str(config_file), "--overwrite"]
         print(f"[{time.strftime('%H:%M:%S')}] table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed}: "
               f"{'resuming' if resume else 'running'} {key}", flush=True)
         with open(cells_dir / f"{key}.log", "a") as log:
@@ -195,7 +208,7 @@ def plain_copy(model: str, dest: Path) -> Path:
         return dest
     import torch
 
-    from engine.adapter import ModelAdapter
+    from engine.arch import ModelAdapter
     from engine.export import export_pruned
     from engine.loading import load_model, resolve_model
     from engine.units import UnitLayout

@@ -66,7 +66,7 @@ def worker(args) -> dict:
     import torch
 
     from engine.config import PruneConfig
-    from engine.importance import input_means
+    from engine.metrics.activations import input_means
     from engine.pruner import PruneRun
 
     config = PruneConfig(model=args.model, seed=args.seed, steps=args.steps, max_windows=args.max_windows,

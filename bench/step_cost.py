@@ -102,7 +102,7 @@ def main() -> None:
     from engine.export import build_pruned_model
     from engine.loading import load_model, resolve_model
     from engine.units import UnitLayout
-    from engine.adapter import ModelAdapter
+    from engine.arch import ModelAdapter
 
     # A plain safetensors copy (a GGUF loads by de-quantizing, whose spike would blur the peaks).
     model, tok = load_model(resolve_model(args.model), args.dtype)

@@ -62,7 +62,7 @@ class ChatModel:
 
 
 def load_base(model_name: str, dtype: str = "float32") -> ChatModel:
-    from .adapter import ModelAdapter
+    from .arch import ModelAdapter
     from .loading import load_model, resolve_model
 
     model, tok = load_model(resolve_model(model_name), dtype, "cpu")
@@ -79,7 +79,7 @@ def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
 
     meta, masks, _ = load_mask_artifact(run_dir)
     layout = UnitLayout({u: meta["units_per_layer"][u] for u in meta["unit_types"]})
-    from .adapter import ModelAdapter
+    from .arch import ModelAdapter
 
     adapter = ModelAdapter.for_model(base.model)
     sizes = adapter.unit_sizes()
@@ -106,7 +106,7 @@ def load_sliced(run_dir: str | Path) -> ChatModel:
 
     from . import register_pruned_classes
     from .loading import load_tokenizer, ModelSource
-    from .pruner import MODEL_DIR
+    from .rundir import MODEL_DIR
 
     folder = Path(run_dir) / MODEL_DIR
     if not (folder / "config.json").is_file():
@@ -190,7 +190,7 @@ def stream(chat: ChatModel, prompt: str, settings: GenerationSettings) -> Genera
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     if chat.layer_masks is not None:
-                        from .adapter import ModelAdapter
+                        from .arch import ModelAdapter
 
                         with MaskHooks(ModelAdapter.for_model(chat.model)) as hooks:
                             hooks.set(chat.layer_masks)

@@ -8,10 +8,13 @@ import json
 import math
 import os
 import sys
+import typing
 from pathlib import Path
 
 from .config import (BASELINES, CONTROL_VARIATES, ESTIMATORS, FINAL_MASKS, INITS, LAYER_INITS, LR_SCHEDULES, MASK_SAMPLINGS,
-                     METHODS, PRESETS, PROB_MAPS, SAMPLE_FORWARDS, WITHIN_LAYER_RANKINGS, PruneConfig)
+                     PRESETS, SAMPLE_FORWARDS, WITHIN_LAYER_RANKINGS, PruneConfig)
+from .methods import METHODS
+from .metrics.probability import PROB_MAPS
 from .errors import UserError
 from .loading import DEFAULT_MODEL, DTYPES
 from .units import SCOPES
@@ -29,19 +32,59 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=D.device, help="cpu, cuda, cuda:N, or auto (accelerate device_map) (default %(default)s)")
 
 
+def _method_option_args(p: argparse.ArgumentParser) -> None:
+    """--METHOD-OPTION flags from each registered method's Options dataclass (default: the dataclass's)."""
+    for name, method in METHODS.items():
+        if method.Options is None:
+            continue
+        hints = typing.get_type_hints(method.Options)
+        for f in dataclasses.fields(method.Options):
+            flag, dest = f"--{name}-{f.name.replace('_', '-')}", f"{name}_{f.name}"
+            help_ = f"{name}: {f.metadata.get('help', f.name.replace('_', ' '))} (default {f.default})"
+            if hints[f.name] is bool:
+                p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            else:
+                p.add_argument(flag, dest=dest, type=hints[f.name], default=None, help=help_)
+
+
+def _method_options(args) -> dict:
+    """The chosen method's options from its --METHOD-OPTION flags; such a flag for another method is an error."""
+    options = {}
+    for name, method in METHODS.items():
+        for f in dataclasses.fields(method.Options) if method.Options is not None else ():
+            value = getattr(args, f"{name}_{f.name}", None)
+            if value is None:
+                continue
+            if name != args.method:
+                raise UserError(f"--{name}-{f.name.replace('_', '-')} applies to --method {name}, not {args.method}")
+            options[f.name] = value
+    return options
+
+
+def _config_defaults(path: str) -> dict:
+    """A saved PruneConfig as prune's argument defaults (so that flags given explicitly override it)."""
+    config = PruneConfig.load(Path(path)).validate()
+    values = {k: v for k, v in config.to_dict().items() if k not in ("units", "method_options")}
+    values["units"] = ",".join(config.units)
+    values.update({f"{config.method}_{k}": v for k, v in config.method_options.items()})
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="Policy-gradient structural pruning of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prune", help="learn masks over KV groups, MLP channels and layers, evaluate, export")
     p.add_argument("--model", default=D.model, help=f"{DEFAULT_MODEL} (packaged GGUF), a model folder, a .gguf file or a hub id")
+    p.add_argument("--config", default=None, metavar="RUN.json",
+                   help="start from a saved run config (a run's config.json, or one a script wrote); flags given override it")
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="start from named settings, flags given override them: " + "; ".join(
                        f"{name}: " + ", ".join(f"{k} {v}" for k, v in s.items()) for name, s in PRESETS.items()))
     p.add_argument("--units", default=",".join(D.units), help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers) (default %(default)s)")
     p.add_argument("--prune-ratio", type=float, default=D.prune_ratio, help="fraction of each unit pool removed (default %(default)s)")
     p.add_argument("--scope", default=D.scope, choices=SCOPES, help="global: budget shared across layers (learned per-layer split); uniform: same ratio per layer")
-    p.add_argument("--method", default=D.method, choices=METHODS,
+    p.add_argument("--method", default=D.method, choices=list(METHODS),
                    help="pg: policy gradient, forward passes only (default); gumbel: Gumbel-softmax masks trained by "
                         "back-propagation through the model (for comparison); metric: no optimisation, keep the top "
                         "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, Layerwise-PPL, SLEB)")
@@ -54,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer removed alone; sleb = greedy removal order")
     p.add_argument("--progressive-increment", type=float, default=D.progressive_increment,
                    help="random-progressive: prune-ratio step per stage (default %(default)s)")
-    p.add_argument("--prob-map", default=D.prob_map, choices=PROB_MAPS, help="metric -> initial keep probability (default %(default)s)")
+    p.add_argument("--prob-map", default=D.prob_map, choices=list(PROB_MAPS), help="metric -> initial keep probability (default %(default)s)")
     p.add_argument("--score-const", type=float, default=D.score_const, help="score-const: s of metric-kept units (default %(default)s)")
     p.add_argument("--init-batches", type=int, default=D.init_batches, help="calibration batches for the init metric (default %(default)s)")
     p.add_argument("--steps", type=int, default=D.steps, help="policy-gradient steps (default %(default)s)")
@@ -81,9 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--within-layer-ranking", default=D.within_layer_ranking, choices=WITHIN_LAYER_RANKINGS,
                    help="final mask: per-layer counts from the scores; units inside a layer ranked by the scores or by "
                         "the init metric (default %(default)s)")
-    p.add_argument("--gumbel-temperature", type=float, default=D.gumbel_temperature, help="gumbel: temperature at the first step (default %(default)s)")
-    p.add_argument("--gumbel-final-temperature", type=float, default=D.gumbel_final_temperature, help="gumbel: temperature at the last step (default %(default)s)")
-    p.add_argument("--gumbel-straight-through", action="store_true", help="gumbel: hard masks forward, relaxed gradient backward")
+    _method_option_args(p)
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--calib", default=None, help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 or ../shared/data/c4, else the hub)")
     p.add_argument("--val-every", type=int, default=D.val_every, help="every N steps, held-out perplexity of the current hard mask (0: off; every 10th calibration document is held out)")
@@ -151,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_prune(args) -> int:
-    from .pruner import CONFIG_FILE, PruneRun, check_out_dir, cleanup_out_dir, prepare_out_dir
+    from .pruner import PruneRun
+    from .rundir import CONFIG_FILE, check_out_dir, cleanup_out_dir, prepare_out_dir
 
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite, clear=False)  # refuse early; delete nothing yet
@@ -161,6 +203,7 @@ def cmd_prune(args) -> int:
         fields = {f.name for f in dataclasses.fields(PruneConfig)}
         values = {k: v for k, v in vars(args).items() if k in fields}
         values["units"] = [u.strip() for u in args.units.split(",") if u.strip()]
+        values["method_options"] = _method_options(args)
         config = PruneConfig(**values)
     config.validate()
     created = prepare_out_dir(out)  # --out exists and is writable before the slow model load
@@ -268,19 +311,28 @@ def cmd_measure(args) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse twice when `prune --preset NAME` is given: the preset's values become the defaults, so that
-    flags given explicitly still override them."""
+    """Parse twice when `prune --preset NAME` or `--config FILE` is given: their values become the
+    defaults (the file's over the preset's), so that flags given explicitly still override them."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    defaults = {}
     if getattr(args, "preset", None):
+        defaults.update(PRESETS[args.preset])
+    if getattr(args, "config", None):
+        defaults.update(_config_defaults(args.config))
+    if defaults:
         prune = parser._subparsers._group_actions[0].choices["prune"]
-        prune.set_defaults(**PRESETS[args.preset])
+        prune.set_defaults(**defaults)
         args = parser.parse_args(argv)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 

@@ -11,19 +11,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
+from .executors import EXECUTORS
 from .loading import DEFAULT_MODEL, DTYPES
-from .units import SCOPES, UNIT_TYPES
+from .methods import METHODS, method_options
+from .metrics import layer_metrics, unit_metrics
+from .metrics.probability import PROB_MAPS
+from .unit_types import UNIT_TYPES
+from .units import SCOPES
 
-METHODS = ("pg", "gumbel", "metric")
-INITS = ("wanda-sp", "magnitude-sp", "taylor", "random", "random-progressive")
-LAYER_INITS = ("layerwise-ppl", "sleb", "random")
-PROB_MAPS = ("sigmoid-norm", "score-const")
+# the choices of settings that name a registry entry come from the registry
+INITS = (*unit_metrics(), "random-progressive")  # random-progressive: random scores, the rate raised in stages
+LAYER_INITS = layer_metrics()
 ESTIMATORS = ("paper", "sqrt")
 BASELINES = ("moving-average", "leave-one-out", "none")
 LR_SCHEDULES = ("cosine", "constant")
 FINAL_MASKS = ("last", "best-val")
 MASK_SAMPLINGS = ("independent", "antithetic")
-SAMPLE_FORWARDS = ("auto", "sequential", "batched")
+SAMPLE_FORWARDS = ("auto", *EXECUTORS)
 CONTROL_VARIATES = ("none", "init-metric")
 WITHIN_LAYER_RANKINGS = ("scores", "init-metric")
 # named settings a run can start from (`--preset NAME`; explicit flags override them)
@@ -67,7 +71,8 @@ def _type_name(annotation) -> str:
         return "null"
     if typing.get_origin(annotation) is list:
         return f"a list of {_type_name(typing.get_args(annotation)[0]).removeprefix('a ').removeprefix('an ')}s"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(annotation, str(annotation))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            dict: "an object"}.get(annotation, str(annotation))
 
 
 def check_fields(obj, what: str = "") -> None:
@@ -84,6 +89,26 @@ def check_fields(obj, what: str = "") -> None:
                 raise UserError(f"{name} must be a finite number, got {v}")
             if isinstance(v, int) and not isinstance(v, bool) and not -_INT_LIMIT < v < _INT_LIMIT:
                 raise UserError(f"{name} {v} is out of range")
+
+
+# settings that moved out of PruneConfig into a method's options: old field -> (method, option)
+_MOVED_TO_METHOD_OPTIONS = {
+    "gumbel_temperature": ("gumbel", "temperature"),
+    "gumbel_final_temperature": ("gumbel", "final_temperature"),
+    "gumbel_straight_through": ("gumbel", "straight_through"),
+}
+
+
+def _migrate(data: dict) -> dict:
+    """A config saved by an earlier version, in today's fields: the Gumbel settings lived at the top
+    level (every run saved them); they become method options of a gumbel run and are dropped otherwise."""
+    data = dict(data)
+    for old, (method, option) in _MOVED_TO_METHOD_OPTIONS.items():
+        if old in data:
+            value = data.pop(old)
+            if data.get("method") == method:
+                data.setdefault("method_options", {}).setdefault(option, value)
+    return data
 
 
 def _no_constant(name: str):
@@ -126,9 +151,7 @@ class PruneConfig:
     # optimisation, the evaluation, and as a bias of the output projection in the export)
     bias_compensation: bool = False
     within_layer_ranking: str = "scores"  # final mask: per-layer counts from the scores, units in a layer ranked by scores or init-metric
-    gumbel_temperature: float = 1.0  # gumbel: relaxation temperature at step 0 ...
-    gumbel_final_temperature: float = 0.1  # ... annealed geometrically to this at the last step
-    gumbel_straight_through: bool = False  # gumbel: hard 0/1 masks forward, relaxed gradient backward
+    method_options: dict = field(default_factory=dict)  # the method's own settings (e.g. gumbel's temperatures)
     seed: int = 0
     calib: str | None = None  # calibration data file/folder; None: the default data dir or the hub
     eval_data: str | None = None  # evaluation text file/folder; None: the default data dir or the hub
@@ -157,10 +180,10 @@ class PruneConfig:
             bad(f"units must be a comma list of {', '.join(UNIT_TYPES)}, got {','.join(self.units) or 'nothing'}")
         for name, value, allowed in (
             ("scope", self.scope, SCOPES),
-            ("method", self.method, METHODS),
+            ("method", self.method, tuple(METHODS)),
             ("init", self.init, INITS),
             ("layer init", self.layer_init, LAYER_INITS),
-            ("prob map", self.prob_map, PROB_MAPS),
+            ("prob map", self.prob_map, tuple(PROB_MAPS)),
             ("estimator", self.estimator, ESTIMATORS),
             ("baseline", self.baseline, BASELINES),
             ("lr schedule", self.lr_schedule, LR_SCHEDULES),
@@ -202,12 +225,12 @@ class PruneConfig:
             bad(f"antithetic mask sampling draws pairs: num mask samples must be even, got {self.num_mask_samples}")
         if self.init == "random-progressive" and not 0.0 < self.progressive_increment <= self.prune_ratio:
             bad(f"progressive increment must be in (0, prune ratio], got {self.progressive_increment}")
-        if not 0.0 < self.gumbel_final_temperature <= self.gumbel_temperature:
-            bad("gumbel temperatures must satisfy 0 < final temperature <= temperature")
-        if self.method == "metric" and self.init == "random-progressive":
-            bad("random-progressive is a schedule of the optimisation; method metric has none (use init random)")
-        if self.method == "metric" and self.val_every:
-            bad("method metric runs no steps; held-out validation (val every) needs pg or gumbel")
+        method_options(self.method, self.method_options)
+        optimising = [name for name, m in METHODS.items() if m.optimises]
+        if not METHODS[self.method].optimises and self.init == "random-progressive":
+            bad(f"random-progressive is a schedule of the optimisation; method {self.method} has none (use init random)")
+        if not METHODS[self.method].optimises and self.val_every:
+            bad(f"method {self.method} runs no steps; held-out validation (val every) needs {' or '.join(optimising)}")
         return self
 
     def to_dict(self) -> dict:
@@ -223,6 +246,7 @@ class PruneConfig:
         """A config from its saved dict: unknown fields and wrongly typed values are UserErrors."""
         if not isinstance(data, dict):
             raise UserError(f"config must be a JSON object, got {type(data).__name__}")
+        data = _migrate(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:

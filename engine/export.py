@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import modeling_pruned
-from .adapter import ModelAdapter, base_model_type
+from .arch import ModelAdapter, base_model_type
 from .errors import UserError
 from .io import atomic_file, atomic_dir, atomic_write_text
 from .loading import count_parameters
+from .unit_types import UNIT_TYPES, layer_unit_types
 from .units import UnitLayout
 
 MASKS_FILE, MASKS_META_FILE = "masks.safetensors", "masks.json"
@@ -59,40 +60,41 @@ def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tenso
     return meta, masks, scores
 
 
-def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: ModelAdapter) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(layer index, kept KV groups, kept channels) of every kept layer; a unit type that was not
-    pruned keeps everything. The KV groups and channels of a removed layer do not matter."""
-    layers = layout.split("layers", masks["layers"]) if "layers" in masks else None
-    groups = layout.split("heads", masks["heads"]) if "heads" in masks else None
-    channels = layout.split("channels", masks["channels"]) if "channels" in masks else None
+def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: ModelAdapter) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """(layer index, {unit type: kept unit indices}) of every kept layer, for each unit type inside
+    layers; a type that was not pruned keeps everything. A whole-layer mask drops layers."""
+    per_layer = {u: layout.split(u, m) for u, m in masks.items()}
     out = []
-    for i, (n_groups, n_channels) in enumerate(zip(adapter.kv_groups_per_layer(), adapter.channels_per_layer())):
-        if layers is not None and not layers[i].any():
+    for i in range(adapter.num_layers):
+        if any(UNIT_TYPES[u].whole_layer and not parts[i].any() for u, parts in per_layer.items()):
             continue
-        g = torch.nonzero(groups[i]).flatten() if groups is not None else torch.arange(n_groups)
-        c = torch.nonzero(channels[i]).flatten() if channels is not None else torch.arange(n_channels)
-        if len(g) == 0 or len(c) == 0:
-            raise ValueError(f"layer {i} would keep no KV group or no channel")
-        out.append((i, g, c))
+        kept = {}
+        for t in layer_unit_types():
+            kept[t.name] = (torch.nonzero(per_layer[t.name][i]).flatten() if t.name in per_layer
+                            else torch.arange(t.sizes(adapter)[i]))
+            if len(kept[t.name]) == 0:
+                raise ValueError(f"layer {i} would keep no unit of {t.name}")
+        out.append((i, kept))
     if not out:
         raise ValueError("the masks keep no layer")
     return out
 
 
-def _compensation_biases(adapter: ModelAdapter, i: int, groups: torch.Tensor, channels: torch.Tensor,
+def _compensation_biases(adapter: ModelAdapter, i: int, kept: dict[str, torch.Tensor],
                          fill: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Layer i's output-projection biases that stand in for its removed units: W[:, removed] mu[removed]
-    (the masked model with compensation computes exactly m x + (1 - m) mu before the projection)."""
+    (the masked model with compensation computes exactly m x + (1 - m) mu before the projection).
+    Keyed by the bias's state-dict name."""
     out = {}
-    for unit_type, kept_cols in (("heads", adapter.group_columns_index(groups)), ("channels", channels)):
-        proj = adapter.output_proj(unit_type, i)
+    for t in layer_unit_types():
+        proj = t.output_proj(adapter, i)
         w = proj.weight.detach().double().cpu()
         bias = torch.zeros(w.shape[0], dtype=torch.float64) if proj.bias is None else proj.bias.detach().double().cpu()
-        if unit_type in fill:
+        if t.name in fill:
             removed = torch.ones(w.shape[1], dtype=torch.bool)
-            removed[kept_cols] = False
-            bias = bias + w[:, removed] @ fill[unit_type][i].double().cpu()[removed]
-        out[unit_type] = bias
+            removed[t.column_index(adapter, kept[t.name])] = False
+            bias = bias + w[:, removed] @ fill[t.name][i].double().cpu()[removed]
+        out[f"{adapter.param_name(proj)}.bias"] = bias.to(proj.weight.dtype)
     return out
 
 
@@ -115,20 +117,21 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
     keep = kept_indices(layout, masks, adapter)
     base_type = base_model_type(model.config)
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in _SOURCE_ONLY_KEYS}
-    for key in ("kv_heads_per_layer", "intermediate_size_per_layer", "base_model_type"):
+    for key in (*(t.pruned_config_key for t in layer_unit_types()), "base_model_type", "output_bias"):
         cfg.pop(key, None)
     cfg["num_hidden_layers"] = len(keep)
     if isinstance(cfg.get("layer_types"), list):
-        cfg["layer_types"] = [cfg["layer_types"][i] for i, _, _ in keep]
-    kv = [len(g) for _, g, _ in keep]
-    width = [len(c) for _, _, c in keep]
-    if not fill and all(k == model.config.num_key_value_heads for k in kv) and all(w == model.config.intermediate_size for w in width):
+        cfg["layer_types"] = [cfg["layer_types"][i] for i, _ in keep]
+    counts = {t.pruned_config_key: [len(kept[t.name]) for _, kept in keep] for t in layer_unit_types()}
+    dense = all(n == t.dense_count(model.config) for t in layer_unit_types() for n in counts[t.pruned_config_key])
+    if not fill and dense and not getattr(model.config, "output_bias", False):
         config = AutoConfig.for_model(base_type, **cfg)
         pruned = AutoModelForCausalLM.from_config(config)
     else:
         config_cls, model_cls = adapter.pruned_classes()
-        cfg["kv_heads_per_layer"], cfg["intermediate_size_per_layer"], cfg["base_model_type"] = kv, width, base_type
-        cfg["output_bias"] = bool(fill)
+        # a source export that already carries output biases keeps them
+        cfg.update(counts, base_model_type=base_type,
+                   output_bias=bool(fill) or bool(getattr(model.config, "output_bias", False)))
         cfg["auto_map"] = {
             "AutoConfig": f"{Path(_MODELING_FILE).stem}.{config_cls.__name__}",
             "AutoModelForCausalLM": f"{Path(_MODELING_FILE).stem}.{model_cls.__name__}",
@@ -136,15 +139,15 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
         pruned = model_cls(config_cls(**cfg))
     pruned = pruned.to(next(model.parameters()).dtype)
     state = dict(model.state_dict())
-    prefix = adapter.spec.layers + "."
-    for i, g, c in keep:
-        for key, (dim, idx) in adapter.layer_slices(i, g, c).items():
-            if key in state:
-                state[key] = state[key].index_select(dim, idx.to(state[key].device))
+    prefix = adapter.layers_prefix + "."
+    for i, kept in keep:
+        for t in layer_unit_types():
+            for key, (dim, idx) in t.slices(adapter, i, kept[t.name]).items():
+                if key in state:
+                    state[key] = state[key].index_select(dim, idx.to(state[key].device))
         if fill:
-            for unit_type, bias in _compensation_biases(adapter, i, g, c, fill).items():
-                state[adapter.output_bias_key(i, unit_type)] = bias.to(adapter.output_proj(unit_type, i).weight.dtype)
-    renumber = {i: j for j, (i, _, _) in enumerate(keep)}
+            state.update(_compensation_biases(adapter, i, kept, fill))
+    renumber = {i: j for j, (i, _) in enumerate(keep)}
     new_state = {}
     for key, value in state.items():
         if key.startswith(prefix):

@@ -10,9 +10,10 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from .unit_types import UNIT_TYPES
+
 _FONT = dict(size=13)
 _MARGIN = dict(l=10, r=10, t=64, b=10)
-UNIT_TITLES = {"heads": "KV groups (attention heads)", "channels": "MLP channels", "layers": "Whole layers"}
 _RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
 
@@ -107,7 +108,7 @@ def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types
     runs: (label, {unit type: kept fraction per layer}).
     """
     unit_types = [u for u in unit_types if any(u in kept for _, kept in runs)] or unit_types
-    fig = make_subplots(rows=len(unit_types), cols=1, subplot_titles=[UNIT_TITLES.get(u, u) for u in unit_types],
+    fig = make_subplots(rows=len(unit_types), cols=1, subplot_titles=[UNIT_TYPES[u].title if u in UNIT_TYPES else u for u in unit_types],
                         vertical_spacing=0.16)
     for k, (label, kept) in enumerate(runs):
         colour = _RUN_COLOURS[k % len(_RUN_COLOURS)]

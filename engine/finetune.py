@@ -3,7 +3,7 @@
     python -m engine finetune --model RUN/model --out DIR2 [--samples 4000 --seqlen 1024 --epochs 1 --lr 1e-4 ...]
 
 LoRA (PEFT) with r = 16, alpha = 10, dropout 0.05 on every projection of the attention and the MLP
-(their names come from engine.modeling_pruned.ARCHITECTURES), causal-LM loss on segments of local
+(their names come from the architecture adapter, engine/arch), causal-LM loss on segments of local
 C4 text (the paper uses Alpaca, which is not available offline), AdamW. The adapters are then
 merged into the weights and DIR2/model is written atomically with save_pretrained, the tokenizer
 and, for a pruned export, the modeling_pruned.py copy its config's auto_map points at: it loads
@@ -85,11 +85,11 @@ class FinetuneConfig:
 
 
 def lora_target_modules(model) -> list[str]:
-    """Names of the attention and MLP projections of this architecture (from the adapter table)."""
-    from .adapter import ModelAdapter
+    """Names of the attention and MLP projections of this architecture (from its adapter)."""
+    from .arch import ModelAdapter
 
-    spec = ModelAdapter.for_model(model).spec
-    return [spec.query, spec.key, spec.value, spec.attn_out, *spec.mlp_in, spec.mlp_out]
+    a = ModelAdapter.for_model(model)
+    return [a.param_name(linear).rsplit(".", 1)[-1] for linear in a.projections(0)]
 
 
 def training_segments(tokenizer, texts: list[str], seqlen: int, samples: int, seed: int) -> torch.Tensor:

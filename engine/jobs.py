@@ -96,7 +96,7 @@ class JobManager:
         With resume=True the run folder's own config.json is used and `config` is ignored.
         """
         from .loading import resolve_model
-        from .pruner import CONFIG_FILE, check_out_dir
+        from .rundir import CONFIG_FILE, check_out_dir
 
         out = Path(out_dir)
         with self._lock:
@@ -171,7 +171,8 @@ class JobManager:
 
     def _work(self, config: PruneConfig, out: Path, resume: bool, stop: threading.Event) -> None:
         try:
-            from .pruner import CHECKPOINT_FILE, METRICS_FILE, PruneRun, trim_metrics
+            from .pruner import PruneRun
+            from .rundir import CHECKPOINT_FILE, METRICS_FILE, trim_metrics
 
             model, tok = self._load(config)
             self._log("reading calibration and evaluation data")
@@ -231,7 +232,7 @@ class RunInfo:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    from .pruner import METRICS_FILE
+    from .rundir import METRICS_FILE
 
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
@@ -249,7 +250,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def read_run(path: str | Path) -> RunInfo | None:
     """A run folder's summary, or None when the folder holds no run."""
     from .export import MASKS_FILE
-    from .pruner import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
+    from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
 
     p = Path(path)
     try:
@@ -309,7 +310,7 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
     the check and the removal hold the job manager's lock, so no job can start in between."""
     from contextlib import nullcontext
 
-    from .pruner import is_run_dir, remove_run_files
+    from .rundir import is_run_dir, remove_run_files
 
     p = Path(run_dir)
     with jobs._lock if jobs is not None else nullcontext():
@@ -326,7 +327,7 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
 
 def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:
     """Copy a finished run's sliced model folder to dest (which must not exist yet)."""
-    from .pruner import MODEL_DIR
+    from .rundir import MODEL_DIR
 
     src, dest = Path(run_dir) / MODEL_DIR, Path(dest).expanduser()
     if not src.is_dir():

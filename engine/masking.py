@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .adapter import ModelAdapter
+from .arch import ModelAdapter
+from .unit_types import UNIT_TYPES, layer_unit_types, whole_layer_type
 
 
 class _LayerGate(nn.Module):
@@ -34,7 +35,7 @@ class _LayerGate(nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         hooks = self._hooks[0]
-        gates = hooks._columns.get("layers")
+        gates = hooks._columns.get(whole_layer_type().name)
         if gates is None:
             return self.gated_layer(hidden_states, *args, **kwargs)
         m = gates[self.index]
@@ -77,22 +78,23 @@ class MaskHooks:
         fill: unit type -> per layer, the mean input of each column of its output projection
         (see `input_means`): masked columns take that value instead of 0."""
         a = self.adapter
+        unknown = set(layer_masks) - set(UNIT_TYPES)
+        if unknown:
+            raise ValueError(f"unknown unit types {sorted(unknown)}")
         cols: dict[str, list[torch.Tensor | None]] = {}
-        if "heads" in layer_masks:
-            cols["heads"] = [
-                a.group_columns(m).to(a.attn_out_proj(i).weight) for i, m in enumerate(layer_masks["heads"])
-            ]
-        if "channels" in layer_masks:
-            cols["channels"] = [m.to(a.mlp_out_proj(i).weight) for i, m in enumerate(layer_masks["channels"])]
-        if "layers" in layer_masks:
-            dtype = a.attn_out_proj(0).weight.dtype
-            gates = [m.reshape(-1) if m.numel() > 1 else m.reshape(()) for m in layer_masks["layers"]]
+        for t in layer_unit_types():
+            if t.name in layer_masks:
+                cols[t.name] = [t.columns(a, m).to(t.output_proj(a, i).weight) for i, m in enumerate(layer_masks[t.name])]
+        whole = whole_layer_type().name
+        if whole in layer_masks:
+            ref = a.attention(0).output.weight
+            gates = [m.reshape(-1) if m.numel() > 1 else m.reshape(()) for m in layer_masks[whole]]
             self._layer_decisions = [None if g.requires_grad else _all_equal(g.detach().cpu()) for g in gates]
-            cols["layers"] = [g.to(device=a.attn_out_proj(0).weight.device, dtype=dtype) for g in gates]
+            cols[whole] = [g.to(device=ref.device, dtype=ref.dtype) for g in gates]
         self._fill = {}
         for u, means in (fill or {}).items():
-            if u in cols:
-                self._fill[u] = [mu.to(a.output_proj(u, i).weight) for i, mu in enumerate(means)]
+            if u in cols and not UNIT_TYPES[u].whole_layer:
+                self._fill[u] = [mu.to(UNIT_TYPES[u].output_proj(a, i).weight) for i, mu in enumerate(means)]
         self._columns = cols
 
     def clear(self) -> None:
@@ -116,9 +118,9 @@ class MaskHooks:
 
     def __enter__(self) -> "MaskHooks":
         a = self.adapter
-        for i in range(a.num_layers):
-            self._handles.append(a.attn_out_proj(i).register_forward_pre_hook(self._hook("heads", i)))
-            self._handles.append(a.mlp_out_proj(i).register_forward_pre_hook(self._hook("channels", i)))
+        for t in layer_unit_types():
+            for i in range(a.num_layers):
+                self._handles.append(t.output_proj(a, i).register_forward_pre_hook(self._hook(t.name, i)))
         layers = a.layers
         self._originals = list(layers)
         for i, layer in enumerate(self._originals):

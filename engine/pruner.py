@@ -1,12 +1,11 @@
-"""The policy-gradient pruning run: init, the forward-only optimisation loop, checkpoints, artifacts.
+"""The pruning run: init, the forward-only optimisation loop, checkpoints, results.
 
     run = PruneRun(config, out_dir)          # loads model and data
     result = run.run(observer=print)         # optimises, evaluates, exports; resumable
 
-Everything a run makes goes into its folder: the marker file pg-prune-run, config.json, metrics.jsonl,
-checkpoint.pt, masks.safetensors + masks.json, model/ (the sliced export) and results.json. --overwrite
-and --resume act only on a folder that carries the marker (or, from before the marker, that holds a run's
-own files); --overwrite removes only those files.
+What a method computes lives in engine/methods, what an init metric computes in engine/metrics, and
+the run folder's rules in engine/rundir; this file strings them together. The loop is `run`, one
+step is `step`.
 """
 
 from __future__ import annotations
@@ -14,42 +13,32 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import re
 import resource
-import shutil
-import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .adapter import ModelAdapter
+from .arch import ModelAdapter
 from .config import PruneConfig
 from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
 from .errors import UserError
-from .evaluate import batch_loss, perplexity, token_loss
-from . import importance
+from .evaluate import batch_loss, perplexity
+from .executors import EXECUTORS, resolve_executor
 from .io import atomic_file, atomic_write_text, dumps_json
 from .loading import count_parameters, load_model, resolve_model
-from .executors import EXECUTORS, resolve_executor
 from .masking import MaskHooks
-from .policy import (cosine_lr, fit_control_coefficients, leave_one_out_baselines, metric_feature, policy_gradient,
-                     progressive_stages, relaxed_bernoulli, sample_masks, stage_at, update_baseline)
+from .methods import METHODS, method_options
+from .metrics import METRICS, MetricContext
+from .metrics.activations import input_means
+from .metrics.probability import initial_scores, standardize
+from .policy import cosine_lr, progressive_stages, stage_at
+from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE, trim_metrics, write_run_marker
+from .unit_types import UNIT_TYPES
 from .units import UnitLayout
-
-CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
-MODEL_DIR = "model"
-# A run folder's own marker: its name and content say what the folder is, so that --overwrite can never
-# mistake a model folder (which also holds a config.json) for a run.
-RUN_MARKER, RUN_FORMAT_VERSION = "pg-prune-run", 1
-_MARKER_TEXT = "pg-prune run, format version {}\n"
-_MARKER_RE = re.compile(r"pg-prune run, format version (\d+)")
-# Everything a run writes into its folder (--overwrite removes these and nothing else).
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, "masks.safetensors", "masks.json")
 
 
 @dataclass
@@ -89,7 +78,7 @@ class RunState:
     best_scores: dict[str, torch.Tensor] | None = None
     init_metric: dict[str, torch.Tensor] | None = None  # the standardized init metric (method metric ranks it)
     input_means: dict[str, list[torch.Tensor]] | None = None  # bias compensation: mean input of each output column
-    control_moments: dict[str, torch.Tensor] | None = None  # control variate: running E[f f^T], E[f a]
+    method_state: dict = field(default_factory=dict)  # what a method carries from step to step (pg: control moments)
 
 
 Observer = Callable[[StepReport], None]
@@ -97,156 +86,6 @@ Observer = Callable[[StepReport], None]
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def write_run_marker(out: Path) -> None:
-    atomic_write_text(out / RUN_MARKER, _MARKER_TEXT.format(RUN_FORMAT_VERSION))
-
-
-def run_marker_version(out: Path) -> int | None:
-    """The format version the folder's marker names, or None without a (readable, well-formed) marker."""
-    try:
-        m = _MARKER_RE.fullmatch((out / RUN_MARKER).read_text(encoding="utf-8").strip())
-    except (OSError, UnicodeDecodeError):
-        return None
-    return int(m.group(1)) if m else None
-
-
-def _is_legacy_run(out: Path) -> bool:
-    """A run from before the marker: a config.json that parses as a run config, and the run's own
-    metrics.jsonl and checkpoint.pt beside it. A model folder's config.json never parses as one."""
-    if not ((out / METRICS_FILE).is_file() and (out / CHECKPOINT_FILE).is_file()):
-        return False
-    try:
-        PruneConfig.load(out / CONFIG_FILE)
-    except UserError:
-        return False
-    return True
-
-
-def is_run_dir(out: Path, adopt: bool = True) -> bool:
-    """Does `out` hold a run? Marked folders do; a pre-marker run is recognised by its content and,
-    with adopt, gets the marker. Nothing else counts."""
-    out = Path(out)
-    if not out.is_dir():
-        return False
-    if run_marker_version(out) is not None:
-        return True
-    if _is_legacy_run(out):
-        if adopt:
-            try:
-                write_run_marker(out)
-            except OSError:
-                pass  # a read-only old run is still a run
-        return True
-    return False
-
-
-def remove_leftovers(out: Path) -> None:
-    """Remove what interrupted atomic writes of a run left behind (.config.json.x.tmp, .model.x.tmp, .model.old):
-    a process killed with SIGKILL cannot clean up after itself."""
-    for p in out.iterdir():
-        name = p.name
-        if name.startswith(".") and any(name.startswith(f".{n}.") for n in (*RUN_FILES, MODEL_DIR, RUN_MARKER)) \
-                and (name.endswith(".tmp") or name == f".{MODEL_DIR}.old"):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-
-
-def remove_run_files(out: Path) -> None:
-    """Remove what a run wrote (RUN_FILES, model/, leftovers of interrupted atomic writes, the marker);
-    anything else in the folder stays."""
-    for name in RUN_FILES:
-        (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
-    remove_leftovers(out)
-    (out / RUN_MARKER).unlink(missing_ok=True)
-
-
-def trim_metrics(path: Path, step: int) -> list[dict]:
-    """Keep the metric lines of steps 1..step (the checkpoint's), each once; drop later steps (a resumed run
-    redoes them) and a line cut short by a crash. Returns the kept records."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    kept: dict[int, str] = {}
-    for ln in path.read_text().splitlines():
-        try:
-            record = json.loads(ln)
-            n = record["step"]
-        except (ValueError, KeyError, TypeError):
-            continue  # blank, or cut short by a crash mid-write
-        if isinstance(n, int) and 1 <= n <= step and n not in kept:
-            kept[n] = ln
-    lines = [kept[n] for n in sorted(kept)]
-    atomic_write_text(path, "".join(ln + "\n" for ln in lines))
-    return [json.loads(ln) for ln in lines]
-
-
-def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) -> None:
-    """Refuse to mix two runs in one folder, and refuse --resume/--overwrite on any folder that is not a
-    run (see is_run_dir). With overwrite, remove the old run's files (unless clear=False: check only, so
-    that a caller can validate everything else before deleting anything)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a folder")
-    if not out.exists() or not any(out.iterdir()):
-        if resume:
-            raise UserError(f"--resume: {out} holds no run (no {CONFIG_FILE}, no {RUN_MARKER} marker)")
-        return
-    holds_run = is_run_dir(out)
-    if holds_run:
-        version = run_marker_version(out)
-        if version is not None and version > RUN_FORMAT_VERSION:
-            raise UserError(f"{out} holds a run of format version {version}, newer than this program's "
-                            f"{RUN_FORMAT_VERSION}; update pg-prune or choose another --out")
-    if resume:
-        if not holds_run:
-            raise UserError(f"--resume refused: {out} holds no run (no {RUN_MARKER} marker and no run's "
-                            f"{CONFIG_FILE}, {METRICS_FILE} and {CHECKPOINT_FILE})")
-        if clear:
-            remove_leftovers(out)
-        return
-    if overwrite:
-        if holds_run:
-            if clear:
-                remove_run_files(out)
-            return
-        raise UserError(f"--overwrite refused: {out} is not empty and holds no run (no {RUN_MARKER} marker); "
-                        "nothing was touched; choose another folder")
-    raise UserError(f"{out} already holds files{' of another run' if holds_run else ''}; use --resume, --overwrite or another --out")
-
-
-def prepare_out_dir(out: Path) -> list[Path]:
-    """Create `out` (and missing parents) and check that files can be written in it, before anything
-    slow happens. Returns the folders it created, outermost first, for cleanup_out_dir."""
-    out = Path(out)
-    created = []
-    for d in reversed([out, *out.parents]):
-        if not d.exists():
-            created.append(d)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UserError(f"--out {out} exists and is not a folder") from None
-    except OSError as e:
-        raise UserError(f"cannot create --out {out}: {e.strerror or e}") from None
-    try:
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".pg-prune-write-test.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        cleanup_out_dir(created)
-        raise UserError(f"--out {out} is not writable: {e.strerror or e}") from None
-    return created
-
-
-def cleanup_out_dir(created: list[Path]) -> None:
-    """Remove the folders prepare_out_dir created, innermost first, where they are still empty."""
-    for d in reversed(created):
-        try:
-            d.rmdir()
-        except OSError:
-            break
 
 
 @contextlib.contextmanager
@@ -304,6 +143,7 @@ class PruneRun:
         self.windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
         self.mask_rng = torch.Generator().manual_seed(config.seed + 1)
         self.sample_losses = EXECUTORS[resolve_executor(config.sample_forward, config.device)]
+        self.method = METHODS[config.method](self, method_options(config.method, config.method_options))
         self.fill: dict[str, list[torch.Tensor]] | None = None  # bias compensation means, once known
         self.progress = True  # tqdm bars on stderr; run(progress=False) turns them off
 
@@ -353,46 +193,35 @@ class PruneRun:
     def metric_names(self) -> dict[str, str]:
         """unit type -> the init metric it is scored by (random-progressive starts from random scores)."""
         c = self.config
-        return {u: ("random" if c.init == "random-progressive" else c.init) if u != "layers" else c.layer_init
-                for u in self.layout.unit_types}
+        unit_init = "random" if c.init == "random-progressive" else c.init
+        return {u: c.layer_init if UNIT_TYPES[u].whole_layer else unit_init for u in self.layout.unit_types}
 
     def initial_metric(self, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The standardized importance metric of every unit type (flat; higher = keep)."""
-        c, a = self.config, self.adapter
+        c = self.config
         wanted = self.metric_names()
+        ctx = MetricContext(self.adapter, self.layout, batches, keep_ratio=c.keep_ratio, seed=c.seed + 2)
         raw: dict[str, list[torch.Tensor]] = {}
         for name in dict.fromkeys(wanted.values()):
             units = [u for u, m in wanted.items() if m == name]
             self.log(f"computing the {name} metric for {', '.join(units)}")
-            if name == "wanda-sp":
-                metric = importance.wanda_sp(a, batches)
-            elif name == "magnitude-sp":
-                metric = importance.magnitude_sp(a)
-            elif name == "taylor":
-                metric = importance.taylor(a, batches)
-            elif name == "layerwise-ppl":
-                metric = importance.layerwise_ppl(a, batches)
-            elif name == "sleb":
-                metric = importance.sleb(a, batches, c.keep_ratio)
-            else:  # random: a seeded Gaussian metric, mapped like any other
-                metric = importance.random_metric(self.layout, units, c.seed + 2)
-            raw.update({u: metric[u] for u in units})
-        return {u: importance.standardize(u, raw[u]) for u in self.layout.unit_types}
+            raw.update(METRICS[name].fn(ctx, units))
+        return {u: standardize(u, raw[u]) for u in self.layout.unit_types}
 
     def fresh_state(self) -> RunState:
         c = self.config
-        self.log(f"initialising scores ({c.init if set(c.units) - {'layers'} else c.layer_init}, {c.prob_map})")
-        data_metrics = {"wanda-sp", "taylor", "layerwise-ppl", "sleb"}
-        needs_data = c.bias_compensation or bool(set(self.metric_names().values()) & data_metrics)
+        names = self.metric_names()
+        self.log(f"initialising scores ({', '.join(dict.fromkeys(names.values()))}, {c.prob_map})")
+        needs_data = c.bias_compensation or any(METRICS[m].needs_data for m in names.values())
         batches = [self.sampler.next_batch() for _ in range(c.init_batches)] if needs_data else []
         z = self.initial_metric(batches)
         means = None
         if c.bias_compensation:
             self.log("measuring mean inputs of the output projections (bias compensation)")
-            means = importance.input_means(self.adapter, batches)
+            means = input_means(self.adapter, batches)
             self.fill = self.compensation_fill(means)
         keep0 = self.keep_ratio_at(0)
-        scores = {u: importance.initial_scores(z[u], self.layout, u, c.scope, keep0, c.prob_map, c.score_const)
+        scores = {u: initial_scores(z[u], self.layout, u, c.scope, keep0, c.prob_map, c.score_const)
                   for u in self.layout.unit_types}
         ppl_dense = self.masked_perplexity(None, "dense")
         ppl_init = self.masked_perplexity(self.hard_masks(z), "init", self.fill)
@@ -423,6 +252,9 @@ class PruneRun:
             raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); it is damaged: "
                             "start again with --overwrite") from e
         try:
+            control_moments = data.pop("control_moments", None)  # a checkpoint from before method_state
+            if control_moments is not None:
+                data.setdefault("method_state", {})["control_moments"] = control_moments
             state = RunState(**data)
             self.fill = self.compensation_fill(state.input_means)
             self.sampler.load_state_dict(state.sampler_state)
@@ -444,96 +276,28 @@ class PruneRun:
 
     # --- the loop --------------------------------------------------------------------------
     def step(self, state: RunState) -> StepReport:
-        """One optimisation step: policy gradient (forward passes only) or, for method gumbel,
-        one back-propagated step through relaxed masks. Then s <- proj_C(s - lr g)."""
+        """One optimisation step: the method's gradient estimate on one calibration batch, then
+        s <- proj_C(s - lr g) for every unit type."""
         c, t0 = self.config, time.perf_counter()
         batch = self.sampler.next_batch()
         keep, lr = self.keep_ratio_at(state.step), self.lr_at(state.step)
-        if c.method == "gumbel":
-            losses, grads, baseline = self._gumbel_gradient(state, batch)
-        else:
-            losses, grads, baseline = self._policy_gradient(state, batch)
+        g = self.method.gradient(state, batch)
         for u, s in state.scores.items():
-            state.scores[u] = self.layout.project(u, (s.double() - lr * grads[u]).float(), c.scope, keep)
+            state.scores[u] = self.layout.project(u, (s.double() - lr * g.grads[u]).float(), c.scope, keep)
         state.step += 1
         seconds = time.perf_counter() - t0
         state.seconds_in_steps += seconds
         hard = self.hard_masks(state.scores, keep)
+        detailed = [u for u in state.scores if UNIT_TYPES[u].report_scores]  # the heatmap's data
         return StepReport(
-            step=state.step, total_steps=c.steps, losses=[float(x) for x in losses], baseline=float(baseline), lr=lr,
+            step=state.step, total_steps=c.steps, losses=[float(x) for x in g.losses], baseline=float(g.baseline), lr=lr,
             mean_score={u: self.layout.layer_means(u, s) for u, s in state.scores.items()},
             kept_fraction={u: self.layout.layer_means(u, m) for u, m in hard.items()},
-            head_scores=[p.tolist() for p in self.layout.split("heads", state.scores["heads"])] if "heads" in state.scores else None,
+            head_scores=[p.tolist() for p in self.layout.split(detailed[0], state.scores[detailed[0]])] if detailed else None,
             seconds=seconds,
             eta_seconds=(state.seconds_in_steps / state.step) * (c.steps - state.step),
             keep_ratio=keep,
         )
-
-    def _policy_gradient(self, state: RunState, batch: torch.Tensor):
-        c = self.config
-        antithetic = c.mask_sampling == "antithetic"
-        samples = {u: sample_masks(s, c.num_mask_samples, self.mask_rng, antithetic) for u, s in state.scores.items()}
-        with MaskHooks(self.adapter) as hooks:
-            losses = self.sample_losses(hooks, self.layout, batch, samples, self.fill)
-        beta, features = None, None
-        if c.control_variate == "init-metric":  # subtract the metric's linear loss model (fitted on past steps)
-            features = torch.stack([metric_feature(state.init_metric[u].double(), s.double(), samples[u].double())
-                                    for u, s in state.scores.items()], 1)  # (N_s, unit types)
-            beta = self._control_coefficients(state)
-            target = losses - features @ beta
-        else:
-            target = losses
-        if c.baseline == "moving-average":
-            state.baseline = update_baseline(state.baseline, float(target.mean()), c.baseline_window)
-            baseline, shown = state.baseline, state.baseline
-        elif c.baseline == "leave-one-out":
-            baseline, shown = leave_one_out_baselines(target), float(target.mean())
-        else:
-            baseline, shown = 0.0, 0.0
-        grads = {u: policy_gradient(s.double(), samples[u].double(), target, baseline, c.estimator, c.estimator_clamp)
-                 for u, s in state.scores.items()}
-        if beta is not None:
-            for k, u in enumerate(state.scores):  # + beta dE[h]/ds, h(m) = -sum z m: keeps the estimate unbiased
-                grads[u] = grads[u] - beta[k] * state.init_metric[u].double()
-            self._update_control_moments(state, features, losses)
-        return losses, grads, shown
-
-    def _control_coefficients(self, state: RunState) -> torch.Tensor:
-        k = len(state.scores)
-        m = state.control_moments
-        if m is None or m["count"] < 2:
-            return torch.zeros(k, dtype=torch.float64)
-        return fit_control_coefficients(m["ff"], m["fa"])
-
-    def _update_control_moments(self, state: RunState, features: torch.Tensor, losses: torch.Tensor,
-                                decay: float = 0.95) -> None:
-        """Running second moments of (feature, loss centred in its batch), for the next step's beta."""
-        a = losses - losses.mean()
-        ff = features.T @ features / features.shape[0]
-        fa = features.T @ a / features.shape[0]
-        m = state.control_moments
-        if m is None:
-            state.control_moments = {"ff": ff, "fa": fa, "count": 1}
-        else:
-            state.control_moments = {"ff": decay * m["ff"] + (1 - decay) * ff, "fa": decay * m["fa"] + (1 - decay) * fa,
-                                     "count": m["count"] + 1}
-
-    def _gumbel_gradient(self, state: RunState, batch: torch.Tensor):
-        """d loss / d s through Gumbel-softmax relaxed masks, back-propagated through the model
-        (N_s relaxed samples, averaged); the temperature anneals geometrically over the run."""
-        c = self.config
-        tau = c.gumbel_temperature * (c.gumbel_final_temperature / c.gumbel_temperature) ** (state.step / max(c.steps - 1, 1))
-        leaves = {u: s.detach().float().clone().requires_grad_(True) for u, s in state.scores.items()}
-        losses = torch.empty(c.num_mask_samples, dtype=torch.float64)
-        with MaskHooks(self.adapter) as hooks, torch.enable_grad():
-            for j in range(c.num_mask_samples):
-                relaxed = {u: relaxed_bernoulli(s, tau, self.mask_rng, c.gumbel_straight_through, c.estimator_clamp)
-                           for u, s in leaves.items()}
-                hooks.set(self.layer_masks(relaxed), self.fill)
-                loss = token_loss(self.model, batch).mean()
-                (loss / c.num_mask_samples).backward()
-                losses[j] = float(loss.detach())
-        return losses, {u: leaves[u].grad.double().cpu() for u in leaves}, 0.0
 
     def run(self, resume: bool = False, observer: Observer | None = None, stop: threading.Event | None = None,
             progress: bool = True) -> dict:
@@ -558,13 +322,13 @@ class PruneRun:
             (self.out / METRICS_FILE).write_text("")
 
         bar = None
-        if progress and c.method != "metric":
+        if progress and self.method.optimises:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=c.steps, initial=state.step, desc="pruning", unit="step")
         stopped = False
         with open(self.out / METRICS_FILE, "a") as metrics, _closing(bar):  # an error line starts on a line of its own
-            while c.method != "metric" and state.step < c.steps:
+            while self.method.optimises and state.step < c.steps:
                 if stop is not None and stop.is_set():
                     stopped = True
                     break
@@ -608,10 +372,7 @@ class PruneRun:
         from .export import export_pruned, save_mask_artifact
 
         c = self.config
-        if c.method == "metric":
-            scores = state.init_metric  # the metric's own ranking: no optimisation
-        else:
-            scores = state.best_scores if c.final_mask == "best-val" else state.scores
+        scores = self.method.final_scores(state)
         masks = self.final_masks(scores, state.init_metric)
         save_mask_artifact(self.out, self.source.name, self.layout, scores, masks, state.init_scores)
         ppl_pruned = self.masked_perplexity(masks, "pruned", self.fill)
@@ -622,7 +383,7 @@ class PruneRun:
             "model": self.source.name,
             "method": c.method,
             "init": c.init,
-            "layer_init": c.layer_init if "layers" in c.units else None,
+            "layer_init": c.layer_init if any(UNIT_TYPES[u].whole_layer for u in c.units) else None,
             "units": c.units,
             "scope": c.scope,
             "prune_ratio": c.prune_ratio,

@@ -13,12 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from .policy import keep_count, project_capped_simplex, top_k_mask
+from .unit_types import UNIT_TYPES
 
-UNIT_TYPES = ("heads", "channels", "layers")
-# Unit types with one unit per layer: always one pool across layers (a per-layer pool of one unit
-# could never be pruned), and a hard mask may drop every unit of a layer (that is the point).
-WHOLE_LAYER_TYPES = ("layers",)
 SCOPES = ("global", "uniform")
+
+
+def _whole_layer(unit_type: str) -> bool:
+    """One unit per layer: always one pool across layers (a per-layer pool of one unit could never be
+    pruned), and a hard mask may drop every unit of a layer (that is the point)."""
+    t = UNIT_TYPES.get(unit_type)
+    return t is not None and t.whole_layer
 
 
 @dataclass
@@ -47,7 +51,7 @@ class UnitLayout:
         return [rows[:, sl] for sl in self.layer_slices(unit_type)]
 
     def pools(self, unit_type: str, scope: str) -> list[slice]:
-        if scope == "global" or unit_type in WHOLE_LAYER_TYPES:
+        if scope == "global" or _whole_layer(unit_type):
             return [slice(0, self.total(unit_type))]
         if scope == "uniform":
             return self.layer_slices(unit_type)
@@ -70,7 +74,7 @@ class UnitLayout:
         mask = torch.zeros_like(scores)
         for sl in self.pools(unit_type, scope):
             mask[sl] = top_k_mask(scores[sl], keep_count(keep_ratio, sl.stop - sl.start))
-        if scope == "global" and unit_type not in WHOLE_LAYER_TYPES:
+        if scope == "global" and not _whole_layer(unit_type):
             _repair_empty_layers(mask, scores, self.layer_slices(unit_type))
         return mask
 

@@ -217,7 +217,7 @@ def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=prin
     model, tok, label, layer_masks, params = load_for_zeroshot(config)
     t0 = time.perf_counter()
     if layer_masks is not None:
-        from .adapter import ModelAdapter
+        from .arch import ModelAdapter
         from .masking import MaskHooks
 
         with MaskHooks(ModelAdapter.for_model(model)) as hooks:

@@ -10,7 +10,10 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402  (also puts the repository root on sys.path)
 import streamlit as st  # noqa: E402
 
-from engine.config import BASELINES, ESTIMATORS, INITS, LAYER_INITS, LR_SCHEDULES, METHODS, PROB_MAPS, PruneConfig
+from engine.config import BASELINES, ESTIMATORS, INITS, LAYER_INITS, LR_SCHEDULES, PruneConfig
+from engine.methods import METHODS
+from engine.metrics.probability import PROB_MAPS
+from engine.unit_types import UNIT_TYPES
 from engine.errors import UserError
 from engine.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
 from engine.loading import DEFAULT_MODEL
@@ -37,8 +40,7 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                            "A local model is a transformers folder (with config.json) or a .gguf file.", key="model_choice")
     local_path = st.text_input("Local model path (used when 'A local model folder or .gguf file' is chosen)",
                                placeholder="/path/to/model-folder or /path/to/model.gguf", key="model_path")
-    units = st.multiselect("Units to prune", ["heads", "channels", "layers"], default=D.units,
-                           format_func={"heads": "KV groups (heads)", "channels": "MLP channels", "layers": "Whole layers"}.get,
+    units = st.multiselect("Units to prune", list(UNIT_TYPES), default=D.units, format_func=lambda u: UNIT_TYPES[u].title,
                            help="Each unit type has its own budget: the pruning rate applies to each. A removed layer "
                                 "is skipped (the residual stream passes through) and dropped from the export.", key="units")
     rate = st.slider("Pruning rate", 0.0, 1.0, D.prune_ratio, 0.05, format="%.2f",
@@ -57,7 +59,7 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                             help="Policy-gradient steps (paper: 1000). Each step runs one forward per mask sample "
                                  "on one calibration batch: about 5 s per step for SmolLM2 on 2 CPU cores.", key="steps")
     c4, c5 = st.columns(2)
-    method = c4.selectbox("Method", METHODS, index=METHODS.index(D.method),
+    method = c4.selectbox("Method", list(METHODS), index=list(METHODS).index(D.method),
                           format_func={"pg": "policy gradient (forward passes only)",
                                        "gumbel": "Gumbel-softmax (back-propagation, for comparison)",
                                        "metric": "no optimisation: the init metric's top units"}.get,
@@ -86,7 +88,7 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                                           help="Steps averaged by the moving-average baseline.", key="baseline_window")
         estimator = h2.selectbox("Estimator", ESTIMATORS, index=ESTIMATORS.index(D.estimator),
                                  help="paper: (m−s)/(s(1−s)); sqrt: the reference code's normalised variant.", key="estimator")
-        prob_map = h3.selectbox("Metric → probability", PROB_MAPS, index=PROB_MAPS.index(D.prob_map),
+        prob_map = h3.selectbox("Metric → probability", list(PROB_MAPS), index=list(PROB_MAPS).index(D.prob_map),
                                 help="How the init metric becomes initial keep probabilities.", key="prob_map")
         max_windows = h1.number_input("Evaluation windows (0 = all)", 0, 10_000, 64,
                                       help="WikiText-2 windows used for the dense, init and pruned perplexities. "

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import engine
-from engine.adapter import SUPPORTED_MODEL_TYPES, ModelAdapter
+from engine.arch import ModelAdapter, supported_model_types
 from engine.errors import UserError
 from engine.export import export_pruned
 from engine.loading import count_parameters
@@ -57,7 +57,7 @@ def build_model(arch: str, seed: int = 0):
 
 
 def layout_of(adapter: ModelAdapter) -> UnitLayout:
-    return UnitLayout({"heads": adapter.kv_groups_per_layer(), "channels": adapter.channels_per_layer()})
+    return UnitLayout({"heads": adapter.unit_sizes()["heads"], "channels": adapter.unit_sizes()["channels"]})
 
 
 def random_hard_masks(layout: UnitLayout, seed: int) -> dict[str, torch.Tensor]:
@@ -78,7 +78,7 @@ def expected_params(model, kept_groups: list[int], kept_channels: list[int]) -> 
     c = model.config
     a = ModelAdapter.for_model(model)
     H, hd, q = c.hidden_size, a.head_dim, a.queries_per_group
-    attn, mlp = a.attention(0), a.mlp(0)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp  # the LLaMA-like modules, by name
     total = c.vocab_size * H + H  # embeddings, final norm
     if not c.tie_word_embeddings:
         total += c.vocab_size * H
@@ -149,13 +149,13 @@ def test_adapter_geometry(arch):
     a = ModelAdapter.for_model(model)
     c = model.config
     assert a.num_layers == 3
-    assert a.kv_groups_per_layer() == [c.num_key_value_heads] * 3
-    assert a.channels_per_layer() == [200] * 3
+    assert a.unit_sizes()["heads"] == [c.num_key_value_heads] * 3
+    assert a.unit_sizes()["channels"] == [200] * 3
     assert a.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     assert a.queries_per_group * c.num_key_value_heads == c.num_attention_heads
-    assert a.attn_out_proj(0).in_features == c.num_attention_heads * a.head_dim
+    assert a.attention(0).output.in_features == c.num_attention_heads * a.head_dim
     # a count that the params formula reproduces for the dense model validates the formula itself
-    assert count_parameters(model) == expected_params(model, a.kv_groups_per_layer(), a.channels_per_layer())
+    assert count_parameters(model) == expected_params(model, a.unit_sizes()["heads"], a.unit_sizes()["channels"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -171,7 +171,7 @@ def test_all_ones_masks_reproduce_dense(arch, ids):
         after = model(input_ids=ids).logits
     assert torch.equal(ones, dense)
     assert torch.equal(after, dense)
-    assert all(len(a.attn_out_proj(i)._forward_pre_hooks) == 0 and len(a.mlp_out_proj(i)._forward_pre_hooks) == 0
+    assert all(len(a.attention(i).output._forward_pre_hooks) == 0 and len(a.mlp(i).output._forward_pre_hooks) == 0
                for i in range(a.num_layers))
 
 
@@ -183,7 +183,7 @@ def test_mask_zeroes_a_group_and_a_channel(arch, ids):
     a = ModelAdapter.for_model(model)
     layout = layout_of(a)
     heads = torch.ones(layout.total("heads"))
-    group = a.kv_groups_per_layer()[0] + 1  # layer 1, group 1
+    group = a.unit_sizes()["heads"][0] + 1  # layer 1, group 1
     heads[group] = 0
     channels = torch.ones(layout.total("channels"))
     channels[[3, 150]] = 0  # layer 0, channels 3 and 150
@@ -191,13 +191,13 @@ def test_mask_zeroes_a_group_and_a_channel(arch, ids):
 
     width = a.queries_per_group * a.head_dim
     with torch.no_grad():
-        o = a.attn_out_proj(1).weight
-        o_saved, d_saved = o.clone(), a.mlp_out_proj(0).weight.clone()
+        o = a.attention(1).output.weight
+        o_saved, d_saved = o.clone(), a.mlp(0).output.weight.clone()
         o[:, width : 2 * width] = 0
-        a.mlp_out_proj(0).weight[:, [3, 150]] = 0
+        a.mlp(0).output.weight[:, [3, 150]] = 0
         reference = model(input_ids=ids).logits.float()
         o.copy_(o_saved)
-        a.mlp_out_proj(0).weight.copy_(d_saved)
+        a.mlp(0).output.weight.copy_(d_saved)
         dense = model(input_ids=ids).logits.float()
     torch.testing.assert_close(logits, reference, atol=1e-6, rtol=0)
     assert float((logits - dense).abs().max()) > 1e-4  # the masks did something
@@ -211,7 +211,7 @@ def test_unsupported_model_type():
     assert "gpt2" in msg
     for t in ("llama", "mistral", "qwen2", "qwen3"):
         assert t in msg
-    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(supported_model_types()) == {"llama", "mistral", "qwen2", "qwen3"}
 
 
 # --- the export ----------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_pruning_an_export_again(arch, exported, ids, tmp_path, tiny):
     pruned = AutoModelForCausalLM.from_pretrained(rec["dir"]).eval()
     a = ModelAdapter.for_model(pruned)
     kept = {u: [int(m.sum()) for m in rec["layout"].split(u, rec["masks"][u])] for u in rec["masks"]}
-    assert a.kv_groups_per_layer() == kept["heads"] and a.channels_per_layer() == kept["channels"]
+    assert a.unit_sizes()["heads"] == kept["heads"] and a.unit_sizes()["channels"] == kept["channels"]
     layout = layout_of(a)
     masks = random_hard_masks(layout, seed=7)
     expected = masked_logits(pruned, layout, masks, ids)

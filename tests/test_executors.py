@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.adapter import ModelAdapter
+from engine.arch import ModelAdapter
 from engine.config import PruneConfig
 from engine.evaluate import batch_loss
 from engine.executors import EXECUTORS, resolve_executor
 from engine.export import build_pruned_model, export_pruned
-from engine.importance import input_means
+from engine.metrics.activations import input_means
 from engine.masking import MaskHooks
 from engine.policy import sample_masks
 from engine.pruner import PruneRun
@@ -40,8 +40,8 @@ def random_fill(model, seed: int) -> dict[str, list[torch.Tensor]]:
     """Made-up per-column means (non-zero, so that a wrong fill shows)."""
     a = ModelAdapter.for_model(model)
     g = torch.Generator().manual_seed(seed)
-    return {"heads": [torch.randn(a.attn_out_proj(i).in_features, generator=g) * 0.3 for i in range(a.num_layers)],
-            "channels": [torch.randn(a.mlp_out_proj(i).in_features, generator=g) * 0.3 for i in range(a.num_layers)]}
+    return {"heads": [torch.randn(a.attention(i).output.in_features, generator=g) * 0.3 for i in range(a.num_layers)],
+            "channels": [torch.randn(a.mlp(i).output.in_features, generator=g) * 0.3 for i in range(a.num_layers)]}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -96,7 +96,7 @@ def test_compensated_export_equals_masked_model_with_fill(arch, tmp_path, tiny):
     reproduces the masked model whose removed inputs are replaced by their means."""
     model = build_model(arch)
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.kv_groups_per_layer(), "channels": a.channels_per_layer()})
+    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
     g = torch.Generator().manual_seed(3)
     masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in layout.unit_types}
     ids = batch(model, rows=2, seqlen=19, seed=4)
@@ -160,4 +160,4 @@ def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_pat
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", trust_remote_code=True)
         assert exported.config.output_bias is True
     if config.control_variate == "init-metric":
-        assert state.control_moments is not None and state.control_moments["count"] == 3
+        assert state.method_state.get("control_moments") is not None and state.method_state.get("control_moments")["count"] == 3

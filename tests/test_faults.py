@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from engine.cli import main
 from engine.config import PruneConfig
 from engine.errors import UserError
-from engine.pruner import RUN_MARKER, PruneRun, StepReport
+from engine.pruner import PruneRun, StepReport
+from engine.rundir import RUN_MARKER
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
 
@@ -300,7 +301,7 @@ def test_out_is_created_and_checked_before_the_model_loads(tiny_path, tmp_path, 
     assert "stopped at the model load" in capfd.readouterr().err
 
     # an unwritable --out fails without loading anything (as root, mkstemp is made to fail)
-    import engine.pruner as pr
+    import engine.rundir as pr
 
     def no_write(*a, **kw):
         raise PermissionError(13, "Permission denied")

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from engine.adapter import ModelAdapter
+from engine.arch import ModelAdapter
 from engine.export import export_pruned
 from engine.finetune import FinetuneConfig, finetune, lora_target_modules, merge, train_lora, training_segments
 from engine.loading import load_model, resolve_model
@@ -24,7 +24,7 @@ def pruned_export(tiny, tmp_path_factory):
     """TinyStories-656K with a KV group dropped in layer 0 and a third of the channels in each layer."""
     model, tok = tiny
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.kv_groups_per_layer(), "channels": a.channels_per_layer()})
+    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
     heads = torch.ones(layout.total("heads"))
     heads[1] = 0
     g = torch.Generator().manual_seed(0)
@@ -36,9 +36,8 @@ def pruned_export(tiny, tmp_path_factory):
 
 def test_lora_targets_come_from_the_architecture_table(pruned_export):
     model, _ = load_model(resolve_model(str(pruned_export)))
-    spec = ModelAdapter.for_model(model).spec
     targets = lora_target_modules(model)
-    assert targets == [spec.query, spec.key, spec.value, spec.attn_out, *spec.mlp_in, spec.mlp_out]
+    assert targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # LLaMA's names
     config = FinetuneConfig(model=str(pruned_export), samples=4, seqlen=32, batch_size=2, lr=1e-3)
     seg = torch.randint(model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
     peft_model, records, info = train_lora(model, seg, config)

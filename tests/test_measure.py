@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.adapter import ModelAdapter
+from engine.arch import ModelAdapter
 from engine.export import export_pruned
 from engine.loading import count_parameters, load_model, resolve_model
 from engine.measure import MeasureConfig, generate, markdown, run_measure, weights_bytes
@@ -21,7 +21,7 @@ def half_export(tiny, tmp_path_factory):
     """Half the KV groups and half the channels of every layer of TinyStories-656K."""
     model, tok = tiny
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.kv_groups_per_layer(), "channels": a.channels_per_layer()})
+    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
     masks = {u: torch.cat([(torch.arange(n) % 2 == 0).float() for n in layout.sizes[u]]) for u in layout.unit_types}
     dest = tmp_path_factory.mktemp("export") / "model"
     export_pruned(model, tok, layout, masks, dest)

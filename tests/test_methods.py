@@ -13,8 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import importance
-from engine.adapter import ModelAdapter
+from engine.metrics import METRICS, MetricContext
+from engine.metrics.probability import standardize
+from engine.units import UnitLayout as _Layout
+from engine.arch import ModelAdapter
 from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.evaluate import batch_loss, token_loss
@@ -97,10 +99,10 @@ def test_layers_are_one_pool_even_when_uniform():
 
 
 def test_standardize_layers_over_the_pool():
-    z = importance.standardize("layers", [torch.tensor([1.0]), torch.tensor([3.0]), torch.tensor([2.0])])
+    z = standardize("layers", [torch.tensor([1.0]), torch.tensor([3.0]), torch.tensor([2.0])])
     assert z.tolist() == pytest.approx([-1.0, 1.0, 0.0])
     # units inside layers are standardized per layer
-    z = importance.standardize("heads", [torch.tensor([1.0, 3.0]), torch.tensor([10.0, 30.0])])
+    z = standardize("heads", [torch.tensor([1.0, 3.0]), torch.tensor([10.0, 30.0])])
     assert z.tolist() == pytest.approx(z[:2].tolist() * 2)
 
 
@@ -199,18 +201,18 @@ def test_export_layers_heads_channels_together(arch, ids, tmp_path, tiny):
 def test_magnitude_sp_is_the_output_projection_column_magnitude():
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
-    metric = importance.magnitude_sp(a)
-    w = a.mlp_out_proj(1).weight.abs().mean(0)
+    metric = METRICS["magnitude-sp"].fn(MetricContext(a, _Layout(a.unit_sizes())), ["heads", "channels"])
+    w = a.mlp(1).output.weight.abs().mean(0)
     assert torch.allclose(metric["channels"][1], w)
-    hw = a.attn_out_proj(2).weight.abs().mean(0).view(-1, a.head_dim).sum(1).view(-1, a.queries_per_group).mean(1)
+    hw = a.attention(2).output.weight.abs().mean(0).view(-1, a.head_dim).sum(1).view(-1, a.queries_per_group).mean(1)
     assert torch.allclose(metric["heads"][2], hw)
 
 
 def test_taylor_matches_a_hand_computed_unit(ids):
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
-    metric = importance.taylor(a, [ids])
-    assert [len(t) for t in metric["heads"]] == a.kv_groups_per_layer()
+    metric = METRICS["taylor"].fn(MetricContext(a, _Layout(a.unit_sizes()), [ids]), ["heads", "channels"])
+    assert [len(t) for t in metric["heads"]] == a.unit_sizes()["heads"]
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
     # by hand: gradient of every parameter, then sum |w * g| over what KV group 1 of layer 0 owns
     reference = build_model("llama").requires_grad_(True)
@@ -230,14 +232,15 @@ def test_taylor_matches_a_hand_computed_unit(ids):
 def test_layerwise_ppl_and_sleb(ids):
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
-    lw = importance.layerwise_ppl(a, [ids])["layers"]
+    ctx = MetricContext(a, _Layout(a.unit_sizes()), [ids], keep_ratio=0.34)
+    lw = METRICS["layerwise-ppl"].fn(ctx, ["layers"])["layers"]
     for i in range(3):
         keep = torch.ones(3)
         keep[i] = 0
         with MaskHooks(a) as hooks:
             hooks.set({"layers": list(keep.view(3, 1))})
             assert float(lw[i]) == pytest.approx(float(batch_loss(model, ids).double().mean()), rel=1e-6)
-    sl = importance.sleb(a, [ids], keep_ratio=0.34)  # keep 1 of 3: remove two, greedily
+    sl = METRICS["sleb"].fn(ctx, ["layers"])  # keep 1 of 3: remove two, greedily
     order = [float(t) for t in sl["layers"]]
     first = min(range(3), key=lambda i: float(lw[i]))
     assert order[first] == 0.0  # SLEB's first removal is the cheapest single removal
@@ -267,7 +270,7 @@ def test_random_progressive_raises_the_rate_in_stages(tiny, tiny_path, small_eva
 
 
 @pytest.mark.parametrize("kw", [dict(baseline="leave-one-out", num_mask_samples=3),
-                                dict(method="gumbel", lr=0.5), dict(method="gumbel", gumbel_straight_through=True),
+                                dict(method="gumbel", lr=0.5), dict(method="gumbel", method_options={"straight_through": True}),
                                 dict(init="taylor"), dict(init="magnitude-sp", prob_map="score-const")],
                          ids=["leave-one-out", "gumbel", "gumbel-st", "taylor", "magnitude-score-const"])
 def test_estimators_and_inits_run_within_budget(kw, tiny, tiny_path, small_eval_file, tmp_path):
@@ -294,7 +297,10 @@ def test_layer_pruning_run_exports_a_shallower_model(tiny, tiny_path, small_eval
 
 @pytest.mark.parametrize("bad", [dict(baseline="leave-one-out", num_mask_samples=1), dict(method="nope"),
                                  dict(layer_init="wanda-sp"), dict(method="metric", init="random-progressive"),
-                                 dict(gumbel_final_temperature=2.0), dict(init="random-progressive", progressive_increment=0.5)])
+                                 dict(method="gumbel", method_options={"final_temperature": 2.0}),
+                                 dict(method="gumbel", method_options={"temperatur": 2.0}),
+                                 dict(method="pg", method_options={"temperature": 2.0}),
+                                 dict(init="random-progressive", progressive_increment=0.5)])
 def test_bad_method_settings_are_user_errors(bad):
     with pytest.raises(UserError):
         PruneConfig(**bad).validate()

@@ -21,13 +21,8 @@ ARGS = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, layer_
 
 def test_every_cell_is_a_valid_run_config():
     args = ARGS
-    from engine.cli import build_parser
-
     for c in pt.cells({1, 2, 3, 4, 5}, [0, 1, 2]):
-        ns = build_parser().parse_args(["prune", "--out", "x", *pt.cli_args(c, args)])
-        fields = {k: v for k, v in vars(ns).items() if k in PruneConfig.__dataclass_fields__}
-        fields["units"] = ns.units.split(",")
-        PruneConfig(**fields).validate()
+        ns = pt.cell_config(c, args, "m").validate()
         assert ns.prune_ratio == c.rate and ns.seed == c.seed
         if c.pg:
             assert ns.lr == (0.1 if c.settings.get("method") == "gumbel" else 0.02) * c.lr_scale
@@ -47,7 +42,7 @@ def test_cells_with_the_same_settings_share_a_run():
     assert pt.cell_key(pg40[0], other) != pt.cell_key(pg40[0], ARGS)
     # the same settings at another lr are another run
     halved = [c for c in cells if c.lr_scale != 1.0]
-    assert halved and all(pt.cli_args(c, ARGS)[pt.cli_args(c, ARGS).index("--lr") + 1] == "0.01" for c in halved)
+    assert halved and all(pt.cell_values(c, ARGS)["lr"] == 0.01 for c in halved)
     assert len({pt.cell_key(c, ARGS) for c in cells if c.settings == halved[0].settings}) == 2
     metric = next(c for c in cells if not c.pg)
     assert pt.cell_key(metric, other) == pt.cell_key(metric, ARGS)  # no steps in a one-shot cell

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.importance import initial_scores, score_const, sigmoid_norm, standardize, standardize_per_layer
+from engine.metrics.probability import initial_scores, score_const, sigmoid_norm, standardize, standardize_per_layer
 from engine.policy import (
     cosine_lr,
     fit_control_coefficients,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.adapter import ModelAdapter
+from engine.arch import ModelAdapter
 from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.evaluate import batch_loss, perplexity
@@ -19,8 +19,8 @@ from engine.export import load_mask_artifact
 from engine.loading import count_parameters, load_model, resolve_model
 from engine.masking import MaskHooks
 from engine.policy import cosine_lr, keep_count, update_baseline
-from engine.pruner import (RUN_FORMAT_VERSION, RUN_MARKER, PruneRun, StepReport, check_out_dir, is_run_dir,
-                           run_marker_version, write_run_marker)
+from engine.pruner import PruneRun, StepReport
+from engine.rundir import RUN_FORMAT_VERSION, RUN_MARKER, check_out_dir, is_run_dir, run_marker_version, write_run_marker
 
 from conftest import DATA_DIR, SMALL_CALIB
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.adapter import ModelAdapter
+from engine.arch import ModelAdapter
 from engine.export import export_pruned, save_mask_artifact
 from engine.zeroshot import ALL_TASKS, TABLE_METRIC, ZeroshotConfig, evaluate_model, run_zeroshot, summarize, write_task_dir
 from engine.units import UnitLayout
@@ -74,7 +74,7 @@ def run_dir(tiny, tiny_path, tmp_path_factory):
     """A finished-looking prune run of the tiny model: masks artifact and the sliced export."""
     model, tok = tiny
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.kv_groups_per_layer(), "channels": a.channels_per_layer()})
+    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
     g = torch.Generator().manual_seed(3)
     masks = {"heads": torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 1]),
              "channels": (torch.rand(layout.total("channels"), generator=g) > 0.4).float()}

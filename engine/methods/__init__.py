@@ -1,0 +1,52 @@
+"""Methods: one file per method, one `@register_method` entry each (see base.Method).
+
+    pg      policy gradient, forward passes only (the default)
+    gumbel  Gumbel-softmax masks, back-propagated through the model
+    metric  no optimisation: the init metric's ranking
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import UserError
+from .base import Method, StepGradient
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register_method(name: str):
+    def add(cls: type[Method]) -> type[Method]:
+        if name in METHODS:
+            raise ValueError(f"method {name!r} is already registered")
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+
+    return add
+
+
+def method_options(name: str, values: dict):
+    """The method's Options dataclass filled from a config's method_options (None for a method
+    without options); unknown names and wrong types are UserErrors."""
+    cls = METHODS[name].Options
+    if cls is None:
+        if values:
+            raise UserError(f"method {name} takes no method options, got {', '.join(sorted(values))}")
+        return None
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise UserError(f"unknown {name} options: {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    from ..config import check_fields
+
+    options = cls(**values)
+    check_fields(options, what=name)
+    if hasattr(options, "validate"):
+        options.validate()
+    return options
+
+
+from . import pg, gumbel, metric  # noqa: E402,F401  (register in this order)
+
+__all__ = ["METHODS", "Method", "StepGradient", "method_options", "register_method"]

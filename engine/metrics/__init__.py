@@ -1,0 +1,75 @@
+"""Init metrics: one file per metric, one `@register_metric` entry each, all with one signature:
+
+    metric(ctx: MetricContext, unit_types: list[str]) -> {unit type: [one tensor per layer]}   # higher = keep
+
+`scores` says which unit types a metric can score: "units" (KV groups and channels, inside layers),
+"layers" (whole layers) or "any". `needs_data` metrics get calibration batches in ctx.batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..arch import ModelAdapter
+from ..units import UnitLayout
+
+
+@dataclass
+class MetricContext:
+    adapter: ModelAdapter
+    layout: UnitLayout
+    batches: list[torch.Tensor] = field(default_factory=list)  # calibration batches (needs_data metrics)
+    keep_ratio: float = 1.0  # the run's target (SLEB removes layers down to it)
+    seed: int = 0
+
+
+MetricFn = Callable[[MetricContext, list[str]], dict[str, list[torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    fn: MetricFn
+    scores: str  # "units", "layers" or "any"
+    needs_data: bool
+    summary: str
+
+    def scores_units(self) -> bool:
+        return self.scores in ("units", "any")
+
+    def scores_layers(self) -> bool:
+        return self.scores in ("layers", "any")
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register_metric(name: str, scores: str, needs_data: bool):
+    if scores not in ("units", "layers", "any"):
+        raise ValueError(f"scores must be units, layers or any, got {scores!r}")
+
+    def add(fn: MetricFn) -> MetricFn:
+        if name in METRICS:
+            raise ValueError(f"metric {name!r} is already registered")
+        METRICS[name] = Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+
+    return add
+
+
+def unit_metrics() -> tuple[str, ...]:
+    """Metrics that can initialise KV groups and channels."""
+    return tuple(n for n, m in METRICS.items() if m.scores_units())
+
+
+def layer_metrics() -> tuple[str, ...]:
+    """Metrics that can initialise whole layers."""
+    return tuple(n for n, m in METRICS.items() if m.scores_layers())
+
+
+from . import wanda_sp, magnitude_sp, taylor, layerwise_ppl, sleb, random  # noqa: E402,F401  (register)
+
+__all__ = ["METRICS", "Metric", "MetricContext", "layer_metrics", "register_metric", "unit_metrics"]

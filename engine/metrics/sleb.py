@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import torch
+
+from ..policy import keep_count
+from . import MetricContext, register_metric
+from .layerwise_ppl import loss_without
+
+
+@register_metric("sleb", scores="layers", needs_data=True)
+def sleb(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Tensor]]:
+    """SLEB: greedy removal, each time of the layer whose absence costs least given those removed.
+
+    Layers are removed one at a time until the keep ratio of them remain. Score: the removal round
+    (0 = removed first); layers never removed score highest.
+    """
+    a = ctx.adapter
+    n = a.num_layers
+    to_remove = n - keep_count(ctx.keep_ratio, n)
+    removed: list[int] = []
+    for _ in range(to_remove):
+        losses = {i: loss_without(a, ctx.batches, removed + [i]) for i in range(n) if i not in removed}
+        removed.append(min(losses, key=losses.get))
+    score = {i: float(k) for k, i in enumerate(removed)}
+    return {u: [torch.tensor([score.get(i, float(to_remove))]) for i in range(n)] for u in unit_types}

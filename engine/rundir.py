@@ -1,0 +1,182 @@
+"""A run's folder: what a run writes into it, the marker that says it holds a run, and the checks that
+keep --overwrite and --resume from touching anything else.
+
+Everything a run makes goes into its folder: the marker file pg-prune-run, config.json, metrics.jsonl,
+checkpoint.pt, masks.safetensors + masks.json, model/ (the sliced export) and results.json. --overwrite
+and --resume act only on a folder that carries the marker (or, from before the marker, that holds a run's
+own files); --overwrite removes only those files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from .config import PruneConfig
+from .errors import UserError
+from .io import atomic_write_text
+
+CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
+MODEL_DIR = "model"
+# A run folder's own marker: its name and content say what the folder is, so that --overwrite can never
+# mistake a model folder (which also holds a config.json) for a run.
+RUN_MARKER, RUN_FORMAT_VERSION = "pg-prune-run", 1
+_MARKER_TEXT = "pg-prune run, format version {}\n"
+_MARKER_RE = re.compile(r"pg-prune run, format version (\d+)")
+# Everything a run writes into its folder (--overwrite removes these and nothing else).
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, "masks.safetensors", "masks.json")
+
+
+
+def write_run_marker(out: Path) -> None:
+    atomic_write_text(out / RUN_MARKER, _MARKER_TEXT.format(RUN_FORMAT_VERSION))
+
+
+def run_marker_version(out: Path) -> int | None:
+    """The format version the folder's marker names, or None without a (readable, well-formed) marker."""
+    try:
+        m = _MARKER_RE.fullmatch((out / RUN_MARKER).read_text(encoding="utf-8").strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(m.group(1)) if m else None
+
+
+def _is_legacy_run(out: Path) -> bool:
+    """A run from before the marker: a config.json that parses as a run config, and the run's own
+    metrics.jsonl and checkpoint.pt beside it. A model folder's config.json never parses as one."""
+    if not ((out / METRICS_FILE).is_file() and (out / CHECKPOINT_FILE).is_file()):
+        return False
+    try:
+        PruneConfig.load(out / CONFIG_FILE)
+    except UserError:
+        return False
+    return True
+
+
+def is_run_dir(out: Path, adopt: bool = True) -> bool:
+    """Does `out` hold a run? Marked folders do; a pre-marker run is recognised by its content and,
+    with adopt, gets the marker. Nothing else counts."""
+    out = Path(out)
+    if not out.is_dir():
+        return False
+    if run_marker_version(out) is not None:
+        return True
+    if _is_legacy_run(out):
+        if adopt:
+            try:
+                write_run_marker(out)
+            except OSError:
+                pass  # a read-only old run is still a run
+        return True
+    return False
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove what interrupted atomic writes of a run left behind (.config.json.x.tmp, .model.x.tmp, .model.old):
+    a process killed with SIGKILL cannot clean up after itself."""
+    for p in out.iterdir():
+        name = p.name
+        if name.startswith(".") and any(name.startswith(f".{n}.") for n in (*RUN_FILES, MODEL_DIR, RUN_MARKER)) \
+                and (name.endswith(".tmp") or name == f".{MODEL_DIR}.old"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def remove_run_files(out: Path) -> None:
+    """Remove what a run wrote (RUN_FILES, model/, leftovers of interrupted atomic writes, the marker);
+    anything else in the folder stays."""
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
+    remove_leftovers(out)
+    (out / RUN_MARKER).unlink(missing_ok=True)
+
+
+def trim_metrics(path: Path, step: int) -> list[dict]:
+    """Keep the metric lines of steps 1..step (the checkpoint's), each once; drop later steps (a resumed run
+    redoes them) and a line cut short by a crash. Returns the kept records."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    kept: dict[int, str] = {}
+    for ln in path.read_text().splitlines():
+        try:
+            record = json.loads(ln)
+            n = record["step"]
+        except (ValueError, KeyError, TypeError):
+            continue  # blank, or cut short by a crash mid-write
+        if isinstance(n, int) and 1 <= n <= step and n not in kept:
+            kept[n] = ln
+    lines = [kept[n] for n in sorted(kept)]
+    atomic_write_text(path, "".join(ln + "\n" for ln in lines))
+    return [json.loads(ln) for ln in lines]
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) -> None:
+    """Refuse to mix two runs in one folder, and refuse --resume/--overwrite on any folder that is not a
+    run (see is_run_dir). With overwrite, remove the old run's files (unless clear=False: check only, so
+    that a caller can validate everything else before deleting anything)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    if not out.exists() or not any(out.iterdir()):
+        if resume:
+            raise UserError(f"--resume: {out} holds no run (no {CONFIG_FILE}, no {RUN_MARKER} marker)")
+        return
+    holds_run = is_run_dir(out)
+    if holds_run:
+        version = run_marker_version(out)
+        if version is not None and version > RUN_FORMAT_VERSION:
+            raise UserError(f"{out} holds a run of format version {version}, newer than this program's "
+                            f"{RUN_FORMAT_VERSION}; update pg-prune or choose another --out")
+    if resume:
+        if not holds_run:
+            raise UserError(f"--resume refused: {out} holds no run (no {RUN_MARKER} marker and no run's "
+                            f"{CONFIG_FILE}, {METRICS_FILE} and {CHECKPOINT_FILE})")
+        if clear:
+            remove_leftovers(out)
+        return
+    if overwrite:
+        if holds_run:
+            if clear:
+                remove_run_files(out)
+            return
+        raise UserError(f"--overwrite refused: {out} is not empty and holds no run (no {RUN_MARKER} marker); "
+                        "nothing was touched; choose another folder")
+    raise UserError(f"{out} already holds files{' of another run' if holds_run else ''}; use --resume, --overwrite or another --out")
+
+
+def prepare_out_dir(out: Path) -> list[Path]:
+    """Create `out` (and missing parents) and check that files can be written in it, before anything
+    slow happens. Returns the folders it created, outermost first, for cleanup_out_dir."""
+    out = Path(out)
+    created = []
+    for d in reversed([out, *out.parents]):
+        if not d.exists():
+            created.append(d)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"--out {out} exists and is not a folder") from None
+    except OSError as e:
+        raise UserError(f"cannot create --out {out}: {e.strerror or e}") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".pg-prune-write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        cleanup_out_dir(created)
+        raise UserError(f"--out {out} is not writable: {e.strerror or e}") from None
+    return created
+
+
+def cleanup_out_dir(created: list[Path]) -> None:
+    """Remove the folders prepare_out_dir created, innermost first, where they are still empty."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            break
