@@ -142,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(e)
     e.add_argument("--json", action="store_true", help="print one JSON object")
 
-    from .finetune import FinetuneConfig
-    from .measure import MeasureConfig
-    from .zeroshot import ALL_TASKS, DEFAULT_TASKS, ZeroshotConfig
+    from .tools.finetune import FinetuneConfig
+    from .tools.measure import MeasureConfig
+    from .tools.zeroshot import ALL_TASKS, DEFAULT_TASKS, ZeroshotConfig
 
     Z, F, M = ZeroshotConfig(), FinetuneConfig(), MeasureConfig()
     z = sub.add_parser("zeroshot", help="zero-shot accuracy with lm-evaluation-harness on local task data")
@@ -260,7 +260,7 @@ def _tasks(value: str) -> list[str]:
 
 
 def cmd_zeroshot(args) -> int:
-    from .zeroshot import ALL_TASKS, ZeroshotConfig, run_zeroshot, write_task_dir
+    from .tools.zeroshot import ALL_TASKS, ZeroshotConfig, run_zeroshot, write_task_dir
 
     config = ZeroshotConfig(model=args.model, run=args.run, tasks=_tasks(args.tasks), limit=args.limit,
                             batch_size=args.batch_size, data_dir=args.data_dir, dtype=args.dtype, device=args.device)
@@ -277,7 +277,7 @@ def cmd_zeroshot(args) -> int:
 
 
 def cmd_finetune(args) -> int:
-    from .finetune import FinetuneConfig, finetune
+    from .tools.finetune import FinetuneConfig, finetune
 
     fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
     config = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -291,7 +291,7 @@ def cmd_finetune(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from .measure import MeasureConfig, run_measure
+    from .tools.measure import MeasureConfig, run_measure
 
     config = MeasureConfig(models=[args.model, *args.compare], batch_size=args.batch_size, seqlen=args.seqlen,
                            new_tokens=args.new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,

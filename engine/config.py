@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
 from .executors import EXECUTORS
+from .fields import check_fields
 from .loading import DEFAULT_MODEL, DTYPES
 from .methods import METHODS, method_options
 from .metrics import layer_metrics, unit_metrics
@@ -40,57 +39,6 @@ PRESETS: dict[str, dict] = {
     "converged": dict(steps=300, lr=0.02, num_mask_samples=8, baseline="leave-one-out"),
 }
 SEED_MAX = 2**32 - 1  # torch's generators take 64 bits; the run adds small offsets to the seed
-_INT_LIMIT = 2**63  # an int setting beyond int64 fails deep inside torch
-
-
-def _type_ok(value, annotation) -> bool:
-    """Does value match a field annotation: bool, int, float (an int is fine), str, list[T], X | None."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if origin is list:
-        (item,) = typing.get_args(annotation) or (object,)
-        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(annotation, type):
-        return isinstance(value, annotation)
-    return True  # an annotation this check does not know: not checked
-
-
-def _type_name(annotation) -> str:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return "null"
-    if typing.get_origin(annotation) is list:
-        return f"a list of {_type_name(typing.get_args(annotation)[0]).removeprefix('a ').removeprefix('an ')}s"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
-            dict: "an object"}.get(annotation, str(annotation))
-
-
-def check_fields(obj, what: str = "") -> None:
-    """Every field of the dataclass obj has its annotated type, every float is finite and every int fits
-    in 64 bits. Generic over dataclasses.fields, so a new field is covered without being listed here."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, annotation = getattr(obj, f.name), hints.get(f.name, object)
-        name = (f"{what}: " if what else "") + f.name.replace("_", " ")
-        if not _type_ok(value, annotation):
-            raise UserError(f"{name} must be {_type_name(annotation)}, got {value!r}")
-        for v in (value if isinstance(value, list) else [value]):
-            if isinstance(v, float) and not math.isfinite(v):
-                raise UserError(f"{name} must be a finite number, got {v}")
-            if isinstance(v, int) and not isinstance(v, bool) and not -_INT_LIMIT < v < _INT_LIMIT:
-                raise UserError(f"{name} {v} is out of range")
-
-
 # settings that moved out of PruneConfig into a method's options: old field -> (method, option)
 _MOVED_TO_METHOD_OPTIONS = {
     "gumbel_temperature": ("gumbel", "temperature"),

@@ -14,8 +14,8 @@ if str(_ROOT) not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from engine import figures  # noqa: E402
-from engine.jobs import (JobManager, RunInfo, default_runs_dir, head_mask_from_scores, list_runs,  # noqa: E402
+from engine.ui import figures  # noqa: E402
+from engine.ui.jobs import (JobManager, RunInfo, default_runs_dir, head_mask_from_scores, list_runs,  # noqa: E402
                          read_metrics, run_head_mask)
 
 RUN_KEY = "selected_run"
@@ -105,7 +105,7 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
 
 
 def render_disk_run(run_dir: str | Path, key: str) -> None:
-    from engine.jobs import read_run
+    from engine.ui.jobs import read_run
 
     info = read_run(run_dir)
     if info is None:
@@ -120,14 +120,14 @@ def render_disk_run(run_dir: str | Path, key: str) -> None:
 # --- chat models (loaded in the page's script run, never in a fragment tick) ----------------------
 @st.cache_resource(max_entries=1, show_spinner="Loading the base model (SmolLM2 takes about 25 s)…")
 def base_model(model_name: str, dtype: str):
-    from engine.chat import load_base
+    from engine.tools.chat import load_base
 
     return load_base(model_name, dtype)
 
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the sliced export…")
 def sliced_model(run_dir: str, mtime: float):
-    from engine.chat import load_sliced
+    from engine.tools.chat import load_sliced
 
     return load_sliced(run_dir)
 

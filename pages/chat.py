@@ -9,7 +9,7 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from engine.chat import GenerationSettings, masked_from_run, stream  # noqa: E402
+from engine.tools.chat import GenerationSettings, masked_from_run, stream  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 
 st.title(":material/forum: Chat: dense vs pruned")

@@ -9,10 +9,10 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from engine import figures  # noqa: E402
+from engine.ui import figures  # noqa: E402
 from engine.config import PruneConfig  # noqa: E402
 from engine.errors import UserError  # noqa: E402
-from engine.jobs import new_run_name  # noqa: E402
+from engine.ui.jobs import new_run_name  # noqa: E402
 
 st.title(":material/compare_arrows: Compare: global vs uniform")
 st.markdown("**Global** scope shares one budget across all layers, so the method decides how much to cut in each "

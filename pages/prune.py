@@ -15,7 +15,7 @@ from engine.methods import METHODS
 from engine.metrics.probability import PROB_MAPS
 from engine.unit_types import UNIT_TYPES
 from engine.errors import UserError
-from engine.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
+from engine.ui.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
 from engine.loading import DEFAULT_MODEL
 
 D = PruneConfig()

@@ -12,7 +12,7 @@ import streamlit as st  # noqa: E402
 
 from engine.errors import UserError  # noqa: E402
 from engine.export import MASKS_FILE  # noqa: E402
-from engine.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
+from engine.ui.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
 
 st.title(":material/folder_open: Runs")
 st.caption(f"Runs folder: `{_ui.runs_dir()}` (set $PG_PRUNE_RUNS_DIR to use another). "

@@ -12,7 +12,7 @@ import torch
 
 from engine.arch import ModelAdapter
 from engine.export import export_pruned
-from engine.finetune import FinetuneConfig, finetune, lora_target_modules, merge, train_lora, training_segments
+from engine.tools.finetune import FinetuneConfig, finetune, lora_target_modules, merge, train_lora, training_segments
 from engine.loading import load_model, resolve_model
 from engine.units import UnitLayout
 

@@ -1,4 +1,4 @@
-"""engine.jobs.JobManager, the app's background pruning thread, on the tiny real model (issue 15)."""
+"""engine.ui.jobs.JobManager, the app's background pruning thread, on the tiny real model (issue 15)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import engine.loading
 from engine.config import PruneConfig
 from engine.errors import UserError
-from engine.jobs import DONE, FAILED, LOADING, RUNNING, STOPPED, JobBusy, JobManager, delete_run
+from engine.ui.jobs import DONE, FAILED, LOADING, RUNNING, STOPPED, JobBusy, JobManager, delete_run
 from engine.pruner import PruneRun, StepReport
 
 from conftest import SMALL_CALIB, TINY_MODEL

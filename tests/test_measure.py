@@ -10,7 +10,7 @@ import torch
 from engine.arch import ModelAdapter
 from engine.export import export_pruned
 from engine.loading import count_parameters, load_model, resolve_model
-from engine.measure import MeasureConfig, generate, markdown, run_measure, weights_bytes
+from engine.tools.measure import MeasureConfig, generate, markdown, run_measure, weights_bytes
 from engine.units import UnitLayout
 
 from conftest import assert_cli_fails_with_one_line

@@ -308,7 +308,7 @@ def test_bad_method_settings_are_user_errors(bad):
 
 def test_masked_chat_without_a_layer_matches_the_sliced_export(tiny, tmp_path):
     """Chat's masked mode with layer 0 removed (nothing in its KV cache) answers like the sliced export."""
-    from engine.chat import ChatModel, GenerationSettings, answer
+    from engine.tools.chat import ChatModel, GenerationSettings, answer
 
     model, tok = tiny
     layout = layer_layout(model, ("layers",))

@@ -15,7 +15,7 @@ import torch
 
 from engine.arch import ModelAdapter
 from engine.export import export_pruned, save_mask_artifact
-from engine.zeroshot import ALL_TASKS, TABLE_METRIC, ZeroshotConfig, evaluate_model, run_zeroshot, summarize, write_task_dir
+from engine.tools.zeroshot import ALL_TASKS, TABLE_METRIC, ZeroshotConfig, evaluate_model, run_zeroshot, summarize, write_task_dir
 from engine.units import UnitLayout
 
 from conftest import DATA_DIR, assert_cli_fails_with_one_line

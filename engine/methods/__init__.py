@@ -38,7 +38,7 @@ def method_options(name: str, values: dict):
     unknown = set(values) - known
     if unknown:
         raise UserError(f"unknown {name} options: {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-    from ..config import check_fields
+    from ..fields import check_fields
 
     options = cls(**values)
     check_fields(options, what=name)

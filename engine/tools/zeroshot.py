@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 TASK_TEMPLATES = Path(__file__).resolve().parent / "tasks"
 ALL_TASKS = ("piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "boolq", "lambada_openai")
@@ -50,7 +50,7 @@ class ZeroshotConfig:
     seed: int = 1234  # lm-eval's default seeds, recorded
 
     def validate(self) -> "ZeroshotConfig":
-        from .loading import DTYPES
+        from ..loading import DTYPES
 
         unknown = [t for t in self.tasks if t not in ALL_TASKS]
         if not self.tasks or unknown:
@@ -72,7 +72,7 @@ class ZeroshotConfig:
 def zeroshot_data_dir(data_dir: str | None = None) -> Path:
     """The folder of task data: the one given, else <default data dir>/zeroshot."""
     if data_dir is None:
-        from .data import DATA_DIR_ENV, default_data_dir
+        from ..data import DATA_DIR_ENV, default_data_dir
 
         base = default_data_dir()
         if base is None or not (base / ZEROSHOT_SUBDIR).is_dir():
@@ -174,7 +174,7 @@ def markdown_header(tasks, extra: list[str] | None = None) -> str:
 def load_for_zeroshot(config: ZeroshotConfig):
     """(model, tokenizer, label, layer masks or None). With `run`: the run's base model plus its masks."""
     from .chat import load_base, masked_from_run
-    from .loading import load_model, resolve_model
+    from ..loading import load_model, resolve_model
 
     if config.run is not None:
         run = Path(config.run)
@@ -187,7 +187,7 @@ def load_for_zeroshot(config: ZeroshotConfig):
         base = load_base(base_name, config.dtype)
         masked = masked_from_run(base, run)
         return masked.model, masked.tokenizer, f"masked base: {run.name}", masked.layer_masks, masked.params
-    from .loading import count_parameters
+    from ..loading import count_parameters
 
     model, tok = load_model(resolve_model(config.model), config.dtype, config.device)
     return model, tok, config.model, None, count_parameters(model)
@@ -197,14 +197,14 @@ def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=prin
     """Evaluate, write zeroshot_config.json / zeroshot.json / zeroshot.md / tasks/ to `out`, return the summary."""
     import tempfile
 
-    from .io import atomic_write_text
+    from ..io import atomic_write_text
 
     config.validate()
     if config.model is None and config.run is None:
-        from .loading import DEFAULT_MODEL
+        from ..loading import DEFAULT_MODEL
 
         config.model = DEFAULT_MODEL
-    from .loading import resolve_model
+    from ..loading import resolve_model
 
     if config.model is not None:
         resolve_model(config.model)  # a typo fails before anything is written or loaded
@@ -217,8 +217,8 @@ def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=prin
     model, tok, label, layer_masks, params = load_for_zeroshot(config)
     t0 = time.perf_counter()
     if layer_masks is not None:
-        from .arch import ModelAdapter
-        from .masking import MaskHooks
+        from ..arch import ModelAdapter
+        from ..masking import MaskHooks
 
         with MaskHooks(ModelAdapter.for_model(model)) as hooks:
             hooks.set(layer_masks)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
-from .loading import count_parameters
+from ..errors import UserError
+from ..loading import count_parameters
 
 _locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -62,8 +62,8 @@ class ChatModel:
 
 
 def load_base(model_name: str, dtype: str = "float32") -> ChatModel:
-    from .arch import ModelAdapter
-    from .loading import load_model, resolve_model
+    from ..arch import ModelAdapter
+    from ..loading import load_model, resolve_model
 
     model, tok = load_model(resolve_model(model_name), dtype, "cpu")
     ModelAdapter.for_model(model)  # unsupported architectures fail here, with a message
@@ -74,12 +74,12 @@ def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
     """The base model with a finished run's masks applied as hooks (shares the base weights)."""
     import json
 
-    from .export import load_mask_artifact
-    from .units import UnitLayout
+    from ..export import load_mask_artifact
+    from ..units import UnitLayout
 
     meta, masks, _ = load_mask_artifact(run_dir)
     layout = UnitLayout({u: meta["units_per_layer"][u] for u in meta["unit_types"]})
-    from .arch import ModelAdapter
+    from ..arch import ModelAdapter
 
     adapter = ModelAdapter.for_model(base.model)
     sizes = adapter.unit_sizes()
@@ -95,7 +95,7 @@ def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
 
 
 def _effective_params(model, layout, masks) -> int:
-    from .export import build_pruned_model
+    from ..export import build_pruned_model
 
     return count_parameters(build_pruned_model(model, layout, masks))
 
@@ -104,9 +104,9 @@ def load_sliced(run_dir: str | Path) -> ChatModel:
     """A run's physically sliced export (model/), for real speed."""
     from transformers import AutoModelForCausalLM
 
-    from . import register_pruned_classes
-    from .loading import load_tokenizer, ModelSource
-    from .rundir import MODEL_DIR
+    from .. import register_pruned_classes
+    from ..loading import load_tokenizer, ModelSource
+    from ..rundir import MODEL_DIR
 
     folder = Path(run_dir) / MODEL_DIR
     if not (folder / "config.json").is_file():
@@ -180,7 +180,7 @@ def stream(chat: ChatModel, prompt: str, settings: GenerationSettings) -> Genera
     t0 = time.perf_counter()
 
     def work():
-        from .masking import MaskHooks
+        from ..masking import MaskHooks
 
         nonlocal t0
         lock = model_lock(chat.model)
@@ -190,7 +190,7 @@ def stream(chat: ChatModel, prompt: str, settings: GenerationSettings) -> Genera
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     if chat.layer_masks is not None:
-                        from .arch import ModelAdapter
+                        from ..arch import ModelAdapter
 
                         with MaskHooks(ModelAdapter.for_model(chat.model)) as hooks:
                             hooks.set(chat.layer_masks)

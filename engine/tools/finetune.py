@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import UserError
+from ..errors import UserError
 
 CONFIG_FILE, LOG_FILE, RESULTS_FILE, MODEL_DIR = "finetune_config.json", "finetune_log.jsonl", "finetune_results.json", "model"
 
@@ -58,8 +58,8 @@ class FinetuneConfig:
     device: str = "cpu"
 
     def validate(self) -> "FinetuneConfig":
-        from .config import check_fields
-        from .loading import DTYPES
+        from ..fields import check_fields
+        from ..loading import DTYPES
 
         check_fields(self)  # types, finite floats (lr nan/inf, ...), ints within 64 bits
         for name in ("seqlen", "eval_seqlen"):  # one token predicts nothing: a NaN loss
@@ -86,7 +86,7 @@ class FinetuneConfig:
 
 def lora_target_modules(model) -> list[str]:
     """Names of the attention and MLP projections of this architecture (from its adapter)."""
-    from .arch import ModelAdapter
+    from ..arch import ModelAdapter
 
     a = ModelAdapter.for_model(model)
     return [a.param_name(linear).rsplit(".", 1)[-1] for linear in a.projections(0)]
@@ -123,8 +123,8 @@ def mean_loss(model, segments: torch.Tensor, batch_size: int) -> float:
 
 def save_like_export(model, tokenizer, dest: Path) -> None:
     """save_pretrained + tokenizer (+ modeling_pruned.py for a pruned model), atomically."""
-    from . import modeling_pruned
-    from .io import atomic_dir
+    from .. import modeling_pruned
+    from ..io import atomic_dir
 
     with atomic_dir(dest) as tmp:
         model.save_pretrained(tmp)
@@ -134,7 +134,7 @@ def save_like_export(model, tokenizer, dest: Path) -> None:
 
 
 def load_trainable(config: FinetuneConfig):
-    from .loading import load_model, resolve_model
+    from ..loading import load_model, resolve_model
 
     if not config.model:
         raise UserError("give the model to fine-tune with --model (e.g. RUN/model)")
@@ -204,9 +204,9 @@ def merge(peft_model, check: torch.Tensor):
 
 
 def finetune(config: FinetuneConfig, out: str | Path, log=lambda m: print(m, file=sys.stderr)) -> dict:
-    from .data import eval_windows, load_calibration_texts, load_eval_text
-    from .evaluate import perplexity
-    from .io import atomic_write_text
+    from ..data import eval_windows, load_calibration_texts, load_eval_text
+    from ..evaluate import perplexity
+    from ..io import atomic_write_text
 
     config.validate()
     out = Path(out)
@@ -238,7 +238,7 @@ def finetune(config: FinetuneConfig, out: str | Path, log=lambda m: print(m, fil
         log("perplexity after fine-tuning")
         results["ppl_after"] = perplexity(merged, windows, 8)
     save_like_export(merged, tok, out / MODEL_DIR)
-    from .loading import count_parameters
+    from ..loading import count_parameters
 
     results.update(info, params=count_parameters(merged), out_model=str(out / MODEL_DIR))
     atomic_write_text(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")

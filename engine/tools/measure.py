@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 CONFIG_FILE, RESULTS_FILE, TABLE_FILE = "measure_config.json", "measure.json", "measure.md"
 
@@ -52,7 +52,7 @@ class MeasureConfig:
     memory: bool = True  # peak memory in a fresh subprocess per model
 
     def validate(self) -> "MeasureConfig":
-        from .loading import DTYPES
+        from ..loading import DTYPES
 
         if not self.models:
             raise UserError("give at least one model")
@@ -135,7 +135,7 @@ def generate(model, ids: torch.Tensor, new_tokens: int, pad_id: int) -> int:
 
 
 def _load(name: str, config: MeasureConfig):
-    from .loading import load_model, resolve_model
+    from ..loading import load_model, resolve_model
 
     model, tok = load_model(resolve_model(name), config.dtype, config.device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -172,15 +172,15 @@ def memory_worker(name: str, config: MeasureConfig) -> dict:
 def _memory_in_subprocess(name: str, config: MeasureConfig) -> dict:
     if Path(name).expanduser().exists():  # the worker runs from the repository root
         name = str(Path(name).expanduser().resolve())
-    cmd = [sys.executable, "-m", "engine.measure", "--memory-worker", name, json.dumps(config.to_dict())]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    cmd = [sys.executable, "-m", "engine.tools.measure", "--memory-worker", name, json.dumps(config.to_dict())]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     if res.returncode != 0:
         raise UserError(f"memory measurement of {name} failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def measure(config: MeasureConfig, log=lambda m: print(m, file=sys.stderr)) -> dict:
-    from .loading import count_parameters
+    from ..loading import count_parameters
 
     config.validate()
     if config.threads:
@@ -245,7 +245,7 @@ def markdown(result: dict, labels: list[str] | None = None) -> str:
 
 
 def run_measure(config: MeasureConfig, out: str | Path | None = None, log=lambda m: print(m, file=sys.stderr)) -> dict:
-    from .io import atomic_write_text
+    from ..io import atomic_write_text
 
     result = measure(config, log)
     result["table"] = markdown(result)

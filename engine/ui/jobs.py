@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from .config import PruneConfig
-from .errors import UserError
+from ..config import PruneConfig
+from ..errors import UserError
 
 RUNS_DIR_ENV = "PG_PRUNE_RUNS_DIR"
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Job status values. "idle": nothing started yet in this process.
 IDLE, LOADING, RUNNING, STOPPING, STOPPED, DONE, FAILED = "idle", "loading", "running", "stopping", "stopped", "done", "failed"
@@ -95,8 +95,8 @@ class JobManager:
 
         With resume=True the run folder's own config.json is used and `config` is ignored.
         """
-        from .loading import resolve_model
-        from .rundir import CONFIG_FILE, check_out_dir
+        from ..loading import resolve_model
+        from ..rundir import CONFIG_FILE, check_out_dir
 
         out = Path(out_dir)
         with self._lock:
@@ -159,7 +159,7 @@ class JobManager:
                 self._snap.phase = message
 
     def _load(self, config: PruneConfig):
-        from .loading import load_model, resolve_model
+        from ..loading import load_model, resolve_model
 
         key = (config.model, config.dtype, config.device)
         cached = self._model_cache
@@ -171,8 +171,8 @@ class JobManager:
 
     def _work(self, config: PruneConfig, out: Path, resume: bool, stop: threading.Event) -> None:
         try:
-            from .pruner import PruneRun
-            from .rundir import CHECKPOINT_FILE, METRICS_FILE, trim_metrics
+            from ..pruner import PruneRun
+            from ..rundir import CHECKPOINT_FILE, METRICS_FILE, trim_metrics
 
             model, tok = self._load(config)
             self._log("reading calibration and evaluation data")
@@ -232,7 +232,7 @@ class RunInfo:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    from .rundir import METRICS_FILE
+    from ..rundir import METRICS_FILE
 
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
@@ -249,8 +249,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def read_run(path: str | Path) -> RunInfo | None:
     """A run folder's summary, or None when the folder holds no run."""
-    from .export import MASKS_FILE
-    from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
+    from ..export import MASKS_FILE
+    from ..rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
 
     p = Path(path)
     try:
@@ -280,8 +280,8 @@ def list_runs(runs_dir: str | Path) -> list[RunInfo]:
 
 def run_head_mask(run_dir: str | Path) -> list[list[int]] | None:
     """Final hard mask of the KV groups of a finished run, per layer."""
-    from .export import load_mask_artifact
-    from .units import UnitLayout
+    from ..export import load_mask_artifact
+    from ..units import UnitLayout
 
     try:
         meta, masks, _ = load_mask_artifact(run_dir)
@@ -297,7 +297,7 @@ def head_mask_from_scores(head_scores: list[list[float]], scope: str, keep_ratio
     """The hard mask PruneRun would take from these KV-group scores (tiny; no model involved)."""
     import torch
 
-    from .units import UnitLayout
+    from ..units import UnitLayout
 
     layout = UnitLayout({"heads": [len(r) for r in head_scores]})
     flat = torch.tensor([s for row in head_scores for s in row])
@@ -310,7 +310,7 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
     the check and the removal hold the job manager's lock, so no job can start in between."""
     from contextlib import nullcontext
 
-    from .rundir import is_run_dir, remove_run_files
+    from ..rundir import is_run_dir, remove_run_files
 
     p = Path(run_dir)
     with jobs._lock if jobs is not None else nullcontext():
@@ -327,7 +327,7 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
 
 def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:
     """Copy a finished run's sliced model folder to dest (which must not exist yet)."""
-    from .rundir import MODEL_DIR
+    from ..rundir import MODEL_DIR
 
     src, dest = Path(run_dir) / MODEL_DIR, Path(dest).expanduser()
     if not src.is_dir():
