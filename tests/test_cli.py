@@ -220,6 +220,10 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
     string_steps = saved_run(tmp / "string_steps", tiny_path, tmp)
     cfg = json.loads((string_steps / "config.json").read_text())
     (string_steps / "config.json").write_text(json.dumps({**cfg, "steps": "2"}))
+    bad_json = tmp / "run_config.json"
+    bad_json.write_text('{"steps": 3, "prune_ratio": ')
+    unknown_field = tmp / "unknown.json"
+    unknown_field.write_text(json.dumps({"steps": 3, "learning_rate": 0.1}))
     out = tmp / "out"
     small = ["--calib", SMALL_CALIB]
     return {
@@ -285,6 +289,14 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
         # issue 12
         "antithetic pairs with an odd N_s": (prune_args(tiny_path, out, "--mask-sampling", "antithetic",
                                                         "--num-mask-samples", "3"), "must be even"),
+        # issue 16
+        "config file missing": (prune_args(tiny_path, out, "--config", tmp / "gone.json"), "gone.json"),
+        "config file not json": (prune_args(tiny_path, out, "--config", bad_json), "run_config.json"),
+        "config file with an unknown field": (prune_args(tiny_path, out, "--config", unknown_field), "learning_rate"),
+        "method option of another method": (prune_args(tiny_path, out, "--gumbel-temperature", "2"),
+                                            "--gumbel-temperature applies to --method gumbel"),
+        "bad method option": (prune_args(tiny_path, out, "--method", "gumbel", "--gumbel-final-temperature", "5"),
+                              "gumbel temperatures"),
     }
 
 
@@ -303,6 +315,8 @@ BAD_INPUT_NAMES = [
     "resume with steps a string", "seed beyond 64 bits", "seed negative", "lr nan", "lr inf", "prune ratio nan",
     "seqlen 1", "prune eval seqlen 1", "eval seqlen 1", "eval folder with two splits", "finetune lr nan",
     "finetune seqlen 1", "antithetic pairs with an odd N_s",
+    "config file missing", "config file not json", "config file with an unknown field", "method option of another method",
+    "bad method option",
 ]
 
 
@@ -322,6 +336,19 @@ def test_bad_input_is_one_error_line(name, tmp_path, tiny_path, gpt2_folder, cap
     if (tmp_path / "read_only").exists():
         (tmp_path / "read_only").chmod(0o755)  # so that pytest can clean it up
         assert not any((tmp_path / "read_only").iterdir())
+
+
+def test_config_file_starts_a_run_and_flags_override_it(tmp_path):
+    from engine.cli import parse_args
+    from engine.config import PruneConfig
+
+    saved = PruneConfig(model="m", units=["heads", "layers"], steps=7, lr=0.05, method="gumbel", seed=4,
+                        method_options={"temperature": 2.0, "straight_through": True})
+    saved.save(tmp_path / "run.json")
+    args = parse_args(["prune", "--config", str(tmp_path / "run.json"), "--preset", "paper", "--steps", "9", "--out", "x"])
+    assert (args.model, args.units, args.steps, args.seed) == ("m", "heads,layers", 9, 4)  # the flag beats the file
+    assert args.lr == 0.05 and args.num_mask_samples == PruneConfig().num_mask_samples  # the file beats the preset
+    assert (args.gumbel_temperature, args.gumbel_straight_through, args.gumbel_final_temperature) == (2.0, True, None)
 
 
 # --- an existing run in --out ------------------------------------------------------------------------
