@@ -18,7 +18,8 @@ from .metrics.probability import PROB_MAPS
 from .unit_types import UNIT_TYPES
 from .units import SCOPES
 
-# the choices of settings that name a registry entry come from the registry
+# the choices of settings that name a registry entry come from the registry (validate() reads the registries
+# themselves, so an entry registered later, e.g. by a user's script, is accepted too)
 INITS = (*unit_metrics(), "random-progressive")  # random-progressive: random scores, the rate raised in stages
 LAYER_INITS = layer_metrics()
 ESTIMATORS = ("paper", "sqrt")
@@ -129,8 +130,8 @@ class PruneConfig:
         for name, value, allowed in (
             ("scope", self.scope, SCOPES),
             ("method", self.method, tuple(METHODS)),
-            ("init", self.init, INITS),
-            ("layer init", self.layer_init, LAYER_INITS),
+            ("init", self.init, (*unit_metrics(), "random-progressive")),  # the registries as they are now
+            ("layer init", self.layer_init, layer_metrics()),
             ("prob map", self.prob_map, tuple(PROB_MAPS)),
             ("estimator", self.estimator, ESTIMATORS),
             ("baseline", self.baseline, BASELINES),
@@ -139,7 +140,7 @@ class PruneConfig:
             ("final mask", self.final_mask, FINAL_MASKS),
             ("mask sampling", self.mask_sampling, MASK_SAMPLINGS),
             ("control variate", self.control_variate, CONTROL_VARIATES),
-            ("sample forward", self.sample_forward, SAMPLE_FORWARDS),
+            ("sample forward", self.sample_forward, ("auto", *EXECUTORS)),
             ("within-layer ranking", self.within_layer_ranking, WITHIN_LAYER_RANKINGS),
         ):
             if value not in allowed:
