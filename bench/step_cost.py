@@ -1,12 +1,15 @@
 """What one policy-gradient step costs next to plain inference, measured side by side in one run.
 
     python bench/step_cost.py [--model smollm2-135m-instruct] [--repeats 5] [--batch-size 8] [--seqlen 128]
+                              [--executors sequential,batched,sliced] [--device cpu|cuda] [--out DIR]
 
-Prints seconds per PG step / seconds per dense forward of the same batch (interleaved in one
-process, so both see the same machine load), and peak resident memory during PG steps / peak
-during plain forwards (each in a fresh subprocess with identical set-up; the peak counter is
-reset after set-up through /proc/self/clear_refs, so model loading does not count).
-The method needs N_s masked forwards per step; a ratio near N_s means the bookkeeping is free.
+Prints seconds per PG step / seconds per dense forward of the same batch, for every executor of the
+step's N_s masked forwards (engine/executors.py), all interleaved in one process so that they see the
+same machine load; and peak memory during PG steps / peak during plain forwards (each in a fresh
+subprocess with identical set-up; on the CPU the peak RSS counter is reset after set-up through
+/proc/self/clear_refs, so model loading does not count; on CUDA torch's peak allocation counter).
+The hook executors need N_s masked forwards per step (a ratio near N_s means the bookkeeping is free);
+the sliced one computes only the kept units, about N_s x the kept fraction.
 The same is measured for one Gumbel-softmax step (N_s relaxed masks, back-propagated through the
 model): the time and memory side of the paper's PG vs Gumbel-softmax comparison (its Table 3).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,6 +40,22 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def peak_mb(device: str) -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else vm_hwm_mb()
+
+
+def reset_peak_of(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak()
+
+
 def setup(args):
     """Identical set-up for every worker: model copy, data, a PG run and a Gumbel-softmax run over
     the same model object, with the PG run's initial state."""
@@ -45,7 +65,8 @@ def setup(args):
     from engine.pruner import PruneRun
 
     config = PruneConfig(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
-                         num_mask_samples=args.num_mask_samples, max_windows=1, dtype=args.dtype)
+                         num_mask_samples=args.num_mask_samples, baseline="moving-average", max_windows=1,
+                         prune_ratio=args.prune_ratio, dtype=args.dtype, device=args.device)
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
     gumbel = PruneRun(replace(config, method="gumbel"), tempfile.mkdtemp(), model=run.model, tokenizer=run.tokenizer,
                       log=lambda m: None)
@@ -58,13 +79,30 @@ def worker(args) -> dict:
     import torch
 
     from engine.evaluate import batch_loss
+    from engine.executors import EXECUTORS
 
     torch.manual_seed(0)
     run, gumbel, state = setup(args)
     batch = run.sampler.next_batch()
-    work = {"dense": lambda: batch_loss(run.model, batch), "pg": lambda: run.step(state),
-            "gumbel": lambda: gumbel.step(state)}
-    if args.worker == "time":  # all three interleaved, so they see the same machine load
+
+    def pg_step(executor):
+        def step():
+            run.sample_losses = EXECUTORS[executor]
+            run.step(state)
+        return step
+
+    def synced(f):
+        def timed():
+            f()
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+        return timed
+
+    work = {"dense": lambda: batch_loss(run.model, batch)}
+    work |= {f"pg-{e}": pg_step(e) for e in args.executors}
+    work["gumbel"] = lambda: gumbel.step(state)
+    work = {k: synced(f) for k, f in work.items()}
+    if args.worker == "time":  # all interleaved, so they see the same machine load
         for f in work.values():
             f()  # warm-up
         seconds = {k: [] for k in work}
@@ -76,10 +114,10 @@ def worker(args) -> dict:
         return {f"sec_{k}": statistics.median(v) for k, v in seconds.items()}
     f = work[args.worker.removeprefix("mem-")]
     f()  # warm-up, before the peak counter is reset
-    reset_peak()
+    reset_peak_of(args.device)
     for _ in range(args.repeats):
         f()
-    return {"peak_mb": vm_hwm_mb()}
+    return {"peak_mb": peak_mb(args.device)}
 
 
 def main() -> None:
@@ -90,7 +128,12 @@ def main() -> None:
     p.add_argument("--seqlen", type=positive(int), default=128)
     p.add_argument("--num-mask-samples", type=positive(int), default=2)
     p.add_argument("--repeats", type=positive(int), default=5)
-    p.add_argument("--worker", choices=["time", "mem-dense", "mem-pg", "mem-gumbel"], help=argparse.SUPPRESS)
+    p.add_argument("--prune-ratio", type=float, default=0.3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--executors", default="sequential,batched,sliced",
+                   type=lambda v: [e.strip() for e in v.split(",") if e.strip()])
+    p.add_argument("--out", default=None, help="folder for a JSON record of the figures (bench/results/step_cost)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--plain-copy", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -99,11 +142,15 @@ def main() -> None:
 
     import torch
 
+    from engine.arch import ModelAdapter
+    from engine.executors import EXECUTORS
     from engine.export import build_pruned_model
     from engine.loading import load_model, resolve_model
     from engine.units import UnitLayout
-    from engine.arch import ModelAdapter
 
+    unknown = [e for e in args.executors if e not in EXECUTORS]
+    if unknown:
+        raise SystemExit(f"step_cost.py: error: unknown executors {unknown}; known: {', '.join(EXECUTORS)}")
     # A plain safetensors copy (a GGUF loads by de-quantizing, whose spike would blur the peaks).
     model, tok = load_model(resolve_model(args.model), args.dtype)
     a = ModelAdapter.for_model(model)
@@ -114,26 +161,38 @@ def main() -> None:
     tok.save_pretrained(copy_dir)
     del model
 
+    workers = ["time", "mem-dense", *(f"mem-pg-{e}" for e in args.executors), "mem-gumbel"]
     out = {}
-    for w in ("time", "mem-dense", "mem-pg", "mem-gumbel"):
+    for w in workers:
         cmd = [sys.executable, __file__, "--worker", w, "--plain-copy", str(copy_dir)] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "plain_copy")
+            f"--{k.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
+            if k not in ("worker", "plain_copy", "out")
         ]
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if res.returncode != 0:
             sys.exit(f"worker {w} failed:\n{res.stderr[-2000:]}")
         out[w] = json.loads(res.stdout.strip().splitlines()[-1])
-    t, md, mp, mg = out["time"], out["mem-dense"]["peak_mb"], out["mem-pg"]["peak_mb"], out["mem-gumbel"]["peak_mb"]
-    print(f"model {args.model} ({args.dtype}), batch {args.batch_size}x{args.seqlen}, N_s={args.num_mask_samples}, "
-          f"median of {args.repeats}; torch threads {torch.get_num_threads()}")
-    print(f"dense forward (with loss): {t['sec_dense']:.3f} s")
-    print(f"PG step:                   {t['sec_pg']:.3f} s")
-    print(f"step / forward:            {t['sec_pg'] / t['sec_dense']:.2f}  (N_s = {args.num_mask_samples})")
-    print(f"peak RSS plain inference:  {md:.0f} MB")
-    print(f"peak RSS PG steps:         {mp:.0f} MB")
-    print(f"peak ratio PG / inference: {mp / md:.3f}")
-    print(f"Gumbel-softmax step:       {t['sec_gumbel']:.3f} s  ({t['sec_gumbel'] / t['sec_pg']:.2f} x a PG step)")
-    print(f"peak RSS Gumbel steps:     {mg:.0f} MB  ({mg / mp:.3f} x PG's; {mg / md:.3f} x inference)")
+    t, md = out["time"], out["mem-dense"]["peak_mb"]
+    lines = [f"model {args.model} ({args.dtype}, {args.device}), batch {args.batch_size}x{args.seqlen}, "
+             f"N_s={args.num_mask_samples}, {args.prune_ratio:.0%} pruned (masks sampled from keep probabilities "
+             f"~{1 - args.prune_ratio:.0%}), median of {args.repeats}; torch threads {torch.get_num_threads()}; "
+             f"load average before: {os.getloadavg()[0]:.2f}",
+             f"dense forward (with loss): {t['sec_dense']:.3f} s;  peak memory of inference {md:.0f} MB",
+             "| executor | s / step | step / dense forward | peak memory / inference |", "|---|---|---|---|"]
+    for e in args.executors:
+        lines.append(f"| {e} | {t[f'sec_pg-{e}']:.3f} | {t[f'sec_pg-{e}'] / t['sec_dense']:.2f} | "
+                     f"{out[f'mem-pg-{e}']['peak_mb'] / md:.3f} |")
+    mg = out["mem-gumbel"]["peak_mb"]
+    lines.append(f"| Gumbel-softmax (back-propagation) | {t['sec_gumbel']:.3f} | {t['sec_gumbel'] / t['sec_dense']:.2f} | "
+                 f"{mg / md:.3f} |")
+    print("\n".join(lines))
+    if args.out:
+        dest = Path(args.out)
+        dest.mkdir(parents=True, exist_ok=True)
+        record = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "plain_copy")}, "workers": out,
+                  "table": lines, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+        (dest / f"step_cost-{args.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
+            json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ executor it uses; they must agree to float tolerance (tests/test_executors.py).
 - sequential: one forward per mask sample (lowest peak memory).
 - batched: the calibration batch repeated N_s times, each copy with its own mask (per-row masks in
   the hooks), in one forward: far fewer kernel launches, so N_s = 4-8 costs little more than 2 on a GPU.
+- sliced: one forward per mask sample that computes only the kept KV groups and channels, from weights
+  gathered layer by layer (engine/slicing.py): about the kept fraction of a dense forward per sample.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 from .evaluate import batch_loss
 from .masking import MaskHooks
+from .slicing import SlicedLayers
+from .unit_types import UNIT_TYPES
 from .units import UnitLayout
 
 Executor = Callable[[MaskHooks, UnitLayout, torch.Tensor, dict[str, torch.Tensor], dict | None], torch.Tensor]
@@ -54,6 +58,19 @@ def batched_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor, sa
     per_row = {u: [part.repeat_interleave(rows, dim=0) for part in layout.split_rows(u, m)] for u, m in samples.items()}
     hooks.set(per_row, fill)
     return batch_loss(hooks.adapter.model, batch.repeat(n, 1)).double().view(n, rows).mean(1)
+
+
+@register_executor("sliced")
+def sliced_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor, samples: dict[str, torch.Tensor],
+                  fill: dict | None = None) -> torch.Tensor:
+    n = next(iter(samples.values())).shape[0]
+    losses = torch.empty(n, dtype=torch.float64)
+    for j in range(n):
+        masks = {u: layout.split(u, m[j]) for u, m in samples.items()}
+        hooks.set({u: m for u, m in masks.items() if UNIT_TYPES[u].whole_layer})  # layer gates only
+        with SlicedLayers(hooks.adapter, masks, fill):
+            losses[j] = batch_loss(hooks.adapter.model, batch).double().mean()
+    return losses
 
 
 def resolve_executor(name: str, device: str) -> str:

@@ -71,6 +71,52 @@ def test_executors_agree(arch, with_fill):
         assert not torch.allclose(ref, torch.full_like(ref, float(ref[0]))) or n == 1  # the masks do differ
 
 
+@pytest.mark.parametrize("with_fill", [False, True])
+def test_sliced_forward_of_a_layer_that_keeps_no_unit(with_fill):
+    """A sample may drop every KV group (or channel) of a layer: the sliced forward still equals the
+    masked model (that sub-layer adds nothing, or only its compensation)."""
+    from engine.slicing import SlicedLayers
+
+    model = build_model("qwen2")  # q/k/v biases: they are sliced too
+    a = ModelAdapter.for_model(model)
+    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
+    masks = {u: [torch.ones(n) for n in layout.sizes[u]] for u in layout.unit_types}
+    masks["heads"][1] = torch.zeros(layout.sizes["heads"][1])
+    masks["channels"][2] = torch.zeros(layout.sizes["channels"][2])
+    masks["channels"][0][::3] = 0
+    fill = random_fill(model, 2) if with_fill else None
+    ids = batch(model)
+    with MaskHooks(a) as hooks:
+        hooks.set(masks, fill)
+        ref = batch_loss(model, ids)
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    with SlicedLayers(a, masks, fill):
+        got = batch_loss(model, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())  # every weight is back
+
+
+def test_sliced_layers_restore_the_weights_after_an_error():
+    from engine.slicing import SlicedLayers
+
+    model = build_model("llama")
+    a = ModelAdapter.for_model(model)
+    before = {n: p for n, p in model.named_parameters()}
+    masks = {"heads": [torch.tensor([1.0, 0.0])] * 3, "channels": [torch.ones(200)] * 3}
+
+    def boom(module, args, output):
+        raise RuntimeError("inside the layer")
+
+    handle = a.layer(1).mlp.register_forward_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="inside the layer"), SlicedLayers(a, masks):
+            batch_loss(model, batch(model))
+    finally:
+        handle.remove()
+    assert all(p is before[n] for n, p in model.named_parameters())  # the very same parameters, all of them
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in a.layers)
+
+
 def test_per_row_masks_equal_separate_forwards():
     model = build_model("llama")
     layout = full_layout(model)

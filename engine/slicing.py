@@ -1,0 +1,101 @@
+"""Sliced forwards: a masked model that computes only its kept units.
+
+While `SlicedLayers(adapter, layer_masks, fill)` is active, every decoder layer, just before it runs,
+swaps the weights of its unit types' linears for the kept rows and columns (gathered with
+index_select) and swaps them back right after; the attention infers its head count from the
+projections, so a layer keeping 2 of 3 KV groups computes 2. The output equals the hook-masked
+model's (`MaskHooks`), at about the kept fraction of the cost, and at most one layer's gathered
+weights exist at a time, so memory stays that of inference.
+
+Bias compensation (`fill`) is folded in exactly: the output projection's bias gains
+W[:, removed] @ mu[removed], as in the export. A layer that keeps no unit of a type keeps one whose
+output columns are zeroed: it contributes nothing, as the masked model's zero mask does.
+Whole-layer masks are not this module's business: MaskHooks' layer gates skip those layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .arch import ModelAdapter
+from .unit_types import UNIT_TYPES, LayerUnitType
+
+
+def _unit_index(kept: torch.Tensor, width: int) -> torch.Tensor:
+    return kept if width == 1 else (kept[:, None] * width + torch.arange(width, device=kept.device)).reshape(-1)
+
+
+def sliced_linears(adapter: ModelAdapter, t: LayerUnitType, i: int, mask: torch.Tensor,
+                   fill: torch.Tensor | None = None) -> dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]]:
+    """linear -> (weight, bias) of layer i's linears of unit type t, narrowed to the units `mask` keeps."""
+    kept = torch.nonzero(mask).flatten()
+    empty = len(kept) == 0
+    if empty:  # keep one unit and zero its contribution below
+        kept = torch.zeros(1, dtype=torch.long, device=mask.device)
+    out_proj = t.output_proj(adapter, i)
+    out = {}
+    for linear, dim, width in t.owned_weights(adapter, i):
+        w = linear.weight
+        idx = _unit_index(kept.to(w.device), width)
+        weight = w.index_select(dim, idx)
+        bias = linear.bias
+        if dim == 0 and bias is not None:
+            bias = bias.index_select(0, idx)
+        if linear is out_proj:
+            if empty:
+                weight = torch.zeros_like(weight)
+            if fill is not None:  # the removed columns' mean contribution, as a bias
+                removed = torch.ones(w.shape[1], dtype=torch.bool, device=w.device)
+                if not empty:
+                    removed[t.column_index(adapter, kept.to(w.device))] = False
+                extra = w[:, removed] @ fill.to(w)[removed]
+                bias = extra if bias is None else bias + extra
+        out[linear] = (weight, bias)
+    return out
+
+
+class SlicedLayers:
+    """Context manager: while active, each decoder layer runs on its kept units only (see the module doc).
+
+    layer_masks: unit type -> per layer, a 0/1 vector of its units (types inside layers; others ignored).
+    fill: unit type -> per layer, the mean input of each column of its output projection.
+    """
+
+    def __init__(self, adapter: ModelAdapter, layer_masks: dict[str, list[torch.Tensor]],
+                 fill: dict[str, list[torch.Tensor]] | None = None):
+        self.adapter = adapter
+        self.masks = {u: m for u, m in layer_masks.items() if isinstance(UNIT_TYPES[u], LayerUnitType)}
+        self.fill = fill or {}
+        self._handles = []
+        self._saved: dict[nn.Linear, tuple[nn.Parameter, nn.Parameter | None]] = {}
+
+    def _swap_in(self, i: int):
+        def hook(module, args, kwargs=None):
+            for u, masks in self.masks.items():
+                fill = self.fill[u][i] if u in self.fill else None
+                for linear, (weight, bias) in sliced_linears(self.adapter, UNIT_TYPES[u], i, masks[i], fill).items():
+                    self._saved[linear] = (linear.weight, linear.bias)
+                    linear.weight = nn.Parameter(weight, requires_grad=False)
+                    if bias is not None:
+                        linear.bias = nn.Parameter(bias, requires_grad=False)
+        return hook
+
+    def _restore(self, *_):
+        for linear, (weight, bias) in self._saved.items():
+            linear.weight = weight
+            linear.bias = bias
+        self._saved = {}
+
+    def __enter__(self) -> "SlicedLayers":
+        for i in range(self.adapter.num_layers):
+            layer = self.adapter.layer(i)
+            self._handles.append(layer.register_forward_pre_hook(self._swap_in(i)))
+            self._handles.append(layer.register_forward_hook(self._restore))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()  # also after an exception inside a layer
+        for h in self._handles:
+            h.remove()
+        self._handles = []
