@@ -33,3 +33,44 @@ def test_short_run_on_cuda(tiny_path, small_eval_file, tmp_path):
     assert results["status"] == "done" and results["steps"] == 3
     assert all(math.isfinite(results[k]) for k in ("ppl_dense", "ppl_init", "ppl_pruned"))
     assert results["params_pruned"] < results["params_dense"]
+
+
+def test_export_reloads_on_cuda_with_equal_logits(tiny_path, small_eval_file, tmp_path):
+    config = PruneConfig(model=str(tiny_path), device="cuda", steps=2, batch_size=2, seqlen=64, eval_seqlen=64,
+                         max_windows=2, init_batches=1, calib=str(SMALL_CALIB), eval_data=str(small_eval_file),
+                         units=["heads", "channels", "layers"], prune_ratio=0.5)
+    run = PruneRun(config, tmp_path / "run", log=lambda m: None)
+    run.run(progress=False)
+    ids = torch.randint(0, run.model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    from engine.masking import MaskHooks
+    from engine.export import load_mask_artifact
+
+    _, masks, _ = load_mask_artifact(tmp_path / "run")
+    with MaskHooks(run.adapter) as hooks, torch.no_grad():  # the masked base model on CUDA
+        hooks.set(run.layer_masks(masks))
+        masked = run.model(input_ids=ids.cuda()).logits.float().cpu()
+    exported, _ = load_model(resolve_model(str(tmp_path / "run" / "model")), "float32", "cuda")
+    with torch.no_grad():
+        sliced = exported(input_ids=ids.cuda()).logits.float().cpu()
+    torch.testing.assert_close(sliced, masked, rtol=1e-3, atol=1e-3)
+
+
+def test_one_finetune_step_on_cuda(tiny_path, tmp_path):
+    from engine.tools.finetune import FinetuneConfig, finetune
+
+    config = FinetuneConfig(model=str(tiny_path), samples=2, seqlen=32, batch_size=2, device="cuda", skip_eval=True,
+                            calib=str(SMALL_CALIB))
+    results = finetune(config, tmp_path / "ft")
+    assert results["steps"] == 1 and math.isfinite(results["train_loss_after"])
+    assert (tmp_path / "ft" / "model" / "config.json").is_file()
+
+
+def test_zeroshot_of_a_run_on_cuda(tiny_path, small_eval_file, tmp_path):
+    from engine.tools.zeroshot import ZeroshotConfig, run_zeroshot
+
+    config = PruneConfig(model=str(tiny_path), device="cuda", steps=2, batch_size=2, seqlen=64, eval_seqlen=64,
+                         max_windows=2, init_batches=1, calib=str(SMALL_CALIB), eval_data=str(small_eval_file))
+    PruneRun(config, tmp_path / "run", log=lambda m: None).run(progress=False)
+    summary = run_zeroshot(ZeroshotConfig(run=str(tmp_path / "run"), tasks=["piqa"], limit=5, device="cuda"),
+                           tmp_path / "zs", log=lambda m: None)
+    assert summary["table"]

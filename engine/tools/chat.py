@@ -61,11 +61,11 @@ class ChatModel:
     info: dict = field(default_factory=dict)
 
 
-def load_base(model_name: str, dtype: str = "float32") -> ChatModel:
+def load_base(model_name: str, dtype: str = "float32", device: str = "cpu") -> ChatModel:
     from ..arch import ModelAdapter
     from ..loading import load_model, resolve_model
 
-    model, tok = load_model(resolve_model(model_name), dtype, "cpu")
+    model, tok = load_model(resolve_model(model_name), dtype, device)
     ModelAdapter.for_model(model)  # unsupported architectures fail here, with a message
     return ChatModel(model, tok, f"dense {Path(model_name).name}", count_parameters(model))
 

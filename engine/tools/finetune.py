@@ -196,6 +196,7 @@ def train_lora(model, segments: torch.Tensor, config: FinetuneConfig, log=lambda
 def merge(peft_model, check: torch.Tensor):
     """Fold the adapters into the weights; returns (plain model, max |logit difference| on `check` vs unmerged)."""
     peft_model.eval()
+    check = check.to(next(peft_model.parameters()).device)  # the ids are on the CPU; the model may not be
     before = peft_model(input_ids=check, use_cache=False).logits
     merged = peft_model.merge_and_unload()
     merged.eval().requires_grad_(False)

@@ -184,7 +184,7 @@ def load_for_zeroshot(config: ZeroshotConfig):
         if not meta_file.is_file():
             raise UserError(f"{config.run} holds no finished run's masks (masks.json)")
         base_name = config.model or json.loads(meta_file.read_text())["base_model"]
-        base = load_base(base_name, config.dtype)
+        base = load_base(base_name, config.dtype, config.device)
         masked = masked_from_run(base, run)
         return masked.model, masked.tokenizer, f"masked base: {run.name}", masked.layer_masks, masked.params
     from ..loading import count_parameters
