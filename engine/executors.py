@@ -74,8 +74,10 @@ def sliced_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor, sam
 
 
 def resolve_executor(name: str, device: str) -> str:
-    """auto: batched on an accelerator (launch-bound: the copies come almost free), sequential on
-    the CPU (compute-bound: batching saves little and doubles the activation memory)."""
+    """auto: batched on an accelerator (launch-bound: the copies come almost free); sliced on the CPU
+    (compute-bound: computing only the kept units is what saves time; bench/step_cost.py); sequential
+    for a model spread by accelerate's device_map (--device auto), whose offloaded weights the sliced
+    executor cannot gather and whose memory the batched one would multiply."""
     if name != "auto":
         return name
-    return "sequential" if device == "cpu" else "batched"
+    return {"cpu": "sliced", "auto": "sequential"}.get(device, "batched")

@@ -103,7 +103,7 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu")
         raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if device not in ("cpu", "auto") and not device.startswith("cuda"):
         raise UserError(f"unknown device {device!r}; use cpu, cuda[:N] or auto")
-    if device != "cpu" and not torch.cuda.is_available():
+    if device not in ("cpu", "auto") and not torch.cuda.is_available():
         raise UserError(f"device {device!r} asked for, but no CUDA device is available")
     kwargs = {"dtype": DTYPES[dtype]}
     if device == "auto":

@@ -46,9 +46,16 @@ class _LayerGate(nn.Module):
             if decided == 1.0:
                 return self.gated_layer(hidden_states, *args, **kwargs)
         out = self.gated_layer(hidden_states, *args, **kwargs)
+        m = m.to(hidden_states.device)
         if m.dim() == 1:  # one gate per row
             m = m.view(-1, *([1] * (hidden_states.dim() - 1)))
         return hidden_states + m * (out - hidden_states)
+
+
+def _placed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x in the weight's dtype and on its device, unless the weight is offloaded (on `meta`: accelerate's
+    device_map loads it only for its forward); the hook then moves x to where the input is."""
+    return x.to(dtype=weight.dtype) if weight.device.type == "meta" else x.to(weight)
 
 
 def _all_equal(m: torch.Tensor) -> float | None:
@@ -84,17 +91,17 @@ class MaskHooks:
         cols: dict[str, list[torch.Tensor | None]] = {}
         for t in layer_unit_types():
             if t.name in layer_masks:
-                cols[t.name] = [t.columns(a, m).to(t.output_proj(a, i).weight) for i, m in enumerate(layer_masks[t.name])]
+                cols[t.name] = [_placed(t.columns(a, m), t.output_proj(a, i).weight) for i, m in enumerate(layer_masks[t.name])]
         whole = whole_layer_type().name
         if whole in layer_masks:
             ref = a.attention(0).output.weight
             gates = [m.reshape(-1) if m.numel() > 1 else m.reshape(()) for m in layer_masks[whole]]
             self._layer_decisions = [None if g.requires_grad else _all_equal(g.detach().cpu()) for g in gates]
-            cols[whole] = [g.to(device=ref.device, dtype=ref.dtype) for g in gates]
+            cols[whole] = [_placed(g, ref) for g in gates]
         self._fill = {}
         for u, means in (fill or {}).items():
             if u in cols and not UNIT_TYPES[u].whole_layer:
-                self._fill[u] = [mu.to(UNIT_TYPES[u].output_proj(a, i).weight) for i, mu in enumerate(means)]
+                self._fill[u] = [_placed(mu, UNIT_TYPES[u].output_proj(a, i).weight) for i, mu in enumerate(means)]
         self._columns = cols
 
     def clear(self) -> None:
@@ -108,10 +115,16 @@ class MaskHooks:
                 return None
             m = cols[layer]
             x = args[0]
+            if m.device != x.device:  # an offloaded layer (see _placed)
+                m = m.to(x.device)
             if m.dim() == 2:  # (rows, columns): one mask per row of the batch
                 m = m.view(m.shape[0], *([1] * (x.dim() - 2)), m.shape[1])
             fill = self._fill.get(unit_type)
-            out = x * m if fill is None else x * m + (1 - m) * fill[layer]
+            if fill is None:
+                out = x * m
+            else:
+                mu = fill[layer] if fill[layer].device == x.device else fill[layer].to(x.device)
+                out = x * m + (1 - m) * mu
             return (out,) + tuple(args[1:])
 
         return scale_input

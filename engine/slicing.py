@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .arch import ModelAdapter
+from .errors import UserError
 from .unit_types import UNIT_TYPES, LayerUnitType
 
 
@@ -88,6 +89,11 @@ class SlicedLayers:
         self._saved = {}
 
     def __enter__(self) -> "SlicedLayers":
+        offloaded = [t.name for u in self.masks for t in [UNIT_TYPES[u]] for i in range(self.adapter.num_layers)
+                     if any(lin.weight.device.type == "meta" for lin, _, _ in t.owned_weights(self.adapter, i))]
+        if offloaded:
+            raise UserError("the sliced executor gathers weights that must be in memory, and this model's are offloaded "
+                            "(--device auto); use --sample-forward sequential or batched")
         for i in range(self.adapter.num_layers):
             layer = self.adapter.layer(i)
             self._handles.append(layer.register_forward_pre_hook(self._swap_in(i)))

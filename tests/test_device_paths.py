@@ -55,3 +55,48 @@ def test_zeroshot_of_a_run_loads_the_base_on_the_configured_device(tmp_path, mon
     except RuntimeError:
         pass
     assert asked == [("some-model", "float32", "cuda:1")]
+
+
+def test_masked_steps_on_a_model_that_accelerate_offloads(tmp_path):
+    """--device auto: accelerate's device_map may keep some layers on disk (weights on `meta` until their
+    forward); the hook executors give the same per-sample losses as the model in memory, and the sliced
+    executor, which must gather weights, refuses in one sentence."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from engine.arch import ModelAdapter
+    from engine.errors import UserError
+    from engine.executors import EXECUTORS
+    from engine.masking import MaskHooks
+    from engine.policy import sample_masks
+    from engine.units import UnitLayout
+    from test_adapters_export import build_model
+
+    model = build_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map, dtype=torch.float32,
+                                                     offload_folder=str(tmp_path / "offload")).eval()
+    assert offloaded.model.layers[1].self_attn.o_proj.weight.device.type == "meta"
+    layout = UnitLayout(ModelAdapter.for_model(model).unit_sizes())
+    g = torch.Generator().manual_seed(1)
+    samples = {u: sample_masks(torch.full((layout.total(u),), 0.6), 3, g) for u in layout.unit_types}
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with MaskHooks(ModelAdapter.for_model(model)) as plain, MaskHooks(ModelAdapter.for_model(offloaded)) as split:
+        for name in ("sequential", "batched"):
+            torch.testing.assert_close(EXECUTORS[name](split, layout, ids, samples),
+                                       EXECUTORS[name](plain, layout, ids, samples), rtol=1e-5, atol=1e-5)
+        with pytest.raises(UserError, match="offloaded"):
+            EXECUTORS["sliced"](split, layout, ids, samples)
+
+
+def test_device_auto_runs_on_a_cpu_only_host(tiny_path, small_eval_file, tmp_path):
+    from engine.config import PruneConfig
+    from engine.pruner import PruneRun
+    from conftest import SMALL_CALIB
+
+    config = PruneConfig(model=str(tiny_path), device="auto", steps=2, num_mask_samples=2, max_windows=2,
+                         init_batches=1, calib=str(SMALL_CALIB), eval_data=str(small_eval_file))
+    results = PruneRun(config, tmp_path / "run", log=lambda m: None).run(progress=False)
+    assert results["status"] == "done" and results["params_pruned"] < results["params_dense"]

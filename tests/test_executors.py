@@ -131,7 +131,8 @@ def test_per_row_masks_equal_separate_forwards():
 
 
 def test_resolve_executor():
-    assert resolve_executor("auto", "cpu") == "sequential"
+    assert resolve_executor("auto", "cpu") == "sliced"
+    assert resolve_executor("auto", "auto") == "sequential"
     assert resolve_executor("auto", "cuda") == resolve_executor("auto", "cuda:1") == "batched"
     assert resolve_executor("sequential", "cuda") == "sequential"
 
