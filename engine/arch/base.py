@@ -62,6 +62,22 @@ class ModelAdapter(ABC):
         """The MLP projections of one decoder layer."""
 
     @abstractmethod
+    def norms(self, layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+        """(the norm before the attention, the norm before the MLP) of one decoder layer."""
+
+    @abstractmethod
+    def embedding(self) -> nn.Embedding:
+        """The token embedding."""
+
+    @abstractmethod
+    def final_norm(self) -> nn.Module:
+        """The norm after the last decoder layer."""
+
+    @abstractmethod
+    def lm_head(self) -> nn.Linear:
+        """The output projection to the vocabulary."""
+
+    @abstractmethod
     def pruned_classes(self) -> tuple[type, type]:
         """(config class, model class) of this family's export with per-layer sizes."""
 

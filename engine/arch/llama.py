@@ -23,6 +23,18 @@ class LlamaLikeAdapter(ModelAdapter):
         m = layer.mlp
         return MlpLinears(inputs=(m.gate_proj, m.up_proj), output=m.down_proj)
 
+    def norms(self, layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+        return layer.input_layernorm, layer.post_attention_layernorm
+
+    def embedding(self) -> nn.Embedding:
+        return self.model.model.embed_tokens
+
+    def final_norm(self) -> nn.Module:
+        return self.model.model.norm
+
+    def lm_head(self) -> nn.Linear:
+        return self.model.lm_head
+
     def pruned_classes(self) -> tuple[type, type]:
         from ..modeling_pruned import PRUNED_CLASSES
 

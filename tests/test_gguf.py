@@ -1,0 +1,209 @@
+"""GGUF export: heterogeneous pruned models load in llama.cpp (llama-cpp-python) and give the logits of the
+transformers export, within a tolerance relative to the logit scale (1e-3 for f32, 2e-2 for f16)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from engine.arch import ModelAdapter
+from engine.errors import UserError
+from engine.export import build_pruned_model
+from engine.exporters.gguf import check_exportable, permute_rows, write_gguf
+from engine.units import UnitLayout
+
+from conftest import TINY_MODEL
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (install.sh installs it)")
+
+TOKENIZER_JSON = TINY_MODEL / "tokenizer.json"  # a real BPE tokenizer with byte fallback, vocabulary 2048
+COMMON = dict(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=4, max_position_embeddings=128,
+              initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                 tie_word_embeddings=False, rope_theta=10000.0),
+    "mistral": lambda: MistralConfig(**COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                                     sliding_window=None, tie_word_embeddings=True),
+}
+
+
+def random_model(arch: str):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def heterogeneous_masks(model, seed: int = 0) -> tuple[UnitLayout, dict[str, torch.Tensor]]:
+    """Different KV groups and widths per layer, one layer removed."""
+    a = ModelAdapter.for_model(model)
+    layout = UnitLayout(a.unit_sizes())
+    g = torch.Generator().manual_seed(seed)
+    masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6)
+             for u in ("heads", "channels")}
+    layers = torch.ones(a.num_layers)
+    layers[1] = 0
+    masks["layers"] = layers
+    return layout, masks
+
+
+def llama_cpp_model(path: Path, n_ctx: int = 64):
+    """llama.cpp with an f32 KV cache (its default f16 cache alone moves logits by ~1e-3 of their scale)."""
+    f32 = llama_cpp.GGML_TYPE_F32
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2,
+                           type_k=f32, type_v=f32)
+
+
+def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    llm = llama_cpp_model(path)
+    llm.eval(ids)
+    return torch.tensor(llm.scores[: len(ids)]).float()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("outtype, tol", [("f32", 1e-3), ("f16", 2e-2)])
+def test_heterogeneous_export_matches_transformers(arch, outtype, tol, tmp_path):
+    model = random_model(arch)
+    layout, masks = heterogeneous_masks(model)
+    pruned = build_pruned_model(model, layout, masks)
+    sizes = ModelAdapter.for_model(pruned).unit_sizes()
+    assert len(set(sizes["heads"])) > 1 and len(set(sizes["channels"])) > 1  # really heterogeneous
+    info = write_gguf(pruned, tmp_path / "m.gguf", outtype, tokenizer_json=TOKENIZER_JSON)
+    assert len(info["layers"]) == 3  # the removed layer is not written
+    ids = torch.randint(3, 2048, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = pruned(input_ids=ids).logits[0].float()
+    got = llama_cpp_logits(tmp_path / "m.gguf", ids[0].tolist())
+    assert relative_error(got, want) <= tol, relative_error(got, want)
+
+
+def test_tiny_real_model_tokenizes_and_scores_like_transformers(tiny, tmp_path):
+    model, tok = tiny
+    layout, masks = heterogeneous_masks(model)
+    masks.pop("layers")  # two layers: keep both
+    pruned = build_pruned_model(model, layout, masks)
+    write_gguf(pruned, tmp_path / "tiny.gguf", "f32", tokenizer_json=TOKENIZER_JSON)
+    llm = llama_cpp_model(tmp_path / "tiny.gguf", n_ctx=128)
+    text = "Once upon a time, there was a little cat named Tom. He liked to play!"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert llm.tokenize(text.encode(), add_bos=False) == ids
+    llm.eval(ids)
+    with torch.no_grad():
+        want = pruned(input_ids=torch.tensor([ids])).logits[0].float()
+    assert relative_error(torch.tensor(llm.scores[: len(ids)]).float(), want) <= 1e-3
+
+
+def test_q8_0_is_close_and_smaller(tiny, tmp_path):
+    """On trained weights (a random model's logits amplify quantization far more than a real one's)."""
+    model, tok = tiny
+    layout, masks = heterogeneous_masks(model)
+    masks.pop("layers")
+    pruned = build_pruned_model(model, layout, masks)
+    write_gguf(pruned, tmp_path / "f16.gguf", "f16", tokenizer_json=TOKENIZER_JSON)
+    write_gguf(pruned, tmp_path / "q8.gguf", "q8_0", tokenizer_json=TOKENIZER_JSON)
+    assert (tmp_path / "q8.gguf").stat().st_size < 0.75 * (tmp_path / "f16.gguf").stat().st_size
+    ids = tok("Once upon a time, there was a little cat named Tom. He liked to play in the park.",
+              add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        want = pruned(input_ids=torch.tensor([ids])).logits[0].float()
+    assert relative_error(llama_cpp_logits(tmp_path / "q8.gguf", ids), want) <= 5e-2
+
+
+def test_permute_rows_is_a_per_head_permutation():
+    w = torch.arange(2 * 8 * 3, dtype=torch.float32).view(16, 3).numpy()
+    p = permute_rows(w, 2)
+    assert sorted(map(tuple, p.tolist())) == sorted(map(tuple, w.tolist()))
+    assert p[:8].min() == w[:8].min() and p[8:].min() == w[8:].min()  # rows stay inside their head
+    assert p[1].tolist() == w[4].tolist()  # the first half's second row follows the second half's first row
+
+
+@pytest.mark.parametrize("config, what", [
+    (lambda: Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2), "projection biases"),
+    (lambda: Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16), "q_norm"),
+    (lambda: MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=16), "sliding-window"),
+])
+def test_what_deci_cannot_hold_is_refused_before_writing(config, what, tmp_path):
+    model = AutoModelForCausalLM.from_config(config()).eval()
+    with pytest.raises(UserError, match=what):
+        write_gguf(model, tmp_path / "x.gguf", "f16", tokenizer_json=TOKENIZER_JSON)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    with pytest.raises(UserError):
+        check_exportable(model)
+
+
+def test_bias_compensation_exports_are_refused(tmp_path):
+    model = random_model("llama")
+    layout, masks = heterogeneous_masks(model)
+    a = ModelAdapter.for_model(model)
+    fill = {"heads": [torch.ones(a.attention(i).output.in_features) for i in range(a.num_layers)],
+            "channels": [torch.ones(a.mlp(i).output.in_features) for i in range(a.num_layers)]}
+    with pytest.raises(UserError, match="projection biases"):
+        write_gguf(build_pruned_model(model, layout, masks, fill), tmp_path / "x.gguf", "f16",
+                   tokenizer_json=TOKENIZER_JSON)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the CLI -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from engine.config import PruneConfig
+    from engine.pruner import PruneRun
+    from conftest import SMALL_CALIB, WIKI_RAW
+
+    out = tmp_path_factory.mktemp("gguf") / "run"
+    config = PruneConfig(model=str(TINY_MODEL), steps=2, num_mask_samples=2, max_windows=2, init_batches=1,
+                         calib=str(SMALL_CALIB), eval_data=str(WIKI_RAW))
+    PruneRun(config, out, log=lambda m: None).run(progress=False)
+    return out
+
+
+def test_export_command_writes_a_gguf_that_llama_cpp_runs(tiny_run, tmp_path, capfd):
+    from engine.cli import main
+
+    dest = tmp_path / "tiny.gguf"
+    assert main(["export", str(tiny_run), "--format", "gguf", "--out", str(dest), "--outtype", "f32"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tiny_run / "model", trust_remote_code=True).eval()
+    ids = list(range(10, 30))
+    with torch.no_grad():
+        want = exported(input_ids=torch.tensor([ids])).logits[0].float()
+    assert relative_error(llama_cpp_logits(dest, ids), want) <= 1e-3
+    assert main(["export", str(tiny_run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"].startswith("pruned_")
+
+
+def test_export_bad_input_is_one_error_line(tiny_run, tmp_path, capfd):
+    from conftest import assert_cli_fails_with_one_line
+
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(tiny_run, unfinished)
+    (unfinished / "masks.json").unlink()
+    exists = tmp_path / "exists.gguf"
+    exists.write_bytes(b"mine")
+    capfd.readouterr()
+    assert_cli_fails_with_one_line(["export", str(unfinished), "--format", "gguf", "--out", str(tmp_path / "a.gguf")],
+                                   "no finished mask", capfd)
+    assert_cli_fails_with_one_line(["export", str(tiny_run), "--format", "gguf", "--out", str(exists)],
+                                   "already exists", capfd)
+    assert exists.read_bytes() == b"mine"
+    assert_cli_fails_with_one_line(["export", str(tmp_path), "--format", "gguf", "--out", str(tmp_path / "b.gguf")],
+                                   "not a run folder", capfd)
+    qwen2 = tmp_path / "qwen2_run"  # a finished run whose export has Qwen2's q/k/v biases
+    shutil.copytree(tiny_run, qwen2)
+    shutil.rmtree(qwen2 / "model")
+    AutoModelForCausalLM.from_config(Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2)).save_pretrained(
+        qwen2 / "model")
+    assert_cli_fails_with_one_line(["export", str(qwen2), "--format", "gguf", "--out", str(tmp_path / "q.gguf")],
+                                   "deci architecture cannot hold this qwen2 model", capfd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.gguf", "qwen2_run", "unfinished"]  # nothing half-written
