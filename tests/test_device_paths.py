@@ -100,3 +100,18 @@ def test_device_auto_runs_on_a_cpu_only_host(tiny_path, small_eval_file, tmp_pat
                          init_batches=1, calib=str(SMALL_CALIB), eval_data=str(small_eval_file))
     results = PruneRun(config, tmp_path / "run", log=lambda m: None).run(progress=False)
     assert results["status"] == "done" and results["params_pruned"] < results["params_dense"]
+
+
+def test_column_index_stays_on_the_device_of_the_kept_units():
+    """The sliced executor's bias compensation indexes columns on the weights' device: column_index
+    used to add a CPU arange to them (fails on CUDA; `meta` stands in for it here)."""
+    from engine.arch import ModelAdapter
+    from engine.unit_types import UNIT_TYPES
+    from test_adapters_export import build_model
+
+    a = ModelAdapter.for_model(build_model("llama"))
+    for u in ("heads", "channels"):
+        kept = torch.tensor([0, 1])
+        on_cpu = UNIT_TYPES[u].column_index(a, kept)
+        on_meta = UNIT_TYPES[u].column_index(a, kept.to("meta"))
+        assert on_meta.device.type == "meta" and on_meta.shape == on_cpu.shape
