@@ -108,12 +108,14 @@ def test_sliced_layers_restore_the_weights_after_an_error():
         raise RuntimeError("inside the layer")
 
     handle = a.layer(1).mlp.register_forward_hook(boom)
+    threads = torch.get_num_threads()
     try:
         with pytest.raises(RuntimeError, match="inside the layer"), SlicedLayers(a, masks):
             batch_loss(model, batch(model))
     finally:
         handle.remove()
     assert all(p is before[n] for n, p in model.named_parameters())  # the very same parameters, all of them
+    assert torch.get_num_threads() == threads  # the gathers' thread setting is undone too
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in a.layers)
 
 
