@@ -1,7 +1,8 @@
 """What one policy-gradient step costs next to plain inference, measured side by side in one run.
 
-    python bench/step_cost.py [--model smollm2-135m-instruct] [--repeats 5] [--batch-size 8] [--seqlen 128]
-                              [--executors sequential,batched,sliced] [--device cpu|cuda] [--out DIR]
+    python bench/step_cost.py [--model smollm2-135m-instruct | --random-config 1b|7b] [--repeats 5]
+                              [--batch-size 8] [--seqlen 128] [--executors sequential,batched,sliced]
+                              [--device cpu|cuda|auto] [--dtype float32] [--no-gumbel] [--out DIR]
 
 Prints seconds per PG step / seconds per dense forward of the same batch, for every executor of the
 step's N_s masked forwards (engine/executors.py), all interleaved in one process so that they see the
@@ -12,6 +13,8 @@ The hook executors need N_s masked forwards per step (a ratio near N_s means the
 the sliced one computes only the kept units, about N_s x the kept fraction.
 The same is measured for one Gumbel-softmax step (N_s relaxed masks, back-propagated through the
 model): the time and memory side of the paper's PG vs Gumbel-softmax comparison (its Table 3).
+--random-config builds a LLaMA of that size with random weights (the default model's tokenizer and
+vocabulary) instead of loading one: time and memory do not depend on the weights' values.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from pathlib import Path
 
 from cli_common import ROOT, positive, run
 
+# Random LLaMA configs for the cost by model size (GQA like the default model; tied 49,152-token vocabulary).
+RANDOM_CONFIGS = {
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4),  # TinyLlama's shape: 1.07 B parameters with this vocabulary
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8),  # Llama-2-7B's shape with GQA: 6.5 B parameters
+}
+
 
 def vm_hwm_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -43,13 +54,20 @@ def reset_peak() -> None:
 def peak_mb(device: str) -> float:
     import torch
 
-    return torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else vm_hwm_mb()
+    return torch.cuda.max_memory_allocated() / 2**20 if on_cuda(device) else vm_hwm_mb()
+
+
+def on_cuda(device: str) -> bool:
+    """cuda[:N], or auto (accelerate's device_map) on a host with a GPU: then the GPU's peak is measured."""
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 def reset_peak_of(device: str) -> None:
     import torch
 
-    if device.startswith("cuda"):
+    if on_cuda(device):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     else:
@@ -94,13 +112,14 @@ def worker(args) -> dict:
     def synced(f):
         def timed():
             f()
-            if args.device.startswith("cuda"):
+            if on_cuda(args.device):
                 torch.cuda.synchronize()
         return timed
 
     work = {"dense": lambda: batch_loss(run.model, batch)}
     work |= {f"pg-{e}": pg_step(e) for e in args.executors}
-    work["gumbel"] = lambda: gumbel.step(state)
+    if args.gumbel:
+        work["gumbel"] = lambda: gumbel.step(state)
     work = {k: synced(f) for k, f in work.items()}
     if args.worker == "time":  # all interleaved, so they see the same machine load
         for f in work.values():
@@ -129,13 +148,17 @@ def main() -> None:
     p.add_argument("--num-mask-samples", type=positive(int), default=2)
     p.add_argument("--repeats", type=positive(int), default=5)
     p.add_argument("--prune-ratio", type=float, default=0.3)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (accelerate's device_map)")
+    p.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS), default=None,
+                   help="a LLaMA of this size with random weights instead of --model")
+    p.add_argument("--no-gumbel", dest="gumbel", action="store_false", help="skip the Gumbel-softmax step")
     p.add_argument("--executors", default="sequential,batched,sliced",
                    type=lambda v: [e.strip() for e in v.split(",") if e.strip()])
     p.add_argument("--out", default=None, help="folder for a JSON record of the figures (bench/results/step_cost)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--plain-copy", help=argparse.SUPPRESS)
     args = p.parse_args()
+    load_before = os.getloadavg()
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -152,22 +175,35 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"step_cost.py: error: unknown executors {unknown}; known: {', '.join(EXECUTORS)}")
     # A plain safetensors copy (a GGUF loads by de-quantizing, whose spike would blur the peaks).
-    model, tok = load_model(resolve_model(args.model), args.dtype)
-    a = ModelAdapter.for_model(model)
-    layout = UnitLayout(a.unit_sizes())
-    full = {u: torch.ones(layout.total(u)) for u in layout.unit_types}
     copy_dir = Path(tempfile.mkdtemp()) / "plain"
-    build_pruned_model(model, layout, full).save_pretrained(copy_dir)
+    if args.random_config:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from engine.loading import DEFAULT_MODEL, DTYPES, load_tokenizer
+
+        tok = load_tokenizer(resolve_model(DEFAULT_MODEL))
+        config = LlamaConfig(**RANDOM_CONFIGS[args.random_config], vocab_size=len(tok), tie_word_embeddings=True,
+                             max_position_embeddings=max(2048, args.seqlen))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype])
+        model.save_pretrained(copy_dir)
+        args.model = f"random LLaMA {args.random_config} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters)"
+    else:
+        model, tok = load_model(resolve_model(args.model), args.dtype)
+        a = ModelAdapter.for_model(model)
+        layout = UnitLayout(a.unit_sizes())
+        full = {u: torch.ones(layout.total(u)) for u in layout.unit_types}
+        build_pruned_model(model, layout, full).save_pretrained(copy_dir)
     tok.save_pretrained(copy_dir)
     del model
 
-    workers = ["time", "mem-dense", *(f"mem-pg-{e}" for e in args.executors), "mem-gumbel"]
+    workers = ["time", "mem-dense", *(f"mem-pg-{e}" for e in args.executors), *(["mem-gumbel"] if args.gumbel else [])]
     out = {}
     for w in workers:
         cmd = [sys.executable, __file__, "--worker", w, "--plain-copy", str(copy_dir)] + [
             f"--{k.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
-            if k not in ("worker", "plain_copy", "out")
-        ]
+            if k not in ("worker", "plain_copy", "out", "gumbel", "random_config", "model")
+        ] + ([] if args.gumbel else ["--no-gumbel"])
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if res.returncode != 0:
             sys.exit(f"worker {w} failed:\n{res.stderr[-2000:]}")
@@ -176,15 +212,17 @@ def main() -> None:
     lines = [f"model {args.model} ({args.dtype}, {args.device}), batch {args.batch_size}x{args.seqlen}, "
              f"N_s={args.num_mask_samples}, {args.prune_ratio:.0%} pruned (masks sampled from keep probabilities "
              f"~{1 - args.prune_ratio:.0%}), median of {args.repeats}; torch threads {torch.get_num_threads()}; "
-             f"load average before: {os.getloadavg()[0]:.2f}",
+             f"load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load_before)}, "
+             f"after: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}",
              f"dense forward (with loss): {t['sec_dense']:.3f} s;  peak memory of inference {md:.0f} MB",
-             "| executor | s / step | step / dense forward | peak memory / inference |", "|---|---|---|---|"]
+             "| executor | s / step | step / dense forward | peak memory / inference | peak MB |", "|---|---|---|---|---|"]
     for e in args.executors:
         lines.append(f"| {e} | {t[f'sec_pg-{e}']:.3f} | {t[f'sec_pg-{e}'] / t['sec_dense']:.2f} | "
-                     f"{out[f'mem-pg-{e}']['peak_mb'] / md:.3f} |")
-    mg = out["mem-gumbel"]["peak_mb"]
-    lines.append(f"| Gumbel-softmax (back-propagation) | {t['sec_gumbel']:.3f} | {t['sec_gumbel'] / t['sec_dense']:.2f} | "
-                 f"{mg / md:.3f} |")
+                     f"{out[f'mem-pg-{e}']['peak_mb'] / md:.3f} | {out[f'mem-pg-{e}']['peak_mb']:.0f} |")
+    if args.gumbel:
+        mg = out["mem-gumbel"]["peak_mb"]
+        lines.append(f"| Gumbel-softmax (back-propagation) | {t['sec_gumbel']:.3f} | {t['sec_gumbel'] / t['sec_dense']:.2f} | "
+                     f"{mg / md:.3f} | {mg:.0f} |")
     print("\n".join(lines))
     if args.out:
         dest = Path(args.out)

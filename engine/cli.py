@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and add its exact gradient back (unbiased) (default %(default)s)")
     p.add_argument("--sample-forward", default=D.sample_forward, choices=SAMPLE_FORWARDS,
                    help="the N_s masked forwards: sequential, batched (the batch repeated N_s times, one mask per copy, "
-                        "one forward), auto (batched on a GPU, sequential on the CPU) (default %(default)s)")
+                        "one forward), sliced (one forward per mask computing only its kept units), auto (sliced on the "
+                        "CPU, batched on a GPU, sequential under --device auto) (default %(default)s)")
     p.add_argument("--bias-compensation", action=argparse.BooleanOptionalAction, default=D.bias_compensation,
                    help="FLAP's bias compensation: removed units' inputs replaced by their calibration mean, in the "
                         "optimisation, the evaluation and the export (as output-projection biases) (default %(default)s)")

@@ -95,7 +95,7 @@ class PruneConfig:
     # a linear loss model from the init metric, fitted online, subtracted from the losses (its exact
     # gradient added back, so the estimate stays unbiased)
     control_variate: str = "none"
-    sample_forward: str = "auto"  # how the N_s masked forwards run: sequential, batched (one forward), auto (by device)
+    sample_forward: str = "auto"  # how the N_s masked forwards run: sequential, batched (one forward), sliced (kept units only), auto (by device)
     # FLAP's bias compensation: a removed unit's input is replaced by its mean on calibration data (in the
     # optimisation, the evaluation, and as a bias of the output projection in the export)
     bias_compensation: bool = False

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from .evaluate import batch_loss
+from .loading import model_device
 from .masking import MaskHooks
 from .slicing import SlicedLayers
 from .unit_types import UNIT_TYPES
@@ -28,6 +29,15 @@ from .units import UnitLayout
 
 Executor = Callable[[MaskHooks, UnitLayout, torch.Tensor, dict[str, torch.Tensor], dict | None], torch.Tensor]
 EXECUTORS: dict[str, Executor] = {}
+
+
+def on_accelerator(hooks: MaskHooks, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The step's masks, moved to a CUDA model's device in one copy per unit type (not one per layer and
+    linear when the hooks place them), so that the host synchronises only to read the losses."""
+    device = model_device(hooks.adapter.model)
+    if device.type != "cuda":
+        return samples
+    return {u: m.to(device, non_blocking=True) for u, m in samples.items()}
 
 
 def register_executor(name: str):
@@ -45,6 +55,7 @@ def sequential_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor,
                       fill: dict | None = None) -> torch.Tensor:
     n = next(iter(samples.values())).shape[0]
     losses = torch.empty(n, dtype=torch.float64)
+    samples = on_accelerator(hooks, samples)
     for j in range(n):
         hooks.set({u: layout.split(u, m[j]) for u, m in samples.items()}, fill)
         losses[j] = batch_loss(hooks.adapter.model, batch).double().mean()
@@ -55,6 +66,7 @@ def sequential_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor,
 def batched_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor, samples: dict[str, torch.Tensor],
                    fill: dict | None = None) -> torch.Tensor:
     n, rows = next(iter(samples.values())).shape[0], batch.shape[0]
+    samples = on_accelerator(hooks, samples)
     per_row = {u: [part.repeat_interleave(rows, dim=0) for part in layout.split_rows(u, m)] for u, m in samples.items()}
     hooks.set(per_row, fill)
     return batch_loss(hooks.adapter.model, batch.repeat(n, 1)).double().view(n, rows).mean(1)

@@ -92,8 +92,12 @@ def load_tokenizer(source: ModelSource):
     return tok
 
 
-def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu"):
-    """Returns (model, tokenizer), model in eval mode with gradients off."""
+def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu", max_memory: dict | None = None):
+    """Returns (model, tokenizer), model in eval mode with gradients off.
+
+    device "auto": accelerate's device_map over the GPUs, the CPU and, for what fits in neither, a temporary
+    offload folder that lives as long as the model; max_memory (accelerate's: {"cpu": "2GiB", 0: "10GiB"})
+    caps what each device takes."""
     from transformers import AutoModelForCausalLM
 
     from . import register_pruned_classes
@@ -106,8 +110,16 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu")
     if device not in ("cpu", "auto") and not torch.cuda.is_available():
         raise UserError(f"device {device!r} asked for, but no CUDA device is available")
     kwargs = {"dtype": DTYPES[dtype]}
+    offload = None
     if device == "auto":
-        kwargs["device_map"] = "auto"
+        import tempfile
+
+        offload = tempfile.TemporaryDirectory(prefix="pg-prune-offload-")  # used only if some weights go to disk
+        kwargs |= {"device_map": "auto", "offload_folder": offload.name}
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
+    elif max_memory is not None:
+        raise ValueError("max_memory applies to device 'auto' only")
     try:
         with _quiet_gguf(source.gguf_file is not None):
             model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
@@ -120,6 +132,8 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu")
                         f"architecture{detail}") from e
     if device not in ("cpu", "auto"):
         model = model.to(device)
+    if offload is not None:
+        model._pg_prune_offload_folder = offload  # removed with the model
     model.eval()
     model.requires_grad_(False)
     return model, load_tokenizer(source)

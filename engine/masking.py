@@ -96,7 +96,8 @@ class MaskHooks:
         if whole in layer_masks:
             ref = a.attention(0).output.weight
             gates = [m.reshape(-1) if m.numel() > 1 else m.reshape(()) for m in layer_masks[whole]]
-            self._layer_decisions = [None if g.requires_grad else _all_equal(g.detach().cpu()) for g in gates]
+            host = torch.stack([g.detach() for g in gates]).cpu()  # one transfer for all layers, not one each
+            self._layer_decisions = [None if g.requires_grad else _all_equal(h) for g, h in zip(gates, host)]
             cols[whole] = [_placed(g, ref) for g in gates]
         self._fill = {}
         for u, means in (fill or {}).items():

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+import pytest
 
 
 class _RecordingModel(nn.Module):
@@ -100,3 +101,53 @@ def test_device_auto_runs_on_a_cpu_only_host(tiny_path, small_eval_file, tmp_pat
                          init_batches=1, calib=str(SMALL_CALIB), eval_data=str(small_eval_file))
     results = PruneRun(config, tmp_path / "run", log=lambda m: None).run(progress=False)
     assert results["status"] == "done" and results["params_pruned"] < results["params_dense"]
+
+
+def test_column_index_stays_on_the_device_of_the_kept_units():
+    """The sliced executor's bias compensation indexes columns on the weights' device: column_index
+    used to add a CPU arange to them (fails on CUDA; `meta` stands in for it here)."""
+    from engine.arch import ModelAdapter
+    from engine.unit_types import UNIT_TYPES
+    from test_adapters_export import build_model
+
+    a = ModelAdapter.for_model(build_model("llama"))
+    for u in ("heads", "channels"):
+        kept = torch.tensor([0, 1])
+        on_cpu = UNIT_TYPES[u].column_index(a, kept)
+        on_meta = UNIT_TYPES[u].column_index(a, kept.to("meta"))
+        assert on_meta.device.type == "meta" and on_meta.shape == on_cpu.shape
+
+
+@pytest.mark.slow
+def test_device_auto_splits_a_1b_model_and_its_pg_losses_equal_the_model_in_memory(tiny_path, tmp_path):
+    """--device auto on a random LLaMA of about 1 B parameters, capped at 2 GiB of CPU memory: accelerate puts
+    the rest on disk (the host here has no GPU; on one, the same cap splits GPU / CPU / disk). The masked
+    forwards of a PG step give the same per-sample losses as the model held in memory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from engine.arch import ModelAdapter
+    from engine.executors import EXECUTORS
+    from engine.loading import load_model, resolve_model
+    from engine.masking import MaskHooks
+    from engine.policy import sample_masks
+    from engine.units import UnitLayout
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                         num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert 0.95e9 < sum(p.numel() for p in model.parameters()) < 1.1e9
+    model.save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(tmp_path / "m")  # any tokenizer: ids are given below
+    split, _ = load_model(resolve_model(str(tmp_path / "m")), "float32", "auto", max_memory={"cpu": "2GiB"})
+    devices = {p.device.type for p in split.parameters()}
+    assert "meta" in devices  # some layers live on disk until they run
+    layout = UnitLayout(ModelAdapter.for_model(model).unit_sizes())
+    g = torch.Generator().manual_seed(1)
+    samples = {u: sample_masks(torch.full((layout.total(u),), 0.7), 2, g) for u in layout.unit_types}
+    ids = torch.randint(0, 32000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with MaskHooks(ModelAdapter.for_model(model)) as plain, MaskHooks(ModelAdapter.for_model(split)) as hooks:
+        for name in ("sequential", "batched"):
+            torch.testing.assert_close(EXECUTORS[name](hooks, layout, ids, samples),
+                                       EXECUTORS[name](plain, layout, ids, samples), rtol=1e-5, atol=1e-5)
+

@@ -108,12 +108,14 @@ def test_sliced_layers_restore_the_weights_after_an_error():
         raise RuntimeError("inside the layer")
 
     handle = a.layer(1).mlp.register_forward_hook(boom)
+    threads = torch.get_num_threads()
     try:
         with pytest.raises(RuntimeError, match="inside the layer"), SlicedLayers(a, masks):
             batch_loss(model, batch(model))
     finally:
         handle.remove()
     assert all(p is before[n] for n, p in model.named_parameters())  # the very same parameters, all of them
+    assert torch.get_num_threads() == threads  # the gathers' thread setting is undone too
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in a.layers)
 
 
@@ -208,3 +210,18 @@ def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_pat
         assert exported.config.output_bias is True
     if config.control_variate == "init-metric":
         assert state.method_state.get("control_moments") is not None and state.method_state.get("control_moments")["count"] == 3
+
+
+def test_row_losses_equal_the_shifted_cross_entropy():
+    """batch_loss shifts the targets instead of copying the shifted logits: the same numbers."""
+    import torch.nn.functional as F
+
+    from engine.evaluate import _row_losses
+
+    g = torch.Generator().manual_seed(0)
+    logits, ids = torch.randn(3, 7, 11, generator=g), torch.randint(0, 11, (3, 7), generator=g)
+    shifted = F.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1), reduction="none").view(3, 6).mean(1)
+    torch.testing.assert_close(_row_losses(logits, ids), shifted, rtol=0, atol=0)
+    before = ids.clone()
+    _row_losses(logits, ids)
+    assert ids.equal(before)  # the ids are not changed in place

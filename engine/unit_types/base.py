@@ -51,7 +51,7 @@ class LayerUnitType(UnitType):
     def column_index(self, adapter: ModelAdapter, kept: torch.Tensor) -> torch.Tensor:
         """The output projection's input columns of the kept units (indices)."""
         w = self.column_width(adapter)
-        return kept if w == 1 else (kept[:, None] * w + torch.arange(w)).reshape(-1)
+        return kept if w == 1 else (kept[:, None] * w + torch.arange(w, device=kept.device)).reshape(-1)
 
     @abstractmethod
     def to_units(self, adapter: ModelAdapter, per_column: torch.Tensor) -> torch.Tensor:
