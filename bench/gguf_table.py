@@ -1,0 +1,141 @@
+"""A pruned run in llama.cpp: WikiText-2 perplexity and tokens/s of its GGUF exports next to the dense model's.
+
+    python bench/gguf_table.py RUN_DIR [--max-windows 64] [--threads 2] [--new-tokens 64] [--out bench/results/gguf]
+
+Writes, with `python -m engine export`'s code (engine/exporters/gguf.py), the run's pruned model as GGUF f16 and
+q8_0, and the dense base model as GGUF f16 and q8_0 (the same deci writer, every layer whole). Perplexity: the
+first --max-windows windows of 128 tokens of WikiText-2 raw test, the windows `engine eval` uses, scored by
+llama.cpp (f32 KV cache), beside the transformers figures of the run (results.json). Speed: llama.cpp prompt
+processing of one 128-token window and greedy generation of --new-tokens tokens after it, median of --repeats,
+with --threads threads; dense and pruned alternate, so they see the same machine load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from cli_common import ROOT, positive, run
+
+
+def llama(path: Path, threads: int, logits_all: bool):
+    import llama_cpp
+
+    f32 = llama_cpp.GGML_TYPE_F32
+    return llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, logits_all=logits_all, verbose=False,
+                           n_threads=threads, type_k=f32, type_v=f32)
+
+
+def llama_cpp_perplexity(path: Path, windows, threads: int) -> float:
+    import numpy as np
+
+    llm = llama(path, threads, logits_all=True)
+    total, count = 0.0, 0
+    for w in windows.tolist():
+        llm.reset()
+        llm.eval(w)
+        logits = np.asarray(llm.scores[: len(w) - 1], dtype=np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        total -= float(logp[np.arange(len(w) - 1), w[1:]].sum())
+        count += len(w) - 1
+    return math.exp(total / count)
+
+
+def speed(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(prompt tokens/s, generated tokens/s) of one prompt and greedy generation after it."""
+    import numpy as np
+
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(prompt)
+    prompt_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(new_tokens):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    return len(prompt) / prompt_s, new_tokens / (time.perf_counter() - t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("--max-windows", type=positive(int), default=64)
+    p.add_argument("--threads", type=positive(int), default=2)
+    p.add_argument("--new-tokens", type=positive(int), default=64)
+    p.add_argument("--repeats", type=positive(int), default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gguf"))
+    args = p.parse_args()
+
+    import torch
+
+    from engine.config import PruneConfig
+    from engine.data import eval_windows, load_eval_text
+    from engine.exporters import export_run
+    from engine.exporters.gguf import write_gguf
+    from engine.loading import load_model, resolve_model
+
+    run_dir = Path(args.run_dir)
+    results = json.loads((run_dir / "results.json").read_text())
+    config = PruneConfig.load(run_dir / "config.json")
+    work = Path(tempfile.mkdtemp(prefix="gguf-table-"))
+    files = {}
+    for outtype in ("f16", "q8_0"):
+        files[("pruned", outtype)] = Path(export_run(run_dir, "gguf", work / f"pruned-{outtype}.gguf", outtype)["path"])
+    source = resolve_model(config.model)
+    dense, tok = load_model(source)
+    base_gguf = Path(source.path) / source.gguf_file if source.gguf_file else None
+    tok_json = run_dir / "model" / "tokenizer.json"
+    for outtype in ("f16", "q8_0"):
+        files[("dense", outtype)] = Path(write_gguf(dense, work / f"dense-{outtype}.gguf", outtype, tokenizer_gguf=base_gguf,
+                                                    tokenizer_json=None if base_gguf else tok_json, name="dense")["path"])
+    text, _ = load_eval_text(config.eval_data)
+    windows = eval_windows(tok, text, 128, args.max_windows)
+    del dense
+    torch.set_num_threads(args.threads)
+
+    ppl = {k: llama_cpp_perplexity(f, windows, args.threads) for k, f in files.items()}
+    prompt = windows[0].tolist()
+    llms = {k: llama(f, args.threads, logits_all=False) for k, f in files.items()}
+    speeds = {k: [] for k in files}
+    load_before = os.getloadavg()[0]
+    for _ in range(args.repeats):
+        for k, llm in llms.items():  # alternating: every file sees the same load
+            speeds[k].append(speed(llm, prompt, args.new_tokens))
+    tps = {k: (statistics.median(s[0] for s in v), statistics.median(s[1] for s in v)) for k, v in speeds.items()}
+
+    lines = [f"Run {run_dir.name}: {config.model}, {config.prune_ratio:.0%} of {' + '.join(config.units)}, {config.scope}, "
+             f"{config.steps} steps, seed {config.seed}. WikiText-2 raw test, first {windows.shape[0]} windows x 128 "
+             f"tokens; llama.cpp (llama-cpp-python) with {args.threads} threads, f32 KV cache; speed: one 128-token "
+             f"prompt, then {args.new_tokens} greedy tokens, median of {args.repeats}; load average {load_before:.1f}.",
+             "", "| model | file | size (MB) | perplexity in llama.cpp | perplexity in transformers | prompt tok/s | generation tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for (which, outtype), f in files.items():
+        hf = results["ppl_dense"] if which == "dense" else results["ppl_pruned"]
+        lines.append(f"| {which} | {outtype} | {f.stat().st_size / 1e6:.1f} | {ppl[(which, outtype)]:.2f} | "
+                     f"{hf:.2f} (float32) | {tps[(which, outtype)][0]:.0f} | {tps[(which, outtype)][1]:.1f} |")
+    for outtype in ("f16", "q8_0"):
+        d, q = tps[("dense", outtype)], tps[("pruned", outtype)]
+        lines.append(f"\nSpeed-up of the pruned {outtype} file: prompt {q[0] / d[0]:.2f} x, generation {q[1] / d[1]:.2f} x.")
+    f16_gap = ppl[("pruned", "f16")] / results["ppl_pruned"] - 1
+    lines.append(f"The pruned f16 file's perplexity is {f16_gap:+.2%} from the transformers export's.")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{run_dir.name}.md").write_text(table + "\n")
+    (out / f"{run_dir.name}.json").write_text(json.dumps({
+        "run": str(run_dir), "perplexity_llama_cpp": {f"{a}-{b}": v for (a, b), v in ppl.items()},
+        "tokens_per_s": {f"{a}-{b}": v for (a, b), v in tps.items()}, "ppl_transformers": {
+            "dense": results["ppl_dense"], "pruned": results["ppl_pruned"]}, "eval_windows": int(windows.shape[0]),
+        "sizes_mb": {f"{a}-{b}": f.stat().st_size / 1e6 for (a, b), f in files.items()},
+        "load_average": load_before, "threads": args.threads}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    run(main)
