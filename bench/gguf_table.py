@@ -7,59 +7,19 @@ q8_0, and the dense base model as GGUF f16 and q8_0 (the same deci writer, every
 first --max-windows windows of 128 tokens of WikiText-2 raw test, the windows `engine eval` uses, scored by
 llama.cpp (f32 KV cache), beside the transformers figures of the run (results.json). Speed: llama.cpp prompt
 processing of one 128-token window and greedy generation of --new-tokens tokens after it, median of --repeats,
-with --threads threads; dense and pruned alternate, so they see the same machine load.
+with --threads threads, after a warm-up; dense and pruned alternate, so they see the same machine load.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from cli_common import ROOT, positive, run
-
-
-def llama(path: Path, threads: int, logits_all: bool):
-    import llama_cpp
-
-    f32 = llama_cpp.GGML_TYPE_F32
-    return llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, logits_all=logits_all, verbose=False,
-                           n_threads=threads, type_k=f32, type_v=f32)
-
-
-def llama_cpp_perplexity(path: Path, windows, threads: int) -> float:
-    import numpy as np
-
-    llm = llama(path, threads, logits_all=True)
-    total, count = 0.0, 0
-    for w in windows.tolist():
-        llm.reset()
-        llm.eval(w)
-        logits = np.asarray(llm.scores[: len(w) - 1], dtype=np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        total -= float(logp[np.arange(len(w) - 1), w[1:]].sum())
-        count += len(w) - 1
-    return math.exp(total / count)
-
-
-def speed(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """(prompt tokens/s, generated tokens/s) of one prompt and greedy generation after it."""
-    import numpy as np
-
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(prompt)
-    prompt_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(new_tokens):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    return len(prompt) / prompt_s, new_tokens / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -77,8 +37,9 @@ def main() -> None:
     from engine.config import PruneConfig
     from engine.data import eval_windows, load_eval_text
     from engine.exporters import export_run
-    from engine.exporters.gguf import write_gguf
+    from engine.exporters.gguf import write_model_gguf
     from engine.loading import load_model, resolve_model
+    from engine.tools import llamacpp
 
     run_dir = Path(args.run_dir)
     results = json.loads((run_dir / "results.json").read_text())
@@ -87,26 +48,23 @@ def main() -> None:
     files = {}
     for outtype in ("f16", "q8_0"):
         files[("pruned", outtype)] = Path(export_run(run_dir, "gguf", work / f"pruned-{outtype}.gguf", outtype)["path"])
-    source = resolve_model(config.model)
-    dense, tok = load_model(source)
-    base_gguf = Path(source.path) / source.gguf_file if source.gguf_file else None
-    tok_json = run_dir / "model" / "tokenizer.json"
     for outtype in ("f16", "q8_0"):
-        files[("dense", outtype)] = Path(write_gguf(dense, work / f"dense-{outtype}.gguf", outtype, tokenizer_gguf=base_gguf,
-                                                    tokenizer_json=None if base_gguf else tok_json, name="dense")["path"])
+        files[("dense", outtype)] = Path(write_model_gguf(config.model, work / f"dense-{outtype}.gguf", outtype)["path"])
+    _, tok = load_model(resolve_model(config.model))
     text, _ = load_eval_text(config.eval_data)
     windows = eval_windows(tok, text, 128, args.max_windows)
-    del dense
     torch.set_num_threads(args.threads)
 
-    ppl = {k: llama_cpp_perplexity(f, windows, args.threads) for k, f in files.items()}
+    ppl = {k: llamacpp.perplexity(f, windows, args.threads, kv_f32=True) for k, f in files.items()}
     prompt = windows[0].tolist()
-    llms = {k: llama(f, args.threads, logits_all=False) for k, f in files.items()}
+    llms = {k: llamacpp.open_gguf(f, n_ctx=len(prompt) + args.new_tokens + 8, threads=args.threads) for k, f in files.items()}
     speeds = {k: [] for k in files}
     load_before = os.getloadavg()[0]
-    for _ in range(args.repeats):
+    for r in range(args.repeats + 1):
         for k, llm in llms.items():  # alternating: every file sees the same load
-            speeds[k].append(speed(llm, prompt, args.new_tokens))
+            s = llamacpp.speed(llm, prompt, args.new_tokens)
+            if r:  # the first round warms up
+                speeds[k].append(s)
     tps = {k: (statistics.median(s[0] for s in v), statistics.median(s[1] for s in v)) for k, v in speeds.items()}
 
     lines = [f"Run {run_dir.name}: {config.model}, {config.prune_ratio:.0%} of {' + '.join(config.units)}, {config.scope}, "

@@ -72,8 +72,15 @@ def _config_defaults(path: str) -> dict:
     return values
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors (an unknown flag, a bad choice) are one `error:` line too, like every other bad input."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="Policy-gradient structural pruning of LLMs.")
+    parser = _Parser(prog="python -m engine", description="Policy-gradient structural pruning of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prune", help="learn masks over KV groups, MLP channels and layers, evaluate, export")
@@ -199,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     m.add_argument("--dtype", default=M.dtype, choices=list(DTYPES))
     m.add_argument("--device", default=M.device, help="cpu or cuda[:N] (default %(default)s)")
+    m.add_argument("--llama-cpp", default=None, metavar="OUTTYPE", choices=list(EXPORT_FORMATS["gguf"].outtypes),
+                   help="also write each model as a GGUF of this type and time it in llama.cpp "
+                        f"({', '.join(EXPORT_FORMATS['gguf'].outtypes)})")
     m.add_argument("--out", default=None, help="folder for measure_config.json, measure.json and measure.md")
     m.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
@@ -329,7 +339,7 @@ def cmd_measure(args) -> int:
 
     config = MeasureConfig(models=[args.model, *args.compare], batch_size=args.batch_size, seqlen=args.seqlen,
                            new_tokens=args.new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,
-                           threads=args.threads, seed=args.seed, memory=not args.no_memory)
+                           threads=args.threads, seed=args.seed, memory=not args.no_memory, llama_cpp=args.llama_cpp)
     config.validate()
     from .loading import resolve_model
 

@@ -132,6 +132,13 @@ def sliced_model(run_dir: str, mtime: float):
     return load_sliced(run_dir)
 
 
+@st.cache_resource(max_entries=2, show_spinner="Loading the run's GGUF in llama.cpp (exporting it first if needed)…")
+def gguf_model(run_dir: str, mtime: float):
+    from engine.tools.chat import load_gguf
+
+    return load_gguf(run_dir)
+
+
 def run_figures_for_compare(info: RunInfo) -> dict[str, list[float]]:
     if info.results:
         return figures.kept_fractions_from_results(info.results)

@@ -29,11 +29,14 @@ run = st.selectbox("Pruned run", finished, index=index, format_func=_ui.run_labe
 MODES = {
     "masked": "Masks on the base model (shares the dense weights)",
     "sliced": "Sliced export (physically smaller: real speed)",
+    "gguf": "GGUF in llama.cpp (the deployable file)",
 }
 mode = st.radio("Pruned model", list(MODES), format_func=MODES.get, horizontal=True,
                 help="Masked: the dense weights with the pruned units zeroed by hooks; one copy of the weights "
                      "serves both columns, so the two answers are generated one after the other. "
-                     "Sliced: the exported model whose matrices are physically smaller; it shows the real speed-up.")
+                     "Sliced: the exported model whose matrices are physically smaller; it shows the real speed-up. "
+                     "GGUF: the run's model.gguf (written by `prune --export-gguf`, or exported here as f16 the first "
+                     "time) in llama.cpp, as a user would deploy it; its tokens/s is llama.cpp's.")
 with st.expander("Generation settings (shared by both columns)", expanded=False):
     g1, g2, g3 = st.columns(3)
     max_new = g1.slider("Max new tokens", 8, 512, 64, 8)
@@ -67,10 +70,9 @@ prompt = st.chat_input("Ask both models…")
 if prompt:
     try:
         dense = _ui.base_model(run.config["model"], run.config.get("dtype", "float32"))
-        if mode == "masked":
-            pruned = masked_from_run(dense, run.path)
-        else:
-            pruned = _ui.sliced_model(str(run.path), run.modified)
+        pruned = {"masked": lambda: masked_from_run(dense, run.path),
+                  "sliced": lambda: _ui.sliced_model(str(run.path), run.modified),
+                  "gguf": lambda: _ui.gguf_model(str(run.path), run.modified)}[mode]()
     except UserError as e:
         st.error(f"Cannot load the models: {e}")
         st.stop()

@@ -6,6 +6,8 @@ run jobs one after the other. Runs go to a temporary folder ($PG_PRUNE_RUNS_DIR)
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import sys
 import shutil
@@ -229,7 +231,8 @@ def test_compare_starts_matching_uniform_run_and_compares(runs_dir):
 
 
 # --- Chat ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["masked", "sliced"])
+@pytest.mark.parametrize("mode", ["masked", "sliced", pytest.param("gguf", marks=pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed (install.sh installs it)"))])
 def test_chat_dense_and_pruned_answer(runs_dir, mode):
     run = finished_run(runs_dir, "global")
     at = app()
@@ -248,6 +251,8 @@ def test_chat_dense_and_pruned_answer(runs_dir, mode):
     assert len([a for a in answers if len(a.strip()) > 0]) >= 2
     # dense 656 k parameters, pruned fewer
     assert "656 k parameters" in stats[0] and "656 k parameters" not in stats[1]
+    if mode == "gguf":  # the run's GGUF was written once, atomically, and is what llama.cpp ran
+        assert (run / "model.gguf").is_file() and not list(run.glob("*.tmp*"))
 
 
 # --- Runs ------------------------------------------------------------------------------------

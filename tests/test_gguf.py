@@ -27,18 +27,32 @@ COMMON = dict(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
                                  tie_word_embeddings=False, rope_theta=10000.0),
+    # 4 query heads per KV group, head_dim 20 (hidden / heads would be 8), every projection with a bias
+    "llama-biases": lambda: LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, head_dim=20,
+                                        attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    # llama3 RoPE scaling: its frequency factors go into the file as rope_freqs.weight
+    "llama3-rope": lambda: LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                       rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                                            low_freq_factor=1.0, high_freq_factor=4.0,
+                                                            original_max_position_embeddings=16)),
     "mistral": lambda: MistralConfig(**COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                                      sliding_window=None, tie_word_embeddings=True),
+    # a sliding window wider than the test sequence: the file's context is capped at it
+    "mistral-window": lambda: MistralConfig(**COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                            sliding_window=48, tie_word_embeddings=False),
+    "qwen2": lambda: Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2),  # q/k/v biases
 }
 
 
 def random_model(arch: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval().requires_grad_(False)
-    with torch.no_grad():
+    with torch.no_grad():  # non-trivial norms and biases, so that writing them wrongly shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.mul_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
     return model
 
 
@@ -130,9 +144,11 @@ def test_permute_rows_is_a_per_head_permutation():
 
 
 @pytest.mark.parametrize("config, what", [
-    (lambda: Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2), "projection biases"),
     (lambda: Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16), "q_norm"),
-    (lambda: MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=16), "sliding-window"),
+    (lambda: LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu"), "'gelu' MLP"),
+    (lambda: LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                              original_max_position_embeddings=32)), "RoPE scaling 'yarn'"),
 ])
 def test_what_deci_cannot_hold_is_refused_before_writing(config, what, tmp_path):
     model = AutoModelForCausalLM.from_config(config()).eval()
@@ -143,16 +159,44 @@ def test_what_deci_cannot_hold_is_refused_before_writing(config, what, tmp_path)
         check_exportable(model)
 
 
-def test_bias_compensation_exports_are_refused(tmp_path):
-    model = random_model("llama")
+def test_sliding_window_caps_the_context_length(tmp_path):
+    from gguf import GGUFReader
+
+    write_gguf(random_model("mistral-window"), tmp_path / "w.gguf", "f32", tokenizer_json=TOKENIZER_JSON)
+    write_gguf(random_model("mistral"), tmp_path / "full.gguf", "f32", tokenizer_json=TOKENIZER_JSON)
+    ctx = {f: GGUFReader(str(tmp_path / f)).fields["deci.context_length"].contents() for f in ("w.gguf", "full.gguf")}
+    assert ctx == {"w.gguf": 48, "full.gguf": COMMON["max_position_embeddings"]}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bias_compensation_exports_match_transformers(arch, tmp_path):
+    """Bias compensation folds the pruned units' mean contribution into the output projections' biases
+    (attn_output.bias, ffn_down.bias), which deci reads."""
+    model = random_model(arch)
     layout, masks = heterogeneous_masks(model)
     a = ModelAdapter.for_model(model)
-    fill = {"heads": [torch.ones(a.attention(i).output.in_features) for i in range(a.num_layers)],
-            "channels": [torch.ones(a.mlp(i).output.in_features) for i in range(a.num_layers)]}
-    with pytest.raises(UserError, match="projection biases"):
-        write_gguf(build_pruned_model(model, layout, masks, fill), tmp_path / "x.gguf", "f16",
-                   tokenizer_json=TOKENIZER_JSON)
-    assert list(tmp_path.iterdir()) == []
+    g = torch.Generator().manual_seed(3)
+    fill = {"heads": [0.3 * torch.randn(a.attention(i).output.in_features, generator=g) for i in range(a.num_layers)],
+            "channels": [0.3 * torch.randn(a.mlp(i).output.in_features, generator=g) for i in range(a.num_layers)]}
+    pruned = build_pruned_model(model, layout, masks, fill)
+    assert ModelAdapter.for_model(pruned).attention(0).output.bias is not None
+    write_gguf(pruned, tmp_path / "b.gguf", "f32", tokenizer_json=TOKENIZER_JSON)
+    ids = torch.randint(3, 2048, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = pruned(input_ids=ids).logits[0].float()
+    assert relative_error(llama_cpp_logits(tmp_path / "b.gguf", ids[0].tolist()), want) <= 1e-3
+
+
+def test_llama3_rope_factors_match_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.exporters.gguf import llama3_rope_factors
+
+    config = CONFIGS["llama3-rope"]()
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    factors = llama3_rope_factors(10000.0, 16, config.rope_parameters)
+    assert torch.allclose(plain / torch.from_numpy(factors).double(), inv_freq.double(), rtol=1e-5)
 
 
 # --- the CLI -------------------------------------------------------------------------------------------
@@ -199,11 +243,11 @@ def test_export_bad_input_is_one_error_line(tiny_run, tmp_path, capfd):
     assert exists.read_bytes() == b"mine"
     assert_cli_fails_with_one_line(["export", str(tmp_path), "--format", "gguf", "--out", str(tmp_path / "b.gguf")],
                                    "not a run folder", capfd)
-    qwen2 = tmp_path / "qwen2_run"  # a finished run whose export has Qwen2's q/k/v biases
-    shutil.copytree(tiny_run, qwen2)
-    shutil.rmtree(qwen2 / "model")
-    AutoModelForCausalLM.from_config(Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2)).save_pretrained(
-        qwen2 / "model")
-    assert_cli_fails_with_one_line(["export", str(qwen2), "--format", "gguf", "--out", str(tmp_path / "q.gguf")],
-                                   "deci architecture cannot hold this qwen2 model", capfd)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.gguf", "qwen2_run", "unfinished"]  # nothing half-written
+    qwen3 = tmp_path / "qwen3_run"  # a finished run whose export has Qwen3's per-head q/k norms
+    shutil.copytree(tiny_run, qwen3)
+    shutil.rmtree(qwen3 / "model")
+    AutoModelForCausalLM.from_config(Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=16)).save_pretrained(qwen3 / "model")
+    assert_cli_fails_with_one_line(["export", str(qwen3), "--format", "gguf", "--out", str(tmp_path / "q.gguf")],
+                                   "deci architecture cannot hold this qwen3 model", capfd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.gguf", "qwen3_run", "unfinished"]  # nothing half-written

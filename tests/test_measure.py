@@ -86,7 +86,23 @@ def test_markdown_without_memory_has_no_memory_column():
     assert "peak" not in markdown(result)
 
 
+def test_llama_cpp_speeds_beside_transformers(tiny_path, half_export):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (install.sh installs it)")
+    config = MeasureConfig(models=[str(tiny_path), str(half_export)], batch_size=1, seqlen=16, new_tokens=8, repeats=2,
+                           memory=False, llama_cpp="f32")
+    result = run_measure(config, log=lambda m: None)
+    dense, pruned = result["rows"]
+    for row in (dense, pruned):
+        assert row["llama_cpp_prompt_tokens_per_s"] > 0 and row["llama_cpp_gen_tokens_per_s"] > 0
+    assert pruned["llama_cpp_file_mb"] < dense["llama_cpp_file_mb"]  # the pruned GGUF is smaller
+    assert dense["llama_cpp_speedup_gen"] == 1.0
+    assert pruned["llama_cpp_speedup_gen"] == pytest.approx(pruned["llama_cpp_gen_tokens_per_s"] / dense["llama_cpp_gen_tokens_per_s"])
+    table = result["table"].splitlines()
+    assert "llama.cpp f32 MB" in table[0] and len(table) == 4
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--llama-cpp", "q4_k"], "invalid choice"),
     (["--compare", "/no/such/model"], "model not found"),
     (["--repeats", "0"], "repeats must be at least 1"),
     (["--new-tokens", "0"], "new tokens must be at least 1"),

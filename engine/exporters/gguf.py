@@ -7,9 +7,15 @@ permuted per layer, with that layer's head counts, from the rotate-half order of
 interleaved order of llama.cpp's rope. The tokenizer is copied from the base model's own GGUF when it
 came as one, else built from its tokenizer.json (byte-level BPE, or BPE with byte fallback).
 
-What deci cannot hold is refused before anything is written: projection biases (Qwen2's q/k/v
-biases, bias compensation's output biases), per-head q/k norms (Qwen3), sliding-window attention and
-rope scaling.
+What llama.cpp's deci loader reads (llama-cpp-python 0.3.36; its src/models/deci.cpp and the optional
+tensors of src/llama-model.cpp), and so what is written: Q/K/V/O and MLP biases when the model has them
+(Qwen2's q/k/v biases, LLaMA's attention_bias/mlp_bias, and the output biases of bias compensation);
+RoPE plain, linear-scaled, or llama3-scaled (its frequency factors as rope_freqs.weight). Sliding-window
+attention does not exist in deci: the file's context length is capped at the window, inside which full
+causal attention is the same computation. Refused before anything is written, in one sentence: per-head
+q/k norms (Qwen3; a norm is not linear and cannot be folded into the weights), other activations than
+SiLU, partial rotary embeddings, other RoPE scalings (yarn, dynamic, longrope), and layers that deci's
+graph would mis-read (attention kept with no MLP channel; query heads not a multiple of the KV heads).
 """
 
 from __future__ import annotations
@@ -29,29 +35,44 @@ OUTTYPES = ("f16", "f32", "q8_0")
 _ARCH = "deci"
 
 
+def _rope(config) -> tuple[float, str, dict]:
+    """(theta, scaling kind, its parameters): kind is "default", "linear" or "llama3"; others are refused."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    return theta, kind, params
+
+
+def _context_length(config) -> int:
+    """max_position_embeddings, capped at the sliding window where the model uses one (deci has none)."""
+    n = int(getattr(config, "max_position_embeddings", 2048))
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    uses_window = (any(t == "sliding_attention" for t in layer_types) if isinstance(layer_types, list)
+                   else getattr(config, "use_sliding_window", True) is not False)
+    return min(n, int(window)) if window and uses_window else n
+
+
 def _refusals(model) -> list[str]:
-    """What this model has that llama.cpp's deci architecture does not read."""
+    """What this model has that llama.cpp's deci architecture does not read (empty: exportable)."""
     a = ModelAdapter.for_model(model)
     c = model.config
     out = []
-    for i in range(a.num_layers):
-        for linear in a.projections(i):
-            if linear.bias is not None:
-                out.append(f"projection biases ({a.param_name(linear)}.bias; Qwen2's q/k/v biases and bias "
-                           "compensation's output biases are such)")
-                break
-        if out:
-            break
     known = {id(p) for m in (*a.projections(0), *a.norms(a.layer(0))) for p in m.parameters()}
     extra = [name for name, p in a.layer(0).named_parameters() if id(p) not in known]
     if extra:  # e.g. Qwen3's per-head q/k norms
-        out.append(f"layer parameters besides the projections and the two norms ({', '.join(extra)})")
-    if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True) is not False \
-            and c.sliding_window < getattr(c, "max_position_embeddings", 0):
-        out.append(f"sliding-window attention (window {c.sliding_window})")
-    scaling = getattr(c, "rope_scaling", None) or {}
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        out.append(f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r}")
+        out.append(f"layer parameters besides the projections and the two norms ({', '.join(extra)}; deci has no "
+                   "per-head q/k norms, and a norm cannot be folded into the weights)")
+    act = getattr(c, "hidden_act", "silu")
+    if act != "silu":
+        out.append(f"a {act!r} MLP activation (deci's MLP is SiLU-gated)")
+    if float(getattr(c, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        out.append("partial rotary embeddings (deci rotates the whole head)")
+    kind = _rope(c)[1]
+    if kind not in ("default", "linear", "llama3"):
+        out.append(f"RoPE scaling {kind!r} (deci takes none, linear or llama3)")
+    if a.head_dim % 2:
+        out.append(f"an odd head size ({a.head_dim})")
     return out
 
 
@@ -63,15 +84,23 @@ def check_exportable(model) -> None:
 
 
 def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Query/key rows from transformers' rotate-half rope order to llama.cpp's interleaved order, per head."""
-    rows, cols = w.shape
-    head_dim = rows // n_heads
-    return w.reshape(n_heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    """Query/key rows (or biases) from transformers' rotate-half rope order to llama.cpp's interleaved
+    order, per head."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+def llama3_rope_factors(theta: float, head_dim: int, p: dict) -> np.ndarray:
+    """llama.cpp's rope_freqs for llama3 scaling: the divisor of each rotary frequency (as transformers'
+    _compute_llama3_parameters scales them)."""
+    factor, low, high = float(p["factor"]), float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
+    old_ctx = float(p.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = np.clip((old_ctx / wavelen - low) / (high - low), 0.0, 1.0)
+    divisor = 1.0 / ((1 - smooth) / factor + smooth)
+    divisor[wavelen < old_ctx / high] = 1.0
+    divisor[wavelen > old_ctx / low] = factor
+    return divisor.astype(np.float32)
 
 
 # --- tokenizer ------------------------------------------------------------------------------------
@@ -138,10 +167,14 @@ def tokenizer_from_json(writer, tokenizer_json: Path, config) -> None:
 
 
 # --- weights --------------------------------------------------------------------------------------
-def _add(writer, name: str, t: torch.Tensor, outtype: str) -> None:
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(device="cpu", dtype=torch.float32).numpy()
+
+
+def _add(writer, name: str, t: torch.Tensor | np.ndarray, outtype: str) -> None:
     from gguf import GGMLQuantizationType, quants
 
-    data = t.detach().float().cpu().numpy()
+    data = t if isinstance(t, np.ndarray) else _numpy(t)
     if data.ndim == 1 or outtype == "f32":  # norms stay f32, as llama.cpp's converter keeps them
         writer.add_tensor(name, data.astype(np.float32))
     elif outtype == "q8_0" and data.shape[-1] % 32 == 0:
@@ -169,7 +202,11 @@ def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | N
         att, mlp = a.attention(i), a.mlp(i)
         n_head, n_kv, n_ff = att.query.out_features // hd, att.key.out_features // hd, mlp.inputs[0].out_features
         if n_ff == 0 and n_head > 0:  # llama.cpp skips a layer's attention output when its n_ff is 0
-            raise UserError(f"layer {i} keeps attention but no MLP channel, which llama.cpp would mis-read")
+            raise UserError(f"layer {i} keeps attention but no MLP channel, which llama.cpp's deci graph would "
+                            "drop; no GGUF was written")
+        if n_head and (n_kv == 0 or n_head % n_kv):
+            raise UserError(f"layer {i} has {n_head} query heads for {n_kv} KV heads; deci needs a whole number of "
+                            "query heads per KV head; no GGUF was written")
         layers.append((n_head, n_kv, n_ff))
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
@@ -178,7 +215,7 @@ def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | N
         w.add_name(name)
         w.add_file_type(int(file_type))
         w.add_block_count(len(layers))
-        w.add_context_length(int(getattr(c, "max_position_embeddings", 2048)))
+        w.add_context_length(_context_length(c))
         w.add_embedding_length(int(c.hidden_size))
         w.add_feed_forward_length([n for _, _, n in layers])
         w.add_head_count([n for n, _, _ in layers])
@@ -186,7 +223,11 @@ def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | N
         w.add_key_length(hd)
         w.add_value_length(hd)
         w.add_rope_dimension_count(hd)
-        w.add_rope_freq_base(_rope_theta(c))
+        theta, rope_kind, rope_params = _rope(c)
+        w.add_rope_freq_base(theta)
+        if rope_kind == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(rope_params["factor"]))
         w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
         w.add_vocab_size(int(c.vocab_size))
         if tokenizer_gguf is not None:
@@ -203,18 +244,43 @@ def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | N
             att, mlp = a.attention(i), a.mlp(i)
             attn_norm, ffn_norm = a.norms(a.layer(i))
             gate, up = mlp.inputs
-            q = permute_rows(att.query.weight.float().cpu().numpy(), n_head)
-            k = permute_rows(att.key.weight.float().cpu().numpy(), n_kv)
-            for tensor, t in (("attn_norm", attn_norm.weight), ("attn_q", torch.from_numpy(q)),
-                              ("attn_k", torch.from_numpy(k)), ("attn_v", att.value.weight),
-                              ("attn_output", att.output.weight), ("ffn_norm", ffn_norm.weight),
-                              ("ffn_gate", gate.weight), ("ffn_up", up.weight), ("ffn_down", mlp.output.weight)):
-                _add(w, f"blk.{i}.{tensor}.weight", t, outtype)
+            tensors = [("attn_norm.weight", attn_norm.weight),
+                       ("attn_q.weight", permute_rows(_numpy(att.query.weight), n_head)),
+                       ("attn_k.weight", permute_rows(_numpy(att.key.weight), n_kv)),
+                       ("attn_v.weight", att.value.weight), ("attn_output.weight", att.output.weight),
+                       ("ffn_norm.weight", ffn_norm.weight), ("ffn_gate.weight", gate.weight),
+                       ("ffn_up.weight", up.weight), ("ffn_down.weight", mlp.output.weight)]
+            if att.query.bias is not None:
+                tensors.append(("attn_q.bias", permute_rows(_numpy(att.query.bias), n_head)))
+            if att.key.bias is not None:
+                tensors.append(("attn_k.bias", permute_rows(_numpy(att.key.bias), n_kv)))
+            tensors += [(f"{name}.bias", lin.bias) for name, lin in (
+                ("attn_v", att.value), ("attn_output", att.output), ("ffn_gate", gate), ("ffn_up", up),
+                ("ffn_down", mlp.output)) if lin.bias is not None]
+            for tensor, t in tensors:
+                _add(w, f"blk.{i}.{tensor}", t, outtype)
+        if rope_kind == "llama3":
+            _add(w, "rope_freqs.weight", llama3_rope_factors(theta, hd, rope_params), outtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
     return {"path": str(dest), "layers": layers, "outtype": outtype}
+
+
+def write_model_gguf(name: str, dest: Path, outtype: str = "f16") -> dict:
+    """Any model the engine loads (the default model, a model folder, a run's model/ export) as a deci GGUF,
+    its tokenizer from its own GGUF or its tokenizer.json."""
+    from ..loading import load_model, resolve_model
+
+    source = resolve_model(name)
+    model, _ = load_model(source, "float32", "cpu")
+    check_exportable(model)
+    tokenizer_gguf = Path(source.path) / source.gguf_file if source.gguf_file else None
+    tokenizer_json = Path(source.path) / "tokenizer.json"
+    return write_gguf(model, dest, outtype, tokenizer_gguf=tokenizer_gguf,
+                      tokenizer_json=tokenizer_json if tokenizer_json.is_file() else None,
+                      name=Path(str(name)).name or "model")
 
 
 @register_export_format("gguf", outtypes=OUTTYPES)

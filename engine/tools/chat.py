@@ -1,4 +1,5 @@
-"""Streaming generation for the dense model, the masked base model, and a run's sliced export.
+"""Streaming generation for the dense model, the masked base model, a run's sliced export, and the run's
+GGUF in llama.cpp.
 
     base = load_base(run.config["model"])                 # one copy of the base weights
     pruned = MaskedModel.from_run(base, run_dir)           # masks as hooks on those weights
@@ -6,6 +7,7 @@
     for piece in gen: ...                                  # text pieces as they are generated
     gen.stats                                             # tokens, seconds, tokens/s
     gen = stream(pruned, "Hello", settings)                # pruned
+    gguf = load_gguf(run_dir)                              # RUN/model.gguf in llama.cpp (written if missing)
 
 Masks are applied through forward hooks, and hooks act on the model object, so a dense and a
 masked generation on the same base weights must not overlap. Every generation on a base model
@@ -116,6 +118,56 @@ def load_sliced(run_dir: str | Path) -> ChatModel:
     model.eval().requires_grad_(False)
     tok = load_tokenizer(ModelSource(str(folder), str(folder)))
     return ChatModel(model, tok, f"pruned (sliced export): {Path(run_dir).name}", count_parameters(model))
+
+
+class LlamaCppGenerator:
+    """A GGUF file in llama.cpp behind the part of transformers' generate() that `stream` uses, so the same
+    tokenizer, chat template, streamer and token count serve every backend."""
+
+    def __init__(self, llm, path: Path, stop_ids: set[int]):
+        self.llm, self.path, self.stop_ids = llm, path, stop_ids
+
+    def generate(self, input_ids: torch.Tensor, streamer, max_new_tokens: int, do_sample: bool = False,
+                 temperature: float = 0.7, top_p: float = 0.95, **_ignored) -> None:
+        from . import llamacpp
+
+        streamer.put(input_ids)  # the prompt, which the streamer skips
+        for token in llamacpp.generate(self.llm, input_ids[0].tolist(), max_new_tokens, self.stop_ids,
+                                       greedy=not do_sample, temperature=temperature, top_p=top_p,
+                                       seed=torch.initial_seed()):
+            streamer.put(torch.tensor([token]))
+        streamer.end()
+
+
+def load_gguf(run_dir: str | Path, outtype: str = "f16", threads: int | None = None) -> ChatModel:
+    """A run's GGUF (RUN/model.gguf, as `prune --export-gguf` writes it; exported there first if missing)
+    in llama.cpp, with the tokenizer of the run's sliced export."""
+    import json
+
+    from ..exporters import export_run
+    from ..loading import ModelSource, load_tokenizer
+    from ..rundir import GGUF_FILE, MODEL_DIR
+    from . import llamacpp
+
+    run_dir = Path(run_dir)
+    folder, path = run_dir / MODEL_DIR, run_dir / GGUF_FILE
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{run_dir.name} has no sliced export (finish the run first)")
+    if not path.is_file():
+        export_run(run_dir, "gguf", path, outtype)
+    tok = load_tokenizer(ModelSource(str(folder), str(folder)))
+    config = json.loads((folder / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    stop = {int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
+    if tok.eos_token_id is not None:
+        stop.add(int(tok.eos_token_id))
+    llm = llamacpp.open_gguf(path, n_ctx=2048, threads=threads)
+    try:
+        params = json.loads((run_dir / "results.json").read_text())["params_pruned"]
+    except (OSError, ValueError, KeyError):
+        params = 0
+    return ChatModel(LlamaCppGenerator(llm, path, stop), tok, f"pruned (GGUF in llama.cpp): {run_dir.name}", params,
+                     info={"gguf": str(path)})
 
 
 def build_inputs(tokenizer, prompt: str) -> torch.Tensor:

@@ -18,6 +18,10 @@ Per model:
   new_tokens / seconds of the whole generate call (which includes its one prefill).
 Timings are medians over `repeats`, after one warm-up, with the models interleaved in one process
 so that all see the same machine load.
+- llama.cpp (with llama_cpp=OUTTYPE): every model is also written as a GGUF of that type (the deci writer of
+  `engine export --format gguf`) and timed in llama.cpp: prompt tokens/s of the first row of the same prompt
+  in one batch, and generation tokens/s of exactly new_tokens greedy tokens after it; the files alternate,
+  median of `repeats` after a warm-up. This is the speed a user gets from the deployed file on a CPU.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class MeasureConfig:
     threads: int | None = None  # torch threads (None: torch's default)
     seed: int = 0
     memory: bool = True  # peak memory in a fresh subprocess per model
+    llama_cpp: str | None = None  # also time each model as a GGUF of this type in llama.cpp (f32, f16, q8_0)
 
     def validate(self) -> "MeasureConfig":
         from ..loading import DTYPES
@@ -65,6 +70,12 @@ class MeasureConfig:
             raise UserError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise UserError(f"unknown device {self.device!r}; use cpu or cuda[:N]")
+        if self.llama_cpp is not None:
+            from ..exporters import EXPORT_FORMATS
+
+            if self.llama_cpp not in EXPORT_FORMATS["gguf"].outtypes:
+                raise UserError(f"llama_cpp takes a GGUF type ({', '.join(EXPORT_FORMATS['gguf'].outtypes)}), "
+                                f"got {self.llama_cpp!r}")
         return self
 
     def to_dict(self) -> dict:
@@ -216,7 +227,11 @@ def measure(config: MeasureConfig, log=lambda m: print(m, file=sys.stderr)) -> d
         row["prefill_tokens_per_s"] = config.batch_size * config.seqlen / row["prefill_s"]
         row["generate_s"] = statistics.median(t["generate"])
         row["gen_tokens_per_s"] = config.batch_size * config.new_tokens / row["generate_s"]
+    prompt = loaded[0][2][0].tolist()
     del loaded
+    if config.llama_cpp:
+        for row, speeds in zip(rows, llama_cpp_speeds(config, prompt, log)):
+            row.update(speeds)
     if config.memory:
         for row in rows:
             log(f"peak memory of {row['model']} (fresh process)")
@@ -226,7 +241,41 @@ def measure(config: MeasureConfig, log=lambda m: print(m, file=sys.stderr)) -> d
         row["params_ratio"] = row["params"] / ref["params"]
         row["speedup_prefill"] = ref["prefill_s"] / row["prefill_s"]
         row["speedup_gen"] = row["gen_tokens_per_s"] / ref["gen_tokens_per_s"]
+        if config.llama_cpp:
+            row["llama_cpp_speedup_prompt"] = row["llama_cpp_prompt_tokens_per_s"] / ref["llama_cpp_prompt_tokens_per_s"]
+            row["llama_cpp_speedup_gen"] = row["llama_cpp_gen_tokens_per_s"] / ref["llama_cpp_gen_tokens_per_s"]
     return {"config": config.to_dict(), "torch_threads": torch.get_num_threads(), "rows": rows}
+
+
+def llama_cpp_speeds(config: MeasureConfig, prompt: list[int], log) -> list[dict]:
+    """Each model as a GGUF of type config.llama_cpp, timed in llama.cpp, the files alternating."""
+    import tempfile
+
+    from ..exporters.gguf import write_model_gguf
+    from . import llamacpp
+
+    threads = config.threads or torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="measure-gguf-") as tmp:
+        llms = []
+        try:
+            for i, name in enumerate(config.models):
+                log(f"writing {name} as GGUF {config.llama_cpp}")
+                path = Path(tmp) / f"{i}.gguf"
+                write_model_gguf(name, path, config.llama_cpp)
+                llms.append((llamacpp.open_gguf(path, n_ctx=len(prompt) + config.new_tokens + 8, threads=threads),
+                             path.stat().st_size))
+            times = [[] for _ in llms]
+            for r in range(config.repeats + 1):
+                for (llm, _), t in zip(llms, times):
+                    speed = llamacpp.speed(llm, prompt, config.new_tokens)
+                    if r:  # the first round warms up
+                        t.append(speed)
+            return [{"llama_cpp_prompt_tokens_per_s": statistics.median(s[0] for s in t),
+                     "llama_cpp_gen_tokens_per_s": statistics.median(s[1] for s in t),
+                     "llama_cpp_file_mb": size / 2**20, "llama_cpp_threads": threads} for (_, size), t in zip(llms, times)]
+        finally:
+            for llm, _ in llms:
+                llamacpp.close(llm)
 
 
 def markdown(result: dict, labels: list[str] | None = None) -> str:
@@ -235,11 +284,19 @@ def markdown(result: dict, labels: list[str] | None = None) -> str:
     head = ["model", "params", "weights MB"] + (["peak MB (inference, over loaded)"] if mem else []) + [
         f"prefill s ({c['batch_size']}x{c['seqlen']})", "prefill speed-up",
         f"generation tok/s ({c['batch_size']}x{c['new_tokens']} new)", "generation speed-up"]
+    gguf = c.get("llama_cpp")
+    if gguf:
+        head += [f"llama.cpp {gguf} MB", f"llama.cpp prompt tok/s (1x{c['seqlen']})", "speed-up",
+                 f"llama.cpp generation tok/s (1x{c['new_tokens']} new)", "speed-up"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(result["rows"]):
         cells = [labels[i] if labels else r["model"], f"{r['params'] / 1e6:.1f} M ({100 * r['params_ratio']:.0f} %)",
                  f"{r['weights_mb']:.0f}"] + ([f"{r['peak_delta_mb']:.0f}"] if mem else []) + [
             f"{r['prefill_s']:.3f}", f"{r['speedup_prefill']:.2f}x", f"{r['gen_tokens_per_s']:.1f}", f"{r['speedup_gen']:.2f}x"]
+        if gguf:
+            cells += [f"{r['llama_cpp_file_mb']:.0f}", f"{r['llama_cpp_prompt_tokens_per_s']:.0f}",
+                      f"{r['llama_cpp_speedup_prompt']:.2f}x", f"{r['llama_cpp_gen_tokens_per_s']:.1f}",
+                      f"{r['llama_cpp_speedup_gen']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
