@@ -118,6 +118,13 @@ def worker(args) -> dict:
 
     work = {"dense": lambda: batch_loss(run.model, batch)}
     work |= {f"pg-{e}": pg_step(e) for e in args.executors}
+    if args.worker == "time":
+        # the floor of any executor: N_s forwards of a physically smaller model that keeps the same fraction
+        # (the run's final mask at its initial probabilities), with no gathers and no hooks
+        from engine.export import build_pruned_model
+
+        sub = build_pruned_model(run.model, run.layout, run.hard_masks(state.scores))
+        work["floor"] = lambda: [batch_loss(sub, batch) for _ in range(args.num_mask_samples)]
     if args.gumbel:
         work["gumbel"] = lambda: gumbel.step(state)
     work = {k: synced(f) for k, f in work.items()}
@@ -216,6 +223,9 @@ def main() -> None:
              f"after: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}",
              f"dense forward (with loss): {t['sec_dense']:.3f} s;  peak memory of inference {md:.0f} MB",
              "| executor | s / step | step / dense forward | peak memory / inference | peak MB |", "|---|---|---|---|---|"]
+    if "sec_floor" in t:
+        lines.append(f"| (floor: N_s forwards of the physically pruned model, no gathers) | {t['sec_floor']:.3f} | "
+                     f"{t['sec_floor'] / t['sec_dense']:.2f} | | |")
     for e in args.executors:
         lines.append(f"| {e} | {t[f'sec_pg-{e}']:.3f} | {t[f'sec_pg-{e}'] / t['sec_dense']:.2f} | "
                      f"{out[f'mem-pg-{e}']['peak_mb'] / md:.3f} | {out[f'mem-pg-{e}']['peak_mb']:.0f} |")

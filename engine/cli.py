@@ -63,6 +63,17 @@ def _method_options(args) -> dict:
     return options
 
 
+def _unit_multiple(text: str) -> dict:
+    """`channels=32[,heads=2]` -> {"channels": 32, "heads": 2}"""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        unit, _, n = part.partition("=")
+        if not n.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected UNIT=N, e.g. channels=32, got {part!r}")
+        out[unit.strip()] = int(n)
+    return out
+
+
 def _config_defaults(path: str) -> dict:
     """A saved PruneConfig as prune's argument defaults (so that flags given explicitly override it)."""
     config = PruneConfig.load(Path(path)).validate()
@@ -134,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--within-layer-ranking", default=D.within_layer_ranking, choices=WITHIN_LAYER_RANKINGS,
                    help="final mask: per-layer counts from the scores; units inside a layer ranked by the scores or by "
                         "the init metric (default %(default)s)")
+    p.add_argument("--unit-multiple", type=_unit_multiple, default=D.unit_multiple, metavar="UNIT=N[,...]",
+                   help="final mask: every layer keeps a multiple of N units of that type, e.g. channels=32 (whole "
+                        "Q8_0 blocks and GEMM tiles in llama.cpp; never over the budget) (default: none)")
     _method_option_args(p)
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--calib", default=None, help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 or ../shared/data/c4, else the hub)")
@@ -235,9 +249,6 @@ def cmd_prune(args) -> int:
         if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
             from .exporters.gguf import check_exportable
 
-            if config.bias_compensation:
-                raise UserError("--export-gguf: bias compensation adds output-projection biases, which llama.cpp's "
-                                "deci architecture does not read; drop one of the two")
             check_exportable(run.model)
     except BaseException:
         cleanup_out_dir(created)  # a folder made only for this run leaves no trace of a failed start

@@ -100,6 +100,9 @@ class PruneConfig:
     # optimisation, the evaluation, and as a bias of the output projection in the export)
     bias_compensation: bool = False
     within_layer_ranking: str = "scores"  # final mask: per-layer counts from the scores, units in a layer ranked by scores or init-metric
+    # final mask: every layer keeps a multiple of N units of these types, e.g. {"channels": 32}: whole Q8_0
+    # blocks and GEMM tiles for llama.cpp (never over the budget; units.round_to_multiple)
+    unit_multiple: dict = field(default_factory=dict)
     method_options: dict = field(default_factory=dict)  # the method's own settings (e.g. gumbel's temperatures)
     seed: int = 0
     calib: str | None = None  # calibration data file/folder; None: the default data dir or the hub
@@ -174,6 +177,12 @@ class PruneConfig:
             bad(f"antithetic mask sampling draws pairs: num mask samples must be even, got {self.num_mask_samples}")
         if self.init == "random-progressive" and not 0.0 < self.progressive_increment <= self.prune_ratio:
             bad(f"progressive increment must be in (0, prune ratio], got {self.progressive_increment}")
+        for unit, n in self.unit_multiple.items():
+            if unit not in self.units or UNIT_TYPES[unit].whole_layer:
+                bad(f"unit multiple applies to the pruned unit types within layers "
+                    f"({', '.join(u for u in self.units if not UNIT_TYPES[u].whole_layer)}), not {unit!r}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                bad(f"unit multiple of {unit} must be a whole number of at least 1, got {n!r}")
         method_options(self.method, self.method_options)
         optimising = [name for name, m in METHODS.items() if m.optimises]
         if not METHODS[self.method].optimises and self.init == "random-progressive":

@@ -163,18 +163,31 @@ class PruneRun:
     def hard_masks(self, scores: dict[str, torch.Tensor], keep_ratio: float | None = None) -> dict[str, torch.Tensor]:
         c = self.config
         keep = c.keep_ratio if keep_ratio is None else keep_ratio
-        return {u: self.layout.hard_mask(u, s, c.scope, keep) for u, s in scores.items()}
+        return {u: self.layout.hard_mask(u, s, c.scope, keep, c.unit_multiple.get(u, 1)) for u, s in scores.items()}
 
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         return {u: self.layout.split(u, m) for u, m in flat.items()}
 
     def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str,
                           fill: dict[str, list[torch.Tensor]] | None = None) -> float:
-        with MaskHooks(self.adapter) as hooks:
-            if flat_masks is not None:
-                hooks.set(self.layer_masks(flat_masks), fill)
-            self.log(f"evaluating {what} perplexity on {self.windows.shape[0]} windows of {self.config.eval_seqlen} tokens")
+        """WikiText perplexity of the model under one hard mask, computed by the run's executor (the sliced one
+        computes only the kept units): exp of the mean over windows of each window's mean token loss."""
+        self.log(f"evaluating {what} perplexity on {self.windows.shape[0]} windows of {self.config.eval_seqlen} tokens")
+        if flat_masks is None:
             ppl = perplexity(self.model, self.windows, self.config.eval_batch_size, progress=self.progress)
+        else:
+            samples = {u: m[None] for u, m in flat_masks.items()}
+            batches = range(0, self.windows.shape[0], self.config.eval_batch_size)
+            if self.progress:
+                from tqdm.auto import tqdm
+
+                batches = tqdm(batches, desc="perplexity", unit="batch", leave=False)
+            total = 0.0
+            with MaskHooks(self.adapter) as hooks:
+                for i in batches:
+                    batch = self.windows[i: i + self.config.eval_batch_size]
+                    total += float(self.sample_losses(hooks, self.layout, batch, samples, fill)[0]) * batch.shape[0]
+            ppl = math.exp(total / self.windows.shape[0])
         self.log(f"{what} perplexity: {ppl:.3f}")
         return ppl
 

@@ -297,6 +297,13 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
                                             "--gumbel-temperature applies to --method gumbel"),
         "bad method option": (prune_args(tiny_path, out, "--method", "gumbel", "--gumbel-final-temperature", "5"),
                               "gumbel temperatures"),
+        # issue 14
+        "unit multiple not a number": (prune_args(tiny_path, out, "--unit-multiple", "channels=x"), "UNIT=N"),
+        "unit multiple of whole layers": (prune_args(tiny_path, out, "--units", "heads,layers", "--unit-multiple",
+                                                     "layers=2"), "not 'layers'"),
+        "unit multiple of an unpruned type": (prune_args(tiny_path, out, "--units", "heads", "--unit-multiple",
+                                                         "channels=8"), "not 'channels'"),
+        "unit multiple 0": (prune_args(tiny_path, out, "--unit-multiple", "channels=0"), "at least 1"),
     }
 
 
@@ -317,6 +324,7 @@ BAD_INPUT_NAMES = [
     "finetune seqlen 1", "antithetic pairs with an odd N_s",
     "config file missing", "config file not json", "config file with an unknown field", "method option of another method",
     "bad method option",
+    "unit multiple not a number", "unit multiple of whole layers", "unit multiple of an unpruned type", "unit multiple 0",
 ]
 
 
@@ -336,6 +344,18 @@ def test_bad_input_is_one_error_line(name, tmp_path, tiny_path, gpt2_folder, cap
     if (tmp_path / "read_only").exists():
         (tmp_path / "read_only").chmod(0o755)  # so that pytest can clean it up
         assert not any((tmp_path / "read_only").iterdir())
+
+
+def test_unit_multiple_rounds_every_layer_of_the_export(tiny_path, tmp_path, capfd):
+    out = tmp_path / "run"
+    rc, err = run_main(capfd, ["prune", "--model", str(tiny_path), "--steps", "2", "--max-windows", "2", "--init-batches",
+                               "1", "--batch-size", "2", "--calib", str(SMALL_CALIB), "--eval-data", str(WIKI_RAW),
+                               "--unit-multiple", "channels=16", "--out", str(out)])
+    assert rc == 0, err
+    config = json.loads((out / "model" / "config.json").read_text())
+    widths = config["intermediate_size_per_layer"]
+    assert all(w % 16 == 0 and w > 0 for w in widths), widths
+    assert json.loads((out / "config.json").read_text())["unit_multiple"] == {"channels": 16}
 
 
 def test_config_file_starts_a_run_and_flags_override_it(tmp_path):

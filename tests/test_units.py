@@ -155,3 +155,41 @@ def test_hard_mask_deterministic_on_ties():
     m1 = layout.hard_mask("heads", s, "global", 0.5)
     m2 = layout.hard_mask("heads", s.clone(), "global", 0.5)
     assert torch.equal(m1, m2) and int(m1.sum()) == 3
+
+
+@pytest.mark.parametrize("scope", ["global", "uniform"])
+@pytest.mark.parametrize("seed", range(5))
+def test_hard_mask_multiple_keeps_whole_blocks_within_budget(scope, seed):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [96, 128, 100, 64, 33]
+    layout = UnitLayout({"channels": sizes})
+    scores = torch.rand(layout.total("channels"), generator=g) * torch.repeat_interleave(
+        torch.rand(len(sizes), generator=g), torch.tensor(sizes))  # layers of different importance
+    plain = layout.hard_mask("channels", scores, scope, 0.55)
+    rounded = layout.hard_mask("channels", scores, scope, 0.55, multiple=16)
+    for pool in layout.pools("channels", scope):  # never over the budget, and at most one block under per pool
+        budget, got = int(plain[pool].sum()), int(rounded[pool].sum())
+        assert budget - 16 < got <= budget
+    for sl, part in zip(layout.layer_slices("channels"), layout.split("channels", rounded)):
+        k = int(part.sum())
+        assert k % 16 == 0 and k >= 16
+        assert torch.equal(part, torch.zeros_like(part).index_fill_(0, torch.topk(scores[sl], k).indices, 1.0))
+
+
+def test_round_to_multiple_gives_freed_blocks_to_the_best_layer():
+    from engine.units import round_to_multiple
+
+    layout = UnitLayout({"channels": [8, 8]})
+    scores = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2] + [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0] + [1, 1, 1, 1, 1, 1, 0, 0.0])  # 6 + 6 kept, budget 12
+    out = round_to_multiple(mask, scores, layout.layer_slices("channels"), layout.pools("channels", "global"), 4)
+    # rounded down to 4 + 4; the freed 4 go to the first layer, whose next 4 units score higher
+    assert out.tolist() == [1.0] * 8 + [1.0] * 4 + [0.0] * 4
+    # a layer below one block is raised to one; the budget is kept by taking back the weakest last block
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1] + [1, 1, 0, 0, 0, 0, 0, 0.0])  # 8 + 2 kept, budget 10
+    out = round_to_multiple(mask, scores, layout.layer_slices("channels"), layout.pools("channels", "global"), 4)
+    assert out.tolist() == [1.0] * 4 + [0.0] * 4 + [1.0] * 4 + [0.0] * 4
+    # a layer no larger than the multiple is left as it is
+    small = UnitLayout({"heads": [3, 3]})
+    m = torch.tensor([1, 1, 0, 1, 0, 0.0])
+    assert torch.equal(round_to_multiple(m, torch.rand(6), small.layer_slices("heads"), small.pools("heads", "global"), 4), m)
