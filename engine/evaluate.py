@@ -27,6 +27,13 @@ def _row_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def decoder_forward(model, input_ids: torch.Tensor) -> None:
+    """The decoder stack only (transformers' base_model), without the lm_head and the loss: a quarter of a
+    forward of a small model with a large vocabulary, for hooks that read the layers' activations."""
+    model.base_model(input_ids=input_ids.to(model_device(model)), use_cache=False)
+
+
+@torch.no_grad()
 def batch_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of each row: (batch,), on the CPU."""
     return token_loss(model, input_ids).cpu()

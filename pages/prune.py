@@ -102,6 +102,10 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                                     help="Perplexity of the current hard mask on held-out calibration text, "
                                          "drawn on the loss chart (as its log, a loss).", key="val_every")
         checkpoint_every = h2.number_input("Checkpoint every N steps", 1, 10_000, D.checkpoint_every, key="checkpoint_every")
+        channel_multiple = h1.number_input("MLP channels per layer: a multiple of", 1, 256, 1,
+                                           help="Final mask: every layer keeps a multiple of this many MLP channels "
+                                                "(never over the budget). 32 gives llama.cpp whole Q8_0 blocks and "
+                                                "GEMM tiles; 1 = off.", key="channel_multiple")
     label = st.text_input("Run name (optional)", help=f"The run is saved under {_ui.runs_dir()}/<date>-<model>-<scope>-<rate>-<name>.", key="run_name")
     submitted = st.form_submit_button("Start pruning", type="primary", icon=":material/play_arrow:")
 
@@ -116,6 +120,7 @@ if submitted:
             baseline=baseline, baseline_window=int(baseline_window), estimator=estimator, seed=int(seed),
             eval_seqlen=int(eval_seqlen), max_windows=int(max_windows) or None, checkpoint_every=int(checkpoint_every),
             val_every=int(val_every),
+            unit_multiple={"channels": int(channel_multiple)} if channel_multiple > 1 and "channels" in units else {},
         )
         out = _ui.runs_dir() / new_run_name(config, label)
         jobs.start(config, out)

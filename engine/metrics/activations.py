@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..arch import ModelAdapter
-from ..evaluate import batch_loss
+from ..evaluate import decoder_forward
 from ..unit_types import layer_unit_types
 
 
@@ -29,7 +29,7 @@ def column_sums(adapter: ModelAdapter, batches: list[torch.Tensor], stat) -> tup
     tokens = 0
     try:
         for batch in batches:
-            batch_loss(adapter.model, batch)
+            decoder_forward(adapter.model, batch)
             tokens += batch.numel()
     finally:
         for h in handles:
