@@ -251,3 +251,36 @@ def test_export_bad_input_is_one_error_line(tiny_run, tmp_path, capfd):
     assert_cli_fails_with_one_line(["export", str(qwen3), "--format", "gguf", "--out", str(tmp_path / "q.gguf")],
                                    "deci architecture cannot hold this qwen3 model", capfd)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.gguf", "qwen3_run", "unfinished"]  # nothing half-written
+
+
+def test_prune_export_gguf_writes_the_run_gguf(tmp_path, capfd):
+    """`prune --export-gguf` at the end of a run: RUN/model.gguf gives the run's transformers export's logits."""
+    from conftest import SMALL_CALIB, WIKI_RAW
+    from engine.cli import main
+
+    out = tmp_path / "run"
+    assert main(["prune", "--model", str(TINY_MODEL), "--steps", "2", "--max-windows", "2", "--init-batches", "1",
+                 "--batch-size", "2", "--calib", str(SMALL_CALIB), "--eval-data", str(WIKI_RAW),
+                 "--unit-multiple", "channels=16", "--export-gguf", "f32", "--out", str(out)]) == 0
+    assert "llama.cpp model (f32)" in capfd.readouterr().out
+    exported = AutoModelForCausalLM.from_pretrained(out / "model", trust_remote_code=True).eval()
+    ids = list(range(10, 30))
+    with torch.no_grad():
+        want = exported(input_ids=torch.tensor([ids])).logits[0].float()
+    assert relative_error(llama_cpp_logits(out / "model.gguf", ids), want) <= 1e-3
+
+
+def test_prune_export_gguf_refuses_before_the_optimisation(tmp_path, capfd):
+    """A model deci cannot hold is refused when it is loaded, in one line, and --out is left as it was."""
+    from conftest import SMALL_CALIB, WIKI_RAW, assert_cli_fails_with_one_line
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "qwen3"
+    AutoModelForCausalLM.from_config(Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=16)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(folder)
+    out = tmp_path / "run"
+    assert_cli_fails_with_one_line(["prune", "--model", str(folder), "--steps", "2", "--max-windows", "2",
+                                    "--calib", str(SMALL_CALIB), "--eval-data", str(WIKI_RAW), "--export-gguf", "f16",
+                                    "--out", str(out)], "deci architecture cannot hold this qwen3 model", capfd)
+    assert not out.exists()
