@@ -30,18 +30,30 @@ def _unit_index(kept: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def sliced_linears(adapter: ModelAdapter, t: LayerUnitType, i: int, mask: torch.Tensor,
-                   fill: torch.Tensor | None = None) -> dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]]:
-    """linear -> (weight, bias) of layer i's linears of unit type t, narrowed to the units `mask` keeps."""
+                   fill: torch.Tensor | None = None, buffers: dict | None = None
+                   ) -> dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]]:
+    """linear -> (weight, bias) of layer i's linears of unit type t, narrowed to the units `mask` keeps.
+
+    buffers: storage reused from layer to layer, keyed by (unit type, weight position): the gathered weights
+    are written into it instead of fresh memory (the gathered weights of the previous layer must be dead:
+    no autograd), which spares the page faults of allocating them anew for every layer and sample."""
     kept = torch.nonzero(mask).flatten()
     empty = len(kept) == 0
     if empty:  # keep one unit and zero its contribution below
         kept = torch.zeros(1, dtype=torch.long, device=mask.device)
     out_proj = t.output_proj(adapter, i)
     out = {}
-    for linear, dim, width in t.owned_weights(adapter, i):
+    for j, (linear, dim, width) in enumerate(t.owned_weights(adapter, i)):
         w = linear.weight
         idx = _unit_index(kept.to(w.device), width)
-        weight = w.index_select(dim, idx)
+        if buffers is None:
+            weight = w.index_select(dim, idx)
+        else:
+            shape = (len(idx), w.shape[1]) if dim == 0 else (w.shape[0], len(idx))
+            buf = buffers.get((t.name, j))
+            if buf is None or buf.numel() < w.numel() or buf.dtype != w.dtype or buf.device != w.device:
+                buf = buffers[(t.name, j)] = torch.empty(w.numel(), dtype=w.dtype, device=w.device)
+            weight = torch.index_select(w, dim, idx, out=buf[: shape[0] * shape[1]].view(shape))
         bias = linear.bias
         if dim == 0 and bias is not None:
             bias = bias.index_select(0, idx)
@@ -93,13 +105,16 @@ class SlicedLayers:
         self.fill = fill or {}
         self._handles = []
         self._saved: dict[nn.Linear, tuple[nn.Parameter, nn.Parameter | None]] = {}
+        self._buffers: dict = {}
 
     def _swap_in(self, i: int):
         def hook(module, args, kwargs=None):
             with _gather_threads(self.adapter.layer(i)):
                 for u, masks in self.masks.items():
                     fill = self.fill[u][i] if u in self.fill else None
-                    for linear, (weight, bias) in sliced_linears(self.adapter, UNIT_TYPES[u], i, masks[i], fill).items():
+                    buffers = None if torch.is_grad_enabled() else self._buffers
+                    for linear, (weight, bias) in sliced_linears(self.adapter, UNIT_TYPES[u], i, masks[i], fill,
+                                                                 buffers).items():
                         self._saved[linear] = (linear.weight, linear.bias)
                         linear.weight = nn.Parameter(weight, requires_grad=False)
                         if bias is not None:
