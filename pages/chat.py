@@ -81,7 +81,7 @@ if prompt:
     turn = {"prompt": prompt}
     cols = st.columns(2)
     for col, side, model, label in ((cols[0], "dense", dense, f"Dense · {Path(run.config['model']).name}"),
-                                    (cols[1], "pruned", pruned, f"Pruned · {MODES[mode].split(' (')[0].lower()}")):
+                                    (cols[1], "pruned", pruned, f"Pruned · {MODES[mode].split(' (')[0]}")):
         with col:
             st.markdown(f"**{label}**")
             try:

@@ -15,6 +15,7 @@ cores; not run in CI).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -301,6 +302,19 @@ def test_browser_end_to_end(server, browser):
                if e.text and not e.text.startswith(("Dense", "Pruned")) and "tokens/s" not in e.text]
     assert len(answers) >= 2 and all(a.strip() for a in answers[:2]), answers
     shot(d, "chat")
+
+    # Chat with the run's GGUF in llama.cpp (exported on first use): a second answer pair under the first.
+    if importlib.util.find_spec("llama_cpp") is not None:
+        click_text(d, "GGUF in llama.cpp (the deployable file)", "p")
+        box = wait(lambda: d.find_element(By.CSS_SELECTOR, '[data-testid="stChatInputTextArea"]'), what="the chat input")
+        box.send_keys("Tell me about the sea." if REAL else "The little dog")
+        box.send_keys(Keys.ENTER)
+        captions = wait(lambda: (c := [e.text for e in d.find_elements(By.CSS_SELECTOR, '[data-testid="stCaptionContainer"]')
+                                       if "tokens/s" in e.text]) and len(c) == 4 and c, timeout=120 * SLOW,
+                        what="the llama.cpp answer")
+        assert all(int(c.split(" tokens")[0]) > 0 for c in captions)
+        assert "GGUF" in page_text(d)
+        shot(d, "chat-gguf")
 
     # Runs: the three runs are listed.
     goto(d, "Runs")
