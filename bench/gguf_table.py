@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 from pathlib import Path
 
@@ -57,15 +56,9 @@ def main() -> None:
 
     ppl = {k: llamacpp.perplexity(f, windows, args.threads, kv_f32=True) for k, f in files.items()}
     prompt = windows[0].tolist()
-    llms = {k: llamacpp.open_gguf(f, n_ctx=len(prompt) + args.new_tokens + 8, threads=args.threads) for k, f in files.items()}
-    speeds = {k: [] for k in files}
     load_before = os.getloadavg()[0]
-    for r in range(args.repeats + 1):
-        for k, llm in llms.items():  # alternating: every file sees the same load
-            s = llamacpp.speed(llm, prompt, args.new_tokens)
-            if r:  # the first round warms up
-                speeds[k].append(s)
-    tps = {k: (statistics.median(s[0] for s in v), statistics.median(s[1] for s in v)) for k, v in speeds.items()}
+    tps = dict(zip(files, llamacpp.alternating_speeds(list(files.values()), prompt, args.new_tokens, args.repeats,
+                                                      args.threads)))
 
     lines = [f"Run {run_dir.name}: {config.model}, {config.prune_ratio:.0%} of {' + '.join(config.units)}, {config.scope}, "
              f"{config.steps} steps, seed {config.seed}. WikiText-2 raw test, first {windows.shape[0]} windows x 128 "

@@ -40,12 +40,13 @@ def batch_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = False) -> float:
-    """ppl = exp(mean over windows of the mean token CE); windows all have the same length."""
+def perplexity(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = False, loss=batch_loss) -> float:
+    """ppl = exp(mean over windows of the mean token CE); windows all have the same length.
+    loss(model, batch) -> each row's mean token CE (batch_loss, or a masked model's)."""
     batches = range(0, windows.shape[0], batch_size)
     if progress:
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, desc="perplexity", unit="batch", leave=False)
-    losses = [batch_loss(model, windows[i : i + batch_size]) for i in batches]
+    losses = [loss(model, windows[i : i + batch_size]) for i in batches]
     return float(torch.exp(torch.cat(losses).double().mean()))

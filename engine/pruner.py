@@ -173,21 +173,13 @@ class PruneRun:
         """WikiText perplexity of the model under one hard mask, computed by the run's executor (the sliced one
         computes only the kept units): exp of the mean over windows of each window's mean token loss."""
         self.log(f"evaluating {what} perplexity on {self.windows.shape[0]} windows of {self.config.eval_seqlen} tokens")
-        if flat_masks is None:
-            ppl = perplexity(self.model, self.windows, self.config.eval_batch_size, progress=self.progress)
-        else:
-            samples = {u: m[None] for u, m in flat_masks.items()}
-            batches = range(0, self.windows.shape[0], self.config.eval_batch_size)
-            if self.progress:
-                from tqdm.auto import tqdm
+        with MaskHooks(self.adapter) as hooks:
+            def masked_loss(model, batch):  # the executor gives the batch's mean; every row counts it once
+                samples = {u: m[None] for u, m in flat_masks.items()}
+                return self.sample_losses(hooks, self.layout, batch, samples, fill).expand(batch.shape[0])
 
-                batches = tqdm(batches, desc="perplexity", unit="batch", leave=False)
-            total = 0.0
-            with MaskHooks(self.adapter) as hooks:
-                for i in batches:
-                    batch = self.windows[i: i + self.config.eval_batch_size]
-                    total += float(self.sample_losses(hooks, self.layout, batch, samples, fill)[0]) * batch.shape[0]
-            ppl = math.exp(total / self.windows.shape[0])
+            ppl = perplexity(self.model, self.windows, self.config.eval_batch_size, self.progress,
+                             batch_loss if flat_masks is None else masked_loss)
         self.log(f"{what} perplexity: {ppl:.3f}")
         return ppl
 

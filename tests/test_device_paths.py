@@ -58,6 +58,25 @@ def test_zeroshot_of_a_run_loads_the_base_on_the_configured_device(tmp_path, mon
     assert asked == [("some-model", "float32", "cuda:1")]
 
 
+def assert_offloaded_losses_equal(model, offloaded, keep: float, num_samples: int, ids: torch.Tensor):
+    """The hook executors give the same per-sample PG losses on an accelerate-offloaded copy of `model` as on
+    `model` held in memory (the same random masks)."""
+    from engine.arch import ModelAdapter
+    from engine.executors import EXECUTORS
+    from engine.masking import MaskHooks
+    from engine.policy import sample_masks
+    from engine.units import UnitLayout
+
+    layout = UnitLayout(ModelAdapter.for_model(model).unit_sizes())
+    g = torch.Generator().manual_seed(1)
+    samples = {u: sample_masks(torch.full((layout.total(u),), keep), num_samples, g) for u in layout.unit_types}
+    with MaskHooks(ModelAdapter.for_model(model)) as plain, MaskHooks(ModelAdapter.for_model(offloaded)) as split:
+        for name in ("sequential", "batched"):
+            torch.testing.assert_close(EXECUTORS[name](split, layout, ids, samples),
+                                       EXECUTORS[name](plain, layout, ids, samples), rtol=1e-5, atol=1e-5)
+    return layout, samples
+
+
 def test_masked_steps_on_a_model_that_accelerate_offloads(tmp_path):
     """--device auto: accelerate's device_map may keep some layers on disk (weights on `meta` until their
     forward); the hook executors give the same per-sample losses as the model in memory, and the sliced
@@ -69,8 +88,6 @@ def test_masked_steps_on_a_model_that_accelerate_offloads(tmp_path):
     from engine.errors import UserError
     from engine.executors import EXECUTORS
     from engine.masking import MaskHooks
-    from engine.policy import sample_masks
-    from engine.units import UnitLayout
     from test_adapters_export import build_model
 
     model = build_model("llama")
@@ -80,16 +97,10 @@ def test_masked_steps_on_a_model_that_accelerate_offloads(tmp_path):
     offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map, dtype=torch.float32,
                                                      offload_folder=str(tmp_path / "offload")).eval()
     assert offloaded.model.layers[1].self_attn.o_proj.weight.device.type == "meta"
-    layout = UnitLayout(ModelAdapter.for_model(model).unit_sizes())
-    g = torch.Generator().manual_seed(1)
-    samples = {u: sample_masks(torch.full((layout.total(u),), 0.6), 3, g) for u in layout.unit_types}
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
-    with MaskHooks(ModelAdapter.for_model(model)) as plain, MaskHooks(ModelAdapter.for_model(offloaded)) as split:
-        for name in ("sequential", "batched"):
-            torch.testing.assert_close(EXECUTORS[name](split, layout, ids, samples),
-                                       EXECUTORS[name](plain, layout, ids, samples), rtol=1e-5, atol=1e-5)
-        with pytest.raises(UserError, match="offloaded"):
-            EXECUTORS["sliced"](split, layout, ids, samples)
+    layout, samples = assert_offloaded_losses_equal(model, offloaded, 0.6, 3, ids)
+    with MaskHooks(ModelAdapter.for_model(offloaded)) as split, pytest.raises(UserError, match="offloaded"):
+        EXECUTORS["sliced"](split, layout, ids, samples)
 
 
 def test_device_auto_runs_on_a_cpu_only_host(tiny_path, small_eval_file, tmp_path):
@@ -125,12 +136,7 @@ def test_device_auto_splits_a_1b_model_and_its_pg_losses_equal_the_model_in_memo
     forwards of a PG step give the same per-sample losses as the model held in memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from engine.arch import ModelAdapter
-    from engine.executors import EXECUTORS
     from engine.loading import load_model, resolve_model
-    from engine.masking import MaskHooks
-    from engine.policy import sample_masks
-    from engine.units import UnitLayout
 
     config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                          num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True)
@@ -142,12 +148,6 @@ def test_device_auto_splits_a_1b_model_and_its_pg_losses_equal_the_model_in_memo
     split, _ = load_model(resolve_model(str(tmp_path / "m")), "float32", "auto", max_memory={"cpu": "2GiB"})
     devices = {p.device.type for p in split.parameters()}
     assert "meta" in devices  # some layers live on disk until they run
-    layout = UnitLayout(ModelAdapter.for_model(model).unit_sizes())
-    g = torch.Generator().manual_seed(1)
-    samples = {u: sample_masks(torch.full((layout.total(u),), 0.7), 2, g) for u in layout.unit_types}
     ids = torch.randint(0, 32000, (2, 16), generator=torch.Generator().manual_seed(0))
-    with MaskHooks(ModelAdapter.for_model(model)) as plain, MaskHooks(ModelAdapter.for_model(split)) as hooks:
-        for name in ("sequential", "batched"):
-            torch.testing.assert_close(EXECUTORS[name](hooks, layout, ids, samples),
-                                       EXECUTORS[name](plain, layout, ids, samples), rtol=1e-5, atol=1e-5)
+    assert_offloaded_losses_equal(model, split, 0.7, 2, ids)
 

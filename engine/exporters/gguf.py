@@ -268,6 +268,14 @@ def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | N
     return {"path": str(dest), "layers": layers, "outtype": outtype}
 
 
+def _tokenizer_files(gguf_source, folder: Path) -> dict:
+    """write_gguf's tokenizer arguments: the GGUF `gguf_source` (a ModelSource) came as, if any, else the
+    tokenizer.json in `folder`, if any."""
+    tokenizer_json = folder / "tokenizer.json"
+    return {"tokenizer_gguf": Path(gguf_source.path) / gguf_source.gguf_file if gguf_source.gguf_file else None,
+            "tokenizer_json": tokenizer_json if tokenizer_json.is_file() else None}
+
+
 def write_model_gguf(name: str, dest: Path, outtype: str = "f16") -> dict:
     """Any model the engine loads (the default model, a model folder, a run's model/ export) as a deci GGUF,
     its tokenizer from its own GGUF or its tokenizer.json."""
@@ -276,10 +284,7 @@ def write_model_gguf(name: str, dest: Path, outtype: str = "f16") -> dict:
     source = resolve_model(name)
     model, _ = load_model(source, "float32", "cpu")
     check_exportable(model)
-    tokenizer_gguf = Path(source.path) / source.gguf_file if source.gguf_file else None
-    tokenizer_json = Path(source.path) / "tokenizer.json"
-    return write_gguf(model, dest, outtype, tokenizer_gguf=tokenizer_gguf,
-                      tokenizer_json=tokenizer_json if tokenizer_json.is_file() else None,
+    return write_gguf(model, dest, outtype, **_tokenizer_files(source, Path(source.path)),
                       name=Path(str(name)).name or "model")
 
 
@@ -293,7 +298,4 @@ def export_gguf(run_dir: Path, dest: Path, outtype: str) -> dict:
     model, _ = load_model(resolve_model(str(run_dir / MODEL_DIR)), "float32", "cpu")
     check_exportable(model)  # before the base model's tokenizer is looked for
     base = resolve_model(PruneConfig.load(run_dir / CONFIG_FILE).model)
-    tokenizer_gguf = Path(base.path) / base.gguf_file if base.gguf_file else None
-    tokenizer_json = run_dir / MODEL_DIR / "tokenizer.json"
-    return write_gguf(model, dest, outtype, tokenizer_gguf=tokenizer_gguf,
-                      tokenizer_json=tokenizer_json if tokenizer_json.is_file() else None, name=run_dir.name)
+    return write_gguf(model, dest, outtype, **_tokenizer_files(base, run_dir / MODEL_DIR), name=run_dir.name)

@@ -124,8 +124,8 @@ class LlamaCppGenerator:
     """A GGUF file in llama.cpp behind the part of transformers' generate() that `stream` uses, so the same
     tokenizer, chat template, streamer and token count serve every backend."""
 
-    def __init__(self, llm, path: Path, stop_ids: set[int]):
-        self.llm, self.path, self.stop_ids = llm, path, stop_ids
+    def __init__(self, llm, stop_ids: set[int]):
+        self.llm, self.stop_ids = llm, stop_ids
 
     def generate(self, input_ids: torch.Tensor, streamer, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 0.7, top_p: float = 0.95, **_ignored) -> None:
@@ -166,7 +166,7 @@ def load_gguf(run_dir: str | Path, outtype: str = "f16", threads: int | None = N
         params = json.loads((run_dir / "results.json").read_text())["params_pruned"]
     except (OSError, ValueError, KeyError):
         params = 0
-    return ChatModel(LlamaCppGenerator(llm, path, stop), tok, f"pruned (GGUF in llama.cpp): {run_dir.name}", params,
+    return ChatModel(LlamaCppGenerator(llm, stop), tok, f"pruned (GGUF in llama.cpp): {run_dir.name}", params,
                      info={"gguf": str(path)})
 
 

@@ -96,6 +96,28 @@ def speed(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     return len(prompt) / prompt_s, new_tokens / (time.perf_counter() - t)
 
 
+def alternating_speeds(paths: list[Path], prompt: list[int], new_tokens: int, repeats: int,
+                       threads: int | None = None) -> list[tuple[float, float]]:
+    """Median (prompt tokens/s, generated tokens/s) of each file over `repeats` rounds after a warm-up round,
+    the files alternating within each round so that all see the same machine load."""
+    import statistics
+
+    llms = []
+    try:
+        for path in paths:
+            llms.append(open_gguf(path, n_ctx=len(prompt) + new_tokens + 8, threads=threads))
+        times = [[] for _ in llms]
+        for r in range(repeats + 1):
+            for llm, t in zip(llms, times):
+                timing = speed(llm, prompt, new_tokens)
+                if r:  # the first round warms up
+                    t.append(timing)
+        return [(statistics.median(s[0] for s in t), statistics.median(s[1] for s in t)) for t in times]
+    finally:
+        for llm in llms:
+            close(llm)
+
+
 def _last_logits(llm) -> np.ndarray:
     """The logits of the last evaluated token (with or without logits_all)."""
     if llm._logits_all:
@@ -107,13 +129,14 @@ def generate(llm, prompt: list[int], max_new_tokens: int, stop_ids: set[int], gr
              temperature: float = 0.7, top_p: float = 0.95, seed: int = 0):
     """Yields the generated token ids one by one (stops at a stop id, which is not yielded, or after
     max_new_tokens)."""
+    if max_new_tokens < 1:
+        return
     llm.set_seed(int(seed))
-    n = 0
-    for token in llm.generate(list(prompt), temp=0.0 if greedy else float(temperature), top_p=float(top_p),
-                              top_k=0, min_p=0.0, repeat_penalty=1.0, reset=True):
-        if token in stop_ids or n >= max_new_tokens:
+    tokens = llm.generate(list(prompt), temp=0.0 if greedy else float(temperature), top_p=float(top_p), top_k=0,
+                          min_p=0.0, repeat_penalty=1.0, reset=True)
+    for n, token in enumerate(tokens, 1):
+        if token in stop_ids:
             return
-        n += 1
         yield int(token)
-        if n >= max_new_tokens:
+        if n == max_new_tokens:  # before the generator evaluates one more token
             return

@@ -256,26 +256,15 @@ def llama_cpp_speeds(config: MeasureConfig, prompt: list[int], log) -> list[dict
 
     threads = config.threads or torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="measure-gguf-") as tmp:
-        llms = []
-        try:
-            for i, name in enumerate(config.models):
-                log(f"writing {name} as GGUF {config.llama_cpp}")
-                path = Path(tmp) / f"{i}.gguf"
-                write_model_gguf(name, path, config.llama_cpp)
-                llms.append((llamacpp.open_gguf(path, n_ctx=len(prompt) + config.new_tokens + 8, threads=threads),
-                             path.stat().st_size))
-            times = [[] for _ in llms]
-            for r in range(config.repeats + 1):
-                for (llm, _), t in zip(llms, times):
-                    speed = llamacpp.speed(llm, prompt, config.new_tokens)
-                    if r:  # the first round warms up
-                        t.append(speed)
-            return [{"llama_cpp_prompt_tokens_per_s": statistics.median(s[0] for s in t),
-                     "llama_cpp_gen_tokens_per_s": statistics.median(s[1] for s in t),
-                     "llama_cpp_file_mb": size / 2**20, "llama_cpp_threads": threads} for (_, size), t in zip(llms, times)]
-        finally:
-            for llm, _ in llms:
-                llamacpp.close(llm)
+        paths = []
+        for i, name in enumerate(config.models):
+            log(f"writing {name} as GGUF {config.llama_cpp}")
+            paths.append(Path(tmp) / f"{i}.gguf")
+            write_model_gguf(name, paths[-1], config.llama_cpp)
+        speeds = llamacpp.alternating_speeds(paths, prompt, config.new_tokens, config.repeats, threads)
+        return [{"llama_cpp_prompt_tokens_per_s": prompt_tps, "llama_cpp_gen_tokens_per_s": gen_tps,
+                 "llama_cpp_file_mb": path.stat().st_size / 2**20, "llama_cpp_threads": threads}
+                for path, (prompt_tps, gen_tps) in zip(paths, speeds)]
 
 
 def markdown(result: dict, labels: list[str] | None = None) -> str:
