@@ -56,6 +56,8 @@ class Cell:
 def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) -> list[Cell]:
     out: list[Cell] = []
     # the paper's optimiser (N_s 2, moving-average baseline), not the tool's defaults
+    paper_pg = {"method": "pg", "num_mask_samples": 2, "baseline": "moving-average"}
+    # (the key order is part of each cell's folder name: cell_key)
     pg_global = {**HC, "method": "pg", "scope": "global", "init": "wanda-sp", "num_mask_samples": 2,
                  "baseline": "moving-average"}
     for r in rates:
@@ -75,11 +77,11 @@ def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) 
             layers = {"units": "layers", "scope": "global"}
             out += [Cell(3, "Layerwise-PPL", r, {**layers, "method": "metric", "layer_init": "layerwise-ppl"}, pg=False),
                     Cell(3, "SLEB", r, {**layers, "method": "metric", "layer_init": "sleb"}, pg=False),
-                    Cell(3, "PG (Layerwise-PPL init)", r, {**layers, "method": "pg", "layer_init": "layerwise-ppl"}),
+                    Cell(3, "PG (Layerwise-PPL init)", r, {**layers, **paper_pg, "layer_init": "layerwise-ppl"}),
                     # score-const keeps the metric's order in the initial scores; sigmoid-norm over z-scores that a
                     # few outlier layers dominate starts most layers at almost the same score
                     Cell(3, "PG (Layerwise-PPL init, score-const map)", r,
-                         {**layers, "method": "pg", "layer_init": "layerwise-ppl", "prob_map": "score-const"})]
+                         {**layers, **paper_pg, "layer_init": "layerwise-ppl", "prob_map": "score-const"})]
         if 5 in tables and r in (0.3, 0.5):
             out += [Cell(5, "PG", r, pg_global, seed=s) for s in seeds]
             out += [Cell(5, "Gumbel-softmax", r, {**pg_global, "method": "gumbel"}, seed=s) for s in seeds]
@@ -99,6 +101,16 @@ def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) 
                  {**pg_global, "num_mask_samples": 8, "sample_forward": "batched", "baseline": "leave-one-out"}, 1.0)]
         out += [Cell(4, row, r, settings, seed=s, lr_scale=scale) for row, settings, scale in rows for s in seeds]
     return [replace(c, seed=seeds[0]) if c.seed is None else c for c in out]
+
+
+def only_rows(todo: list[Cell], rows: list[str] | None) -> list[Cell]:
+    """The cells of the named rows (all when none are named); a name no table has is an error."""
+    names = {c.row for c in todo}
+    unknown = [r for r in rows or [] if r not in names]
+    if unknown:
+        raise SystemExit(f"paper_tables.py: error: --only: no row {unknown[0]!r} in these tables; "
+                         f"rows: {'; '.join(sorted(names))}")
+    return [c for c in todo if not rows or c.row in rows]
 
 
 def cell_key(c: Cell, args) -> str:
@@ -304,6 +316,9 @@ def main() -> None:
                         "runs the model once per layer and SLEB once per layer per removal, so on CPU they get fewer")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]; several queues of this script side by side "
                    "share the cells through lock files (a GPU runs a few at once far better than one)")
+    p.add_argument("--only", action="append", metavar="ROW",
+                   help="run only the cells of this row (its name as the tables print it; repeat for more rows); "
+                        "the report still lists every row")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "paper_tables"))
     p.add_argument("--list", action="store_true", help="list the cells and whether each is done")
     p.add_argument("--report-only", action="store_true", help="write the tables from the cells done so far")
@@ -315,7 +330,7 @@ def main() -> None:
     # the PG rows of tables 1, 4 and 5 run over every seed; tables 2 and 3 and the one-shot rows once
     todo = cells(tables, seeds, tuple(args.rates))
     unique: dict[str, Cell] = {}
-    for c in todo:
+    for c in only_rows(todo, args.only):
         unique.setdefault(cell_key(c, args), c)
     # table 1 first: the cells of the headline comparison (PG vs Wanda-sp, uniform and global ranking) rate
     # by rate, then its other rows; seed 0 before the other seeds; then the cheap one-shot cells of the

@@ -29,6 +29,25 @@ def test_every_cell_is_a_valid_run_config():
         assert ns.init_batches == (1 if c.settings["units"] == "layers" else 2)
 
 
+def test_pg_cells_run_the_papers_optimiser_unless_they_are_its_ablation():
+    """N_s 2 and the moving-average baseline (not the tool's defaults) in every PG cell but table 4's rows
+    that vary exactly these."""
+    for c in pt.cells({1, 2, 3, 4, 5}, [0]):
+        if c.pg and c.table != 4:
+            config = pt.cell_config(c, ARGS, "m")
+            assert (config.num_mask_samples, config.baseline) == (2, "moving-average"), (c.table, c.row)
+
+
+def test_only_picks_rows_by_name_and_refuses_an_unknown_one():
+    todo = pt.cells({3}, [0])
+    picked = pt.only_rows(todo, ["SLEB", "Layerwise-PPL"])
+    assert picked and {c.row for c in picked} == {"SLEB", "Layerwise-PPL"}
+    assert len(picked) == 6  # three rates each
+    assert pt.only_rows(todo, None) == todo
+    with pytest.raises(SystemExit, match="no row 'SLB'"):
+        pt.only_rows(todo, ["SLB"])
+
+
 def test_cells_with_the_same_settings_share_a_run():
     cells = pt.cells({1, 2, 4}, [0])
     paper_pg = {**pt.HC, "method": "pg", "scope": "global", "init": "wanda-sp", "num_mask_samples": 2,

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One lease of the GPU machine (the `device` tool: 30 minutes, 10 per call), used for every GPU test and
+# figure the open issues ask for, in as few calls as possible.
+#
+#   here:   bash bench/gpu_lease.sh prep     after `bash install.sh`: fills the git-ignored .gpu/ and prints the calls
+#   there:  source bench/gpu_lease.sh env    at the start of each call's command: the exports (and, the first
+#                                            time, the test model and data put where the tests look for them)
+#           bash bench/gpu_lease.sh STAGE [SECONDS]
+#                tests      the `gpu` tests (tests/test_gpu.py)
+#                step-cost  bench/step_cost.py on CUDA: the default model (float32, bfloat16), random 1B and 7B
+#                quality    bench/pg_quality.py: the control variate and bias compensation, 3 seeds, 300 steps
+#                tables     bench/paper_tables.py at 200 steps, 8 queues, for SECONDS (default 500); rerun to go on
+#           Each stage writes $OUT/STAGE.log and $OUT/STAGE.tar.gz (its result files, as repository paths).
+#   here:   tar -xzf FILES_AT/STAGE.tar.gz   from the repository root: the results land where the docs cite them
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+GGUF=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
+
+prep() {
+    cd "$ROOT" || exit 2
+    bash ../shared/tools/gpu-prep >/dev/null || exit 2
+    # lm-eval (zero-shot) and what it needs beyond the GPU image's packages (KINDS.md lists them); three ship as
+    # source only, so they are built here (pure Python)
+    local pins=(lm-eval==0.4.13 datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19
+                more-itertools==11.2.1 pytablewriter==1.2.1 dataproperty==1.1.1 mbstrdecoder==1.1.5
+                chardet==6.0.0.post1 pathvalidate==3.3.1 tabledata==1.3.5 tcolorpy==0.1.7 typepy==1.3.5 nltk==3.10.4)
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+        --abi none --platform manylinux_2_17_x86_64 -d .gpu/whl "${pins[@]}" 2>&1 | grep -v '^WARNING' || true
+    python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl rouge-score==0.1.2 sqlitedict==2.1.0 \
+        word2number==1.1 2>&1 | grep -v '^WARNING' || true
+    rm -rf .gpu/x && mkdir -p .gpu/x
+    cp -r ../shared/models/tinystories-656k ../shared/data/zeroshot .gpu/x/
+    du -sh .gpu/* | sed 's/^/  /'
+    cat <<'TXT'
+Four device calls, back to back (the machine goes back after 30 s idle):
+ 1. carry [".gpu/p0", ".gpu/p1"]               mkdir -p /tmp/m && cat .gpu/p0/part0 .gpu/p1/part1 > /tmp/m/part
+ 2. carry [".gpu/p2", ".gpu/whl"]              cat .gpu/p2/part2 >> /tmp/m/part && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
+ 3. carry [".gpu/p3", ".gpu/data", ".gpu/x"]   cat .gpu/p3/part3 >> /tmp/m/part && mv /tmp/m/part /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf && source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tests && bash bench/gpu_lease.sh step-cost
+ 4. (nothing to carry)                         source bench/gpu_lease.sh env && bash bench/gpu_lease.sh quality && bash bench/gpu_lease.sh tables 300
+Then `source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tables 540` while device time lasts.
+Each call: timeout_s 600. Unpack each files_at/*.tar.gz here with tar -xzf from the repository root.
+TXT
+}
+
+env_setup() {
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false MODEL=$GGUF
+    local shared="$ROOT/../shared"  # where tests/conftest.py and engine/data.py look
+    if [[ ! -d $shared/models/tinystories-656k && -d $ROOT/.gpu/x ]]; then
+        mkdir -p "$shared/models" "$shared/data"
+        cp -r "$ROOT/.gpu/x/tinystories-656k" "$shared/models/"
+        cp -r "$ROOT/.gpu/x/zeroshot" "$ROOT"/.gpu/data/* "$shared/data/"
+    fi
+    export PG_PRUNE_DATA_DIR=$(cd "$shared/data" && pwd)
+    [[ -f $GGUF ]] || echo "gpu_lease: $GGUF is missing: make the assembly calls first (bash bench/gpu_lease.sh prep prints them)" >&2
+}
+
+pack() {  # pack STAGE PATH... : the stage's results as repository paths, for tar -xzf here
+    local stage=$1; shift
+    (cd "$ROOT" && tar -czf "${OUT:-/tmp}/$stage.tar.gz" --ignore-failed-read "$@" 2>/dev/null)
+}
+
+stage_tests() {
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py --junitxml="${OUT:-/tmp}/tests.xml"
+}
+
+stage_step_cost() {
+    local out=bench/results/step_cost
+    python3 bench/step_cost.py --model "$MODEL" --device cuda --repeats 20 --out $out
+    python3 bench/step_cost.py --model "$MODEL" --device cuda --dtype bfloat16 --repeats 20 --out $out
+    python3 bench/step_cost.py --random-config 1b --device cuda --repeats 10 --out $out
+    python3 bench/step_cost.py --random-config 7b --device cuda --dtype bfloat16 --repeats 5 --out $out
+    pack step-cost $out/step_cost-cuda-*.json
+}
+
+stage_quality() {
+    [[ -f /tmp/plain/config.json ]] || python3 bench/plain_copy.py /tmp/plain --model "$MODEL"
+    python3 bench/pg_quality.py --model /tmp/plain --device cuda --variants cv,comp --seeds 0,1,2 --steps 300 --workers 6
+    pack quality bench/results/pg_quality/jobs bench/results/pg_quality/report.md
+}
+
+stage_tables() {
+    local seconds=${1:-500} out=bench/results/paper_tables_gpu200
+    local args=(--steps 200 --max-windows 256 --device cuda --model "$MODEL" --out $out)
+    local pids=()
+    for q in 1 2 3 4 5 6 7 8; do
+        setsid python3 bench/paper_tables.py "${args[@]}" > "/tmp/tables-q$q.log" 2>&1 &
+        pids+=($!)
+        # the first queue makes the plain model copy the others read
+        [[ $q == 1 ]] && while [[ ! -f $out/model/config.json ]] && kill -0 "${pids[0]}" 2>/dev/null; do sleep 2; done
+    done
+    local end=$((SECONDS + seconds))
+    while ((SECONDS < end)) && kill -0 "${pids[@]}" 2>/dev/null; do sleep 5; done
+    for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done  # a cut cell resumes from its checkpoint
+    sleep 3
+    python3 bench/paper_tables.py "${args[@]}" --report-only > /dev/null
+    cat /tmp/tables-q*.log | grep -E "running|resuming|failed" | sort | uniq
+    (cd "$ROOT" && pack tables $out/tables.md $(ls -d $out/cells/*/results.json $out/cells/*/config.json 2>/dev/null))
+}
+
+case "${1:-}" in
+    prep) prep ;;
+    env) env_setup ;;
+    tests|step-cost|quality|tables)
+        set -o pipefail
+        stage=$1; shift
+        cd "$ROOT" || exit 2
+        "stage_${stage//-/_}" "$@" 2>&1 | tee "${OUT:-/tmp}/$stage.log" ;;
+    *) echo "usage: bash bench/gpu_lease.sh prep | source bench/gpu_lease.sh env | bash bench/gpu_lease.sh tests|step-cost|quality|tables [SECONDS]" >&2
+       [[ ${BASH_SOURCE[0]} == "$0" ]] && exit 2 ;;
+esac
