@@ -93,7 +93,8 @@ stage_tables() {
     sleep 3
     python3 bench/paper_tables.py "${args[@]}" --report-only > /dev/null
     cat /tmp/tables-q*.log | grep -E "running|resuming|failed" | sort | uniq
-    (cd "$ROOT" && pack tables $out/tables.md $(ls -d $out/cells/*/results.json $out/cells/*/config.json 2>/dev/null))
+    local done=$(ls $out/cells/*/results.json 2>/dev/null)  # finished cells only: a cut one resumes there
+    pack tables $out/tables.md $done ${done//results.json/config.json}
 }
 
 case "${1:-}" in
