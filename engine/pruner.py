@@ -205,7 +205,8 @@ class PruneRun:
         """The standardized importance metric of every unit type (flat; higher = keep)."""
         c = self.config
         wanted = self.metric_names()
-        ctx = MetricContext(self.adapter, self.layout, batches, keep_ratio=c.keep_ratio, seed=c.seed + 2)
+        ctx = MetricContext(self.adapter, self.layout, batches, keep_ratio=c.keep_ratio, seed=c.seed + 2,
+                            progress=self.progress)
         raw: dict[str, list[torch.Tensor]] = {}
         for name in dict.fromkeys(wanted.values()):
             units = [u for u, m in wanted.items() if m == name]

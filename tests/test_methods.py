@@ -247,6 +247,25 @@ def test_layerwise_ppl_and_sleb(ids):
     assert sorted(order) == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("removed", [[], [1], [0, 2]])
+def test_losses_without_each_layer_equal_full_forwards_without_it(arch, removed):
+    """The shortcut (record each layer's input once, then run only the layers after the candidate) gives the
+    loss of a full forward with the candidate removed, for every candidate; and ticks once per forward."""
+    from engine.metrics.layerwise_ppl import loss_without, losses_without_each
+
+    a = ModelAdapter.for_model(build_model(arch))
+    batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    candidates = [i for i in range(3) if i not in removed]
+    ticks = []
+    got = losses_without_each(a, batches, removed, candidates, lambda: ticks.append(1))
+    assert list(got) == candidates and len(ticks) == len(candidates) * len(batches)
+    for i in candidates:
+        assert got[i] == pytest.approx(loss_without(a, batches, removed + [i]), rel=1e-6, abs=1e-7)
+    # and the candidates differ: a wrong shortcut (e.g. the input not put in) could not pass by accident
+    assert len({round(v, 6) for v in got.values()}) == len(got)
+
+
 # --- runs on the tiny real model --------------------------------------------------------------------
 def run_tiny(tiny, tiny_path, eval_file, out, **kw):
     return PruneRun(small_config(tiny_path, eval_file, **kw), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)

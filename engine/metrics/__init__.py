@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -24,6 +25,18 @@ class MetricContext:
     batches: list[torch.Tensor] = field(default_factory=list)  # calibration batches (needs_data metrics)
     keep_ratio: float = 1.0  # the run's target (SLEB removes layers down to it)
     seed: int = 0
+    progress: bool = False  # a tqdm bar on stderr for the metrics that run the model many times
+
+    @contextmanager
+    def progress_bar(self, name: str, forwards: int) -> Iterator[Callable[[], None]]:
+        """A bar over a metric's `forwards` model runs (SLEB's can take hours on a CPU); yields its tick."""
+        if not self.progress:
+            yield lambda: None
+            return
+        from tqdm.auto import tqdm
+
+        with tqdm(total=forwards, desc=name, unit="forward", leave=False) as bar:
+            yield lambda: bar.update(1)
 
 
 MetricFn = Callable[[MetricContext, list[str]], dict[str, list[torch.Tensor]]]

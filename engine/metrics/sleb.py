@@ -4,7 +4,7 @@ import torch
 
 from ..policy import keep_count
 from . import MetricContext, register_metric
-from .layerwise_ppl import loss_without
+from .layerwise_ppl import losses_without_each
 
 
 @register_metric("sleb", scores="layers", needs_data=True)
@@ -18,8 +18,9 @@ def sleb(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Tens
     n = a.num_layers
     to_remove = n - keep_count(ctx.keep_ratio, n)
     removed: list[int] = []
-    for _ in range(to_remove):
-        losses = {i: loss_without(a, ctx.batches, removed + [i]) for i in range(n) if i not in removed}
-        removed.append(min(losses, key=losses.get))
+    with ctx.progress_bar("sleb", sum(n - k for k in range(to_remove)) * len(ctx.batches)) as tick:
+        for _ in range(to_remove):
+            losses = losses_without_each(a, ctx.batches, removed, [i for i in range(n) if i not in removed], tick)
+            removed.append(min(losses, key=losses.get))
     score = {i: float(k) for k, i in enumerate(removed)}
     return {u: [torch.tensor([score.get(i, float(to_remove))]) for i in range(n)] for u in unit_types}
