@@ -206,7 +206,7 @@ class PruneRun:
         c = self.config
         wanted = self.metric_names()
         ctx = MetricContext(self.adapter, self.layout, batches, keep_ratio=c.keep_ratio, seed=c.seed + 2,
-                            progress=self.progress)
+                            progress=self.progress, log=self.log)
         raw: dict[str, list[torch.Tensor]] = {}
         for name in dict.fromkeys(wanted.values()):
             units = [u for u, m in wanted.items() if m == name]

@@ -266,6 +266,16 @@ def test_losses_without_each_layer_equal_full_forwards_without_it(arch, removed)
     assert len({round(v, 6) for v in got.values()}) == len(got)
 
 
+def test_layer_metric_progress_reaches_the_log_without_a_bar():
+    """Without a tqdm bar (the app's runs), SLEB reports its model runs as log lines, the last one complete."""
+    a = ModelAdapter.for_model(build_model("llama"))
+    lines: list[str] = []
+    ctx = MetricContext(a, _Layout(a.unit_sizes()), [torch.randint(0, 128, (2, 19))], keep_ratio=0.34, log=lines.append)
+    METRICS["sleb"].fn(ctx, ["layers"])  # removes 2 of 3 layers: 3 + 2 candidate forwards on 1 batch
+    assert lines and lines[-1] == "sleb: 5/5 model runs"
+    assert all(line.startswith("sleb: ") for line in lines)
+
+
 # --- runs on the tiny real model --------------------------------------------------------------------
 def run_tiny(tiny, tiny_path, eval_file, out, **kw):
     return PruneRun(small_config(tiny_path, eval_file, **kw), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -26,17 +27,33 @@ class MetricContext:
     keep_ratio: float = 1.0  # the run's target (SLEB removes layers down to it)
     seed: int = 0
     progress: bool = False  # a tqdm bar on stderr for the metrics that run the model many times
+    log: Callable[[str], None] | None = None  # else their progress as log lines (the app shows the last one)
 
     @contextmanager
-    def progress_bar(self, name: str, forwards: int) -> Iterator[Callable[[], None]]:
-        """A bar over a metric's `forwards` model runs (SLEB's can take hours on a CPU); yields its tick."""
-        if not self.progress:
+    def progress_bar(self, name: str, forwards: int, every_seconds: float = 5.0) -> Iterator[Callable[[], None]]:
+        """Progress over a metric's `forwards` model runs (SLEB's take hours on a CPU); yields the tick to call
+        after each. A tqdm bar, or a log line at most every `every_seconds` and after the last run."""
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            with tqdm(total=forwards, desc=name, unit="forward", leave=False) as bar:
+                yield lambda: bar.update(1)
+            return
+        if self.log is None:
             yield lambda: None
             return
-        from tqdm.auto import tqdm
+        start = time.monotonic()
+        state = {"done": 0, "logged": start}
 
-        with tqdm(total=forwards, desc=name, unit="forward", leave=False) as bar:
-            yield lambda: bar.update(1)
+        def tick() -> None:
+            state["done"] += 1
+            now, done = time.monotonic(), state["done"]
+            if done == forwards or now - state["logged"] >= every_seconds:
+                state["logged"] = now
+                left = (now - start) / done * (forwards - done)
+                self.log(f"{name}: {done}/{forwards} model runs" + (f", about {left / 60:.0f} min left" if done < forwards else ""))
+
+        yield tick
 
 
 MetricFn = Callable[[MetricContext, list[str]], dict[str, list[torch.Tensor]]]
