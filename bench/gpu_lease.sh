@@ -9,6 +9,8 @@
 #                tests      the `gpu` tests (tests/test_gpu.py)
 #                step-cost  bench/step_cost.py on CUDA: the default model (float32, bfloat16), random 1B and 7B
 #                quality    bench/pg_quality.py: the control variate and bias compensation, 3 seeds, 300 steps
+#                recovery   the converged preset (300 steps, N_s 8, leave-one-out), 3 seeds, each then LoRA-recovered
+#                           (`finetune`, the paper's 4,000 x 1,024 tokens): the 30 % figure after recovery
 #                tables     bench/paper_tables.py at 200 steps, 8 queues, for SECONDS (default 500); rerun to go on
 #           Each stage writes $OUT/STAGE.log and $OUT/STAGE.tar.gz (its result files, as repository paths).
 #   here:   tar -xzf FILES_AT/STAGE.tar.gz   from the repository root: the results land where the docs cite them
@@ -35,7 +37,7 @@ Four device calls, back to back (the machine goes back after 30 s idle):
  1. carry [".gpu/p0", ".gpu/p1"]               mkdir -p /tmp/m && cat .gpu/p0/part0 .gpu/p1/part1 > /tmp/m/part
  2. carry [".gpu/p2", ".gpu/whl"]              cat .gpu/p2/part2 >> /tmp/m/part && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
  3. carry [".gpu/p3", ".gpu/data", ".gpu/x"]   cat .gpu/p3/part3 >> /tmp/m/part && mv /tmp/m/part /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf && source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tests && bash bench/gpu_lease.sh step-cost
- 4. (nothing to carry)                         source bench/gpu_lease.sh env && bash bench/gpu_lease.sh quality && bash bench/gpu_lease.sh tables 300
+ 4. (nothing to carry)                         source bench/gpu_lease.sh env && bash bench/gpu_lease.sh quality && bash bench/gpu_lease.sh recovery
 Then `source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tables 540` while device time lasts.
 Each call: timeout_s 600. Unpack each files_at/*.tar.gz here with tar -xzf from the repository root.
 TXT
@@ -77,6 +79,25 @@ stage_quality() {
     pack quality bench/results/pg_quality/jobs bench/results/pg_quality/report.md
 }
 
+stage_recovery() {
+    local out=bench/results/recovery pids=()
+    mkdir -p $out
+    for seed in 0 1 2; do
+        (python3 -m engine prune --model "$MODEL" --device cuda --preset converged --prune-ratio 0.3 --seed $seed \
+             --max-windows 256 --out /tmp/rec/pg-s$seed --overwrite &&
+         python3 -m engine finetune --model /tmp/rec/pg-s$seed/model --out /tmp/rec/ft-s$seed --device cuda \
+             --max-windows 256 --seed $seed) > /tmp/rec-s$seed.log 2>&1 &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    tail -n 3 /tmp/rec-s*.log
+    for seed in 0 1 2; do
+        mkdir -p $out/s$seed
+        cp /tmp/rec/pg-s$seed/{config.json,results.json} /tmp/rec/ft-s$seed/finetune_{config,results}.json $out/s$seed/
+    done
+    pack recovery $out
+}
+
 stage_tables() {
     local seconds=${1:-500} out=bench/results/paper_tables_gpu200
     local args=(--steps 200 --max-windows 256 --device cuda --model "$MODEL" --out $out)
@@ -100,11 +121,11 @@ stage_tables() {
 case "${1:-}" in
     prep) prep ;;
     env) env_setup ;;
-    tests|step-cost|quality|tables)
+    tests|step-cost|quality|recovery|tables)
         set -o pipefail
         stage=$1; shift
         cd "$ROOT" || exit 2
         "stage_${stage//-/_}" "$@" 2>&1 | tee "${OUT:-/tmp}/$stage.log" ;;
-    *) echo "usage: bash bench/gpu_lease.sh prep | source bench/gpu_lease.sh env | bash bench/gpu_lease.sh tests|step-cost|quality|tables [SECONDS]" >&2
+    *) echo "usage: bash bench/gpu_lease.sh prep | source bench/gpu_lease.sh env | bash bench/gpu_lease.sh tests|step-cost|quality|recovery|tables [SECONDS]" >&2
        [[ ${BASH_SOURCE[0]} == "$0" ]] && exit 2 ;;
 esac
