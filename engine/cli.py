@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", default=None, help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 or ../shared/data/c4, else the hub)")
     p.add_argument("--val-every", type=int, default=D.val_every, help="every N steps, held-out perplexity of the current hard mask (0: off; every 10th calibration document is held out)")
     p.add_argument("--val-batches", type=int, default=D.val_batches, help="held-out batches per check (default %(default)s)")
-    p.add_argument("--final-mask", default=D.final_mask, choices=FINAL_MASKS, help="last: from the final scores; best-val: from the step whose hard mask validated best (needs --val-every)")
+    p.add_argument("--final-mask", default=D.final_mask, choices=FINAL_MASKS, help="last: from the final scores; best-val: from the step whose hard mask validated best, the init mask (step 0) included (needs --val-every)")
     p.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="save state every N steps (default %(default)s)")
     _data_args(p)
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")

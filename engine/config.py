@@ -115,7 +115,7 @@ class PruneConfig:
     checkpoint_every: int = 50
     val_every: int = 0  # every N steps, perplexity of the current hard mask on held-out calibration text (0: off)
     val_batches: int = 4  # held-out batches for that check (every 10th calibration document is held out)
-    final_mask: str = "last"  # last: from the final scores; best-val: from the scores whose hard mask validated best
+    final_mask: str = "last"  # last: from the final scores; best-val: from the scores whose hard mask validated best (step 0 too)
 
     @property
     def keep_ratio(self) -> float:

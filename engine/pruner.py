@@ -76,6 +76,7 @@ class RunState:
     best_val_ppl: float | None = None  # best held-out perplexity so far, its step and scores
     best_step: int | None = None
     best_scores: dict[str, torch.Tensor] | None = None
+    val_ppl_init: float | None = None  # held-out perplexity of the init mask (step 0, a candidate of best-val)
     init_metric: dict[str, torch.Tensor] | None = None  # the standardized init metric (method metric ranks it)
     input_means: dict[str, list[torch.Tensor]] | None = None  # bias compensation: mean input of each output column
     method_state: dict = field(default_factory=dict)  # what a method carries from step to step (pg: control moments)
@@ -324,6 +325,9 @@ class PruneRun:
             state = self.fresh_state()
             _check_finite("the initial scores", state.scores, {"dense perplexity": state.ppl_dense,
                                                                "init perplexity": state.ppl_init})
+            if c.val_every:  # the init mask is best-val's first candidate: a run never ends worse than it began
+                state.val_ppl_init = self.validate(state)
+                self.log(f"held-out perplexity of the init mask: {state.val_ppl_init:.3f}")
             self.save_checkpoint(state)
             (self.out / METRICS_FILE).write_text("")
 
@@ -409,6 +413,7 @@ class PruneRun:
             "final_mask": c.final_mask,
             "mask_step": state.best_step if c.final_mask == "best-val" else state.step,
             "best_val_ppl": state.best_val_ppl,
+            "val_ppl_init": state.val_ppl_init,
             "lr": c.lr,
             "seconds_per_step": state.seconds_in_steps / max(state.step, 1),
             "seconds_in_steps": state.seconds_in_steps,

@@ -261,13 +261,14 @@ def test_heads_only_with_other_options(tiny, tiny_path, small_eval_file, tmp_pat
 
 
 def test_best_val_final_mask(tiny, tiny_path, small_eval_file, tmp_path):
-    """Held-out validation every 2 steps (and at the last); best-val exports the mask that validated best."""
+    """Held-out validation of the init mask and every 2 steps (and at the last); best-val exports the mask
+    that validated best."""
     config = small_config(tiny_path, small_eval_file, steps=5, val_every=2, val_batches=2, final_mask="best-val")
     run = PruneRun(config, tmp_path / "V", model=tiny[0], tokenizer=tiny[1], log=quiet)
     results = run.run(progress=False)
     vals = [ln["val_ppl"] for ln in metric_lines(tmp_path / "V")]
     assert [v is not None for v in vals] == [False, True, False, True, True]
-    checked = [(v, i + 1) for i, v in enumerate(vals) if v is not None]
+    checked = [(results["val_ppl_init"], 0)] + [(v, i + 1) for i, v in enumerate(vals) if v is not None]
     assert all(math.isfinite(v) for v, _ in checked)
     best, best_step = min(checked, key=lambda x: x[0])  # the first of equal values wins
     assert results["final_mask"] == "best-val"
@@ -280,6 +281,23 @@ def test_best_val_final_mask(tiny, tiny_path, small_eval_file, tmp_path):
         hooks.set(run.layer_masks(masks))
         loss = torch.cat([batch_loss(tiny[0], b) for b in run.val_batches]).double().mean()
     assert float(torch.exp(loss)) == pytest.approx(best, rel=1e-9)
+
+
+def test_best_val_keeps_the_init_mask_when_the_steps_make_it_worse(tiny, tiny_path, small_eval_file, tmp_path):
+    """Steps that push every score against the init metric end on its worst units; best-val then returns the
+    init mask itself (step 0): its perplexity is the init's."""
+    from engine.methods.base import StepGradient
+
+    config = small_config(tiny_path, small_eval_file, steps=3, val_every=1, val_batches=2, final_mask="best-val",
+                          lr=5.0)
+    run = PruneRun(config, tmp_path / "W", model=tiny[0], tokenizer=tiny[1], log=quiet)
+    run.method.gradient = lambda state, batch: StepGradient(  # descend along +metric: drop the best units first
+        torch.ones(2, dtype=torch.float64), {u: state.init_metric[u].double() for u in state.scores}, 0.0)
+    results = run.run(progress=False)
+    vals = [ln["val_ppl"] for ln in metric_lines(tmp_path / "W")]
+    assert min(vals) > results["val_ppl_init"]  # the steps made the mask worse
+    assert results["mask_step"] == 0 and results["best_val_ppl"] == results["val_ppl_init"]
+    assert results["ppl_pruned"] == pytest.approx(results["ppl_init"], rel=1e-9)
 
 
 def test_seqlen_beyond_positions_is_a_user_error(tiny, tiny_path, small_eval_file, tmp_path):
