@@ -33,11 +33,12 @@ prep() {
     cp -r ../shared/models/tinystories-656k ../shared/data/zeroshot .gpu/x/
     du -sh .gpu/* | sed 's/^/  /'
     cat <<'TXT'
-Four device calls, back to back (the machine goes back after 30 s idle):
+Five device calls, back to back (the machine goes back after 30 s idle):
  1. carry [".gpu/p0", ".gpu/p1"]               mkdir -p /tmp/m && cat .gpu/p0/part0 .gpu/p1/part1 > /tmp/m/part
  2. carry [".gpu/p2", ".gpu/whl"]              cat .gpu/p2/part2 >> /tmp/m/part && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
- 3. carry [".gpu/p3", ".gpu/data", ".gpu/x"]   cat .gpu/p3/part3 >> /tmp/m/part && mv /tmp/m/part /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf && source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tests && bash bench/gpu_lease.sh step-cost
- 4. (nothing to carry)                         source bench/gpu_lease.sh env && bash bench/gpu_lease.sh quality && bash bench/gpu_lease.sh recovery
+ 3. carry [".gpu/p3", ".gpu/data", ".gpu/x"]   cat .gpu/p3/part3 >> /tmp/m/part && mv /tmp/m/part /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf && source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tests
+ 4. (nothing to carry)                         source bench/gpu_lease.sh env && bash bench/gpu_lease.sh step-cost
+ 5. (nothing to carry)                         source bench/gpu_lease.sh env && bash bench/gpu_lease.sh quality && bash bench/gpu_lease.sh recovery
 Then `source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tables 540` while device time lasts.
 Each call: timeout_s 600. Unpack each files_at/*.tar.gz here with tar -xzf from the repository root.
 TXT
