@@ -245,7 +245,7 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
     if not done:
         return "no cell finished yet\n"
     dense = done[0]["ppl_dense"]
-    lines = [f"Model: {args.model}; WikiText-2 raw test, first {done[0]['eval_windows']} windows x {done[0]['seqlen']} tokens "
+    lines = [f"Model: {args.model} on {args.device}; WikiText-2 raw test, first {done[0]['eval_windows']} windows x {done[0]['seqlen']} tokens "
              f"(dense perplexity {dense:.2f}); calibration: local C4 sample, {args.init_batches} batches of 8 x 128 for the "
              f"metrics ({args.layer_init_batches} for the layer metrics of table 3); PG: {args.steps} steps, lr {args.lr} cosine, N_s 2, T 5 unless stated. "
              f"Each cell: perplexity [seeds] (parameters of the pruned model; dense {done[0]['params_dense'] / 1e6:.1f} M).", ""]
