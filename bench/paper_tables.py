@@ -57,9 +57,8 @@ def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) 
     out: list[Cell] = []
     # the paper's optimiser (N_s 2, moving-average baseline), not the tool's defaults
     paper_pg = {"method": "pg", "num_mask_samples": 2, "baseline": "moving-average"}
-    # (the key order is part of each cell's folder name: cell_key)
-    pg_global = {**HC, "method": "pg", "scope": "global", "init": "wanda-sp", "num_mask_samples": 2,
-                 "baseline": "moving-average"}
+    # (the key order is part of each cell's folder name, cell_key: "method" stays where it is written first)
+    pg_global = {**HC, "method": "pg", "scope": "global", "init": "wanda-sp", **paper_pg}
     for r in rates:
         if 1 in tables:
             out += [Cell(1, "Random", r, {**HC, "method": "metric", "scope": "uniform", "init": "random"}, pg=False),

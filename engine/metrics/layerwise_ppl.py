@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -52,14 +52,11 @@ def losses_without_each(adapter: ModelAdapter, batches: list[torch.Tensor], remo
         for batch in batches:
             inputs: dict[int, torch.Tensor] = {}
             hooks.set(_gates(n, gone))
-            handles = [layers[i].register_forward_pre_hook(
-                lambda module, args, kwargs, i=i: inputs.__setitem__(i, _hidden_states(args, kwargs)), with_kwargs=True)
-                for i in candidates]
-            try:
+            with ExitStack() as recording:
+                for i in candidates:
+                    recording.enter_context(_pre_hook(
+                        layers[i], lambda module, args, kwargs, i=i: inputs.__setitem__(i, _hidden_states(args, kwargs))))
                 decoder_forward(model, batch)
-            finally:
-                for h in handles:
-                    h.remove()
             for i in candidates:
                 def put_in(module, args, kwargs, h=inputs.pop(i)):
                     if args:
