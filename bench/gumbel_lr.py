@@ -35,7 +35,7 @@ def main() -> None:
     from engine.pruner import PruneRun
 
     torch.manual_seed(0)
-    config = PruneConfig(model=args.model, prune_ratio=args.prune_ratio, init="wanda-sp", max_windows=1, steps=100,
+    config = PruneConfig.of(model=args.model, prune_ratio=args.prune_ratio, init="wanda-sp", max_windows=1, steps=100,
                          baseline="leave-one-out")
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
     run.progress = False

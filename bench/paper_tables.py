@@ -142,7 +142,7 @@ def cell_config(c: Cell, args, model: str):
 
     values = cell_values(c, args)
     values["units"] = values["units"].split(",")
-    return PruneConfig(model=model, **values)
+    return PruneConfig.of(model=model, **values)
 
 
 def _alive(pid: int) -> bool:

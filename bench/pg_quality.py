@@ -66,10 +66,13 @@ def worker(args) -> dict:
     import torch
 
     from engine.config import PruneConfig
+    from engine.hooks.compensation import compensation_fill
+    from engine.hooks.ranking import rank_within_layers
+    from engine.hooks.validation import Validation
     from engine.metrics.activations import input_means
     from engine.pruner import PruneRun
 
-    config = PruneConfig(model=args.model, seed=args.seed, steps=args.steps, max_windows=args.max_windows,
+    config = PruneConfig.of(model=args.model, seed=args.seed, steps=args.steps, max_windows=args.max_windows,
                          device=args.device, dtype=args.dtype, **{**PROTOCOL, **VARIANTS[args.variant]})
     logs: list[str] = []
     run_ = PruneRun(config, tempfile.mkdtemp(), log=logs.append)
@@ -80,18 +83,20 @@ def worker(args) -> dict:
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
     step_seconds = []
+    validation = Validation(run_)
     while state.step < config.steps:
         t = time.perf_counter()
         run_.step(state)
         step_seconds.append(time.perf_counter() - t)
         if config.val_every and state.step % config.val_every == 0:
-            run_.validate(state)
+            validation.validate(state)
         if state.step == 50 and config.steps > 50:
             out["step50"] = run_.masked_perplexity(run_.hard_masks(state.scores), "step 50", run_.fill)
     out["seconds_per_step"] = statistics.median(step_seconds[5:] or step_seconds)
     last = run_.hard_masks(state.scores)
-    hybrid = run_.final_masks(state.scores, state.init_metric, "init-metric")
-    fill = run_.fill or run_.compensation_fill(input_means(run_.adapter, [run_.sampler.next_batch() for _ in range(16)]))
+    hybrid = rank_within_layers(run_.layout, last, state.init_metric)
+    fill = run_.fill or compensation_fill(input_means(run_.adapter, [run_.sampler.next_batch() for _ in range(16)]),
+                                          run_.layout.unit_types)
     out["last"] = run_.masked_perplexity(last, "last", run_.fill)
     out["hybrid"] = run_.masked_perplexity(hybrid, "hybrid", run_.fill)
     out["comp"] = run_.masked_perplexity(last, "comp", fill)

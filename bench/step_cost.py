@@ -82,7 +82,7 @@ def setup(args):
     from engine.config import PruneConfig
     from engine.pruner import PruneRun
 
-    config = PruneConfig(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
+    config = PruneConfig.of(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
                          num_mask_samples=args.num_mask_samples, baseline="moving-average", max_windows=1,
                          prune_ratio=args.prune_ratio, dtype=args.dtype, device=args.device)
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)

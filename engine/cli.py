@@ -11,8 +11,8 @@ import sys
 import typing
 from pathlib import Path
 
-from .config import (BASELINES, CONTROL_VARIATES, ESTIMATORS, FINAL_MASKS, INITS, LAYER_INITS, LR_SCHEDULES, MASK_SAMPLINGS,
-                     PRESETS, SAMPLE_FORWARDS, WITHIN_LAYER_RANKINGS, PruneConfig)
+from .config import FINAL_MASKS, INITS, LAYER_INITS, LR_SCHEDULES, PRESETS, SAMPLE_FORWARDS, WITHIN_LAYER_RANKINGS, PruneConfig
+from .fields import choices_of
 from .methods import METHODS
 from .metrics.probability import PROB_MAPS
 from .errors import UserError
@@ -34,23 +34,30 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=D.device, help="cpu, cuda, cuda:N, or auto (accelerate device_map) (default %(default)s)")
 
 
+def _option_flag(method: str, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or f"--{method}-{f.name.replace('_', '-')}"
+
+
 def _method_option_args(p: argparse.ArgumentParser) -> None:
-    """--METHOD-OPTION flags from each registered method's Options dataclass (default: the dataclass's)."""
+    """The flags of each registered method's Options dataclass, from its fields' metadata: --METHOD-OPTION,
+    or the flag a field declares (policy gradient's keep their short names, --baseline ...). Their
+    default is None: the option's own default applies unless the flag is given."""
     for name, method in METHODS.items():
         if method.Options is None:
             continue
         hints = typing.get_type_hints(method.Options)
         for f in dataclasses.fields(method.Options):
-            flag, dest = f"--{name}-{f.name.replace('_', '-')}", f"{name}_{f.name}"
             help_ = f"{name}: {f.metadata.get('help', f.name.replace('_', ' '))} (default {f.default})"
+            kw = dict(dest=f"{name}_{f.name}", default=None, help=help_)
             if hints[f.name] is bool:
-                p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_)
+                p.add_argument(_option_flag(name, f), action=argparse.BooleanOptionalAction, **kw)
             else:
-                p.add_argument(flag, dest=dest, type=hints[f.name], default=None, help=help_)
+                p.add_argument(_option_flag(name, f), type=hints[f.name], choices=choices_of(f),
+                               metavar=None if choices_of(f) else f.name.upper(), **kw)
 
 
 def _method_options(args) -> dict:
-    """The chosen method's options from its --METHOD-OPTION flags; such a flag for another method is an error."""
+    """The chosen method's options from its flags; such a flag for another method is an error."""
     options = {}
     for name, method in METHODS.items():
         for f in dataclasses.fields(method.Options) if method.Options is not None else ():
@@ -58,9 +65,25 @@ def _method_options(args) -> dict:
             if value is None:
                 continue
             if name != args.method:
-                raise UserError(f"--{name}-{f.name.replace('_', '-')} applies to --method {name}, not {args.method}")
+                raise UserError(f"{_option_flag(name, f)} applies to --method {name}, not {args.method}")
             options[f.name] = value
     return options
+
+
+def _as_flag_defaults(values: dict, method: str) -> dict:
+    """Preset values as the parser's defaults: a run-level field by its name, an option of the run's method
+    (a preset names policy gradient's as their flags do: baseline, baseline_window) by its flag's
+    destination; another method's options do not apply and are left out."""
+    fields = {f.name for f in dataclasses.fields(PruneConfig)}
+    out = {}
+    for k, v in values.items():
+        owner = next((m for m, cls in METHODS.items() if cls.Options is not None
+                      and k in {f.name for f in dataclasses.fields(cls.Options)}), None)
+        if k in fields or owner is None:
+            out[k] = v
+        elif owner == method:
+            out[f"{owner}_{k}"] = v
+    return out
 
 
 def _unit_multiple(text: str) -> dict:
@@ -70,6 +93,8 @@ def _unit_multiple(text: str) -> dict:
         unit, _, n = part.partition("=")
         if not n.strip().isdigit():
             raise argparse.ArgumentTypeError(f"expected UNIT=N, e.g. channels=32, got {part!r}")
+        if unit.strip() in out:
+            raise argparse.ArgumentTypeError(f"{unit.strip()} is given twice in {text!r}")
         out[unit.strip()] = int(n)
     return out
 
@@ -126,15 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=D.batch_size, help="calibration segments per step (default %(default)s)")
     p.add_argument("--seqlen", type=int, default=D.seqlen, help="tokens per calibration segment (default %(default)s)")
     p.add_argument("--num-mask-samples", type=int, default=D.num_mask_samples, help="N_s masks sampled per step (default %(default)s)")
-    p.add_argument("--baseline", default=D.baseline, choices=BASELINES, help="variance-reducing baseline: moving-average (window T), leave-one-out (mean loss of the other samples of the batch), none (default %(default)s)")
-    p.add_argument("--baseline-window", type=int, default=D.baseline_window, help="T of the moving-average baseline (default %(default)s)")
-    p.add_argument("--estimator", default=D.estimator, choices=ESTIMATORS, help="paper: (m-s)/(s(1-s)); sqrt: the reference code's (m-s)/sqrt(s(1-s))/(N_s-1)")
-    p.add_argument("--estimator-clamp", type=float, default=D.estimator_clamp, help="s clamped to [c, 1-c] in the estimator's denominator only (default %(default)s)")
-    p.add_argument("--mask-sampling", default=D.mask_sampling, choices=MASK_SAMPLINGS,
-                   help="independent, or antithetic pairs (u, 1 - u) (needs an even N_s) (default %(default)s)")
-    p.add_argument("--control-variate", default=D.control_variate, choices=CONTROL_VARIATES,
-                   help="init-metric: subtract a linear loss model of the init metric, fitted online, from the losses "
-                        "and add its exact gradient back (unbiased) (default %(default)s)")
     p.add_argument("--sample-forward", default=D.sample_forward, choices=SAMPLE_FORWARDS,
                    help="the N_s masked forwards: sequential, batched (the batch repeated N_s times, one mask per copy, "
                         "one forward), sliced (one forward per mask computing only its kept units), auto (sliced on the "
@@ -155,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batches", type=int, default=D.val_batches, help="held-out batches per check (default %(default)s)")
     p.add_argument("--final-mask", default=D.final_mask, choices=FINAL_MASKS, help="last: from the final scores; best-val: from the step whose hard mask validated best, the init mask (step 0) included (needs --val-every)")
     p.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="save state every N steps (default %(default)s)")
+    p.add_argument("--checkpoint-minutes", type=float, default=D.checkpoint_minutes,
+                   help="also save state when this many minutes passed since the last save (0: off); Ctrl-C and "
+                        "SIGTERM save the last finished step in any case (default %(default)s)")
     _data_args(p)
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")
     p.add_argument("--export-gguf", metavar="OUTTYPE", default=None, choices=list(EXPORT_FORMATS["gguf"].outtypes),
@@ -192,12 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--dtype", default=Z.dtype, choices=list(DTYPES))
     z.add_argument("--device", default=Z.device, help="cpu, cuda, cuda:N (default %(default)s)")
     z.add_argument("--out", default=None, help="folder for zeroshot_config.json, zeroshot.json, zeroshot.md and the task configs used")
+    z.add_argument("--overwrite", action="store_true", help="replace an earlier zeroshot output in --out (only its own files)")
     z.add_argument("--write-tasks", metavar="DIR", default=None,
                    help="only write the local task configs to DIR (for `python -m lm_eval --include_path DIR`) and exit")
 
     f = sub.add_parser("finetune", help="LoRA recovery fine-tuning of a (pruned) model folder, merged and saved")
     f.add_argument("--model", required=True, help="the model folder, e.g. RUN/model (a pruned export)")
     f.add_argument("--out", required=True, help="folder for model/ (merged), finetune_config.json, finetune_log.jsonl, finetune_results.json")
+    f.add_argument("--overwrite", action="store_true", help="replace an earlier finetune output in --out (only its own files)")
     for name, help_ in (("samples", "training segments (the paper: 4000)"), ("seqlen", "tokens per segment (the paper: 1024)"),
                         ("epochs", None), ("batch_size", "segments per forward"), ("grad_accum", "forwards per optimizer step"),
                         ("warmup_steps", "linear warm-up steps"), ("lora_r", None), ("eval_seqlen", None), ("seed", None)):
@@ -224,51 +245,92 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write each model as a GGUF of this type and time it in llama.cpp "
                         f"({', '.join(EXPORT_FORMATS['gguf'].outtypes)})")
     m.add_argument("--out", default=None, help="folder for measure_config.json, measure.json and measure.md")
+    m.add_argument("--overwrite", action="store_true", help="replace an earlier measure output in --out (only its own files)")
     m.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
 
+def _config_from_args(args) -> PruneConfig:
+    fields = {f.name for f in dataclasses.fields(PruneConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["units"] = [u.strip() for u in args.units.split(",") if u.strip()]
+    values["method_options"] = _method_options(args)
+    return PruneConfig(**values)
+
+
+def _resume_config(args, out: Path) -> PruneConfig:
+    """The run's saved config, with the flags given beside --resume checked against it: only --steps may
+    change (see PruneRun.check_config_unchanged); any other difference is refused, naming the setting."""
+    from .rundir import CONFIG_FILE
+
+    saved = PruneConfig.load(out / CONFIG_FILE).validate()
+    asked = _config_from_args(args).validate()  # the saved config is the parser's default under --resume (parse_args)
+    changed = [k for k, v in saved.to_dict().items() if k != "steps" and asked.to_dict()[k] != v]
+    if changed:
+        k = changed[0]
+        raise UserError(f"--resume continues the run as it was set up; --{k.replace('_', '-')} "
+                        f"{getattr(asked, k)!r} differs from the run's {getattr(saved, k)!r} ("
+                        f"{', '.join(changed)} differ). Only --steps may change; start a new run with another --out")
+    return dataclasses.replace(saved, steps=asked.steps)
+
+
 def cmd_prune(args) -> int:
+    import contextlib
+
+    from .outdir import folder_lock
     from .pruner import PruneRun
-    from .rundir import CONFIG_FILE, check_out_dir, cleanup_out_dir, prepare_out_dir
+    from .rundir import CHECKPOINT_FILE, CONFIG_FILE, check_out_dir, cleanup_out_dir, prepare_out_dir
 
     out = Path(args.out)
     check_out_dir(out, args.resume, args.overwrite, clear=False)  # refuse early; delete nothing yet
-    if args.resume:
-        config = PruneConfig.load(out / CONFIG_FILE)
-    else:
-        fields = {f.name for f in dataclasses.fields(PruneConfig)}
-        values = {k: v for k, v in vars(args).items() if k in fields}
-        values["units"] = [u.strip() for u in args.units.split(",") if u.strip()]
-        values["method_options"] = _method_options(args)
-        config = PruneConfig(**values)
+    config = _resume_config(args, out) if args.resume else _config_from_args(args)
     config.validate()
     created = prepare_out_dir(out)  # --out exists and is writable before the slow model load
-    try:
-        run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr))
-        if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
-            from .exporters.gguf import check_exportable
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(folder_lock(out, what="prune into"))  # held to the end: one writer at a time
+            check_out_dir(out, args.resume, args.overwrite, clear=False)  # again, now that nobody else writes
+            run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr))
+            if args.resume and (out / CHECKPOINT_FILE).exists():
+                run.load_checkpoint()  # an edited config.json or a --steps below the checkpoint fail here
+            if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
+                from .exporters.gguf import check_exportable
 
-            check_exportable(run.model)
-    except BaseException:
-        cleanup_out_dir(created)  # a folder made only for this run leaves no trace of a failed start
-        raise
-    # model and data loaded: only now may --overwrite remove the old run, not for a typo in an argument
-    check_out_dir(out, args.resume, args.overwrite)
-    results = run.run(resume=args.resume)
-    if results["status"] == "done":
-        print(f"perplexity ({results['eval_windows']} windows x {results['seqlen']} tokens): "
-              f"dense {results['ppl_dense']:.2f} | init ({config.init}) {results['ppl_init']:.2f} | "
-              f"pruned {results['ppl_pruned']:.2f}")
-        print(f"parameters: {results['params_dense']:,} -> {results['params_pruned']:,}; "
-              f"{results['seconds_per_step']:.2f} s/step; results in {out}")
-        if args.export_gguf:
-            from .exporters import export_run
+                check_exportable(run.model)
+        except BaseException:
+            held.close()
+            cleanup_out_dir(created)  # a folder made only for this run leaves no trace of a failed start
+            raise
+        # model and data loaded: only now may --overwrite remove the old run, not for a typo in an argument
+        check_out_dir(out, args.resume, args.overwrite)
+        if args.resume and config.steps != PruneConfig.load(out / CONFIG_FILE).steps:
+            print(f"steps: {PruneConfig.load(out / CONFIG_FILE).steps} -> {config.steps} (the schedules follow a "
+                  f"{config.steps}-step run from the checkpoint on)", file=sys.stderr)
+            config.save(out / CONFIG_FILE)
+        try:
+            results = run.run(resume=args.resume)
+        except KeyboardInterrupt:
+            step = run.load_checkpoint().step if (out / CHECKPOINT_FILE).exists() else None
+            where = (f"the checkpoint holds step {step}/{config.steps}: continue with python -m engine prune "
+                     f"--out {out} --resume") if step is not None else "before the first checkpoint: nothing to resume"
+            raise _Interrupted(f"interrupted; {where}") from None
+        if results["status"] == "done":
+            print(f"perplexity ({results['eval_windows']} windows x {results['seqlen']} tokens): "
+                  f"dense {results['ppl_dense']:.2f} | init ({config.init}) {results['ppl_init']:.2f} | "
+                  f"pruned {results['ppl_pruned']:.2f}")
+            print(f"parameters: {results['params_dense']:,} -> {results['params_pruned']:,}; "
+                  f"{results['seconds_per_step']:.2f} s/step; results in {out}")
+            if args.export_gguf:
+                from .exporters import export_run
 
-            (out / GGUF_FILE).unlink(missing_ok=True)  # a resumed run's earlier file is replaced
-            export_run(out, "gguf", out / GGUF_FILE, args.export_gguf)
-            print(f"llama.cpp model ({args.export_gguf}): {out / GGUF_FILE}")
+                (out / GGUF_FILE).unlink(missing_ok=True)  # a resumed run's earlier file is replaced
+                export_run(out, "gguf", out / GGUF_FILE, args.export_gguf)
+                print(f"llama.cpp model ({args.export_gguf}): {out / GGUF_FILE}")
     return 0
+
+
+class _Interrupted(Exception):
+    """Ctrl-C or SIGTERM, with what the user can do next."""
 
 
 def cmd_export(args) -> int:
@@ -282,7 +344,7 @@ def cmd_export(args) -> int:
 def cmd_eval(args) -> int:
     from .data import eval_windows, load_eval_text
     from .evaluate import perplexity
-    from .loading import count_parameters, load_model, resolve_model
+    from .loading import check_positions, count_parameters, load_model, resolve_model
 
     if args.eval_seqlen < 2:  # a window of 1 token predicts nothing: its loss is NaN
         raise UserError(f"eval seqlen must be at least 2 tokens, got {args.eval_seqlen}")
@@ -292,9 +354,7 @@ def cmd_eval(args) -> int:
         raise UserError("max windows must be at least 1")
     source = resolve_model(args.model)
     model, tok = load_model(source, args.dtype, args.device)
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos is not None and args.eval_seqlen > max_pos:
-        raise UserError(f"eval seqlen {args.eval_seqlen} is beyond the model's {max_pos} positions")
+    check_positions(model.config, {"eval seqlen": args.eval_seqlen})
     text, src = load_eval_text(args.eval_data)
     windows = eval_windows(tok, text, args.eval_seqlen, args.max_windows)
     ppl = perplexity(model, windows, args.eval_batch_size, progress=not args.json)
@@ -315,16 +375,18 @@ def _tasks(value: str) -> list[str]:
 
 
 def cmd_zeroshot(args) -> int:
-    from .tools.zeroshot import ALL_TASKS, ZeroshotConfig, run_zeroshot, write_task_dir
+    from .outdir import output_folder
+    from .tools.zeroshot import ALL_TASKS, TASKS_OUTPUT, ZeroshotConfig, run_zeroshot, write_task_dir
 
     config = ZeroshotConfig(model=args.model, run=args.run, tasks=_tasks(args.tasks), limit=args.limit,
                             batch_size=args.batch_size, data_dir=args.data_dir, dtype=args.dtype, device=args.device)
     if args.write_tasks:
         config.validate()
-        dest = write_task_dir(args.write_tasks, ALL_TASKS, args.data_dir)
+        with output_folder(Path(args.write_tasks), TASKS_OUTPUT, args.overwrite, flag="--write-tasks"):
+            dest = write_task_dir(args.write_tasks, ALL_TASKS, args.data_dir)
         print(f"task configs for {', '.join(ALL_TASKS)} in {dest}; use: python -m lm_eval --include_path {dest} --tasks ...")
         return 0
-    summary = run_zeroshot(config, args.out, log=lambda m: print(m, file=sys.stderr))
+    summary = run_zeroshot(config, args.out, log=lambda m: print(m, file=sys.stderr), overwrite=args.overwrite)
     print(summary["table"], end="")
     limit = f"first {config.limit} documents per task" if config.limit else "all documents"
     print(f"({limit}; {summary['seconds']:.0f} s; results in {summary['out']})")
@@ -337,7 +399,7 @@ def cmd_finetune(args) -> int:
     fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
     config = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
     config.validate()
-    r = finetune(config, args.out)
+    r = finetune(config, args.out, overwrite=args.overwrite)
     if "ppl_before" in r:
         print(f"perplexity ({r['eval_windows']} windows x {config.eval_seqlen} tokens): before {r['ppl_before']:.2f} | after {r['ppl_after']:.2f}")
     print(f"training loss (first {config.loss_probe_segments} segments): before {r['train_loss_before']:.4f} | after {r['train_loss_after']:.4f}; "
@@ -356,7 +418,7 @@ def cmd_measure(args) -> int:
 
     for name in config.models:  # a typo fails before any model is loaded
         resolve_model(name)
-    result = run_measure(config, args.out)
+    result = run_measure(config, args.out, overwrite=args.overwrite)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "table"}))
     else:
@@ -372,9 +434,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     defaults = {}
     if getattr(args, "preset", None):
-        defaults.update(PRESETS[args.preset])
+        defaults.update(_as_flag_defaults(PRESETS[args.preset], args.method))
     if getattr(args, "config", None):
         defaults.update(_config_defaults(args.config))
+    if getattr(args, "resume", False):  # the run's own settings: a flag given beside --resume is checked against them
+        if args.preset or args.config:
+            raise UserError("--resume continues the run with its saved config; --preset and --config do not apply")
+        saved = Path(args.out) / "config.json"
+        if saved.is_file():
+            defaults.update(_config_defaults(str(saved)))
     if defaults:
         prune = parser._subparsers._group_actions[0].choices["prune"]
         prune.set_defaults(**defaults)
@@ -393,12 +461,26 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    import signal
+    import threading
+
+    def terminate(signum, frame):  # SIGTERM ends a command as Ctrl-C does: a prune run saves its last step
+        raise KeyboardInterrupt
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate) if in_main else None
     try:
         commands = {"prune": cmd_prune, "export": cmd_export, "eval": cmd_eval, "zeroshot": cmd_zeroshot, "finetune": cmd_finetune, "measure": cmd_measure}
         return commands[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; a prune run can continue with --resume", file=sys.stderr)
+    except _Interrupted as e:
+        print(str(e), file=sys.stderr)
         return 130
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)

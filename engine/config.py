@@ -15,6 +15,7 @@ from .loading import DEFAULT_MODEL, DTYPES
 from .methods import METHODS, method_options
 from .metrics import layer_metrics, unit_metrics
 from .metrics.probability import PROB_MAPS
+from .policy import LR_SCHEDULE_FNS
 from .unit_types import UNIT_TYPES
 from .units import SCOPES
 
@@ -22,17 +23,14 @@ from .units import SCOPES
 # themselves, so an entry registered later, e.g. by a user's script, is accepted too)
 INITS = (*unit_metrics(), "random-progressive")  # random-progressive: random scores, the rate raised in stages
 LAYER_INITS = layer_metrics()
-ESTIMATORS = ("paper", "sqrt")
-BASELINES = ("moving-average", "leave-one-out", "none")
-LR_SCHEDULES = ("cosine", "constant")
+LR_SCHEDULES = tuple(LR_SCHEDULE_FNS)
 FINAL_MASKS = ("last", "best-val")
-MASK_SAMPLINGS = ("independent", "antithetic")
 SAMPLE_FORWARDS = ("auto", *EXECUTORS)
-CONTROL_VARIATES = ("none", "init-metric")
 WITHIN_LAYER_RANKINGS = ("scores", "init-metric")
 # named settings a run can start from (`--preset NAME`; explicit flags override them)
 PRESETS: dict[str, dict] = {
     # the paper's optimiser: lr 2e-3 cosine, N_s 2 masks per step, moving-average baseline over T = 5 steps
+    # (baseline and baseline_window are options of method pg: a preset names them as their flags do)
     "paper": dict(steps=1000, lr=2e-3, num_mask_samples=2, baseline="moving-average", baseline_window=5),
     # the defaults: leave-one-out over N_s = 8 masks (one batched forward on a GPU), lr 0.02, 50 steps
     "fast": dict(steps=50, lr=0.02, num_mask_samples=8, baseline="leave-one-out"),
@@ -45,17 +43,30 @@ _MOVED_TO_METHOD_OPTIONS = {
     "gumbel_temperature": ("gumbel", "temperature"),
     "gumbel_final_temperature": ("gumbel", "final_temperature"),
     "gumbel_straight_through": ("gumbel", "straight_through"),
+    # policy gradient's own knobs (top-level fields before methods owned their options)
+    "baseline": ("pg", "baseline"),
+    "baseline_window": ("pg", "baseline_window"),
+    "estimator": ("pg", "estimator"),
+    "estimator_clamp": ("pg", "estimator_clamp"),
+    "mask_sampling": ("pg", "mask_sampling"),
+    "control_variate": ("pg", "control_variate"),
 }
+_CLAMP_FOR = {"gumbel": "clamp"}  # the old estimator_clamp also clamped Gumbel's relaxation
 
 
 def _migrate(data: dict) -> dict:
     """A config saved by an earlier version, in today's fields: the Gumbel settings lived at the top
     level (every run saved them); they become method options of a gumbel run and are dropped otherwise."""
     data = dict(data)
+    if isinstance(data.get("method_options"), dict):
+        data["method_options"] = dict(data["method_options"])
+    run_method = data.get("method", PruneConfig.method)
     for old, (method, option) in _MOVED_TO_METHOD_OPTIONS.items():
         if old in data:
             value = data.pop(old)
-            if data.get("method") == method:
+            if old == "estimator_clamp" and run_method in _CLAMP_FOR:
+                method, option = run_method, _CLAMP_FOR[run_method]
+            if run_method == method:
                 data.setdefault("method_options", {}).setdefault(option, value)
     return data
 
@@ -87,14 +98,6 @@ class PruneConfig:
     batch_size: int = 8
     seqlen: int = 128  # calibration segment length
     num_mask_samples: int = 8  # N_s masks drawn per step
-    baseline: str = "leave-one-out"
-    baseline_window: int = 5  # T of the moving average
-    estimator: str = "paper"
-    estimator_clamp: float = 0.01  # s is clamped to [c, 1-c] in the estimator's denominator only
-    mask_sampling: str = "independent"  # antithetic: samples in pairs from u and 1 - u (needs an even N_s)
-    # a linear loss model from the init metric, fitted online, subtracted from the losses (its exact
-    # gradient added back, so the estimate stays unbiased)
-    control_variate: str = "none"
     sample_forward: str = "auto"  # how the N_s masked forwards run: sequential, batched (one forward), sliced (kept units only), auto (by device)
     # FLAP's bias compensation: a removed unit's input is replaced by its mean on calibration data (in the
     # optimisation, the evaluation, and as a bias of the output projection in the export)
@@ -113,6 +116,7 @@ class PruneConfig:
     dtype: str = "float32"
     device: str = "cpu"
     checkpoint_every: int = 50
+    checkpoint_minutes: float = 2.0  # also save state once this many minutes have passed since the last save (0: off)
     val_every: int = 0  # every N steps, perplexity of the current hard mask on held-out calibration text (0: off)
     val_batches: int = 4  # held-out batches for that check (every 10th calibration document is held out)
     final_mask: str = "last"  # last: from the final scores; best-val: from the scores whose hard mask validated best (step 0 too)
@@ -136,19 +140,15 @@ class PruneConfig:
             ("init", self.init, (*unit_metrics(), "random-progressive")),  # the registries as they are now
             ("layer init", self.layer_init, layer_metrics()),
             ("prob map", self.prob_map, tuple(PROB_MAPS)),
-            ("estimator", self.estimator, ESTIMATORS),
-            ("baseline", self.baseline, BASELINES),
             ("lr schedule", self.lr_schedule, LR_SCHEDULES),
             ("dtype", self.dtype, tuple(DTYPES)),
             ("final mask", self.final_mask, FINAL_MASKS),
-            ("mask sampling", self.mask_sampling, MASK_SAMPLINGS),
-            ("control variate", self.control_variate, CONTROL_VARIATES),
             ("sample forward", self.sample_forward, ("auto", *EXECUTORS)),
             ("within-layer ranking", self.within_layer_ranking, WITHIN_LAYER_RANKINGS),
         ):
             if value not in allowed:
                 bad(f"unknown {name} {value!r}; choose from {', '.join(allowed)}")
-        for name in ("steps", "batch_size", "seqlen", "num_mask_samples", "baseline_window", "eval_seqlen",
+        for name in ("steps", "batch_size", "seqlen", "num_mask_samples", "eval_seqlen",
                      "eval_batch_size", "checkpoint_every", "init_batches", "val_batches"):
             if getattr(self, name) < 1:
                 bad(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
@@ -159,6 +159,8 @@ class PruneConfig:
             bad(f"seed must be between 0 and {SEED_MAX}, got {self.seed}")
         if self.max_windows is not None and self.max_windows < 1:
             bad(f"max windows must be at least 1, got {self.max_windows}")
+        if self.checkpoint_minutes < 0:
+            bad(f"checkpoint minutes must be 0 (off) or positive, got {self.checkpoint_minutes}")
         if self.val_every < 0:
             bad(f"val every must be 0 (off) or positive, got {self.val_every}")
         if self.final_mask == "best-val" and self.val_every == 0:
@@ -167,14 +169,6 @@ class PruneConfig:
             bad(f"learning rate must be positive, got {self.lr}")
         if not 0.5 < self.score_const < 1.0:
             bad(f"score-const c must be in (0.5, 1), got {self.score_const}")
-        if not 0.0 < self.estimator_clamp < 0.5:
-            bad(f"estimator clamp must be in (0, 0.5), got {self.estimator_clamp}")
-        if self.estimator == "sqrt" and self.num_mask_samples < 2:
-            bad("the sqrt estimator needs at least 2 mask samples per step")
-        if self.baseline == "leave-one-out" and self.num_mask_samples < 2:
-            bad("the leave-one-out baseline needs at least 2 mask samples per step")
-        if self.mask_sampling == "antithetic" and self.num_mask_samples % 2:
-            bad(f"antithetic mask sampling draws pairs: num mask samples must be even, got {self.num_mask_samples}")
         if self.init == "random-progressive" and not 0.0 < self.progressive_increment <= self.prune_ratio:
             bad(f"progressive increment must be in (0, prune ratio], got {self.progressive_increment}")
         for unit, n in self.unit_multiple.items():
@@ -183,7 +177,8 @@ class PruneConfig:
                     f"({', '.join(u for u in self.units if not UNIT_TYPES[u].whole_layer)}), not {unit!r}")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 bad(f"unit multiple of {unit} must be a whole number of at least 1, got {n!r}")
-        method_options(self.method, self.method_options)
+        # the method's own settings, validated by the method and stored whole (defaults written out)
+        self.method_options = dataclasses.asdict(options) if (options := method_options(self.method, self.method_options, self)) else {}
         optimising = [name for name, m in METHODS.items() if m.optimises]
         if not METHODS[self.method].optimises and self.init == "random-progressive":
             bad(f"random-progressive is a schedule of the optimisation; method {self.method} has none (use init random)")
@@ -198,6 +193,12 @@ class PruneConfig:
         from .io import atomic_write_text
 
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def of(cls, **values) -> "PruneConfig":
+        """A config from keyword values, in today's fields or an earlier version's (e.g. baseline=..., now an
+        option of method pg): for scripts and tests written against either."""
+        return cls.from_dict(values)
 
     @classmethod
     def from_dict(cls, data: dict) -> "PruneConfig":

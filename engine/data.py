@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -47,6 +48,14 @@ def _open_text(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
 
 
+def _read_failure(path: Path, e: BaseException) -> str:
+    """Why a file could not be read, for one error line: a gzip file's corrupt or cut-short data, or the OS's reason."""
+    if path.name.endswith(".gz") and isinstance(e, (EOFError, zlib.error, gzip.BadGzipFile)):
+        detail = " ".join(str(e).split()) or type(e).__name__
+        return f"corrupt or truncated gzip data ({detail}); download or write the file again"
+    return f"cannot be read ({e.strerror or e})" if isinstance(e, OSError) else f"cannot be read ({type(e).__name__})"
+
+
 # --- calibration ------------------------------------------------------------------------------
 def load_calibration_texts(path: str | None = None) -> tuple[list[str], str]:
     """Documents for calibration and where they came from. A file or folder of JSON lines with `text`."""
@@ -70,7 +79,9 @@ def load_calibration_texts(path: str | None = None) -> tuple[list[str], str]:
                         texts.append(text)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise UserError(f"{f} line {n}: not JSON lines with a 'text' field ({type(e).__name__})") from e
-        except (UnicodeDecodeError, OSError, EOFError) as e:  # raised while reading: no line to name
+        except (OSError, EOFError, zlib.error) as e:  # raised while reading: no line to name
+            raise UserError(f"{f}: {_read_failure(f, e)}") from e
+        except UnicodeDecodeError as e:
             raise UserError(f"{f}: cannot be read as UTF-8 (or gzipped UTF-8) text ({type(e).__name__})") from e
     texts = [t for t in texts if t.strip()]
     if not texts:
@@ -166,6 +177,8 @@ def load_eval_text(path: str | None = None) -> tuple[str, str]:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text") from e
+        except OSError as e:
+            raise UserError(f"{p}: {_read_failure(p, e)}") from e
     if not text.strip():
         raise UserError(f"evaluation file {p} is empty")
     return text, str(p)

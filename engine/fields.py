@@ -60,3 +60,37 @@ def check_fields(obj, what: str = "") -> None:
                 raise UserError(f"{name} must be a finite number, got {v}")
             if isinstance(v, int) and not isinstance(v, bool) and not -_INT_LIMIT < v < _INT_LIMIT:
                 raise UserError(f"{name} {v} is out of range")
+
+
+def setting(default=dataclasses.MISSING, *, help: str = "", choices=None, minimum=None, maximum=None,
+            exclusive: bool = False, flag: str | None = None, label: str | None = None, default_factory=dataclasses.MISSING):
+    """A dataclass field with its one declaration: the CLI flag, its help, its validation and the app's widget
+    are all made from this metadata.
+
+    choices: a tuple, or a callable returning one (a registry's names, read when checked); minimum/maximum:
+    bounds (exclusive=True: both strict); flag: the CLI flag when it is not --FIELD-NAME; label: the app's."""
+    metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum, "exclusive": exclusive,
+                "flag": flag, "label": label}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def choices_of(f: dataclasses.Field) -> tuple | None:
+    c = f.metadata.get("choices")
+    return tuple(c()) if callable(c) else (tuple(c) if c is not None else None)
+
+
+def check_settings(obj, what: str = "") -> None:
+    """check_fields, then every field's declared choices and bounds (from setting()'s metadata)."""
+    check_fields(obj, what)
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), (f"{what}: " if what else "") + f.name.replace("_", " ")
+        allowed = choices_of(f)
+        if allowed is not None and value not in allowed:
+            raise UserError(f"unknown {name} {value!r}; choose from {', '.join(map(str, allowed))}")
+        lo, hi, strict = f.metadata.get("minimum"), f.metadata.get("maximum"), f.metadata.get("exclusive")
+        if value is None or isinstance(value, (bool, str, list, dict)):
+            continue
+        if lo is not None and (value <= lo if strict else value < lo):
+            raise UserError(f"{name} must be {'above' if strict else 'at least'} {lo}, got {value}")
+        if hi is not None and (value >= hi if strict else value > hi):
+            raise UserError(f"{name} must be {'below' if strict else 'at most'} {hi}, got {value}")

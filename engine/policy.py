@@ -143,6 +143,13 @@ def cosine_lr(base_lr: float, step: int, total_steps: int) -> float:
     return 0.5 * base_lr * (1.0 + math.cos(math.pi * min(step, total_steps) / max(total_steps, 1)))
 
 
+# the learning-rate schedules by name: (base lr, steps into the stage, stage length) -> lr
+LR_SCHEDULE_FNS = {
+    "cosine": cosine_lr,
+    "constant": lambda base_lr, step, total_steps: base_lr,
+}
+
+
 def sample_masks(scores: torch.Tensor, n_samples: int, generator: torch.Generator, antithetic: bool = False) -> torch.Tensor:
     """(n_samples, n) Bernoulli(s) draws as 0/1 floats.
 

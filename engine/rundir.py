@@ -10,15 +10,14 @@ own files); --overwrite removes only those files.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 from .config import PruneConfig
 from .errors import UserError
 from .io import atomic_write_text
+from .outdir import OutputKind, check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401
 
 CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
 MODEL_DIR = "model"
@@ -30,7 +29,7 @@ _MARKER_TEXT = "pg-prune run, format version {}\n"
 _MARKER_RE = re.compile(r"pg-prune run, format version (\d+)")
 # Everything a run writes into its folder (--overwrite removes these and nothing else).
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, "masks.safetensors", "masks.json", GGUF_FILE)
-
+RUN_KIND = OutputKind("run", RUN_MARKER, RUN_FILES, (MODEL_DIR,), RUN_FORMAT_VERSION)
 
 
 def write_run_marker(out: Path) -> None:
@@ -88,7 +87,9 @@ def remove_leftovers(out: Path) -> None:
 
 def remove_run_files(out: Path) -> None:
     """Remove what a run wrote (RUN_FILES, model/, leftovers of interrupted atomic writes, the marker);
-    anything else in the folder stays."""
+    anything else in the folder stays. Refused, before anything is deleted, when model/ holds anything a
+    model export does not write (a user's copy, notes)."""
+    check_removable(out, (MODEL_DIR,))
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
@@ -96,14 +97,16 @@ def remove_run_files(out: Path) -> None:
     (out / RUN_MARKER).unlink(missing_ok=True)
 
 
-def trim_metrics(path: Path, step: int) -> list[dict]:
+def trim_metrics(path: Path, step: int, last_line: str | None = None) -> list[dict]:
     """Keep the metric lines of steps 1..step (the checkpoint's), each once; drop later steps (a resumed run
-    redoes them) and a line cut short by a crash. Returns the kept records."""
+    redoes them) and a line cut short by a crash. `last_line` (the checkpoint's copy of step `step`'s line)
+    takes the place of that step's line when it was lost. Returns the kept records."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and last_line is None:
         return []
     kept: dict[int, str] = {}
-    for ln in path.read_text().splitlines():
+    text = path.read_text() if path.exists() else ""
+    for ln in [*text.splitlines(), *([last_line] if last_line else [])]:
         try:
             record = json.loads(ln)
             n = record["step"]
@@ -123,7 +126,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or not entries(out):
         if resume:
             raise UserError(f"--resume: {out} holds no run (no {CONFIG_FILE}, no {RUN_MARKER} marker)")
         return
@@ -142,42 +145,10 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) 
         return
     if overwrite:
         if holds_run:
+            check_removable(out, (MODEL_DIR,))
             if clear:
                 remove_run_files(out)
             return
         raise UserError(f"--overwrite refused: {out} is not empty and holds no run (no {RUN_MARKER} marker); "
                         "nothing was touched; choose another folder")
     raise UserError(f"{out} already holds files{' of another run' if holds_run else ''}; use --resume, --overwrite or another --out")
-
-
-def prepare_out_dir(out: Path) -> list[Path]:
-    """Create `out` (and missing parents) and check that files can be written in it, before anything
-    slow happens. Returns the folders it created, outermost first, for cleanup_out_dir."""
-    out = Path(out)
-    created = []
-    for d in reversed([out, *out.parents]):
-        if not d.exists():
-            created.append(d)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UserError(f"--out {out} exists and is not a folder") from None
-    except OSError as e:
-        raise UserError(f"cannot create --out {out}: {e.strerror or e}") from None
-    try:
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".pg-prune-write-test.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        cleanup_out_dir(created)
-        raise UserError(f"--out {out} is not writable: {e.strerror or e}") from None
-    return created
-
-
-def cleanup_out_dir(created: list[Path]) -> None:
-    """Remove the folders prepare_out_dir created, innermost first, where they are still empty."""
-    for d in reversed(created):
-        try:
-            d.rmdir()
-        except OSError:
-            break

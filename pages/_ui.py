@@ -144,3 +144,33 @@ def run_figures_for_compare(info: RunInfo) -> dict[str, list[float]]:
         return figures.kept_fractions_from_results(info.results)
     m = read_metrics(info.path)
     return m[-1]["kept_fraction"] if m else {}
+
+
+def option_widgets(options_cls, defaults: dict | None = None, key: str = "opt", columns: int = 3) -> dict:
+    """One widget per field of a settings dataclass (a method's Options), made from the field's declaration:
+    its label, help, choices and bounds (engine.fields.setting). Returns {field: value}."""
+    import dataclasses
+    import typing
+
+    from engine.fields import choices_of
+
+    defaults, values = defaults or {}, {}
+    hints = typing.get_type_hints(options_cls)
+    cols = st.columns(columns)
+    for i, f in enumerate(dataclasses.fields(options_cls)):
+        col, meta = cols[i % columns], f.metadata
+        label = meta.get("label") or f.name.replace("_", " ").capitalize()
+        default, choices, k = defaults.get(f.name, f.default), choices_of(f), f"{key}-{f.name}"
+        kw = dict(help=meta.get("help") or None, key=k)
+        if choices:
+            values[f.name] = col.selectbox(label, list(choices), index=list(choices).index(default), **kw)
+        elif hints[f.name] is bool:
+            values[f.name] = col.checkbox(label, bool(default), **kw)
+        elif hints[f.name] is int:
+            values[f.name] = int(col.number_input(label, value=int(default), step=1, min_value=meta.get("minimum"),
+                                                  max_value=meta.get("maximum"), **kw))
+        elif hints[f.name] is float:
+            values[f.name] = float(col.number_input(label, value=float(default), format="%.4g", **kw))
+        else:
+            values[f.name] = col.text_input(label, str(default), **kw)
+    return values

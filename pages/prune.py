@@ -10,7 +10,7 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402  (also puts the repository root on sys.path)
 import streamlit as st  # noqa: E402
 
-from engine.config import BASELINES, ESTIMATORS, INITS, LAYER_INITS, LR_SCHEDULES, PruneConfig
+from engine.config import INITS, LAYER_INITS, LR_SCHEDULES, PruneConfig
 from engine.methods import METHODS
 from engine.metrics.probability import PROB_MAPS
 from engine.unit_types import UNIT_TYPES
@@ -60,9 +60,9 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                                  "on one calibration batch: about 5 s per step for SmolLM2 on 2 CPU cores.", key="steps")
     c4, c5 = st.columns(2)
     method = c4.selectbox("Method", list(METHODS), index=list(METHODS).index(D.method),
-                          format_func={"pg": "policy gradient (forward passes only)",
-                                       "gumbel": "Gumbel-softmax (back-propagation, for comparison)",
-                                       "metric": "no optimisation: the init metric's top units"}.get,
+                          format_func=lambda m: {"pg": "policy gradient (forward passes only)",
+                                                 "gumbel": "Gumbel-softmax (back-propagation, for comparison)",
+                                                 "metric": "no optimisation: the init metric's top units"}.get(m, m),
                           help="pg is the paper's method. gumbel trains relaxed masks by back-propagating through the "
                                "model (more memory). metric keeps the units the initial metric ranks highest "
                                "(the one-shot baselines).", key="method")
@@ -80,14 +80,6 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
         batch_size = h1.number_input("Calibration batch size", 1, 64, D.batch_size,
                                      help="C4 segments per forward.", key="batch_size")
         seqlen = h2.number_input("Calibration segment length", 16, 2048, D.seqlen, help="Tokens per C4 segment.", key="seqlen")
-        baseline = h3.selectbox("Baseline", BASELINES, index=BASELINES.index(D.baseline),
-                                help="moving-average: subtract a moving average of the loss (window T) to lower the "
-                                     "variance of the gradient; leave-one-out: subtract the mean loss of the other "
-                                     "samples of the same batch; none.", key="baseline")
-        baseline_window = h1.number_input("Baseline window T", 1, 100, D.baseline_window,
-                                          help="Steps averaged by the moving-average baseline.", key="baseline_window")
-        estimator = h2.selectbox("Estimator", ESTIMATORS, index=ESTIMATORS.index(D.estimator),
-                                 help="paper: (m−s)/(s(1−s)); sqrt: the reference code's normalised variant.", key="estimator")
         prob_map = h3.selectbox("Metric → probability", list(PROB_MAPS), index=list(PROB_MAPS).index(D.prob_map),
                                 help="How the init metric becomes initial keep probabilities.", key="prob_map")
         max_windows = h1.number_input("Evaluation windows (0 = all)", 0, 10_000, 64,
@@ -106,6 +98,12 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                                            help="Final mask: every layer keeps a multiple of this many MLP channels "
                                                 "(never over the budget). 32 gives llama.cpp whole Q8_0 blocks and "
                                                 "GEMM tiles; 1 = off.", key="channel_multiple")
+    # each method's own settings, made from its Options declarations (a method registered by a script shows too)
+    method_values = {}
+    for name, cls in METHODS.items():
+        if cls.Options is not None:
+            with st.expander(f"Options of method {name}" + (" (used when it is the method)" if name != D.method else "")):
+                method_values[name] = _ui.option_widgets(cls.Options, key=f"opt-{name}")
     label = st.text_input("Run name (optional)", help=f"The run is saved under {_ui.runs_dir()}/<date>-<model>-<scope>-<rate>-<name>.", key="run_name")
     submitted = st.form_submit_button("Start pruning", type="primary", icon=":material/play_arrow:")
 
@@ -117,7 +115,7 @@ if submitted:
             model=DEFAULT_MODEL if choice == "default" else local_path.strip(), units=list(units), prune_ratio=float(rate),
             scope=scope, method=method, init=init, layer_init=layer_init, prob_map=prob_map, init_batches=int(init_batches), steps=int(steps), lr=float(lr),
             lr_schedule=lr_schedule, batch_size=int(batch_size), seqlen=int(seqlen), num_mask_samples=int(num_samples),
-            baseline=baseline, baseline_window=int(baseline_window), estimator=estimator, seed=int(seed),
+            method_options=method_values.get(method, {}), seed=int(seed),
             eval_seqlen=int(eval_seqlen), max_windows=int(max_windows) or None, checkpoint_every=int(checkpoint_every),
             val_every=int(val_every),
             unit_multiple={"channels": int(channel_multiple)} if channel_multiple > 1 and "channels" in units else {},

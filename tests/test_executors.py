@@ -190,7 +190,7 @@ def quiet(_msg: str) -> None:
 ])
 def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_path):
     model, tok = tiny
-    config = PruneConfig(model=str(tiny_path), steps=3, max_windows=2, init_batches=1, batch_size=2, lr=0.05, **options)
+    config = PruneConfig.of(model=str(tiny_path), steps=3, max_windows=2, init_batches=1, batch_size=2, lr=0.05, **options)
     run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tok, log=quiet)
     results = run.run(progress=False)
     assert results["status"] == "done" and results["steps"] == 3
@@ -208,7 +208,7 @@ def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_pat
         assert state.input_means is not None and run.fill is not None
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", trust_remote_code=True)
         assert exported.config.output_bias is True
-    if config.control_variate == "init-metric":
+    if config.method_options["control_variate"] == "init-metric":
         assert state.method_state.get("control_moments") is not None and state.method_state.get("control_moments")["count"] == 3
 
 

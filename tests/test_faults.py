@@ -20,6 +20,7 @@ from engine.cli import main
 from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.pruner import PruneRun, StepReport
+from engine.outdir import LOCK_FILE
 from engine.rundir import RUN_MARKER
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
@@ -138,7 +139,7 @@ def test_interrupted_export_leaves_no_half_written_model(tiny, eval_file, tmp_pa
     """Ctrl-C while the sliced model is written: no model/ appears, no temporary folder stays; a model/
     from before stays whole; and the run finishes on --resume."""
     model, tok = tiny
-    config = PruneConfig(model=str(TINY_MODEL), steps=2, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=1,
+    config = PruneConfig.of(model=str(TINY_MODEL), steps=2, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=1,
                          init_batches=1, calib=str(SMALL_CALIB), eval_data=str(eval_file))
     out = tmp_path / "run"
     original = type(tok).save_pretrained
@@ -154,7 +155,7 @@ def test_interrupted_export_leaves_no_half_written_model(tiny, eval_file, tmp_pa
         PruneRun(config, out, model=model, tokenizer=tok, log=quiet).run(progress=False)
     assert calls and calls[0].parent == out and calls[0].name.startswith(".model.")
     assert not (out / "model").exists() and not (out / "results.json").exists()
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no half-written folder left
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") and p.name != LOCK_FILE) == []  # no half-written folder left
 
     monkeypatch.setattr(type(tok), "save_pretrained", original)
     PruneRun(config, out, model=model, tokenizer=tok, log=quiet).run(resume=True, progress=False)
@@ -167,7 +168,7 @@ def test_interrupted_export_leaves_no_half_written_model(tiny, eval_file, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         run.finish(run.load_checkpoint())  # the export again, over the finished one
     assert snapshot(out / "model") == before
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") and p.name != LOCK_FILE) == []
 
 
 def test_kill_9_during_export_leaves_no_model_and_resume_cleans_up(tiny, eval_file, tmp_path):
@@ -194,7 +195,7 @@ def test_kill_9_during_export_leaves_no_model_and_resume_cleans_up(tiny, eval_fi
 
     assert main(["prune", "--out", str(out), "--resume"]) == 0
     assert (out / "model" / "tokenizer.json").is_file() and (out / "results.json").is_file()
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != LOCK_FILE]  # the lock file stays
 
 
 # --- NaN stops a run ------------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ def test_first_non_finite_value_stops_the_run(poison, tiny, eval_file, tmp_path,
     """A NaN loss or score (here injected at step 3) ends the run with a UserError naming the step; nothing
     non-finite reaches metrics.jsonl, the checkpoint or results.json."""
     model, tok = tiny
-    config = PruneConfig(model=str(TINY_MODEL), steps=5, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=1,
+    config = PruneConfig.of(model=str(TINY_MODEL), steps=5, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=1,
                          init_batches=1, checkpoint_every=1, calib=str(SMALL_CALIB), eval_data=str(eval_file))
     original = PruneRun.step
 
@@ -301,7 +302,7 @@ def test_out_is_created_and_checked_before_the_model_loads(tiny_path, tmp_path, 
     assert "stopped at the model load" in capfd.readouterr().err
 
     # an unwritable --out fails without loading anything (as root, mkstemp is made to fail)
-    import engine.rundir as pr
+    import engine.outdir as pr
 
     def no_write(*a, **kw):
         raise PermissionError(13, "Permission denied")

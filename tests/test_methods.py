@@ -332,7 +332,7 @@ def test_layer_pruning_run_exports_a_shallower_model(tiny, tiny_path, small_eval
                                  dict(init="random-progressive", progressive_increment=0.5)])
 def test_bad_method_settings_are_user_errors(bad):
     with pytest.raises(UserError):
-        PruneConfig(**bad).validate()
+        PruneConfig.of(**bad).validate()
 
 
 def test_masked_chat_without_a_layer_matches_the_sliced_export(tiny, tmp_path):

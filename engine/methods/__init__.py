@@ -26,9 +26,11 @@ def register_method(name: str):
     return add
 
 
-def method_options(name: str, values: dict):
+def method_options(name: str, values: dict, config=None):
     """The method's Options dataclass filled from a config's method_options (None for a method
-    without options); unknown names and wrong types are UserErrors."""
+    without options), checked against its fields' declarations and its own validate(config) (the run's
+    config, for checks that involve run-level settings such as N_s); unknown names and wrong types are
+    UserErrors."""
     cls = METHODS[name].Options
     if cls is None:
         if values:
@@ -38,12 +40,12 @@ def method_options(name: str, values: dict):
     unknown = set(values) - known
     if unknown:
         raise UserError(f"unknown {name} options: {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-    from ..fields import check_fields
+    from ..fields import check_settings
 
     options = cls(**values)
-    check_fields(options, what=name)
+    check_settings(options, what=name)
     if hasattr(options, "validate"):
-        options.validate()
+        options.validate(config)
     return options
 
 

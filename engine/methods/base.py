@@ -3,7 +3,7 @@ respect to the keep probabilities s; the run loop then takes s <- proj_C(s - lr 
 
     class MyMethod(Method):
         Options = MyOptions            # optional: the method's own settings (a dataclass)
-        def gradient(self, state, batch) -> StepGradient: ...
+        def gradient(self, state, batch) -> StepGradient: ...   # self.ctx: the StepContext, self.options
 
 A method that does not optimise (optimises = False) runs no steps; its final scores say which
 units stay.
@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-if TYPE_CHECKING:  # the run loop hands itself in; methods never import it
-    from ..pruner import PruneRun, RunState
+if TYPE_CHECKING:  # annotations only: methods never import the run
+    from ..context import StepContext
+    from ..pruner import RunState
 
 
 @dataclass
@@ -28,18 +29,20 @@ class StepGradient:
 
 
 class Method:
+    """A method is built once per run from the step context and its own options (its Options dataclass,
+    filled from the config's method_options), and never sees the run itself."""
+
     name: ClassVar[str]
     optimises: ClassVar[bool] = True
     Options: ClassVar[type | None] = None  # the dataclass of this method's own settings, if any
 
-    def __init__(self, run: "PruneRun", options: Any = None):
-        self.run = run
+    def __init__(self, ctx: "StepContext", options: Any = None):
+        self.ctx = ctx
         self.options = options
 
     def gradient(self, state: "RunState", batch: torch.Tensor) -> StepGradient:
         raise NotImplementedError(f"method {self.name} does not optimise")
 
     def final_scores(self, state: "RunState") -> dict[str, torch.Tensor]:
-        """The scores the final masks are cut from."""
-        c = self.run.config
-        return state.best_scores if c.final_mask == "best-val" else state.scores
+        """The scores the final masks are cut from (the best-val hook may take another step's instead)."""
+        return state.scores

@@ -9,7 +9,6 @@ import torch
 
 from ..errors import UserError
 from ..evaluate import token_loss
-from ..masking import MaskHooks
 from ..policy import relaxed_bernoulli
 from . import register_method
 from .base import Method, StepGradient
@@ -20,8 +19,11 @@ class GumbelOptions:
     temperature: float = field(default=1.0, metadata={"help": "relaxation temperature at the first step"})
     final_temperature: float = field(default=0.1, metadata={"help": "temperature at the last step (annealed geometrically)"})
     straight_through: bool = field(default=False, metadata={"help": "hard 0/1 masks forward, relaxed gradient backward"})
+    clamp: float = field(default=0.01, metadata={"help": "s clamped to [c, 1-c] in the relaxation's logits"})
 
-    def validate(self) -> None:
+    def validate(self, config=None) -> None:
+        if not 0.0 < self.clamp < 0.5:
+            raise UserError(f"gumbel clamp must be in (0, 0.5), got {self.clamp}")
         if not 0.0 < self.final_temperature <= self.temperature:
             raise UserError("gumbel temperatures must satisfy 0 < final temperature <= temperature")
 
@@ -32,16 +34,15 @@ class GumbelSoftmax(Method):
 
     def gradient(self, state, batch):
         """d loss / d s through N_s relaxed samples (averaged), back-propagated through the model."""
-        run, c, o = self.run, self.run.config, self.options
-        tau = o.temperature * (o.final_temperature / o.temperature) ** (state.step / max(c.steps - 1, 1))
+        ctx, o = self.ctx, self.options
+        tau = o.temperature * (o.final_temperature / o.temperature) ** (state.step / max(ctx.steps - 1, 1))
         leaves = {u: s.detach().float().clone().requires_grad_(True) for u, s in state.scores.items()}
-        losses = torch.empty(c.num_mask_samples, dtype=torch.float64)
-        with MaskHooks(run.adapter) as hooks, torch.enable_grad():
-            for j in range(c.num_mask_samples):
-                relaxed = {u: relaxed_bernoulli(s, tau, run.mask_rng, o.straight_through, c.estimator_clamp)
-                           for u, s in leaves.items()}
-                hooks.set(run.layer_masks(relaxed), run.fill)
-                loss = token_loss(run.model, batch).mean()
-                (loss / c.num_mask_samples).backward()
+        losses = torch.empty(ctx.num_samples, dtype=torch.float64)
+        with torch.enable_grad():
+            for j in range(ctx.num_samples):
+                relaxed = {u: relaxed_bernoulli(s, tau, ctx.rng, o.straight_through, o.clamp) for u, s in leaves.items()}
+                with ctx.masked(relaxed):
+                    loss = token_loss(ctx.model, batch).mean()
+                (loss / ctx.num_samples).backward()
                 losses[j] = float(loss.detach())
         return StepGradient(losses, {u: leaves[u].grad.double().cpu() for u in leaves}, 0.0)

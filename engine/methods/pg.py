@@ -6,22 +6,65 @@ model, and estimates d E[L] / d s = mean_j (L_j - baseline) (m_j - s) / (s (1 - 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..masking import MaskHooks
+from ..errors import UserError
+from ..fields import setting
 from ..policy import fit_control_coefficients, leave_one_out_baselines, metric_feature, policy_gradient, sample_masks, update_baseline
 from . import register_method
 from .base import Method, StepGradient
 
 
+BASELINES = ("moving-average", "leave-one-out", "none")
+ESTIMATORS = ("paper", "sqrt")
+MASK_SAMPLINGS = ("independent", "antithetic")
+CONTROL_VARIATES = ("none", "init-metric")
+
+
+@dataclass
+class PGOptions:
+    """Policy gradient's own settings (their CLI flags keep the short names they always had)."""
+
+    baseline: str = setting("leave-one-out", choices=BASELINES, flag="--baseline", label="Baseline",
+                            help="variance-reducing baseline: moving-average (window T), leave-one-out (mean loss of "
+                                 "the other samples of the batch), none")
+    baseline_window: int = setting(5, minimum=1, flag="--baseline-window", label="Baseline window T",
+                                   help="T of the moving-average baseline")
+    estimator: str = setting("paper", choices=ESTIMATORS, flag="--estimator", label="Estimator",
+                             help="paper: (m-s)/(s(1-s)); sqrt: the reference code's (m-s)/sqrt(s(1-s))/(N_s-1)")
+    estimator_clamp: float = setting(0.01, flag="--estimator-clamp", label="Estimator clamp",
+                                     help="s clamped to [c, 1-c] in the estimator's denominator only")
+    mask_sampling: str = setting("independent", choices=MASK_SAMPLINGS, flag="--mask-sampling", label="Mask sampling",
+                                 help="independent, or antithetic pairs (u, 1 - u) (needs an even N_s)")
+    control_variate: str = setting("none", choices=CONTROL_VARIATES, flag="--control-variate", label="Control variate",
+                                   help="init-metric: subtract a linear loss model of the init metric, fitted online, "
+                                        "from the losses and add its exact gradient back (unbiased)")
+
+    def validate(self, config=None) -> None:
+        n = getattr(config, "num_mask_samples", None)
+        if not 0.0 < self.estimator_clamp < 0.5:
+            raise UserError(f"estimator clamp must be in (0, 0.5), got {self.estimator_clamp}")
+        if n is None:
+            return
+        if self.estimator == "sqrt" and n < 2:
+            raise UserError("the sqrt estimator needs at least 2 mask samples per step")
+        if self.baseline == "leave-one-out" and n < 2:
+            raise UserError("the leave-one-out baseline needs at least 2 mask samples per step")
+        if self.mask_sampling == "antithetic" and n % 2:
+            raise UserError(f"antithetic mask sampling draws pairs: num mask samples must be even, got {n}")
+
+
 @register_method("pg")
 class PolicyGradient(Method):
+    Options = PGOptions
+
     def gradient(self, state, batch):
-        run, c = self.run, self.run.config
+        ctx, c = self.ctx, self.options
         antithetic = c.mask_sampling == "antithetic"
-        samples = {u: sample_masks(s, c.num_mask_samples, run.mask_rng, antithetic) for u, s in state.scores.items()}
-        with MaskHooks(run.adapter) as hooks:
-            losses = run.sample_losses(hooks, run.layout, batch, samples, run.fill)
+        samples = {u: sample_masks(s, ctx.num_samples, ctx.rng, antithetic) for u, s in state.scores.items()}
+        losses = ctx.losses(samples, batch)
 
         beta, features = None, None
         target = losses

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
+from ..outdir import OutputKind, output_folder
 
 CONFIG_FILE, LOG_FILE, RESULTS_FILE, MODEL_DIR = "finetune_config.json", "finetune_log.jsonl", "finetune_results.json", "model"
 
@@ -134,7 +135,7 @@ def save_like_export(model, tokenizer, dest: Path) -> None:
 
 
 def load_trainable(config: FinetuneConfig):
-    from ..loading import load_model, resolve_model
+    from ..loading import check_positions, load_model, resolve_model
 
     if not config.model:
         raise UserError("give the model to fine-tune with --model (e.g. RUN/model)")
@@ -142,7 +143,10 @@ def load_trainable(config: FinetuneConfig):
     if source.gguf_file is not None or not Path(source.path).is_dir():
         raise UserError("finetune takes a local model folder (e.g. a pruned export RUN/model), "
                         "not a .gguf file or a hub id")
-    return load_model(source, config.dtype, config.device)
+    model, tok = load_model(source, config.dtype, config.device)
+    lengths = {"seqlen": config.seqlen, **({} if config.skip_eval else {"eval seqlen": config.eval_seqlen})}
+    check_positions(model.config, lengths)  # before any training or perplexity
+    return model, tok
 
 
 def train_lora(model, segments: torch.Tensor, config: FinetuneConfig, log=lambda m: None):
@@ -204,13 +208,27 @@ def merge(peft_model, check: torch.Tensor):
     return merged, float((before - after).abs().max())
 
 
-def finetune(config: FinetuneConfig, out: str | Path, log=lambda m: print(m, file=sys.stderr)) -> dict:
+FINETUNE_OUTPUT = OutputKind("finetune", "pg-prune-finetune", (CONFIG_FILE, LOG_FILE, RESULTS_FILE), (MODEL_DIR,))
+
+
+def finetune(config: FinetuneConfig, out: str | Path, log=lambda m: print(m, file=sys.stderr), overwrite: bool = False) -> dict:
+    """Fine-tune config.model into the folder `out`: a new or empty folder, or (overwrite) an earlier
+    fine-tune's, never the folder --model lies in (outdir's rule); it is locked while it is written."""
+    config.validate()
+    out = Path(out)
+    model = Path(config.model).expanduser()
+    if model.exists() and (out.resolve() == model.resolve() or out.resolve() in model.resolve().parents):
+        raise UserError(f"--out {out} holds --model {config.model}: the merged model would replace its own "
+                        "source; choose another --out")
+    with output_folder(out, FINETUNE_OUTPUT, overwrite):
+        return _finetune(config, out, log)
+
+
+def _finetune(config: FinetuneConfig, out: Path, log) -> dict:
     from ..data import eval_windows, load_calibration_texts, load_eval_text
     from ..evaluate import perplexity
     from ..io import atomic_write_text
 
-    config.validate()
-    out = Path(out)
     texts, calib_src = load_calibration_texts(config.calib)
     eval_text = None if config.skip_eval else load_eval_text(config.eval_data)
     model, tok = load_trainable(config)
@@ -228,7 +246,6 @@ def finetune(config: FinetuneConfig, out: str | Path, log=lambda m: print(m, fil
         results.update(ppl_before=perplexity(model, windows, 8), eval_windows=int(len(windows)), eval_data=eval_text[1])
     results["train_loss_before"] = mean_loss(model, probe, config.batch_size)
 
-    out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
     peft_model, log_lines, info = train_lora(model, segments, config, log)
     atomic_write_text(out / LOG_FILE, "\n".join(json.dumps(r) for r in log_lines) + "\n")

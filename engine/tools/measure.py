@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..outdir import OutputKind, output_folder
 
 CONFIG_FILE, RESULTS_FILE, TABLE_FILE = "measure_config.json", "measure.json", "measure.md"
 
@@ -145,10 +146,16 @@ def generate(model, ids: torch.Tensor, new_tokens: int, pad_id: int) -> int:
     return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
 
+def _lengths(config: MeasureConfig) -> dict[str, int]:
+    """check_positions' lengths: generation appends new_tokens to the seqlen-token prompt."""
+    return {f"seqlen {config.seqlen} + new tokens {config.new_tokens} =": config.seqlen + config.new_tokens}
+
+
 def _load(name: str, config: MeasureConfig):
-    from ..loading import load_model, resolve_model
+    from ..loading import check_positions, load_model, resolve_model
 
     model, tok = load_model(resolve_model(name), config.dtype, config.device)
+    check_positions(model.config, _lengths(config))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model.generation_config.temperature = None  # greedy: silence sampling settings shipped with the model
     model.generation_config.top_p = None
@@ -191,9 +198,11 @@ def _memory_in_subprocess(name: str, config: MeasureConfig) -> dict:
 
 
 def measure(config: MeasureConfig, log=lambda m: print(m, file=sys.stderr)) -> dict:
-    from ..loading import count_parameters
+    from ..loading import check_before_load, count_parameters, resolve_model
 
     config.validate()
+    for name in config.models:  # every model's declared config, before any model is loaded
+        check_before_load(resolve_model(name), _lengths(config))
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = []
@@ -290,14 +299,26 @@ def markdown(result: dict, labels: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_measure(config: MeasureConfig, out: str | Path | None = None, log=lambda m: print(m, file=sys.stderr)) -> dict:
+MEASURE_OUTPUT = OutputKind("measure", "pg-prune-measure", (CONFIG_FILE, RESULTS_FILE, TABLE_FILE))
+
+
+def run_measure(config: MeasureConfig, out: str | Path | None = None, log=lambda m: print(m, file=sys.stderr),
+                overwrite: bool = False) -> dict:
+    """Measure; with `out` (a new or empty folder, or with overwrite an earlier measure output: outdir's
+    rule), write measure_config.json, measure.json and measure.md there."""
+    from contextlib import nullcontext
+
+    with output_folder(Path(out), MEASURE_OUTPUT, overwrite) if out is not None else nullcontext():
+        return _run_measure(config, out, log)
+
+
+def _run_measure(config: MeasureConfig, out: str | Path | None, log) -> dict:
     from ..io import atomic_write_text
 
     result = measure(config, log)
     result["table"] = markdown(result)
     if out is not None:
         out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
         atomic_write_text(out / RESULTS_FILE, json.dumps(result, indent=2) + "\n")
         atomic_write_text(out / TABLE_FILE, result["table"])

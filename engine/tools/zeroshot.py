@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..outdir import OutputKind, output_folder
 
 TASK_TEMPLATES = Path(__file__).resolve().parent / "tasks"
 ALL_TASKS = ("piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "boolq", "lambada_openai")
@@ -193,13 +194,25 @@ def load_for_zeroshot(config: ZeroshotConfig):
     return model, tok, config.model, None, count_parameters(model)
 
 
-def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=print) -> dict:
-    """Evaluate, write zeroshot_config.json / zeroshot.json / zeroshot.md / tasks/ to `out`, return the summary."""
+ZEROSHOT_OUTPUT = OutputKind("zeroshot", "pg-prune-zeroshot", (CONFIG_FILE, RESULTS_FILE, TABLE_FILE), (TASKS_SUBDIR,))
+TASKS_OUTPUT = OutputKind("task configs", "pg-prune-tasks", ("*.yaml", "*.py"))  # --write-tasks DIR
+
+
+def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=print, overwrite: bool = False) -> dict:
+    """Evaluate, write zeroshot_config.json / zeroshot.json / zeroshot.md / tasks/ to `out` (a new or empty
+    folder, or with overwrite an earlier zeroshot output: outdir's rule), return the summary."""
     import tempfile
 
+    config.validate()
+    if out is None:
+        return _run_zeroshot(config, Path(tempfile.mkdtemp(prefix="zeroshot-")), log)
+    with output_folder(Path(out), ZEROSHOT_OUTPUT, overwrite):
+        return _run_zeroshot(config, Path(out), log)
+
+
+def _run_zeroshot(config: ZeroshotConfig, out_dir: Path, log) -> dict:
     from ..io import atomic_write_text
 
-    config.validate()
     if config.model is None and config.run is None:
         from ..loading import DEFAULT_MODEL
 
@@ -211,8 +224,6 @@ def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=prin
     if config.run is not None and not (Path(config.run) / "masks.json").is_file():
         raise UserError(f"{config.run} is not a finished prune run (no masks.json)")
     data = zeroshot_data_dir(config.data_dir)  # fail on missing data before loading a model
-    out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="zeroshot-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     task_dir = write_task_dir(out_dir / TASKS_SUBDIR, config.tasks, str(data))
     model, tok, label, layer_masks, params = load_for_zeroshot(config)
     t0 = time.perf_counter()

@@ -172,7 +172,8 @@ class JobManager:
     def _work(self, config: PruneConfig, out: Path, resume: bool, stop: threading.Event) -> None:
         try:
             from ..pruner import PruneRun
-            from ..rundir import CHECKPOINT_FILE, METRICS_FILE, trim_metrics
+            from ..outdir import folder_lock
+            from ..rundir import CHECKPOINT_FILE
 
             model, tok = self._load(config)
             self._log("reading calibration and evaluation data")
@@ -182,7 +183,8 @@ class JobManager:
             if resume and (out / CHECKPOINT_FILE).exists():
                 # the steps the run keeps: trimmed to its checkpoint first, as run() will (steps past it are
                 # redone, and reading them before the trim showed them twice)
-                history = trim_metrics(out / METRICS_FILE, run.load_checkpoint().step)
+                with folder_lock(out, what="resume"):  # never trims the metrics of a run another process writes
+                    history = run.restore_metrics(run.load_checkpoint())
                 self._set(history=history, resumed_from=len(history))
             with self._lock:
                 if self._snap.status == LOADING:
@@ -310,6 +312,7 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
     the check and the removal hold the job manager's lock, so no job can start in between."""
     from contextlib import nullcontext
 
+    from ..outdir import cleanup_out_dir, folder_lock
     from ..rundir import is_run_dir, remove_run_files
 
     p = Path(run_dir)
@@ -318,11 +321,9 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
             raise UserError(f"{p.name} is being pruned right now; stop the job first")
         if read_run(p) is None or not is_run_dir(p):
             raise UserError(f"{p} holds no run; not deleting it")
-        remove_run_files(p)  # what the run wrote; a file the user put there stays
-        try:
-            p.rmdir()
-        except OSError:
-            pass
+        with folder_lock(p, what="delete"):  # a run another process writes is refused, naming it
+            remove_run_files(p)  # what the run wrote; a file the user put there stays
+        cleanup_out_dir([p])  # the folder too, when only the lock file is left
 
 
 def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:

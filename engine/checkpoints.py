@@ -1,0 +1,116 @@
+"""A run's checkpoint: what it holds (runstate.RunState, the config and the step's metrics line), when it is
+read back, and what a resume checks and restores."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import UserError
+from .io import atomic_file
+from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
+from .runstate import RunState, StepReport
+
+if TYPE_CHECKING:  # annotations only
+    from .pruner import PruneRun
+
+
+def _normalised(saved: dict) -> dict:
+    """A config a checkpoint saved, in today's fields with every method option written out."""
+    from .config import PruneConfig
+
+    try:
+        return json.loads(json.dumps(PruneConfig.from_dict(saved).validate().to_dict()))
+    except UserError:
+        return saved  # compared as it is: any difference is reported
+
+
+class Checkpoints:
+    """The checkpoint file of one run: snapshots of its state, written atomically, read back and checked."""
+
+    def __init__(self, run: "PruneRun"):
+        self.run = run
+
+    def snapshot(self, state: RunState, report: StepReport | None = None) -> RunState:
+        """A copy of the state as a checkpoint would hold it now (the sampler's and the mask rng's positions,
+        the config, this step's metrics line); later steps do not change it."""
+        snap = copy.copy(state)
+        snap.scores = dict(state.scores)  # the loop replaces score tensors, never changes them in place
+        snap.method_state = copy.deepcopy(state.method_state)
+        snap.sampler_state = copy.deepcopy(self.run.sampler.state_dict())
+        snap.mask_rng_state = self.run.mask_rng.get_state()
+        snap.config = json.loads(json.dumps(self.run.config.to_dict()))
+        if report is not None:
+            snap.last_report = report.to_json()
+        return snap
+
+    def save(self, state: RunState, report: StepReport | None = None) -> None:
+        self.write(self.snapshot(state, report))
+
+    def write(self, snap: RunState) -> None:
+        with atomic_file(self.run.out / CHECKPOINT_FILE) as tmp:
+            torch.save(asdict(snap), tmp)
+
+    def load(self) -> RunState:
+        path = self.run.out / CHECKPOINT_FILE
+        try:
+            data = torch.load(path, weights_only=False)
+        except Exception as e:  # garbage, truncated or foreign: unpickling raises almost anything
+            raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); it is damaged: "
+                            "start again with --overwrite") from e
+        try:
+            control_moments = data.pop("control_moments", None)  # a checkpoint from before method_state
+            if control_moments is not None:
+                data.setdefault("method_state", {})["control_moments"] = control_moments
+            state = RunState(**data)
+            self.run.sampler.load_state_dict(state.sampler_state)
+            self.run.mask_rng.set_state(state.mask_rng_state)
+            if not isinstance(state.step, int) or not 0 <= state.step:
+                raise ValueError(f"step {state.step!r}")
+            if set(state.scores) != set(self.run.layout.unit_types) or any(
+                    s.shape != (self.run.layout.total(u),) for u, s in state.scores.items()):
+                raise ValueError("scores do not fit this model and these units")
+        except Exception as e:
+            raise UserError(f"checkpoint {path} does not belong to this run ({type(e).__name__}: {e}); "
+                            "start again with --overwrite") from e
+        self.check_config_unchanged(state)
+        for hook in self.run.hooks:
+            hook.on_resume(state)
+        return state
+
+    def check_config_unchanged(self, state: RunState) -> None:
+        """The config must be the one the checkpoint was written under. Only steps may differ (a longer or
+        shorter run; the schedules then follow an N-step run from the checkpoint on), and not below the step
+        the checkpoint holds."""
+        c, path = self.run.config, self.run.out / CONFIG_FILE
+        if state.config is not None:  # checkpoints from before this check carry no config
+            now = json.loads(json.dumps(c.to_dict()))
+            then = _normalised(state.config)
+            changed = [k for k in sorted(set(now) | set(then)) if k != "steps" and now.get(k) != then.get(k)]
+            if changed:
+                k = changed[0]
+                raise UserError(f"{path} differs from the run's checkpoint in {', '.join(changed)} ({k}: "
+                                f"{then.get(k)!r} when the run started, {now.get(k)!r} now); a run cannot "
+                                "change its settings midway: restore them, or start again with --overwrite")
+            if now["steps"] != then["steps"] and len(self.run.stages) > 1:
+                raise UserError(f"the number of steps of a random-progressive run cannot change on resume (its "
+                                f"stages are laid out over them): keep steps {then['steps']}")
+        if state.step > c.steps:
+            raise UserError(f"the checkpoint is at step {state.step}, past steps {c.steps}: steps cannot go below "
+                            "the steps already done")
+
+    def restore_metrics(self, state: RunState) -> list[dict]:
+        """After a resume, drop metric lines from steps past the checkpoint (they will be redone), and a
+        last line cut short by a crash; the checkpoint's own step is put back from the checkpoint if its
+        line was lost. Each step stays recorded once (the first record of it)."""
+        kept = trim_metrics(self.run.out / METRICS_FILE, state.step, state.last_report)
+        missing = sorted(set(range(1, state.step + 1)) - {r["step"] for r in kept})
+        if missing and self.run.method.optimises:
+            shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
+            self.run.log(f"warning: {METRICS_FILE} lacks the records of {len(missing)} finished steps ({shown}): "
+                     "their lines were lost; the loss curve has a gap there")
+        return kept

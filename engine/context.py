@@ -1,0 +1,42 @@
+"""What a method sees of a run: the narrow context of one optimisation step.
+
+A method never holds the run. It gets the model's adapter and unit layout, an executor that turns
+mask samples into calibration losses, a way to run the model under (soft) masks for methods that
+back-propagate, the mask rng, and the compensation fill once the run has measured it.
+
+    ctx.losses(samples, batch)      # {unit type: (N_s, units) 0/1} -> (N_s,) mean token losses
+    with ctx.masked(masks): ...     # {unit type: (units,) float} applied as hooks for the block
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .masking import MaskHooks
+
+
+@dataclass
+class StepContext:
+    model: Any  # the unmodified transformers model (hooks apply the masks)
+    adapter: Any  # its ModelAdapter
+    layout: Any  # the UnitLayout of the pruned unit types
+    executor: Callable  # (hooks, layout, batch, samples, fill) -> (N_s,) losses: sequential, batched or sliced
+    rng: torch.Generator  # the mask samples' generator (part of every checkpoint)
+    num_samples: int  # N_s masks per step
+    steps: int  # the steps of the whole run (schedules inside a method, e.g. Gumbel's temperature)
+    fill: dict[str, list[torch.Tensor]] | None = None  # bias compensation's means, once the run measured them
+
+    def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> torch.Tensor:
+        """fill: the compensation means to use instead of the run's (None: none)."""
+        with MaskHooks(self.adapter) as hooks:
+            return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill)
+
+    @contextmanager
+    def masked(self, masks: dict[str, torch.Tensor]):
+        with MaskHooks(self.adapter) as hooks:
+            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.fill)
+            yield

@@ -1,0 +1,18 @@
+"""Run hooks: the cross-cutting options of a run, each in its own file, called at fixed points of the run's
+life (as llm-compressor's modifiers are). A hook joins a run when its `applies(config)` is true; the run loop
+calls every joined hook in RUN_HOOKS' order and never branches on an option's name itself.
+
+    progressive    random-progressive: the budget raised in stages (a schedule, not an init metric)
+    compensation   FLAP's bias compensation: removed inputs replaced by their calibration means
+    multiples      every layer keeps a multiple of N units (llama.cpp blocks)
+    validation     held-out perplexity of the hard mask every --val-every steps (and of the init mask)
+    best_val       --final-mask best-val: the best-validated step's scores are the final ones
+    ranking        --within-layer-ranking init-metric: per-layer counts from the scores, units by the metric
+"""
+
+from __future__ import annotations
+
+from .base import RUN_HOOKS, RunHook, register_hook
+from . import progressive, compensation, multiples, validation, best_val, ranking  # noqa: E402,F401  (in this order)
+
+__all__ = ["RUN_HOOKS", "RunHook", "register_hook"]

@@ -1,0 +1,55 @@
+"""The hook interface. Each method is a no-op here; a hook overrides the points it needs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:  # annotations only
+    from ..pruner import PruneRun, RunState, StepReport
+
+RUN_HOOKS: list[type["RunHook"]] = []
+
+
+def register_hook(cls: type["RunHook"]) -> type["RunHook"]:
+    if cls in RUN_HOOKS:
+        raise ValueError(f"run hook {cls.__name__} is already registered")
+    RUN_HOOKS.append(cls)
+    return cls
+
+
+class RunHook:
+    needs_data: ClassVar[bool] = False  # needs the init batches even when no init metric does
+
+    def __init__(self, run: "PruneRun"):
+        self.run = run
+
+    @staticmethod
+    def applies(config) -> bool:
+        """Does this run's config ask for the hook?"""
+        raise NotImplementedError
+
+    def on_setup(self) -> None:
+        """The run is built (model, layout and data loaded): check the config against the model, set schedules."""
+
+    def on_init(self, state: "RunState", batches: list[torch.Tensor]) -> None:
+        """A fresh state: scores initialised, the init perplexities not yet measured."""
+
+    def on_resume(self, state: "RunState") -> None:
+        """A state read back from the checkpoint."""
+
+    def on_step(self, state: "RunState", report: "StepReport") -> None:
+        """A step is done; its report is not yet written."""
+
+    def hard_masks(self, masks: dict[str, torch.Tensor], scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every hard mask the run takes from scores (reports, validation, the final mask)."""
+        return masks
+
+    def final_scores(self, state: "RunState", scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The scores the final mask is cut from."""
+        return scores
+
+    def final_masks(self, masks: dict[str, torch.Tensor], metric: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The final masks, before the evaluation and the export."""
+        return masks

@@ -1,0 +1,31 @@
+"""FLAP's bias compensation (`--bias-compensation`): a removed unit's input is replaced by its mean on the
+init batches, in the optimisation, the evaluations and the export (as output-projection biases)."""
+
+from __future__ import annotations
+
+from ..metrics.activations import input_means
+from .base import RunHook, register_hook
+
+
+def compensation_fill(means, unit_types):
+    """The fill values of the unit types a run prunes (whole layers have none)."""
+    if means is None:
+        return None
+    return {u: means[u] for u in unit_types if u in means}
+
+
+@register_hook
+class BiasCompensation(RunHook):
+    needs_data = True
+
+    @staticmethod
+    def applies(config) -> bool:
+        return config.bias_compensation
+
+    def on_init(self, state, batches) -> None:
+        self.run.log("measuring mean inputs of the output projections (bias compensation)")
+        state.input_means = input_means(self.run.adapter, batches)
+        self.on_resume(state)
+
+    def on_resume(self, state) -> None:
+        self.run.ctx.fill = compensation_fill(state.input_means, self.run.layout.unit_types)

@@ -1,0 +1,42 @@
+"""`--val-every N`: the held-out perplexity of the current hard mask every N steps and at the last step, and of
+the init mask at step 0 (every 10th calibration document is held out); the best step and its scores are kept
+in the state, for --final-mask best-val."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import UserError
+from ..evaluate import batch_loss
+from .base import RunHook, register_hook
+
+
+@register_hook
+class Validation(RunHook):
+    @staticmethod
+    def applies(config) -> bool:
+        return config.val_every > 0
+
+    def validate(self, state) -> float:
+        run = self.run
+        with run.ctx.masked(run.hard_masks(state.scores)):
+            loss = torch.cat([batch_loss(run.model, b) for b in run.val_batches]).double().mean()
+        ppl = float(torch.exp(loss))
+        if state.best_val_ppl is None or ppl < state.best_val_ppl:
+            state.best_val_ppl, state.best_step = ppl, state.step
+            state.best_scores = {u: s.clone() for u, s in state.scores.items()}
+        return ppl
+
+    def on_init(self, state, batches) -> None:  # the init mask is best-val's first candidate
+        state.val_ppl_init = self.validate(state)
+        self.run.log(f"held-out perplexity of the init mask: {state.val_ppl_init:.3f}")
+
+    def on_step(self, state, report) -> None:
+        c = self.run.config
+        if state.step % c.val_every == 0 or state.step == c.steps:
+            report.val_ppl = self.validate(state)
+            if not math.isfinite(report.val_ppl):
+                raise UserError(f"step {state.step}: the held-out perplexity is {report.val_ppl}; stopped (the "
+                                "checkpoint holds the last finite state; a lower --lr may help)")

@@ -1,0 +1,71 @@
+"""A run's starting point: the init metric of every unit type, mapped to keep probabilities, and the dense and
+init perplexities."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .metrics import METRICS, MetricContext
+from .metrics.probability import initial_scores, standardize
+from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, write_run_marker
+from .runstate import RunState, check_finite
+from .unit_types import UNIT_TYPES
+
+if TYPE_CHECKING:  # annotations only
+    from .pruner import PruneRun
+
+
+def metric_names(run: "PruneRun") -> dict[str, str]:
+    """unit type -> the init metric it is scored by (run.unit_metric for widths, --layer-init for layers)."""
+    return {u: run.config.layer_init if UNIT_TYPES[u].whole_layer else run.unit_metric for u in run.layout.unit_types}
+
+
+def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The standardized importance metric of every unit type (flat; higher = keep)."""
+    c, wanted = run.config, metric_names(run)
+    ctx = MetricContext(run.adapter, run.layout, batches, keep_ratio=c.keep_ratio, seed=c.seed + 2,
+                        progress=run.progress, log=run.log)
+    raw: dict[str, list[torch.Tensor]] = {}
+    for name in dict.fromkeys(wanted.values()):
+        units = [u for u, m in wanted.items() if m == name]
+        run.log(f"computing the {name} metric for {', '.join(units)}")
+        raw.update(METRICS[name].fn(ctx, units))
+    return {u: standardize(u, raw[u]) for u in run.layout.unit_types}
+
+
+def fresh_state(run: "PruneRun") -> RunState:
+    """Scores from the init metric (each hook's on_init runs on them), then the dense and init perplexities."""
+    c, names = run.config, metric_names(run)
+    run.log(f"initialising scores ({', '.join(dict.fromkeys(names.values()))}, {c.prob_map})")
+    needs_data = any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())
+    batches = [run.sampler.next_batch() for _ in range(c.init_batches)] if needs_data else []
+    z = initial_metric(run, batches)
+    keep0 = run.keep_ratio_at(0)
+    scores = {u: initial_scores(z[u], run.layout, u, c.scope, keep0, c.prob_map, c.score_const)
+              for u in run.layout.unit_types}
+    state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=run.mask_rng.get_state(),
+                     ppl_dense=float("nan"), ppl_init=float("nan"), init_scores={u: s.clone() for u, s in scores.items()},
+                     init_metric=z)
+    for hook in run.hooks:
+        hook.on_init(state, batches)
+    state.ppl_dense = run.masked_perplexity(None, "dense")
+    state.ppl_init = run.masked_perplexity(run.hard_masks(z), "init")
+    return state
+
+
+def start_state(run: "PruneRun", resume: bool) -> RunState:
+    """The state a run starts from: its checkpoint (--resume), or a fresh one written as the first checkpoint."""
+    if resume and (run.out / CHECKPOINT_FILE).exists():
+        state = run.load_checkpoint()
+        run.restore_metrics(state)
+        run.log(f"resuming {run.out} at step {state.step}/{run.config.steps}")
+        return state
+    write_run_marker(run.out)  # first: from now on the folder is recognisably a run
+    run.config.save(run.out / CONFIG_FILE)
+    state = run.fresh_state()
+    check_finite("the initial scores", state.scores, {"dense perplexity": state.ppl_dense, "init perplexity": state.ppl_init})
+    run.checkpoints.save(state)
+    (run.out / METRICS_FILE).write_text("")
+    return state

@@ -1,0 +1,67 @@
+"""What a finished run reports: results.json."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from .io import atomic_write_text
+from .loading import count_parameters
+from .rundir import MODEL_DIR, RESULTS_FILE
+from .runstate import RunState, peak_rss_mb
+from .unit_types import UNIT_TYPES
+
+if TYPE_CHECKING:  # annotations only
+    from .pruner import PruneRun
+
+
+def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl_pruned: float, params_pruned: int) -> dict:
+    c = run.config
+    return {
+        "status": "done",
+        "model": run.source.name,
+        "method": c.method,
+        "init": c.init,
+        "layer_init": c.layer_init if any(UNIT_TYPES[u].whole_layer for u in c.units) else None,
+        "units": c.units,
+        "scope": c.scope,
+        "prune_ratio": c.prune_ratio,
+        "seed": c.seed,
+        "ppl_dense": state.ppl_dense,
+        "ppl_init": state.ppl_init,
+        "ppl_pruned": ppl_pruned,
+        "eval_windows": int(run.windows.shape[0]),
+        "seqlen": c.eval_seqlen,
+        "eval_data": run.eval_source,
+        "calib_data": run.calib_source,
+        "params_dense": count_parameters(run.model),
+        "params_pruned": params_pruned,
+        "kept_per_layer": {u: [int(m.sum()) for m in run.layout.split(u, mask)] for u, mask in masks.items()},
+        "units_per_layer": run.layout.sizes,
+        "steps": state.step,
+        "final_mask": c.final_mask,
+        "mask_step": state.best_step if state.best_scores is not None and scores is state.best_scores else state.step,
+        "best_val_ppl": state.best_val_ppl,
+        "val_ppl_init": state.val_ppl_init,
+        "lr": c.lr,
+        "seconds_per_step": state.seconds_in_steps / max(state.step, 1),
+        "seconds_in_steps": state.seconds_in_steps,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def finish(run: "PruneRun", state: RunState) -> dict:
+    """The final mask from the method's (or a hook's) scores: evaluated, saved, exported as a sliced model."""
+    from .export import export_pruned, save_mask_artifact
+
+    scores = run.method.final_scores(state)
+    for hook in run.hooks:
+        scores = hook.final_scores(state, scores)
+    masks = run.final_masks(scores, state.init_metric)
+    save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores)
+    ppl_pruned = run.masked_perplexity(masks, "pruned")
+    run.log(f"exporting the sliced model to {run.out / MODEL_DIR}")
+    export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill)
+    results = run_results(run, state, scores, masks, ppl_pruned, export["params"])
+    atomic_write_text(run.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    return results

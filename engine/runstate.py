@@ -1,0 +1,72 @@
+"""The state of a run that a checkpoint holds, the report of one step, and the finiteness check both pass."""
+
+from __future__ import annotations
+
+import math
+import resource
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import UserError
+from .io import dumps_json
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class StepReport:
+    """What one optimisation step did; sent to observers and written to metrics.jsonl."""
+
+    step: int  # 1-based count of steps done
+    total_steps: int
+    losses: list[float]  # L_j of each mask sample
+    baseline: float  # delta after this step's update (0 when the baseline is off)
+    lr: float
+    mean_score: dict[str, list[float]]  # unit type -> mean s per layer
+    kept_fraction: dict[str, list[float]]  # unit type -> fraction kept per layer by the current hard mask
+    head_scores: list[list[float]] | None  # s of every KV group, per layer (small; for heatmaps)
+    seconds: float  # wall time of this step
+    eta_seconds: float
+    val_ppl: float | None = None  # held-out perplexity of the current hard mask, on validation steps
+    keep_ratio: float | None = None  # the budget this step (rises in stages under random-progressive)
+
+    def to_json(self) -> str:
+        return dumps_json(asdict(self), what=f"step {self.step}")
+
+
+@dataclass
+class RunState:
+    step: int
+    scores: dict[str, torch.Tensor]
+    baseline: float | None
+    sampler_state: dict
+    mask_rng_state: torch.Tensor
+    ppl_dense: float
+    ppl_init: float
+    init_scores: dict[str, torch.Tensor]
+    seconds_in_steps: float = 0.0
+    best_val_ppl: float | None = None  # best held-out perplexity so far, its step and scores
+    best_step: int | None = None
+    best_scores: dict[str, torch.Tensor] | None = None
+    val_ppl_init: float | None = None  # held-out perplexity of the init mask (step 0, a candidate of best-val)
+    init_metric: dict[str, torch.Tensor] | None = None  # the standardized init metric (method metric ranks it)
+    input_means: dict[str, list[torch.Tensor]] | None = None  # bias compensation: mean input of each output column
+    method_state: dict = field(default_factory=dict)  # what a method carries from step to step (pg: control moments)
+    config: dict | None = None  # the run's config when saved: --resume refuses a config.json edited since
+    last_report: str | None = None  # metrics.jsonl's line of this step, restored on resume if that line was lost
+
+
+def check_finite(where: str, scores: dict[str, torch.Tensor], values: dict[str, float]) -> None:
+    """Raise UserError naming `where` and the first non-finite value or score."""
+    for name, x in values.items():
+        if not math.isfinite(x):
+            raise UserError(f"{where}: the {name} is {x}; stopped (the checkpoint holds the last finite state; "
+                            "a lower --lr or another --seqlen/--dtype may help)")
+    for u, t in scores.items():
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            raise UserError(f"{where}: {int(bad.sum())} {u} scores are not finite (first at index "
+                            f"{int(bad.nonzero()[0])}); stopped (a lower --lr may help)")
