@@ -11,27 +11,44 @@ import sys
 import typing
 from pathlib import Path
 
-from .config import FINAL_MASKS, INITS, LAYER_INITS, LR_SCHEDULES, PRESETS, SAMPLE_FORWARDS, WITHIN_LAYER_RANKINGS, PruneConfig
+from .config import PRESETS, PruneConfig
 from .fields import choices_of
 from .methods import METHODS
-from .metrics.probability import PROB_MAPS
 from .errors import UserError
 from .exporters import EXPORT_FORMATS
 from .loading import DEFAULT_MODEL, DTYPES
 from .rundir import GGUF_FILE
-from .units import SCOPES
 
 D = PruneConfig()  # defaults, shown in --help
 
 
-def _data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--eval-data", default=None, help="WikiText-2 raw test: a .parquet/.raw/.txt file or a folder "
-                   "(default: $PG_PRUNE_DATA_DIR or ../shared/data, else the hub)")
-    p.add_argument("--eval-seqlen", type=int, default=D.eval_seqlen, help="tokens per evaluation window (default %(default)s)")
-    p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows (default: all)")
-    p.add_argument("--eval-batch-size", type=int, default=D.eval_batch_size, help="windows per forward (default %(default)s)")
-    p.add_argument("--dtype", default=D.dtype, choices=list(DTYPES), help="weights dtype (default %(default)s)")
-    p.add_argument("--device", default=D.device, help="cpu, cuda, cuda:N, or auto (accelerate device_map) (default %(default)s)")
+DATA_SETTINGS = ("eval_data", "eval_seqlen", "max_windows", "eval_batch_size", "dtype", "device")  # prune's and eval's
+
+
+def _comma_list(text: str) -> list[str]:
+    return [u.strip() for u in text.split(",") if u.strip()]
+
+
+def _setting_args(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None = None) -> None:
+    """One flag per field of a settings dataclass (all, or `names`), made from its declaration
+    (engine.fields.setting): --FIELD-NAME (or the declared flag), its type, choices, default and help."""
+    hints, defaults = typing.get_type_hints(cls), cls()
+    for f in dataclasses.fields(cls):
+        if (names is not None and f.name not in names) or f.metadata.get("flag") is False:
+            continue
+        hint, default, choices = hints[f.name], getattr(defaults, f.name), choices_of(f)
+        shown = ",".join(default) if isinstance(default, list) else ("none" if default in (None, {}) else default)
+        kw = dict(default=default, help=f"{f.metadata.get('help', '')} (default {shown})".replace("%", "%%"))
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        if hint is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif hint == list[str]:
+            p.add_argument(flag, type=_comma_list, metavar=f.name.upper(), **kw)
+        elif hint is dict:
+            p.add_argument(flag, type=_unit_multiple, metavar="UNIT=N[,...]", **kw)
+        else:
+            base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)  # X | None -> X
+            p.add_argument(flag, type=base, choices=choices, metavar=None if choices else f.name.upper(), **kw)
 
 
 def _option_flag(method: str, f: dataclasses.Field) -> str:
@@ -102,8 +119,7 @@ def _unit_multiple(text: str) -> dict:
 def _config_defaults(path: str) -> dict:
     """A saved PruneConfig as prune's argument defaults (so that flags given explicitly override it)."""
     config = PruneConfig.load(Path(path)).validate()
-    values = {k: v for k, v in config.to_dict().items() if k not in ("units", "method_options")}
-    values["units"] = ",".join(config.units)
+    values = {k: v for k, v in config.to_dict().items() if k != "method_options"}
     values.update({f"{config.method}_{k}": v for k, v in config.method_options.items()})
     return values
 
@@ -120,61 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prune", help="learn masks over KV groups, MLP channels and layers, evaluate, export")
-    p.add_argument("--model", default=D.model, help=f"{DEFAULT_MODEL} (packaged GGUF), a model folder, a .gguf file or a hub id")
     p.add_argument("--config", default=None, metavar="RUN.json",
                    help="start from a saved run config (a run's config.json, or one a script wrote); flags given override it")
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="start from named settings, flags given override them: " + "; ".join(
                        f"{name}: " + ", ".join(f"{k} {v}" for k, v in s.items()) for name, s in PRESETS.items()))
-    p.add_argument("--units", default=",".join(D.units), help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers) (default %(default)s)")
-    p.add_argument("--prune-ratio", type=float, default=D.prune_ratio, help="fraction of each unit pool removed (default %(default)s)")
-    p.add_argument("--scope", default=D.scope, choices=SCOPES, help="global: budget shared across layers (learned per-layer split); uniform: same ratio per layer")
-    p.add_argument("--method", default=D.method, choices=list(METHODS),
-                   help="pg: policy gradient, forward passes only (default); gumbel: Gumbel-softmax masks trained by "
-                        "back-propagation through the model (for comparison); metric: no optimisation, keep the top "
-                        "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, Layerwise-PPL, SLEB)")
-    p.add_argument("--init", default=D.init, choices=INITS,
-                   help="initial scores of KV groups and channels (default %(default)s). taylor needs one backward pass "
-                        "per init batch (LLM-Pruner's first-order importance); random-progressive starts random at "
-                        "--progressive-increment pruning and raises the rate by that much per stage")
-    p.add_argument("--layer-init", default=D.layer_init, choices=LAYER_INITS,
-                   help="initial scores of whole layers (default %(default)s): layerwise-ppl = calibration loss with each "
-                        "layer removed alone; sleb = greedy removal order")
-    p.add_argument("--progressive-increment", type=float, default=D.progressive_increment,
-                   help="random-progressive: prune-ratio step per stage (default %(default)s)")
-    p.add_argument("--prob-map", default=D.prob_map, choices=list(PROB_MAPS), help="metric -> initial keep probability (default %(default)s)")
-    p.add_argument("--score-const", type=float, default=D.score_const, help="score-const: s of metric-kept units (default %(default)s)")
-    p.add_argument("--init-batches", type=int, default=D.init_batches, help="calibration batches for the init metric (default %(default)s)")
-    p.add_argument("--steps", type=int, default=D.steps, help="policy-gradient steps (default %(default)s)")
-    p.add_argument("--lr", type=float, default=D.lr, help="learning rate eta (default %(default)s, the paper's; short CPU runs do better near 0.02)")
-    p.add_argument("--lr-schedule", default=D.lr_schedule, choices=LR_SCHEDULES, help="(default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=D.batch_size, help="calibration segments per step (default %(default)s)")
-    p.add_argument("--seqlen", type=int, default=D.seqlen, help="tokens per calibration segment (default %(default)s)")
-    p.add_argument("--num-mask-samples", type=int, default=D.num_mask_samples, help="N_s masks sampled per step (default %(default)s)")
-    p.add_argument("--sample-forward", default=D.sample_forward, choices=SAMPLE_FORWARDS,
-                   help="the N_s masked forwards: sequential, batched (the batch repeated N_s times, one mask per copy, "
-                        "one forward), sliced (one forward per mask computing only its kept units), auto (sliced on the "
-                        "CPU, batched on a GPU, sequential under --device auto) (default %(default)s)")
-    p.add_argument("--bias-compensation", action=argparse.BooleanOptionalAction, default=D.bias_compensation,
-                   help="FLAP's bias compensation: removed units' inputs replaced by their calibration mean, in the "
-                        "optimisation, the evaluation and the export (as output-projection biases) (default %(default)s)")
-    p.add_argument("--within-layer-ranking", default=D.within_layer_ranking, choices=WITHIN_LAYER_RANKINGS,
-                   help="final mask: per-layer counts from the scores; units inside a layer ranked by the scores or by "
-                        "the init metric (default %(default)s)")
-    p.add_argument("--unit-multiple", type=_unit_multiple, default=D.unit_multiple, metavar="UNIT=N[,...]",
-                   help="final mask: every layer keeps a multiple of N units of that type, e.g. channels=32 (whole "
-                        "Q8_0 blocks and GEMM tiles in llama.cpp; never over the budget) (default: none)")
+    _setting_args(p, PruneConfig)  # every run setting, from its declaration
     _method_option_args(p)
-    p.add_argument("--seed", type=int, default=D.seed)
-    p.add_argument("--calib", default=None, help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 or ../shared/data/c4, else the hub)")
-    p.add_argument("--val-every", type=int, default=D.val_every, help="every N steps, held-out perplexity of the current hard mask (0: off; every 10th calibration document is held out)")
-    p.add_argument("--val-batches", type=int, default=D.val_batches, help="held-out batches per check (default %(default)s)")
-    p.add_argument("--final-mask", default=D.final_mask, choices=FINAL_MASKS, help="last: from the final scores; best-val: from the step whose hard mask validated best, the init mask (step 0) included (needs --val-every)")
-    p.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="save state every N steps (default %(default)s)")
-    p.add_argument("--checkpoint-minutes", type=float, default=D.checkpoint_minutes,
-                   help="also save state when this many minutes passed since the last save (0: off); Ctrl-C and "
-                        "SIGTERM save the last finished step in any case (default %(default)s)")
-    _data_args(p)
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")
     p.add_argument("--export-gguf", metavar="OUTTYPE", default=None, choices=list(EXPORT_FORMATS["gguf"].outtypes),
                    help=f"at the end, also write RUN/{GGUF_FILE} for llama.cpp ({', '.join(EXPORT_FORMATS['gguf'].outtypes)})")
@@ -192,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="WikiText-2 perplexity of a model")
     e.add_argument("--model", default=DEFAULT_MODEL, help="a model folder (a pruned export too), a .gguf file, a hub id, or the default")
-    _data_args(e)
+    _setting_args(e, PruneConfig, DATA_SETTINGS)
     e.add_argument("--json", action="store_true", help="print one JSON object")
 
     from .tools.finetune import FinetuneConfig
@@ -253,14 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _config_from_args(args) -> PruneConfig:
     fields = {f.name for f in dataclasses.fields(PruneConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    values["units"] = [u.strip() for u in args.units.split(",") if u.strip()]
     values["method_options"] = _method_options(args)
     return PruneConfig(**values)
 
 
 def _resume_config(args, out: Path) -> PruneConfig:
     """The run's saved config, with the flags given beside --resume checked against it: only --steps may
-    change (see PruneRun.check_config_unchanged); any other difference is refused, naming the setting."""
+    change (see checkpoints.Checkpoints.check_config_unchanged); any other difference is refused, naming the setting."""
     from .rundir import CONFIG_FILE
 
     saved = PruneConfig.load(out / CONFIG_FILE).validate()

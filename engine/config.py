@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
 from .executors import EXECUTORS
-from .fields import check_fields
+from .fields import check_fields, check_settings, setting
 from .loading import DEFAULT_MODEL, DTYPES
 from .methods import METHODS, method_options
 from .metrics import layer_metrics, unit_metrics
@@ -75,51 +75,91 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a finite number")
 
 
+_METHODS = lambda: tuple(METHODS)  # noqa: E731  (the registries as they are when checked: a user's entry counts)
+_INITS = lambda: (*unit_metrics(), "random-progressive")  # noqa: E731
+_LAYER_INITS = lambda: layer_metrics()  # noqa: E731
+
+
 @dataclass
 class PruneConfig:
-    model: str = DEFAULT_MODEL
-    units: list[str] = field(default_factory=lambda: ["heads", "channels"])
-    prune_ratio: float = 0.3  # fraction of each unit pool removed
-    scope: str = "global"  # global: one pool per unit type across layers; uniform: one per layer (layers: always one pool)
-    # pg: policy gradient (forward only); gumbel: Gumbel-softmax relaxation trained by back-propagation
-    # through the model (the paper's comparison); metric: no optimisation, the init metric's ranking is the mask
-    method: str = "pg"
-    init: str = "wanda-sp"  # for KV groups and channels; random-progressive also raises the rate in stages
-    layer_init: str = "layerwise-ppl"  # for whole layers
-    progressive_increment: float = 0.05  # random-progressive: prune-ratio step between stages
-    prob_map: str = "sigmoid-norm"  # how metric scores become initial keep probabilities
-    score_const: float = 0.8  # score-const: initial s of units the metric keeps (1 - it for the others)
-    init_batches: int = 16  # calibration batches for the init metric (Wanda-sp, Taylor, Layerwise-PPL, SLEB)
-    # defaults: the best quality per CPU minute measured on the default model (docs/pg-optimizer.md); the paper's
-    # settings are the preset "paper"
-    steps: int = 50
-    lr: float = 0.02
-    lr_schedule: str = "cosine"
-    batch_size: int = 8
-    seqlen: int = 128  # calibration segment length
-    num_mask_samples: int = 8  # N_s masks drawn per step
-    sample_forward: str = "auto"  # how the N_s masked forwards run: sequential, batched (one forward), sliced (kept units only), auto (by device)
-    # FLAP's bias compensation: a removed unit's input is replaced by its mean on calibration data (in the
-    # optimisation, the evaluation, and as a bias of the output projection in the export)
-    bias_compensation: bool = False
-    within_layer_ranking: str = "scores"  # final mask: per-layer counts from the scores, units in a layer ranked by scores or init-metric
-    # final mask: every layer keeps a multiple of N units of these types, e.g. {"channels": 32}: whole Q8_0
-    # blocks and GEMM tiles for llama.cpp (never over the budget; units.round_to_multiple)
-    unit_multiple: dict = field(default_factory=dict)
-    method_options: dict = field(default_factory=dict)  # the method's own settings (e.g. gumbel's temperatures)
-    seed: int = 0
-    calib: str | None = None  # calibration data file/folder; None: the default data dir or the hub
-    eval_data: str | None = None  # evaluation text file/folder; None: the default data dir or the hub
-    eval_seqlen: int = 128
-    max_windows: int | None = None  # evaluate the first N windows only (None: all)
-    eval_batch_size: int = 8
-    dtype: str = "float32"
-    device: str = "cpu"
-    checkpoint_every: int = 50
-    checkpoint_minutes: float = 2.0  # also save state once this many minutes have passed since the last save (0: off)
-    val_every: int = 0  # every N steps, perplexity of the current hard mask on held-out calibration text (0: off)
-    val_batches: int = 4  # held-out batches for that check (every 10th calibration document is held out)
-    final_mask: str = "last"  # last: from the final scores; best-val: from the scores whose hard mask validated best (step 0 too)
+    """A run's settings. Each is declared once, here: its CLI flag (--FIELD-NAME), help, choices and bounds,
+    and its widget on the app's Prune page are all made from this declaration (engine.fields.setting); the
+    method's own settings are its Options dataclass's (method_options)."""
+
+    model: str = setting(DEFAULT_MODEL, label="Model",
+                         help=f"{DEFAULT_MODEL} (packaged GGUF), a model folder, a .gguf file or a hub id")
+    units: list[str] = setting(default_factory=lambda: ["heads", "channels"], label="Units to prune",
+                               help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers)")
+    prune_ratio: float = setting(0.3, label="Pruning rate", help="fraction of each unit pool removed")
+    scope: str = setting("global", choices=SCOPES, label="Scope",
+                         help="global: budget shared across layers (learned per-layer split); uniform: same ratio per layer")
+    method: str = setting("pg", choices=_METHODS, label="Method",
+                          help="pg: policy gradient, forward passes only (default); gumbel: Gumbel-softmax masks trained by "
+                               "back-propagation through the model (for comparison); metric: no optimisation, keep the top "
+                               "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, "
+                               "Layerwise-PPL, SLEB)")
+    init: str = setting("wanda-sp", choices=_INITS, label="Initial scores",
+                        help="initial scores of KV groups and channels. taylor needs one backward pass per init batch "
+                             "(LLM-Pruner's first-order importance); random-progressive starts random at "
+                             "--progressive-increment pruning and raises the rate by that much per stage")
+    layer_init: str = setting("layerwise-ppl", choices=_LAYER_INITS, label="Initial scores of layers",
+                              help="initial scores of whole layers: layerwise-ppl = calibration loss with each layer "
+                                   "removed alone; sleb = greedy removal order")
+    progressive_increment: float = setting(0.05, label="Progressive increment",
+                                           help="random-progressive: prune-ratio step per stage")
+    prob_map: str = setting("sigmoid-norm", choices=lambda: tuple(PROB_MAPS), label="Metric → probability",
+                            help="metric -> initial keep probability")
+    score_const: float = setting(0.8, label="score-const c", help="score-const: s of metric-kept units (1 - c for the others)")
+    init_batches: int = setting(16, minimum=1, label="Init batches (metric)",
+                                help="calibration batches for the init metric (Wanda-sp, Taylor, Layerwise-PPL, SLEB)")
+    # the defaults: the best quality per CPU minute measured on the default model (docs/pg-optimizer.md); the
+    # paper's settings are the preset "paper"
+    steps: int = setting(50, minimum=1, label="Steps", help="optimisation steps")
+    lr: float = setting(0.02, label="Learning rate η",
+                        help="learning rate eta (the paper: 0.002; short CPU runs do better near 0.02)")
+    lr_schedule: str = setting("cosine", choices=LR_SCHEDULES, label="LR schedule", help="cosine decays it to 0 over the steps")
+    batch_size: int = setting(8, minimum=1, label="Calibration batch size", help="calibration segments per step")
+    seqlen: int = setting(128, label="Calibration segment length", help="tokens per calibration segment")
+    num_mask_samples: int = setting(8, minimum=1, label="Mask samples per step (N_s)", help="N_s masks sampled per step")
+    sample_forward: str = setting("auto", choices=SAMPLE_FORWARDS, label="Masked forwards",
+                                  help="the N_s masked forwards: sequential, batched (the batch repeated N_s times, one "
+                                       "mask per copy, one forward), sliced (one forward per mask computing only its "
+                                       "kept units), auto (sliced on the CPU, batched on a GPU, sequential under "
+                                       "--device auto)")
+    bias_compensation: bool = setting(False, label="Bias compensation",
+                                      help="FLAP's bias compensation: removed units' inputs replaced by their calibration "
+                                           "mean, in the optimisation, the evaluation and the export (as output-projection biases)")
+    within_layer_ranking: str = setting("scores", choices=WITHIN_LAYER_RANKINGS, label="Within-layer ranking",
+                                        help="final mask: per-layer counts from the scores; units inside a layer ranked by "
+                                             "the scores or by the init metric")
+    unit_multiple: dict = setting(default_factory=dict, label="Unit multiple",
+                                  help="final mask: every layer keeps a multiple of N units of that type, e.g. channels=32 "
+                                       "(whole Q8_0 blocks and GEMM tiles in llama.cpp; never over the budget) (default: none)")
+    method_options: dict = setting(default_factory=dict, flag=False,  # the method's flags come from its Options
+                                   help="the method's own settings (its Options dataclass)")
+    seed: int = setting(0, label="Seed", help="seeds the calibration stream, the masks and the random metrics")
+    calib: str | None = setting(None, label="Calibration data",
+                                help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 "
+                                     "or ../shared/data/c4, else the hub)")
+    eval_data: str | None = setting(None, label="Evaluation data",
+                                    help="WikiText-2 raw test: a .parquet/.raw/.txt file or a folder (default: "
+                                         "$PG_PRUNE_DATA_DIR or ../shared/data, else the hub)")
+    eval_seqlen: int = setting(128, label="Evaluation window length", help="tokens per evaluation window")
+    max_windows: int | None = setting(None, label="Evaluation windows", help="evaluate only the first N windows (default: all)")
+    eval_batch_size: int = setting(8, minimum=1, label="Evaluation batch size", help="windows per forward")
+    dtype: str = setting("float32", choices=tuple(DTYPES), label="dtype", help="weights dtype")
+    device: str = setting("cpu", label="Device", help="cpu, cuda, cuda:N, or auto (accelerate device_map)")
+    checkpoint_every: int = setting(50, minimum=1, label="Checkpoint every N steps", help="save state every N steps")
+    checkpoint_minutes: float = setting(2.0, minimum=0.0, label="Checkpoint every N minutes",
+                                        help="also save state when this many minutes passed since the last save (0: off); "
+                                             "Ctrl-C and SIGTERM save the last finished step in any case")
+    val_every: int = setting(0, minimum=0, label="Validate every N steps (0 = off)",
+                             help="every N steps, held-out perplexity of the current hard mask (0: off; every 10th "
+                                  "calibration document is held out)")
+    val_batches: int = setting(4, minimum=1, label="Validation batches", help="held-out batches per check")
+    final_mask: str = setting("last", choices=FINAL_MASKS, label="Final mask",
+                              help="last: from the final scores; best-val: from the step whose hard mask validated best, "
+                                   "the init mask (step 0) included (needs --val-every)")
 
     @property
     def keep_ratio(self) -> float:
@@ -129,29 +169,11 @@ class PruneConfig:
         def bad(msg):
             raise UserError(msg)
 
-        check_fields(self)  # types, finite floats: before any comparison below can raise TypeError
+        check_settings(self)  # types, finite floats, declared choices and bounds: before the checks below
         if not 0.0 < self.prune_ratio < 1.0:
             bad(f"prune ratio must be strictly between 0 and 1, got {self.prune_ratio}")
         if not self.units or any(u not in UNIT_TYPES for u in self.units) or len(set(self.units)) != len(self.units):
             bad(f"units must be a comma list of {', '.join(UNIT_TYPES)}, got {','.join(self.units) or 'nothing'}")
-        for name, value, allowed in (
-            ("scope", self.scope, SCOPES),
-            ("method", self.method, tuple(METHODS)),
-            ("init", self.init, (*unit_metrics(), "random-progressive")),  # the registries as they are now
-            ("layer init", self.layer_init, layer_metrics()),
-            ("prob map", self.prob_map, tuple(PROB_MAPS)),
-            ("lr schedule", self.lr_schedule, LR_SCHEDULES),
-            ("dtype", self.dtype, tuple(DTYPES)),
-            ("final mask", self.final_mask, FINAL_MASKS),
-            ("sample forward", self.sample_forward, ("auto", *EXECUTORS)),
-            ("within-layer ranking", self.within_layer_ranking, WITHIN_LAYER_RANKINGS),
-        ):
-            if value not in allowed:
-                bad(f"unknown {name} {value!r}; choose from {', '.join(allowed)}")
-        for name in ("steps", "batch_size", "seqlen", "num_mask_samples", "eval_seqlen",
-                     "eval_batch_size", "checkpoint_every", "init_batches", "val_batches"):
-            if getattr(self, name) < 1:
-                bad(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
         for name in ("seqlen", "eval_seqlen"):  # a loss needs a next token: 1 token gives a NaN loss
             if getattr(self, name) < 2:
                 bad(f"{name.replace('_', ' ')} must be at least 2 tokens, got {getattr(self, name)}")
@@ -159,10 +181,6 @@ class PruneConfig:
             bad(f"seed must be between 0 and {SEED_MAX}, got {self.seed}")
         if self.max_windows is not None and self.max_windows < 1:
             bad(f"max windows must be at least 1, got {self.max_windows}")
-        if self.checkpoint_minutes < 0:
-            bad(f"checkpoint minutes must be 0 (off) or positive, got {self.checkpoint_minutes}")
-        if self.val_every < 0:
-            bad(f"val every must be 0 (off) or positive, got {self.val_every}")
         if self.final_mask == "best-val" and self.val_every == 0:
             bad("final mask best-val needs held-out validation: set val every to a positive step count")
         if self.lr <= 0:

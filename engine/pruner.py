@@ -37,7 +37,7 @@ from .outdir import folder_lock
 from .results import finish
 from .runmasks import RunMasks
 from .rundir import METRICS_FILE
-from .runstate import RunState, StepReport, check_finite, peak_rss_mb  # noqa: F401  (StepReport, RunState: the run's API)
+from .runstate import RunState, StepReport, check_finite  # noqa: F401  (StepReport: part of the run's API)
 from .unit_types import UNIT_TYPES
 from .units import UnitLayout
 
@@ -87,21 +87,13 @@ class PruneRun:
         self.keep_ratio_at, self.lr_at, self.hard_masks = self.masks.keep_ratio_at, self.masks.lr_at, self.masks.hard_masks
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
         self.masked_perplexity = self.masks.masked_perplexity
+        self.load_checkpoint, self.write_checkpoint = self.checkpoints.load, self.checkpoints.write
+        self.restore_metrics = self.checkpoints.restore_metrics
 
     fill = property(lambda self: self.ctx.fill, doc="Bias compensation's means, once measured (None without it)")
 
-    # --- the checkpoint (engine/checkpoints) ------------------------------------------------
     def fresh_state(self) -> RunState:
         return fresh_state(self)
-
-    def load_checkpoint(self) -> RunState:
-        return self.checkpoints.load()
-
-    def write_checkpoint(self, snap: RunState) -> None:
-        self.checkpoints.write(snap)
-
-    def restore_metrics(self, state: RunState) -> list[dict]:
-        return self.checkpoints.restore_metrics(state)
 
     # --- the loop --------------------------------------------------------------------------
     def step(self, state: RunState) -> StepReport:

@@ -146,9 +146,11 @@ def run_figures_for_compare(info: RunInfo) -> dict[str, list[float]]:
     return m[-1]["kept_fraction"] if m else {}
 
 
-def option_widgets(options_cls, defaults: dict | None = None, key: str = "opt", columns: int = 3) -> dict:
-    """One widget per field of a settings dataclass (a method's Options), made from the field's declaration:
-    its label, help, choices and bounds (engine.fields.setting). Returns {field: value}."""
+def option_widgets(options_cls, defaults: dict | None = None, key: str | None = "opt", columns: int = 3,
+                   names: tuple[str, ...] | None = None) -> dict:
+    """One widget per field of a settings dataclass (a method's Options, or the run's PruneConfig: all fields, or
+    `names`), made from the field's declaration: its label, help, choices and bounds (engine.fields.setting).
+    Widget keys are KEY-FIELD (FIELD without a key). Returns {field: value}."""
     import dataclasses
     import typing
 
@@ -157,10 +159,11 @@ def option_widgets(options_cls, defaults: dict | None = None, key: str = "opt", 
     defaults, values = defaults or {}, {}
     hints = typing.get_type_hints(options_cls)
     cols = st.columns(columns)
-    for i, f in enumerate(dataclasses.fields(options_cls)):
+    fields = [f for f in dataclasses.fields(options_cls) if names is None or f.name in names]
+    for i, f in enumerate(fields):
         col, meta = cols[i % columns], f.metadata
         label = meta.get("label") or f.name.replace("_", " ").capitalize()
-        default, choices, k = defaults.get(f.name, f.default), choices_of(f), f"{key}-{f.name}"
+        default, choices, k = defaults.get(f.name, f.default), choices_of(f), f"{key}-{f.name}" if key else f.name
         kw = dict(help=meta.get("help") or None, key=k)
         if choices:
             values[f.name] = col.selectbox(label, list(choices), index=list(choices).index(default), **kw)
@@ -174,3 +177,26 @@ def option_widgets(options_cls, defaults: dict | None = None, key: str = "opt", 
         else:
             values[f.name] = col.text_input(label, str(default), **kw)
     return values
+
+
+def _field(cls, name: str):
+    import dataclasses
+
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+def label_of(cls, name: str) -> str:
+    """A setting's label, from its declaration."""
+    return _field(cls, name).metadata.get("label") or name.replace("_", " ").capitalize()
+
+
+def help_of(cls, name: str) -> str | None:
+    """A setting's help, from its declaration (the CLI's --help says the same)."""
+    return _field(cls, name).metadata.get("help") or None
+
+
+def choices(cls, name: str) -> tuple:
+    """A setting's choices, from its declaration (a registry's names as they are now)."""
+    from engine.fields import choices_of
+
+    return choices_of(_field(cls, name))

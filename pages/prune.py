@@ -10,15 +10,17 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402  (also puts the repository root on sys.path)
 import streamlit as st  # noqa: E402
 
-from engine.config import INITS, LAYER_INITS, LR_SCHEDULES, PruneConfig
+from engine.config import PruneConfig
 from engine.methods import METHODS
-from engine.metrics.probability import PROB_MAPS
 from engine.unit_types import UNIT_TYPES
 from engine.errors import UserError
 from engine.ui.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
 from engine.loading import DEFAULT_MODEL
 
 D = PruneConfig()
+# the run settings under "Hyperparameters": widgets made from their declarations in PruneConfig
+HYPERPARAMETERS = ("lr", "lr_schedule", "num_mask_samples", "batch_size", "seqlen", "prob_map", "eval_seqlen",
+                   "init_batches", "seed", "val_every", "checkpoint_every")
 jobs = _ui.job_manager()
 
 st.title(":material/content_cut: Prune")
@@ -40,60 +42,34 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                            "A local model is a transformers folder (with config.json) or a .gguf file.", key="model_choice")
     local_path = st.text_input("Local model path (used when 'A local model folder or .gguf file' is chosen)",
                                placeholder="/path/to/model-folder or /path/to/model.gguf", key="model_path")
-    units = st.multiselect("Units to prune", list(UNIT_TYPES), default=D.units, format_func=lambda u: UNIT_TYPES[u].title,
-                           help="Each unit type has its own budget: the pruning rate applies to each. A removed layer "
-                                "is skipped (the residual stream passes through) and dropped from the export.", key="units")
-    rate = st.slider("Pruning rate", 0.0, 1.0, D.prune_ratio, 0.05, format="%.2f",
-                     help="Fraction of each unit pool removed (0.3 = keep 70% of the KV groups, of the channels, "
-                          "of the layers).", key="rate")
+    units = st.multiselect(_ui.label_of(PruneConfig, "units"), list(UNIT_TYPES), default=D.units,
+                           format_func=lambda u: UNIT_TYPES[u].title, help=_ui.help_of(PruneConfig, "units"), key="units")
+    rate = st.slider(_ui.label_of(PruneConfig, "prune_ratio"), 0.0, 1.0, D.prune_ratio, 0.05, format="%.2f",
+                     help=_ui.help_of(PruneConfig, "prune_ratio"), key="rate")
     c1, c2, c3 = st.columns(3)
-    scope = c1.radio("Scope", ["global", "uniform"], index=0, horizontal=True,
-                     help="global: one budget across all layers, so the method learns how much to cut in each layer; "
-                          "uniform: every layer loses the same fraction.", key="scope")
-    init = c2.selectbox("Initial scores", INITS, index=INITS.index(D.init),
-                        help="Of KV groups and channels. wanda-sp: the Wanda-sp metric (|W|·‖X‖ on calibration data); "
-                             "magnitude-sp: |W| alone; taylor: LLM-Pruner's first-order |w·∂L/∂w| (one backward pass "
-                             "per init batch); random: a seeded random start; random-progressive: random at 5% "
-                             "pruning, the rate raised by 5% per stage up to the target.", key="init")
-    steps = c3.number_input("Steps", 1, 100_000, D.steps,
-                            help="Policy-gradient steps (paper: 1000). Each step runs one forward per mask sample "
-                                 "on one calibration batch: about 5 s per step for SmolLM2 on 2 CPU cores.", key="steps")
+    scope = c1.radio(_ui.label_of(PruneConfig, "scope"), list(_ui.choices(PruneConfig, "scope")), horizontal=True,
+                     help=_ui.help_of(PruneConfig, "scope"), key="scope")
+    inits = list(_ui.choices(PruneConfig, "init"))
+    init = c2.selectbox(_ui.label_of(PruneConfig, "init"), inits, index=inits.index(D.init),
+                        help=_ui.help_of(PruneConfig, "init"), key="init")
+    steps = c3.number_input(_ui.label_of(PruneConfig, "steps"), 1, 100_000, D.steps,
+                            help=_ui.help_of(PruneConfig, "steps"), key="steps")
     c4, c5 = st.columns(2)
-    method = c4.selectbox("Method", list(METHODS), index=list(METHODS).index(D.method),
+    methods = list(_ui.choices(PruneConfig, "method"))
+    method = c4.selectbox(_ui.label_of(PruneConfig, "method"), methods, index=methods.index(D.method),
                           format_func=lambda m: {"pg": "policy gradient (forward passes only)",
                                                  "gumbel": "Gumbel-softmax (back-propagation, for comparison)",
                                                  "metric": "no optimisation: the init metric's top units"}.get(m, m),
-                          help="pg is the paper's method. gumbel trains relaxed masks by back-propagating through the "
-                               "model (more memory). metric keeps the units the initial metric ranks highest "
-                               "(the one-shot baselines).", key="method")
-    layer_init = c5.selectbox("Initial scores of layers", LAYER_INITS, index=LAYER_INITS.index(D.layer_init),
-                              help="Used when whole layers are pruned. layerwise-ppl: calibration loss with each layer "
-                                   "removed alone; sleb: greedy removal order; random.", key="layer_init")
-    with st.expander("Hyperparameters (paper defaults)"):
+                          help=_ui.help_of(PruneConfig, "method"), key="method")
+    layer_inits = list(_ui.choices(PruneConfig, "layer_init"))
+    layer_init = c5.selectbox(_ui.label_of(PruneConfig, "layer_init"), layer_inits, index=layer_inits.index(D.layer_init),
+                              help=_ui.help_of(PruneConfig, "layer_init"), key="layer_init")
+    with st.expander("Hyperparameters (the fast preset; the paper's are `--preset paper`: lr 0.002, N_s 2, moving average)"):
+        hyper = _ui.option_widgets(PruneConfig, key=None, names=HYPERPARAMETERS)
         h1, h2, h3 = st.columns(3)
-        lr = h1.number_input("Learning rate η", 1e-5, 10.0, D.lr, format="%.4f",
-                             help="Step size on the scores s (paper: 0.002). Short CPU runs move faster near 0.02.", key="lr")
-        lr_schedule = h2.selectbox("LR schedule", LR_SCHEDULES, index=LR_SCHEDULES.index(D.lr_schedule),
-                                   help="cosine decays η to 0 over the steps.", key="lr_schedule")
-        num_samples = h3.number_input("Mask samples per step (N_s)", 1, 16, D.num_mask_samples,
-                                      help="Masks drawn from s each step; more = less noisy gradient, slower steps.", key="num_samples")
-        batch_size = h1.number_input("Calibration batch size", 1, 64, D.batch_size,
-                                     help="C4 segments per forward.", key="batch_size")
-        seqlen = h2.number_input("Calibration segment length", 16, 2048, D.seqlen, help="Tokens per C4 segment.", key="seqlen")
-        prob_map = h3.selectbox("Metric → probability", list(PROB_MAPS), index=list(PROB_MAPS).index(D.prob_map),
-                                help="How the init metric becomes initial keep probabilities.", key="prob_map")
         max_windows = h1.number_input("Evaluation windows (0 = all)", 0, 10_000, 64,
                                       help="WikiText-2 windows used for the dense, init and pruned perplexities. "
                                            "All 2,370 windows take about 15 min per evaluation for SmolLM2 on this CPU.", key="max_windows")
-        eval_seqlen = h2.number_input("Evaluation window length", 16, 2048, D.eval_seqlen, key="eval_seqlen")
-        init_batches = h3.number_input("Init batches (metric)", 1, 256, D.init_batches,
-                                       help="Calibration batches used by the init metric (Wanda-sp, Taylor, "
-                                            "Layerwise-PPL, SLEB).", key="init_batches")
-        seed = h1.number_input("Seed", 0, 2**31 - 1, D.seed, key="seed")
-        val_every = h3.number_input("Validate every N steps (0 = off)", 0, 10_000, D.val_every,
-                                    help="Perplexity of the current hard mask on held-out calibration text, "
-                                         "drawn on the loss chart (as its log, a loss).", key="val_every")
-        checkpoint_every = h2.number_input("Checkpoint every N steps", 1, 10_000, D.checkpoint_every, key="checkpoint_every")
         channel_multiple = h1.number_input("MLP channels per layer: a multiple of", 1, 256, 1,
                                            help="Final mask: every layer keeps a multiple of this many MLP channels "
                                                 "(never over the budget). 32 gives llama.cpp whole Q8_0 blocks and "
@@ -113,11 +89,8 @@ if submitted:
             raise UserError("give the path of a local model folder or .gguf file")
         config = PruneConfig(
             model=DEFAULT_MODEL if choice == "default" else local_path.strip(), units=list(units), prune_ratio=float(rate),
-            scope=scope, method=method, init=init, layer_init=layer_init, prob_map=prob_map, init_batches=int(init_batches), steps=int(steps), lr=float(lr),
-            lr_schedule=lr_schedule, batch_size=int(batch_size), seqlen=int(seqlen), num_mask_samples=int(num_samples),
-            method_options=method_values.get(method, {}), seed=int(seed),
-            eval_seqlen=int(eval_seqlen), max_windows=int(max_windows) or None, checkpoint_every=int(checkpoint_every),
-            val_every=int(val_every),
+            scope=scope, method=method, init=init, layer_init=layer_init, steps=int(steps), **hyper,
+            method_options=method_values.get(method, {}), max_windows=int(max_windows) or None,
             unit_multiple={"channels": int(channel_multiple)} if channel_multiple > 1 and "channels" in units else {},
         )
         out = _ui.runs_dir() / new_run_name(config, label)

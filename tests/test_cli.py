@@ -366,7 +366,7 @@ def test_config_file_starts_a_run_and_flags_override_it(tmp_path):
                         method_options={"temperature": 2.0, "straight_through": True})
     saved.save(tmp_path / "run.json")
     args = parse_args(["prune", "--config", str(tmp_path / "run.json"), "--preset", "paper", "--steps", "9", "--out", "x"])
-    assert (args.model, args.units, args.steps, args.seed) == ("m", "heads,layers", 9, 4)  # the flag beats the file
+    assert (args.model, args.units, args.steps, args.seed) == ("m", ["heads", "layers"], 9, 4)  # the flag beats the file
     assert args.lr == 0.05 and args.num_mask_samples == PruneConfig().num_mask_samples  # the file beats the preset
     assert (args.gumbel_temperature, args.gumbel_straight_through, args.gumbel_final_temperature) == (2.0, True, 0.1)  # the saved options, written out whole
 

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:  # annotations only
-    from ..pruner import PruneRun, RunState, StepReport
+    from ..pruner import PruneRun
+    from ..runstate import RunState, StepReport
 
 RUN_HOOKS: list[type["RunHook"]] = []
 

@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:  # annotations only: methods never import the run
     from ..context import StepContext
-    from ..pruner import RunState
+    from ..runstate import RunState
 
 
 @dataclass

@@ -17,7 +17,19 @@ from . import register_method
 from .base import Method, StepGradient
 
 
-BASELINES = ("moving-average", "leave-one-out", "none")
+def _moving_average(state, target, options):
+    state.baseline = update_baseline(state.baseline, float(target.mean()), options.baseline_window)
+    return state.baseline, state.baseline
+
+
+# baseline name -> (state, this step's losses, options) -> (the baseline subtracted: a float or one per sample,
+# the value reported); the moving average's running value lives in the run state (checkpointed)
+BASELINE_FNS = {
+    "moving-average": _moving_average,
+    "leave-one-out": lambda state, target, options: (leave_one_out_baselines(target), float(target.mean())),
+    "none": lambda state, target, options: (0.0, 0.0),
+}
+BASELINES = tuple(BASELINE_FNS)
 ESTIMATORS = ("paper", "sqrt")
 MASK_SAMPLINGS = ("independent", "antithetic")
 CONTROL_VARIATES = ("none", "init-metric")
@@ -74,13 +86,7 @@ class PolicyGradient(Method):
             beta = self._control_coefficients(state)
             target = losses - features @ beta
 
-        if c.baseline == "moving-average":
-            state.baseline = update_baseline(state.baseline, float(target.mean()), c.baseline_window)
-            baseline, shown = state.baseline, state.baseline
-        elif c.baseline == "leave-one-out":
-            baseline, shown = leave_one_out_baselines(target), float(target.mean())
-        else:
-            baseline, shown = 0.0, 0.0
+        baseline, shown = BASELINE_FNS[c.baseline](state, target, c)
 
         grads = {u: policy_gradient(s.double(), samples[u].double(), target, baseline, c.estimator, c.estimator_clamp)
                  for u, s in state.scores.items()}
