@@ -32,6 +32,32 @@ def project_capped_simplex(z: torch.Tensor, budget: float, iters: int = 100) -> 
     return (z - hi).clamp(0.0, 1.0)
 
 
+def project_weighted_capped_simplex(z: torch.Tensor, weights: torch.Tensor, budget: float, iters: int = 100) -> torch.Tensor:
+    """Euclidean projection of z onto C = {s : sum(w s) <= budget, 0 <= s <= 1}, w > 0: a budget on a weighted
+    count (a parameter budget, each unit weighing its parameters).
+
+    The KKT conditions give s = clamp(z - v w, 0, 1) with v >= 0: v = 0 when clamp(z, 0, 1) fits the budget,
+    otherwise the v at which sum(w s) equals it, found by bisection (sum(w s) is non-increasing in v; at
+    v = max(z / w) every entry clamps to 0). With all weights 1 this is project_capped_simplex.
+    """
+    if budget < 0:
+        raise ValueError("budget must be non-negative")
+    w = weights.to(z.dtype)
+    if bool((w <= 0).any()):
+        raise ValueError("weights must be positive")
+    s = z.clamp(0.0, 1.0)
+    if (w * s).sum() <= budget:
+        return s
+    lo, hi = 0.0, float((z / w).max())
+    for _ in range(iters):
+        v = 0.5 * (lo + hi)
+        if (w * (z - v * w).clamp(0.0, 1.0)).sum() > budget:
+            lo = v
+        else:
+            hi = v
+    return (z - hi * w).clamp(0.0, 1.0)
+
+
 def policy_gradient(
     scores: torch.Tensor,
     masks: torch.Tensor,
@@ -67,8 +93,8 @@ def metric_feature(metric: torch.Tensor, scores: torch.Tensor, masks: torch.Tens
 
     If dropping unit i costs about beta * z_i, the loss of mask m_j is about const + beta f_j.
     E[f_j] = 0 and f_j = h(m_j) - E[h] for h(m) = -sum_i z_i m_i, so subtracting beta f_j from
-    the losses leaves the REINFORCE estimate unbiased once -beta z (= beta dE[h]/ds) is added back:
-    see `metric_control_variate_gradient`.
+    the losses leaves the REINFORCE estimate unbiased once -beta z (= beta dE[h]/ds) is added back, as
+    engine/methods/pg.py does.
     """
     return (metric.to(masks.dtype)[None, :] * (scores.to(masks.dtype)[None, :] - masks)).sum(1)
 

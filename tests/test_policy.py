@@ -471,3 +471,56 @@ def test_initial_scores_unknown_map():
     layout = UnitLayout({"heads": [2, 2]})
     with pytest.raises(ValueError):
         initial_scores(torch.rand(4), layout, "heads", "global", 0.5, "nope", 0.8)
+
+
+# --- the weighted projection (a parameter budget: each unit weighs its parameters) --------------------------
+def _brute_force_weighted_projection(z: list[float], w: list[float], budget: float) -> list[float]:
+    """The projection by enumeration: every assignment of each coordinate to 0, 1 or free, with the budget
+    active or not; the feasible stationary point nearest to z is the optimum of this convex problem."""
+    import itertools
+
+    best, best_d = None, float("inf")
+    n = len(z)
+    for sides in itertools.product((0, 1, 2), repeat=n):  # 0: at 0, 1: at 1, 2: free
+        for active in (False, True):
+            free = [i for i in range(n) if sides[i] == 2]
+            if active:
+                wf2 = sum(w[i] ** 2 for i in free)
+                if wf2 == 0:
+                    continue
+                v = (sum(w[i] * z[i] for i in free) + sum(w[i] for i in range(n) if sides[i] == 1) - budget) / wf2
+            else:
+                v = 0.0
+            s = [0.0 if sides[i] == 0 else 1.0 if sides[i] == 1 else z[i] - v * w[i] for i in range(n)]
+            if v < -1e-12 or any(x < -1e-9 or x > 1 + 1e-9 for x in s) or sum(a * b for a, b in zip(w, s)) > budget + 1e-9:
+                continue
+            d = sum((a - b) ** 2 for a, b in zip(s, z))
+            if d < best_d - 1e-12:
+                best, best_d = s, d
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_weighted_projection_equals_brute_force(seed):
+    from engine.policy import project_weighted_capped_simplex
+
+    g = torch.Generator().manual_seed(seed)
+    n = 2 + seed % 4
+    z = (torch.rand(n, generator=g, dtype=torch.float64) * 2.4 - 0.7)
+    w = torch.rand(n, generator=g, dtype=torch.float64) * 5 + 0.1
+    budget = float(torch.rand(1, generator=g, dtype=torch.float64)) * float(w.sum())
+    got = project_weighted_capped_simplex(z, w, budget)
+    want = torch.tensor(_brute_force_weighted_projection(z.tolist(), w.tolist(), budget), dtype=torch.float64)
+    assert torch.allclose(got, want, atol=1e-7), (got, want)
+    assert float((w * got).sum()) <= budget + 1e-7 and bool(((got >= 0) & (got <= 1)).all())
+
+
+def test_weighted_projection_with_unit_weights_is_the_plain_one():
+    from engine.policy import project_capped_simplex, project_weighted_capped_simplex
+
+    z = torch.linspace(-0.5, 1.5, 17, dtype=torch.float64)
+    for budget in (0.0, 3.3, 8.0, 20.0):
+        assert torch.allclose(project_weighted_capped_simplex(z, torch.ones_like(z), budget),
+                              project_capped_simplex(z, budget), atol=1e-9)
+    with pytest.raises(ValueError, match="positive"):
+        project_weighted_capped_simplex(z, torch.zeros_like(z), 1.0)
