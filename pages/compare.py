@@ -12,6 +12,7 @@ import streamlit as st  # noqa: E402
 from engine.ui import figures  # noqa: E402
 from engine.config import PruneConfig  # noqa: E402
 from engine.errors import UserError  # noqa: E402
+from engine.unit_types import UNIT_TYPES  # noqa: E402
 from engine.ui.jobs import new_run_name  # noqa: E402
 
 st.title(":material/compare_arrows: Compare: global vs uniform")
@@ -66,8 +67,16 @@ st.dataframe(rows, hide_index=True, width="stretch")
 if b is not None and (a.config.get("model") != b.config.get("model")
                       or abs(a.config.get("prune_ratio", 0) - b.config.get("prune_ratio", 0)) > 1e-9):
     st.warning("These two runs differ in model or pruning rate: the comparison is not like for like.")
+removed = [r.results["params_dense"] - r.results["params_pruned"] for r in chosen
+           if r.results and "params_dense" in r.results and "params_pruned" in r.results]
+if len(removed) == 2 and abs(removed[0] - removed[1]) > 0.005 * chosen[0].results["params_dense"]:
+    st.warning(f"These two runs removed different numbers of parameters: A {removed[0]:,}, B {removed[1]:,} "
+               f"({(removed[0] - removed[1]) / chosen[0].results['params_dense']:+.1%} of the model). A pruning rate "
+               "is a fraction of each unit pool, so a uniform run that rounds per layer removes a different amount: "
+               "compare perplexities with that in mind.")
 
-units = sorted({u for r in chosen for u in r.config.get("units", [])}, key=["heads", "channels"].index)
+order = list(UNIT_TYPES)  # the registry's order; a unit type it no longer has goes last
+units = sorted({u for r in chosen for u in r.config.get("units", [])}, key=lambda u: order.index(u) if u in order else len(order))
 labels = {str(r.path): f"{ab} · {r.config.get('scope')}" for ab, r in zip("AB", chosen)}
 profiles = [(labels[str(r.path)], _ui.run_figures_for_compare(r)) for r in chosen]
 st.plotly_chart(figures.sparsity_profiles(profiles, units), key="cmp-profiles", width="stretch", config=_ui.PLOT_CONFIG)

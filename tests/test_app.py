@@ -293,3 +293,25 @@ def test_layer_pruning_run_shows_the_layers_chart(runs_dir):
     assert any(t.startswith("Whole layers") for t in titles), titles
     layers = next(s for s in charts(at) if s["layout"]["title"]["text"].startswith("Whole layers"))["data"][0]
     assert len(layers["x"]) == 2 and layers["text"].count("✗") == 1  # 2 layers, the hard mask removes one
+
+
+def test_compare_two_layer_runs_and_warns_when_the_parameters_differ(tmp_path, monkeypatch):
+    """Compare opens runs that pruned whole layers (it once sorted unit types by a fixed list and crashed),
+    and says so in words when the two runs removed different numbers of parameters."""
+    from engine.config import PruneConfig
+    from engine.pruner import PruneRun
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
+    calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
+    for name, units in (("layers", ["layers"]), ("layers-and-width", ["heads", "channels", "layers"])):
+        config = PruneConfig(model=str(TINY), units=units, prune_ratio=0.5, steps=2, method="pg", **FAST, calib=calib)
+        PruneRun(config, runs / name, log=lambda m: None).run(progress=False)
+    at = app()
+    at.switch_page("pages/compare.py").run()
+    assert not at.exception, at.exception
+    a, b = at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value
+    assert {tuple(a.config["units"]), tuple(b.config["units"])} == {("layers",), ("heads", "channels", "layers")}
+    assert any("removed different numbers of parameters" in w.value for w in at.warning), [w.value for w in at.warning]
+    titles = [s["layout"]["title"]["text"] for s in charts(at)]
+    assert any("Sparsity per layer" in t for t in titles)
