@@ -287,6 +287,9 @@ def cmd_prune(args) -> int:
                   f"pruned {results['ppl_pruned']:.2f}")
             print(f"parameters: {results['params_dense']:,} -> {results['params_pruned']:,}; "
                   f"{results['seconds_per_step']:.2f} s/step; results in {out}")
+            shares = ", ".join(f"{u} {n:,}" for u, n in results["params_removed_by_unit_type"].items())
+            print(f"removed {results['params_removed']:,} parameters: {results['removed_of_decoder']:.1%} of the decoder "
+                  f"layers, {results['removed_of_model']:.1%} of the model ({shares})")
             if args.export_gguf:
                 from .exporters import export_run
 

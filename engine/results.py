@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from .budget import removal_report
 from .io import atomic_write_text
 from .loading import count_parameters
 from .rundir import MODEL_DIR, RESULTS_FILE
@@ -36,6 +37,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "calib_data": run.calib_source,
         "params_dense": count_parameters(run.model),
         "params_pruned": params_pruned,
+        **removal_report(run.adapter, run.layout, masks, count_parameters(run.model)),
         "kept_per_layer": {u: [int(m.sum()) for m in run.layout.split(u, mask)] for u, mask in masks.items()},
         "units_per_layer": run.layout.sizes,
         "steps": state.step,

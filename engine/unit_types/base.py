@@ -27,6 +27,10 @@ class UnitType(ABC):
     def sizes(self, adapter: ModelAdapter) -> list[int]:
         """Units in each layer (read off the weights, so an already pruned model is described right)."""
 
+    @abstractmethod
+    def unit_params(self, adapter: ModelAdapter) -> list[int]:
+        """The parameters one unit of each layer carries (what removing it removes, its layer kept)."""
+
 
 class LayerUnitType(UnitType):
     """Units inside a decoder layer: input columns (or groups of them) of one output projection."""
@@ -52,6 +56,16 @@ class LayerUnitType(UnitType):
         """The output projection's input columns of the kept units (indices)."""
         w = self.column_width(adapter)
         return kept if w == 1 else (kept[:, None] * w + torch.arange(w, device=kept.device)).reshape(-1)
+
+    def unit_params(self, adapter: ModelAdapter) -> list[int]:
+        """Per layer: the rows and columns of every owned linear that one unit narrows (and their biases)."""
+        out = []
+        for i in range(adapter.num_layers):
+            n = 0
+            for linear, dim, width in self.owned_weights(adapter, i):
+                n += width * linear.weight.shape[1 - dim] + (width if dim == 0 and linear.bias is not None else 0)
+            out.append(n)
+        return out
 
     @abstractmethod
     def to_units(self, adapter: ModelAdapter, per_column: torch.Tensor) -> torch.Tensor:

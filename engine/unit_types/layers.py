@@ -14,3 +14,7 @@ class Layers(UnitType):
 
     def sizes(self, adapter) -> list[int]:
         return [1] * adapter.num_layers
+
+    def unit_params(self, adapter) -> list[int]:
+        """Everything in each decoder layer (attention, MLP, norms)."""
+        return [sum(p.numel() for p in adapter.layer(i).parameters()) for i in range(adapter.num_layers)]
