@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from .budget import BUDGETS
 from .errors import UserError
 from .executors import EXECUTORS
 from .fields import check_fields, check_settings, setting
@@ -58,6 +59,7 @@ def _migrate(data: dict) -> dict:
     """A config saved by an earlier version, in today's fields: the Gumbel settings lived at the top
     level (every run saved them); they become method options of a gumbel run and are dropped otherwise."""
     data = dict(data)
+    data.setdefault("budget", "units")  # every run from before the parameter budget counted units
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -91,6 +93,11 @@ class PruneConfig:
     units: list[str] = setting(default_factory=lambda: ["heads", "channels"], label="Units to prune",
                                help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers)")
     prune_ratio: float = setting(0.3, label="Pruning rate", help="fraction of each unit pool removed")
+    budget: str = setting("units", choices=lambda: tuple(BUDGETS), label="Budget",
+                          help="units: --prune-ratio removes that fraction of each unit type's count (the paper's); "
+                               "params: it removes that fraction of the decoder layers' parameters, every unit "
+                               "weighing its parameters, KV groups and channels in one pool (global) or one pool "
+                               "per layer (uniform)")
     scope: str = setting("global", choices=SCOPES, label="Scope",
                          help="global: budget shared across layers (learned per-layer split); uniform: same ratio per layer")
     method: str = setting("pg", choices=_METHODS, label="Method",

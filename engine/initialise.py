@@ -43,8 +43,8 @@ def fresh_state(run: "PruneRun") -> RunState:
     batches = [run.sampler.next_batch() for _ in range(c.init_batches)] if needs_data else []
     z = initial_metric(run, batches)
     keep0 = run.keep_ratio_at(0)
-    scores = {u: initial_scores(z[u], run.layout, u, c.scope, keep0, c.prob_map, c.score_const)
-              for u in run.layout.unit_types}
+    scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keep0, c.prob_map, c.score_const)
+                                 for u in run.layout.unit_types}, keep0)  # one budget over every unit type
     state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=run.mask_rng.get_state(),
                      ppl_dense=float("nan"), ppl_init=float("nan"), init_scores={u: s.clone() for u, s in scores.items()},
                      init_metric=z)

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from .arch import ModelAdapter
+from .budget import BUDGETS
 from .checkpoints import Checkpoints
 from .config import PruneConfig
 from .context import StepContext
@@ -74,6 +75,7 @@ class PruneRun:
         check_positions(model.config, {"seqlen": c.seqlen, "eval seqlen": c.eval_seqlen})
         sizes = self.adapter.unit_sizes()
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
+        self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
         self.sampler, self.val_batches, self.windows, self.calib_source, self.eval_source = _run_data(tokenizer, c)
         self.mask_rng = torch.Generator().manual_seed(c.seed + 1)
         self.sample_losses = EXECUTORS[resolve_executor(c.sample_forward, c.device)]
@@ -103,8 +105,7 @@ class PruneRun:
         batch = self.sampler.next_batch()
         keep, lr = self.keep_ratio_at(state.step), self.lr_at(state.step)
         g = self.method.gradient(state, batch)
-        for u, s in state.scores.items():
-            state.scores[u] = self.layout.project(u, (s.double() - lr * g.grads[u]).float(), c.scope, keep)
+        state.scores = self.budget.project({u: (s.double() - lr * g.grads[u]).float() for u, s in state.scores.items()}, keep)
         state.step += 1
         seconds = time.perf_counter() - t0
         state.seconds_in_steps += seconds

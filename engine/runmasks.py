@@ -29,7 +29,7 @@ class RunMasks:
 
     def hard_masks(self, scores: dict[str, torch.Tensor], keep_ratio: float | None = None) -> dict[str, torch.Tensor]:
         keep = self.run.config.keep_ratio if keep_ratio is None else keep_ratio
-        masks = {u: self.run.layout.hard_mask(u, s, self.run.config.scope, keep) for u, s in scores.items()}
+        masks = self.run.budget.hard_masks(scores, keep)
         for hook in self.run.hooks:
             masks = hook.hard_masks(masks, scores)
         return masks
