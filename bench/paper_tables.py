@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cli_common import ROOT, csv_list, positive, run
+from engine.unit_types import unit_sizes
 
 RATES = (0.3, 0.4, 0.5)
 HC = {"units": "heads,channels"}
@@ -225,7 +226,7 @@ def plain_copy(model: str, dest: Path) -> Path:
     from engine.units import UnitLayout
 
     m, tok = load_model(resolve_model(model))
-    layout = UnitLayout(ModelAdapter.for_model(m).unit_sizes())
+    layout = UnitLayout(unit_sizes(ModelAdapter.for_model(m)))
     export_pruned(m, tok, layout, {u: torch.ones(layout.total(u)) for u in layout.unit_types}, dest)
     return dest
 

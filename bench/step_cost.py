@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from cli_common import ROOT, positive, run
+from engine.unit_types import unit_sizes
 
 # Random LLaMA configs for the cost by model size (GQA like the default model; tied 49,152-token vocabulary).
 RANDOM_CONFIGS = {
@@ -198,7 +199,7 @@ def main() -> None:
     else:
         model, tok = load_model(resolve_model(args.model), args.dtype)
         a = ModelAdapter.for_model(model)
-        layout = UnitLayout(a.unit_sizes())
+        layout = UnitLayout(unit_sizes(a))
         full = {u: torch.ones(layout.total(u)) for u in layout.unit_types}
         build_pruned_model(model, layout, full).save_pretrained(copy_dir)
     tok.save_pretrained(copy_dir)

@@ -20,10 +20,10 @@ from .arch import ModelAdapter, base_model_type
 from .errors import UserError
 from .io import atomic_file, atomic_dir, atomic_write_text
 from .loading import count_parameters
+from .runfiles import MASKS_FILE, MASKS_META_FILE  # noqa: F401  (MASKS_FILE: the app reads it from here)
 from .unit_types import UNIT_TYPES, layer_unit_types
 from .units import UnitLayout
 
-MASKS_FILE, MASKS_META_FILE = "masks.safetensors", "masks.json"
 _MODELING_FILE = "modeling_pruned.py"
 # Config keys that describe the source checkpoint, not the architecture of the export.
 _SOURCE_ONLY_KEYS = ("quantization_config", "architectures", "auto_map", "model_type", "transformers_version", "_name_or_path")

@@ -77,9 +77,9 @@ def _gguf_source(name: str, path: Path) -> ModelSource:
 
 def _refuse_run_dir(path: Path, name: str) -> None:
     """A prune run folder is not a model: its pruned model is RUN/model."""
-    from .rundir import MODEL_DIR, is_run_dir
+    from .runfiles import MODEL_DIR, has_run_marker
 
-    if is_run_dir(path, adopt=False):
+    if has_run_marker(path):
         model = path / MODEL_DIR
         if (model / "config.json").is_file():
             raise UserError(f"{name} is a prune run folder, not a model; pass its pruned model {model}")

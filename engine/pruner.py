@@ -41,6 +41,7 @@ from .rundir import METRICS_FILE
 from .runstate import RunState, StepReport, check_finite  # noqa: F401  (StepReport: part of the run's API)
 from .unit_types import UNIT_TYPES
 from .units import UnitLayout
+from .unit_types import unit_sizes
 
 Observer = Callable[[StepReport], None]
 
@@ -73,7 +74,7 @@ class PruneRun:
         self.model, self.tokenizer = model, tokenizer
         self.adapter = ModelAdapter.for_model(model)
         check_positions(model.config, {"seqlen": c.seqlen, "eval seqlen": c.eval_seqlen})
-        sizes = self.adapter.unit_sizes()
+        sizes = unit_sizes(self.adapter)
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
         self.sampler, self.val_batches, self.windows, self.calib_source, self.eval_source = _run_data(tokenizer, c)

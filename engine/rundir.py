@@ -17,19 +17,12 @@ from pathlib import Path
 from .config import PruneConfig
 from .errors import UserError
 from .io import atomic_write_text
-from .outdir import OutputKind, check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401
+from .outdir import check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401  (the CLI's)
+from .runfiles import (CHECKPOINT_FILE, CONFIG_FILE, GGUF_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE,  # noqa: F401
+                       RUN_FILES, RUN_FORMAT_VERSION, RUN_MARKER)
 
-CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
-MODEL_DIR = "model"
-GGUF_FILE = "model.gguf"  # prune --export-gguf
-# A run folder's own marker: its name and content say what the folder is, so that --overwrite can never
-# mistake a model folder (which also holds a config.json) for a run.
-RUN_MARKER, RUN_FORMAT_VERSION = "pg-prune-run", 1
 _MARKER_TEXT = "pg-prune run, format version {}\n"
 _MARKER_RE = re.compile(r"pg-prune run, format version (\d+)")
-# Everything a run writes into its folder (--overwrite removes these and nothing else).
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, "masks.safetensors", "masks.json", GGUF_FILE)
-RUN_KIND = OutputKind("run", RUN_MARKER, RUN_FILES, (MODEL_DIR,), RUN_FORMAT_VERSION)
 
 
 def write_run_marker(out: Path) -> None:

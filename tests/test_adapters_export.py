@@ -27,6 +27,7 @@ from engine.modeling_pruned import PRUNED_CLASSES
 from engine.units import UnitLayout
 
 from conftest import clean_env
+from engine.unit_types import unit_sizes
 
 COMMON = dict(vocab_size=128, hidden_size=96, intermediate_size=200, num_hidden_layers=3, max_position_embeddings=64,
               initializer_range=0.1, rms_norm_eps=1e-6)
@@ -57,7 +58,7 @@ def build_model(arch: str, seed: int = 0):
 
 
 def layout_of(adapter: ModelAdapter) -> UnitLayout:
-    return UnitLayout({"heads": adapter.unit_sizes()["heads"], "channels": adapter.unit_sizes()["channels"]})
+    return UnitLayout({"heads": unit_sizes(adapter)["heads"], "channels": unit_sizes(adapter)["channels"]})
 
 
 def random_hard_masks(layout: UnitLayout, seed: int) -> dict[str, torch.Tensor]:
@@ -149,13 +150,13 @@ def test_adapter_geometry(arch):
     a = ModelAdapter.for_model(model)
     c = model.config
     assert a.num_layers == 3
-    assert a.unit_sizes()["heads"] == [c.num_key_value_heads] * 3
-    assert a.unit_sizes()["channels"] == [200] * 3
+    assert unit_sizes(a)["heads"] == [c.num_key_value_heads] * 3
+    assert unit_sizes(a)["channels"] == [200] * 3
     assert a.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     assert a.queries_per_group * c.num_key_value_heads == c.num_attention_heads
     assert a.attention(0).output.in_features == c.num_attention_heads * a.head_dim
     # a count that the params formula reproduces for the dense model validates the formula itself
-    assert count_parameters(model) == expected_params(model, a.unit_sizes()["heads"], a.unit_sizes()["channels"])
+    assert count_parameters(model) == expected_params(model, unit_sizes(a)["heads"], unit_sizes(a)["channels"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -183,7 +184,7 @@ def test_mask_zeroes_a_group_and_a_channel(arch, ids):
     a = ModelAdapter.for_model(model)
     layout = layout_of(a)
     heads = torch.ones(layout.total("heads"))
-    group = a.unit_sizes()["heads"][0] + 1  # layer 1, group 1
+    group = unit_sizes(a)["heads"][0] + 1  # layer 1, group 1
     heads[group] = 0
     channels = torch.ones(layout.total("channels"))
     channels[[3, 150]] = 0  # layer 0, channels 3 and 150
@@ -273,7 +274,7 @@ def test_pruning_an_export_again(arch, exported, ids, tmp_path, tiny):
     pruned = AutoModelForCausalLM.from_pretrained(rec["dir"]).eval()
     a = ModelAdapter.for_model(pruned)
     kept = {u: [int(m.sum()) for m in rec["layout"].split(u, rec["masks"][u])] for u in rec["masks"]}
-    assert a.unit_sizes()["heads"] == kept["heads"] and a.unit_sizes()["channels"] == kept["channels"]
+    assert unit_sizes(a)["heads"] == kept["heads"] and unit_sizes(a)["channels"] == kept["channels"]
     layout = layout_of(a)
     masks = random_hard_masks(layout, seed=7)
     expected = masked_logits(pruned, layout, masks, ids)

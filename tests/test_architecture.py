@@ -57,7 +57,7 @@ def offenders(importers: str, forbidden: tuple[str, ...], allowed_importers: tup
 def test_the_rules_see_the_engine():
     assert {"engine.pruner", "engine.methods.pg", "engine.arch.llama", "engine.unit_types.kv_groups",
             "engine.metrics.wanda_sp", "engine.tools.chat", "engine.ui.jobs"} <= set(MODULES)
-    assert "engine.masking" in MODULES["engine.methods.pg"]  # relative imports are resolved
+    assert "engine.policy" in MODULES["engine.methods.pg"]  # relative imports are resolved
 
 
 @pytest.mark.parametrize("importers, forbidden, allowed", [
@@ -81,7 +81,118 @@ def test_layering(importers, forbidden, allowed):
     assert offenders(importers, forbidden, allowed) == []
 
 
-def test_arch_base_reaches_the_unit_types_only_to_list_their_sizes():
-    # ModelAdapter.unit_sizes() is a convenience over the unit-type registry, imported lazily
-    assert offenders("engine.arch.base", ("engine.unit_types",)) == ["engine.arch.base imports engine.unit_types",
-                                                                     "engine.arch.base imports engine.unit_types.UNIT_TYPES"]
+def test_the_adapter_never_reaches_up_to_the_unit_types():
+    # unit_types.unit_sizes(adapter) lists the units: the adapter answers structural questions only
+    assert offenders("engine.arch", ("engine.unit_types",)) == []
+
+
+# --- issue 23: no import cycles, nothing low reaching up ---------------------------------------------------------
+def _graph() -> dict[str, set[str]]:
+    """Module -> the engine modules it imports (an imported name collapses to the module that holds it)."""
+    def owner(name: str) -> str:
+        while name and name not in MODULES:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+        return name
+
+    return {m: {owner(i) for i in deps if owner(i) and owner(i) != m} for m, deps in MODULES.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert import_cycles(_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# the leaves import nothing of the engine but other leaves; the loader, registries and exporters never reach the run
+LEAVES = ("engine.errors", "engine.io", "engine.fields", "engine.runfiles", "engine.outdir", "engine.policy")
+
+
+@pytest.mark.parametrize("importers, forbidden", [
+    *[(leaf, tuple(m for m in MODULES if m.startswith("engine.") and m not in LEAVES and m != leaf)) for leaf in LEAVES],
+    ("engine.loading", ("engine.rundir", "engine.config", "engine.pruner", "engine.budget", "engine.hooks")),
+    ("engine.exporters", ("engine.rundir", "engine.config", "engine.hooks", "engine.budget")),
+    ("engine.methods", ("engine.hooks", "engine.checkpoints", "engine.initialise", "engine.results", "engine.runmasks")),
+    ("engine.hooks", ("engine.pruner", "engine.cli", "engine.config", "engine.tools", "engine.ui")),
+])
+def test_nothing_low_imports_something_higher(importers, forbidden):
+    assert offenders(importers, forbidden) == []
+
+
+# --- issue 23: small classes, and a run loop that never branches on an option's name ---------------------
+def _class_sizes() -> dict[str, int]:
+    """Each engine class's lines, less its field declarations (a settings dataclass's table of fields is
+    declarations, not code: PruneConfig's fields carry their CLI flag, help and bounds)."""
+    out = {}
+    for path in ENGINE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                fields = sum(s.end_lineno - s.lineno + 1 for s in node.body if isinstance(s, ast.AnnAssign))
+                out[f"{module_name(path)}.{node.name}"] = node.end_lineno - node.lineno + 1 - fields
+    return out
+
+
+def test_no_class_is_over_120_lines():
+    sizes = _class_sizes()
+    assert "engine.pruner.PruneRun" in sizes and "engine.config.PruneConfig" in sizes
+    assert {name: n for name, n in sizes.items() if n > 120} == {}
+
+
+# the names a run's options choose between: a method, an estimator, a baseline, a schedule, a final mask
+_OPTION_NAMES = {"pg", "gumbel", "metric", "paper", "sqrt", "moving-average", "leave-one-out", "none", "cosine",
+                 "constant", "last", "best-val", "random-progressive", "init-metric", "scores"}
+RUN_LOOP = ("engine/pruner.py", "engine/initialise.py", "engine/runmasks.py", "engine/checkpoints.py", "engine/results.py")
+
+
+def _string_branches(path: Path) -> list[str]:
+    """`if`/conditional expressions in path that compare something with one of the option names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            for sub in ast.walk(node.test):
+                if isinstance(sub, ast.Constant) and sub.value in _OPTION_NAMES:
+                    found.append(f"{path.name}:{node.lineno} ({sub.value!r})")
+    return found
+
+
+def test_the_run_loop_never_branches_on_an_option_name():
+    assert [b for f in RUN_LOOP for b in _string_branches(ENGINE.parent / f)] == []
+
+
+def test_the_branch_check_sees_a_branch(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('if config.final_mask == "best-val":\n    pass\nx = 1 if c.baseline == "none" else 2\n')
+    assert _string_branches(probe) == ["probe.py:1 ('best-val')", "probe.py:3 ('none')"]

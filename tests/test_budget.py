@@ -14,6 +14,7 @@ from engine.loading import count_parameters
 from engine.units import UnitLayout
 
 from test_adapters_export import ARCHS, build_model
+from engine.unit_types import unit_sizes
 
 UNIT_SETS = [("heads",), ("channels",), ("layers",), ("heads", "channels"), ("heads", "channels", "layers"),
              ("channels", "layers")]
@@ -29,7 +30,7 @@ def masks_for(layout: UnitLayout, seed: int) -> dict[str, torch.Tensor]:
 def test_removed_parameters_equal_the_exports(arch, units):
     model = build_model(arch)
     adapter = ModelAdapter.for_model(model)
-    sizes = adapter.unit_sizes()
+    sizes = unit_sizes(adapter)
     layout = UnitLayout({u: sizes[u] for u in units})
     dense = count_parameters(model)
     for seed in range(3):
@@ -44,7 +45,7 @@ def test_removed_parameters_equal_the_exports(arch, units):
 def test_a_removed_layers_width_counts_once():
     model = build_model("llama")
     adapter = ModelAdapter.for_model(model)
-    sizes = adapter.unit_sizes()
+    sizes = unit_sizes(adapter)
     layout = UnitLayout({u: sizes[u] for u in ("heads", "channels", "layers")})
     weights = unit_weights(adapter, layout)
     masks = {u: torch.ones(layout.total(u)) for u in layout.unit_types}
@@ -64,7 +65,7 @@ def param_budget(arch: str, units: tuple[str, ...], scope: str):
 
     model = build_model(arch)
     adapter = ModelAdapter.for_model(model)
-    sizes = adapter.unit_sizes()
+    sizes = unit_sizes(adapter)
     layout = UnitLayout({u: sizes[u] for u in units})
     return ParamBudget(layout, scope, adapter), adapter, layout
 

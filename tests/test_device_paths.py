@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 import pytest
+from engine.unit_types import unit_sizes
 
 
 class _RecordingModel(nn.Module):
@@ -67,7 +68,7 @@ def assert_offloaded_losses_equal(model, offloaded, keep: float, num_samples: in
     from engine.policy import sample_masks
     from engine.units import UnitLayout
 
-    layout = UnitLayout(ModelAdapter.for_model(model).unit_sizes())
+    layout = UnitLayout(unit_sizes(ModelAdapter.for_model(model)))
     g = torch.Generator().manual_seed(1)
     samples = {u: sample_masks(torch.full((layout.total(u),), keep), num_samples, g) for u in layout.unit_types}
     with MaskHooks(ModelAdapter.for_model(model)) as plain, MaskHooks(ModelAdapter.for_model(offloaded)) as split:

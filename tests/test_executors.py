@@ -19,12 +19,13 @@ from engine.pruner import PruneRun
 from engine.units import UnitLayout
 
 from test_adapters_export import build_model
+from engine.unit_types import unit_sizes
 
 ARCHS = ("llama", "mistral", "qwen2")
 
 
 def full_layout(model) -> UnitLayout:
-    return UnitLayout(ModelAdapter.for_model(model).unit_sizes())
+    return UnitLayout(unit_sizes(ModelAdapter.for_model(model)))
 
 
 def batch(model, rows=3, seqlen=17, seed=0) -> torch.Tensor:
@@ -79,7 +80,7 @@ def test_sliced_forward_of_a_layer_that_keeps_no_unit(with_fill):
 
     model = build_model("qwen2")  # q/k/v biases: they are sliced too
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
+    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
     masks = {u: [torch.ones(n) for n in layout.sizes[u]] for u in layout.unit_types}
     masks["heads"][1] = torch.zeros(layout.sizes["heads"][1])
     masks["channels"][2] = torch.zeros(layout.sizes["channels"][2])
@@ -145,7 +146,7 @@ def test_compensated_export_equals_masked_model_with_fill(arch, tmp_path, tiny):
     reproduces the masked model whose removed inputs are replaced by their means."""
     model = build_model(arch)
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
+    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
     g = torch.Generator().manual_seed(3)
     masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in layout.unit_types}
     ids = batch(model, rows=2, seqlen=19, seed=4)

@@ -17,6 +17,7 @@ from engine.loading import load_model, resolve_model
 from engine.units import UnitLayout
 
 from conftest import SMALL_CALIB, assert_cli_fails_with_one_line, clean_env
+from engine.unit_types import unit_sizes
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def pruned_export(tiny, tmp_path_factory):
     """TinyStories-656K with a KV group dropped in layer 0 and a third of the channels in each layer."""
     model, tok = tiny
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
+    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
     heads = torch.ones(layout.total("heads"))
     heads[1] = 0
     g = torch.Generator().manual_seed(0)

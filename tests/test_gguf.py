@@ -18,6 +18,7 @@ from engine.exporters.gguf import check_exportable, permute_rows, write_gguf
 from engine.units import UnitLayout
 
 from conftest import TINY_MODEL
+from engine.unit_types import unit_sizes
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (install.sh installs it)")
 
@@ -59,7 +60,7 @@ def random_model(arch: str):
 def heterogeneous_masks(model, seed: int = 0) -> tuple[UnitLayout, dict[str, torch.Tensor]]:
     """Different KV groups and widths per layer, one layer removed."""
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout(a.unit_sizes())
+    layout = UnitLayout(unit_sizes(a))
     g = torch.Generator().manual_seed(seed)
     masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6)
              for u in ("heads", "channels")}
@@ -92,7 +93,7 @@ def test_heterogeneous_export_matches_transformers(arch, outtype, tol, tmp_path)
     model = random_model(arch)
     layout, masks = heterogeneous_masks(model)
     pruned = build_pruned_model(model, layout, masks)
-    sizes = ModelAdapter.for_model(pruned).unit_sizes()
+    sizes = unit_sizes(ModelAdapter.for_model(pruned))
     assert len(set(sizes["heads"])) > 1 and len(set(sizes["channels"])) > 1  # really heterogeneous
     info = write_gguf(pruned, tmp_path / "m.gguf", outtype, tokenizer_json=TOKENIZER_JSON)
     assert len(info["layers"]) == 3  # the removed layer is not written

@@ -116,7 +116,7 @@ def test_the_cached_model_is_reused(loads, tiny, eval_file, tmp_path):
         jobs.start(config(eval_file, steps=1), tmp_path / name)
         assert jobs.wait(120).status == DONE
     assert len(calls) == 1  # the second job reused the first one's model
-    assert jobs._model_cache[1] is tiny[0]
+    assert jobs._models.entry[1] is tiny[0]
     jobs.start(config(eval_file, steps=1, dtype="bfloat16"), tmp_path / "c")  # another dtype: loaded anew
     jobs.wait(120)
     assert len(calls) == 2 and calls[-1][1] == "bfloat16"
@@ -124,7 +124,7 @@ def test_the_cached_model_is_reused(loads, tiny, eval_file, tmp_path):
     for name in ("d", "e"):
         uncached.start(config(eval_file, steps=1), tmp_path / name)
         uncached.wait(120)
-    assert len(calls) == 4 and uncached._model_cache is None
+    assert len(calls) == 4 and uncached._models.entry is None
 
 
 def test_delete_run_while_its_job_runs(loads, eval_file, tmp_path):
@@ -179,7 +179,7 @@ def test_resume_shows_each_step_once_after_a_crash(tiny, eval_file, tmp_path):
             progress=False, observer=crash)
     assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     jobs = JobManager()
-    jobs._model_cache = ((str(TINY_MODEL), "float32", "cpu"), tiny[0], tiny[1])
+    jobs._models.entry = ((str(TINY_MODEL), "float32", "cpu"), tiny[0], tiny[1])
     jobs.start(None, out, resume=True)
     snap = jobs.wait(120)
     assert snap.status == DONE, snap.error

@@ -30,6 +30,7 @@ from engine.units import UnitLayout
 from conftest import SMALL_CALIB, clean_env
 from test_adapters_export import ARCHS, build_model, masked_logits
 from test_pruner import metric_lines, quiet, small_config
+from engine.unit_types import unit_sizes
 
 
 # --- pure kernels -------------------------------------------------------------------------------
@@ -113,7 +114,7 @@ def ids() -> torch.Tensor:
 
 
 def layer_layout(model, units=("heads", "channels", "layers")) -> UnitLayout:
-    sizes = ModelAdapter.for_model(model).unit_sizes()
+    sizes = unit_sizes(ModelAdapter.for_model(model))
     return UnitLayout({u: sizes[u] for u in units})
 
 
@@ -201,7 +202,7 @@ def test_export_layers_heads_channels_together(arch, ids, tmp_path, tiny):
 def test_magnitude_sp_is_the_output_projection_column_magnitude():
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
-    metric = METRICS["magnitude-sp"].fn(MetricContext(a, _Layout(a.unit_sizes())), ["heads", "channels"])
+    metric = METRICS["magnitude-sp"].fn(MetricContext(a, _Layout(unit_sizes(a))), ["heads", "channels"])
     w = a.mlp(1).output.weight.abs().mean(0)
     assert torch.allclose(metric["channels"][1], w)
     hw = a.attention(2).output.weight.abs().mean(0).view(-1, a.head_dim).sum(1).view(-1, a.queries_per_group).mean(1)
@@ -211,8 +212,8 @@ def test_magnitude_sp_is_the_output_projection_column_magnitude():
 def test_taylor_matches_a_hand_computed_unit(ids):
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
-    metric = METRICS["taylor"].fn(MetricContext(a, _Layout(a.unit_sizes()), [ids]), ["heads", "channels"])
-    assert [len(t) for t in metric["heads"]] == a.unit_sizes()["heads"]
+    metric = METRICS["taylor"].fn(MetricContext(a, _Layout(unit_sizes(a)), [ids]), ["heads", "channels"])
+    assert [len(t) for t in metric["heads"]] == unit_sizes(a)["heads"]
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
     # by hand: gradient of every parameter, then sum |w * g| over what KV group 1 of layer 0 owns
     reference = build_model("llama").requires_grad_(True)
@@ -232,7 +233,7 @@ def test_taylor_matches_a_hand_computed_unit(ids):
 def test_layerwise_ppl_and_sleb(ids):
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
-    ctx = MetricContext(a, _Layout(a.unit_sizes()), [ids], keep_ratio=0.34)
+    ctx = MetricContext(a, _Layout(unit_sizes(a)), [ids], keep_ratio=0.34)
     lw = METRICS["layerwise-ppl"].fn(ctx, ["layers"])["layers"]
     for i in range(3):
         keep = torch.ones(3)
@@ -270,7 +271,7 @@ def test_layer_metric_progress_reaches_the_log_without_a_bar():
     """Without a tqdm bar (the app's runs), SLEB reports its model runs as log lines, the last one complete."""
     a = ModelAdapter.for_model(build_model("llama"))
     lines: list[str] = []
-    ctx = MetricContext(a, _Layout(a.unit_sizes()), [torch.randint(0, 128, (2, 19))], keep_ratio=0.34, log=lines.append)
+    ctx = MetricContext(a, _Layout(unit_sizes(a)), [torch.randint(0, 128, (2, 19))], keep_ratio=0.34, log=lines.append)
     METRICS["sleb"].fn(ctx, ["layers"])  # removes 2 of 3 layers: 3 + 2 candidate forwards on 1 batch
     assert lines and lines[-1] == "sleb: 5/5 model runs"
     assert all(line.startswith("sleb: ") for line in lines)

@@ -19,6 +19,7 @@ from engine.tools.zeroshot import ALL_TASKS, TABLE_METRIC, ZeroshotConfig, evalu
 from engine.units import UnitLayout
 
 from conftest import DATA_DIR, assert_cli_fails_with_one_line
+from engine.unit_types import unit_sizes
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def run_dir(tiny, tiny_path, tmp_path_factory):
     """A finished-looking prune run of the tiny model: masks artifact and the sliced export."""
     model, tok = tiny
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": a.unit_sizes()["heads"], "channels": a.unit_sizes()["channels"]})
+    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
     g = torch.Generator().manual_seed(3)
     masks = {"heads": torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 1]),
              "channels": (torch.rand(layout.total("channels"), generator=g) > 0.4).float()}

@@ -13,10 +13,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..errors import UserError
+
 
 def base_model_type(config) -> str:
     """The architecture a (possibly already pruned) config is made of."""
     return getattr(config, "base_model_type", None) or config.model_type
+
+
+ARCHITECTURES: dict[str, type["ModelAdapter"]] = {}  # model_type -> adapter class (filled by engine.arch.registry)
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,11 @@ class ModelAdapter(ABC):
     @classmethod
     def for_model(cls, model: nn.Module) -> "ModelAdapter":
         """The registered adapter of the model's family (engine.arch.ARCHITECTURES)."""
-        from . import adapter_for
-
-        return adapter_for(model)
+        model_type = base_model_type(model.config)
+        if model_type not in ARCHITECTURES:
+            raise UserError(f"unsupported architecture {model_type!r}; supported model types: "
+                            f"{', '.join(sorted(ARCHITECTURES))}")
+        return ARCHITECTURES[model_type](model)
 
     # --- what a family file provides ---------------------------------------------------------
     @property
@@ -115,12 +122,6 @@ class ModelAdapter(ABC):
         """Every attention and MLP projection of layer i (the LoRA targets of a fine-tune)."""
         a, m = self.attention(i), self.mlp(i)
         return [a.query, a.key, a.value, a.output, *m.inputs, m.output]
-
-    def unit_sizes(self) -> dict[str, list[int]]:
-        """Units per layer of every registered unit type."""
-        from ..unit_types import UNIT_TYPES
-
-        return {name: t.sizes(self) for name, t in UNIT_TYPES.items()}
 
     def param_name(self, module: nn.Module) -> str:
         """The state-dict prefix of a submodule (the gates MaskHooks puts in do not appear in it)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import register_architecture
+from .registry import register_architecture
 from .base import AttentionLinears, MlpLinears, ModelAdapter, base_model_type
 
 

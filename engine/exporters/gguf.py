@@ -29,7 +29,7 @@ import torch
 from ..arch import ModelAdapter
 from ..errors import UserError
 from ..io import atomic_file
-from . import register_export_format
+from .registry import register_export_format
 
 OUTTYPES = ("f16", "f32", "q8_0")
 _ARCH = "deci"
@@ -291,11 +291,16 @@ def write_model_gguf(name: str, dest: Path, outtype: str = "f16") -> dict:
 @register_export_format("gguf", outtypes=OUTTYPES)
 def export_gguf(run_dir: Path, dest: Path, outtype: str) -> dict:
     """GGUF for llama.cpp (deci architecture: per-layer head counts and FFN widths)."""
-    from ..config import PruneConfig
+    import json
+
     from ..loading import load_model, resolve_model
-    from ..rundir import CONFIG_FILE, MODEL_DIR
+    from ..runfiles import CONFIG_FILE, MODEL_DIR
 
     model, _ = load_model(resolve_model(str(run_dir / MODEL_DIR)), "float32", "cpu")
     check_exportable(model)  # before the base model's tokenizer is looked for
-    base = resolve_model(PruneConfig.load(run_dir / CONFIG_FILE).model)
+    try:  # the run's base model (its tokenizer files): read from the run's config, without the run's machinery
+        base_name = json.loads((run_dir / CONFIG_FILE).read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read the base model from {run_dir / CONFIG_FILE} ({type(e).__name__})") from e
+    base = resolve_model(str(base_name))
     return write_gguf(model, dest, outtype, **_tokenizer_files(base, run_dir / MODEL_DIR), name=run_dir.name)

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 from ..io import atomic_dir
-from ..rundir import MODEL_DIR
-from . import register_export_format
+from ..runfiles import MODEL_DIR
+from .registry import register_export_format
 
 
 @register_export_format("hf", outtypes=("as-run",))

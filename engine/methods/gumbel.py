@@ -10,7 +10,7 @@ import torch
 from ..errors import UserError
 from ..evaluate import token_loss
 from ..policy import relaxed_bernoulli
-from . import register_method
+from .registry import register_method
 from .base import Method, StepGradient
 
 

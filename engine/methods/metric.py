@@ -3,7 +3,7 @@ magnitude-sp, Taylor, random, Layerwise-PPL, SLEB)."""
 
 from __future__ import annotations
 
-from . import register_method
+from .registry import register_method
 from .base import Method
 
 

@@ -13,7 +13,7 @@ import torch
 from ..errors import UserError
 from ..fields import setting
 from ..policy import fit_control_coefficients, leave_one_out_baselines, metric_feature, policy_gradient, sample_masks, update_baseline
-from . import register_method
+from .registry import register_method
 from .base import Method, StepGradient
 
 

@@ -8,7 +8,7 @@ from ..arch import ModelAdapter
 from ..evaluate import batch_loss, decoder_forward
 from ..masking import MaskHooks
 from ..unit_types import whole_layer_type
-from . import MetricContext, register_metric
+from .registry import MetricContext, register_metric
 
 
 def _gates(n: int, removed: set[int]) -> dict[str, list[torch.Tensor]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from ..unit_types import UNIT_TYPES
-from . import MetricContext, register_metric
+from .registry import MetricContext, register_metric
 
 
 @register_metric("magnitude-sp", scores="units", needs_data=False)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from . import MetricContext, register_metric
+from .registry import MetricContext, register_metric
 
 
 @register_metric("random", scores="any", needs_data=False)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from ..policy import keep_count
-from . import MetricContext, register_metric
+from .registry import MetricContext, register_metric
 from .layerwise_ppl import losses_without_each
 
 

@@ -4,7 +4,7 @@ import torch
 
 from ..evaluate import token_loss
 from ..unit_types import UNIT_TYPES
-from . import MetricContext, register_metric
+from .registry import MetricContext, register_metric
 
 
 @register_metric("taylor", scores="units", needs_data=True)

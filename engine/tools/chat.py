@@ -26,6 +26,8 @@ import torch
 
 from ..errors import UserError
 from ..loading import count_parameters
+from ..runfiles import RESULTS_FILE
+from ..unit_types import unit_sizes
 
 _locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -84,12 +86,12 @@ def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
     from ..arch import ModelAdapter
 
     adapter = ModelAdapter.for_model(base.model)
-    sizes = adapter.unit_sizes()
+    sizes = unit_sizes(adapter)
     for u in layout.unit_types:
         if layout.sizes[u] != sizes[u]:
             raise UserError(f"the masks of {Path(run_dir).name} do not fit this model ({u}: {layout.sizes[u]} vs {sizes[u]})")
     try:
-        params = json.loads((Path(run_dir) / "results.json").read_text())["params_pruned"]
+        params = json.loads((Path(run_dir) / RESULTS_FILE).read_text())["params_pruned"]
     except (OSError, ValueError, KeyError):
         params = _effective_params(base.model, layout, masks)
     return ChatModel(base.model, base.tokenizer, f"pruned (masks on base): {Path(run_dir).name}", params,
@@ -163,7 +165,7 @@ def load_gguf(run_dir: str | Path, outtype: str = "f16", threads: int | None = N
         stop.add(int(tok.eos_token_id))
     llm = llamacpp.open_gguf(path, n_ctx=2048, threads=threads)
     try:
-        params = json.loads((run_dir / "results.json").read_text())["params_pruned"]
+        params = json.loads((run_dir / RESULTS_FILE).read_text())["params_pruned"]
     except (OSError, ValueError, KeyError):
         params = 0
     return ChatModel(LlamaCppGenerator(llm, stop), tok, f"pruned (GGUF in llama.cpp): {run_dir.name}", params,

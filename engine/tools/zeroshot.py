@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..outdir import OutputKind, output_folder
+from ..runfiles import MASKS_META_FILE
 
 TASK_TEMPLATES = Path(__file__).resolve().parent / "tasks"
 ALL_TASKS = ("piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "boolq", "lambada_openai")
@@ -181,7 +182,7 @@ def load_for_zeroshot(config: ZeroshotConfig):
         run = Path(config.run)
         if not run.is_dir():
             raise UserError(f"run folder not found: {config.run}")
-        meta_file = run / "masks.json"
+        meta_file = run / MASKS_META_FILE
         if not meta_file.is_file():
             raise UserError(f"{config.run} holds no finished run's masks (masks.json)")
         base_name = config.model or json.loads(meta_file.read_text())["base_model"]
@@ -221,7 +222,7 @@ def _run_zeroshot(config: ZeroshotConfig, out_dir: Path, log) -> dict:
 
     if config.model is not None:
         resolve_model(config.model)  # a typo fails before anything is written or loaded
-    if config.run is not None and not (Path(config.run) / "masks.json").is_file():
+    if config.run is not None and not (Path(config.run) / MASKS_META_FILE).is_file():
         raise UserError(f"{config.run} is not a finished prune run (no masks.json)")
     data = zeroshot_data_dir(config.data_dir)  # fail on missing data before loading a model
     task_dir = write_task_dir(out_dir / TASKS_SUBDIR, config.tasks, str(data))

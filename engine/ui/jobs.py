@@ -12,10 +12,10 @@ the current hard mask of the KV groups (for heatmaps), so that a UI only reads m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import threading
 import time
 import traceback
@@ -76,6 +76,42 @@ class JobSnapshot:
         return self.history[-1] if self.history else None
 
 
+class _ModelCache:
+    """The last loaded (model, tokenizer), reused by the next job on the same model: loading the default model
+    takes ~25 s. Pruning never modifies the model's weights."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.entry = enabled, None
+
+    def load(self, config: PruneConfig):
+        from ..loading import load_model, resolve_model
+
+        key = (config.model, config.dtype, config.device)
+        if self.entry is not None and self.entry[0] == key:
+            return self.entry[1], self.entry[2]
+        self.entry = None  # free the old model before loading another
+        return load_model(resolve_model(config.model), config.dtype, config.device)
+
+    def keep(self, config: PruneConfig, model, tokenizer) -> None:
+        if self.enabled:
+            self.entry = ((config.model, config.dtype, config.device), model, tokenizer)
+
+
+def _kept_history(run, out: Path) -> list[dict]:
+    """The steps a resumed run keeps: trimmed to its checkpoint first, as run() will (steps past it are redone,
+    and reading them before the trim showed them twice); never the metrics of a run another process writes."""
+    from ..outdir import folder_lock
+
+    with folder_lock(out, what="resume"):
+        return run.restore_metrics(run.load_checkpoint())
+
+
+def _ended(result: dict) -> dict:
+    if result.get("status") == "stopped":
+        return {"status": STOPPED, "phase": f"stopped at step {result.get('step')}; resumable"}
+    return {"status": DONE, "phase": f"done: perplexity {result['ppl_dense']:.2f} dense -> {result['ppl_pruned']:.2f} pruned"}
+
+
 class JobManager:
     """Owns at most one pruning thread. All public methods are thread-safe."""
 
@@ -84,17 +120,12 @@ class JobManager:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._snap = JobSnapshot()
-        # The last loaded (model, tokenizer), reused by the next job on the same model: loading
-        # the default model takes ~25 s. Pruning never modifies the model's weights.
-        self._keep_model = keep_model
-        self._model_cache: tuple[tuple, object, object] | None = None
+        self._models = _ModelCache(keep_model)
 
     # --- control ---------------------------------------------------------------------------
     def start(self, config: PruneConfig | None, out_dir: str | Path, resume: bool = False) -> None:
-        """Start a job; raises JobBusy while one runs and UserError on bad input (checked here, fast).
-
-        With resume=True the run folder's own config.json is used and `config` is ignored.
-        """
+        """Start a job; raises JobBusy while one runs and UserError on bad input (checked here, fast). With
+        resume=True the run folder's own config.json is used and `config` is ignored."""
         from ..loading import resolve_model
         from ..rundir import CONFIG_FILE, check_out_dir
 
@@ -147,6 +178,14 @@ class JobManager:
         return self._snap.status in ACTIVE and self._snap.out_dir is not None \
             and Path(self._snap.out_dir).resolve() == Path(out_dir).resolve()
 
+    @contextlib.contextmanager
+    def holding(self, out_dir: str | Path):
+        """The block runs while no job runs in out_dir and none can start (refused if one runs there now)."""
+        with self._lock:
+            if self._busy_with_locked(out_dir):
+                raise UserError(f"{Path(out_dir).name} is being pruned right now; stop the job first")
+            yield
+
     # --- the worker ------------------------------------------------------------------------
     def _set(self, **kw) -> None:
         with self._lock:
@@ -158,33 +197,17 @@ class JobManager:
             if self._snap.status != STOPPING:
                 self._snap.phase = message
 
-    def _load(self, config: PruneConfig):
-        from ..loading import load_model, resolve_model
-
-        key = (config.model, config.dtype, config.device)
-        cached = self._model_cache
-        if cached is not None and cached[0] == key:
-            return cached[1], cached[2]
-        self._model_cache = None  # free the old model before loading another
-        model, tok = load_model(resolve_model(config.model), config.dtype, config.device)
-        return model, tok
-
     def _work(self, config: PruneConfig, out: Path, resume: bool, stop: threading.Event) -> None:
         try:
             from ..pruner import PruneRun
-            from ..outdir import folder_lock
             from ..rundir import CHECKPOINT_FILE
 
-            model, tok = self._load(config)
+            model, tok = self._models.load(config)
             self._log("reading calibration and evaluation data")
             run = PruneRun(config, out, model=model, tokenizer=tok, log=self._log)
-            if self._keep_model:
-                self._model_cache = ((config.model, config.dtype, config.device), model, tok)
+            self._models.keep(config, model, tok)
             if resume and (out / CHECKPOINT_FILE).exists():
-                # the steps the run keeps: trimmed to its checkpoint first, as run() will (steps past it are
-                # redone, and reading them before the trim showed them twice)
-                with folder_lock(out, what="resume"):  # never trims the metrics of a run another process writes
-                    history = run.restore_metrics(run.load_checkpoint())
+                history = _kept_history(run, out)
                 self._set(history=history, resumed_from=len(history))
             with self._lock:
                 if self._snap.status == LOADING:
@@ -202,10 +225,7 @@ class JobManager:
                         self._snap.phase = f"step {report.step}/{report.total_steps}"
 
             result = run.run(resume=resume, observer=observe, stop=stop, progress=False)
-            status = STOPPED if result.get("status") == "stopped" else DONE
-            phase = (f"stopped at step {result.get('step')}; resumable" if status == STOPPED
-                     else f"done: perplexity {result['ppl_dense']:.2f} dense -> {result['ppl_pruned']:.2f} pruned")
-            self._set(status=status, phase=phase, result=result, finished_at=time.time())
+            self._set(**_ended(result), result=result, finished_at=time.time())
         except UserError as e:
             self._set(status=FAILED, error=str(e), phase="failed", finished_at=time.time())
         except Exception as e:  # a bug or an environment problem: keep the UI alive and show it
@@ -316,9 +336,7 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
     from ..rundir import is_run_dir, remove_run_files
 
     p = Path(run_dir)
-    with jobs._lock if jobs is not None else nullcontext():
-        if jobs is not None and jobs._busy_with_locked(p):
-            raise UserError(f"{p.name} is being pruned right now; stop the job first")
+    with jobs.holding(p) if jobs is not None else nullcontext():
         if read_run(p) is None or not is_run_dir(p):
             raise UserError(f"{p} holds no run; not deleting it")
         with folder_lock(p, what="delete"):  # a run another process writes is refused, naming it
@@ -327,13 +345,15 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
 
 
 def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:
-    """Copy a finished run's sliced model folder to dest (which must not exist yet)."""
-    from ..rundir import MODEL_DIR
+    """Copy a finished run's sliced model folder to dest (which must not exist yet), atomically: the hf
+    exporter's copy, the same as `python -m engine export RUN --format hf`."""
+    from ..exporters import export_run
+    from ..runfiles import MODEL_DIR
 
-    src, dest = Path(run_dir) / MODEL_DIR, Path(dest).expanduser()
-    if not src.is_dir():
+    dest = Path(dest).expanduser()
+    if not (Path(run_dir) / MODEL_DIR).is_dir():
         raise UserError(f"{Path(run_dir).name} has no exported model yet (finish the run first)")
     if dest.exists():
         raise UserError(f"{dest} already exists; choose a new folder")
-    shutil.copytree(src, dest)
+    export_run(run_dir, "hf", dest)
     return dest

@@ -6,27 +6,7 @@ unit (say, single query heads inside a KV group) is one file here.
 
 from __future__ import annotations
 
-from .base import LayerUnitType, UnitType
-
-UNIT_TYPES: dict[str, UnitType] = {}  # name -> the unit type, in registration order
-
-
-def register_unit_type(cls: type[UnitType]) -> type[UnitType]:
-    if cls.name in UNIT_TYPES:
-        raise ValueError(f"unit type {cls.name!r} is already registered")
-    UNIT_TYPES[cls.name] = cls()
-    return cls
-
-
-def layer_unit_types() -> list[LayerUnitType]:
-    """The unit types inside layers (hooked on an output projection), in registration order."""
-    return [t for t in UNIT_TYPES.values() if isinstance(t, LayerUnitType)]
-
-
-def whole_layer_type() -> UnitType:
-    return next(t for t in UNIT_TYPES.values() if t.whole_layer)
-
-
+from .registry import layer_unit_types, LayerUnitType, register_unit_type, UNIT_TYPES, unit_sizes, UnitType, whole_layer_type  # noqa: F401
 from . import kv_groups, channels, layers  # noqa: E402,F401  (register in this order)
 
-__all__ = ["LayerUnitType", "UNIT_TYPES", "UnitType", "layer_unit_types", "register_unit_type", "whole_layer_type"]
+__all__ = ["LayerUnitType", "UNIT_TYPES", "UnitType", "layer_unit_types", "register_unit_type", "unit_sizes", "whole_layer_type"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import register_unit_type
+from .registry import register_unit_type
 from .base import LayerUnitType
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import register_unit_type
+from .registry import register_unit_type
 from .base import UnitType
 
 

@@ -1,0 +1,97 @@
+"""The metrics registry: the table and its decorator (the package's __init__ imports the entries).
+
+Entries import their decorator from here, never from the package, so that no entry imports the package that
+imports it."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..arch import ModelAdapter
+from ..units import UnitLayout
+
+
+@dataclass
+class MetricContext:
+    adapter: ModelAdapter
+    layout: UnitLayout
+    batches: list[torch.Tensor] = field(default_factory=list)  # calibration batches (needs_data metrics)
+    keep_ratio: float = 1.0  # the run's target (SLEB removes layers down to it)
+    seed: int = 0
+    progress: bool = False  # a tqdm bar on stderr for the metrics that run the model many times
+    log: Callable[[str], None] | None = None  # else their progress as log lines (the app shows the last one)
+
+    @contextmanager
+    def progress_bar(self, name: str, forwards: int, every_seconds: float = 5.0) -> Iterator[Callable[[], None]]:
+        """Progress over a metric's `forwards` model runs (SLEB's take hours on a CPU); yields the tick to call
+        after each. A tqdm bar, or a log line at most every `every_seconds` and after the last run."""
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            with tqdm(total=forwards, desc=name, unit="forward", leave=False) as bar:
+                yield lambda: bar.update(1)
+            return
+        if self.log is None:
+            yield lambda: None
+            return
+        start = time.monotonic()
+        state = {"done": 0, "logged": start}
+
+        def tick() -> None:
+            state["done"] += 1
+            now, done = time.monotonic(), state["done"]
+            if done == forwards or now - state["logged"] >= every_seconds:
+                state["logged"] = now
+                left = (now - start) / done * (forwards - done)
+                self.log(f"{name}: {done}/{forwards} model runs" + (f", about {left / 60:.0f} min left" if done < forwards else ""))
+
+        yield tick
+
+
+MetricFn = Callable[[MetricContext, list[str]], dict[str, list[torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    fn: MetricFn
+    scores: str  # "units", "layers" or "any"
+    needs_data: bool
+    summary: str
+
+    def scores_units(self) -> bool:
+        return self.scores in ("units", "any")
+
+    def scores_layers(self) -> bool:
+        return self.scores in ("layers", "any")
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register_metric(name: str, scores: str, needs_data: bool):
+    if scores not in ("units", "layers", "any"):
+        raise ValueError(f"scores must be units, layers or any, got {scores!r}")
+
+    def add(fn: MetricFn) -> MetricFn:
+        if name in METRICS:
+            raise ValueError(f"metric {name!r} is already registered")
+        METRICS[name] = Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+
+    return add
+
+
+def unit_metrics() -> tuple[str, ...]:
+    """Metrics that can initialise KV groups and channels."""
+    return tuple(n for n, m in METRICS.items() if m.scores_units())
+
+
+def layer_metrics() -> tuple[str, ...]:
+    """Metrics that can initialise whole layers."""
+    return tuple(n for n, m in METRICS.items() if m.scores_layers())

@@ -1,0 +1,22 @@
+"""The names of what a run writes into its folder (one place; engine/rundir holds the folder's rules).
+
+A leaf module: anything may import it, from the loader up to the app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
+MASKS_FILE, MASKS_META_FILE = "masks.safetensors", "masks.json"
+MODEL_DIR = "model"
+GGUF_FILE = "model.gguf"  # prune --export-gguf
+# A run folder's own marker: its name and content say what the folder is, so that --overwrite can never
+# mistake a model folder (which also holds a config.json) for a run.
+RUN_MARKER, RUN_FORMAT_VERSION = "pg-prune-run", 1
+# Everything a run writes into its folder (--overwrite removes these and nothing else).
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, MASKS_FILE, MASKS_META_FILE, GGUF_FILE)
+
+
+def has_run_marker(folder: Path) -> bool:
+    """Does the folder carry a run's marker file? (engine.rundir.is_run_dir also recognises runs from before it.)"""
+    return (Path(folder) / RUN_MARKER).is_file()
