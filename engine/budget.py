@@ -109,15 +109,14 @@ class ParamBudget:
 
         out = {u: torch.empty_like(s) for u, s in scores.items()}
         for pool, decoder in self.pools:
-            z = torch.cat([scores[u][sl].double() for u, sl in pool.items()])
-            w = torch.cat([self.weights[u][sl] for u, sl in pool.items()])
-            s = project_weighted_capped_simplex(z, w, self._kept_target(pool, decoder, keep))
-            start = 0
-            for u, sl in pool.items():
-                n = sl.stop - sl.start
-                out[u][sl] = s[start:start + n].to(out[u].dtype)
-                start += n
+            z, w = self._flat(pool, scores)
+            _unflatten(project_weighted_capped_simplex(z, w, self._kept_target(pool, decoder, keep)), pool, out)
         return out
+
+    def _flat(self, pool, scores) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pool's scores and weights as one vector each (its unit types one after the other)."""
+        return (torch.cat([scores[u][sl].double() for u, sl in pool.items()]),
+                torch.cat([self.weights[u][sl] for u, sl in pool.items()]))
 
     def initial(self, scores: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:
         return self.project(scores, keep)  # each type's initial scores, brought onto the one parameter budget
@@ -126,17 +125,10 @@ class ParamBudget:
         masks = {u: torch.zeros_like(s) for u, s in scores.items()}
         for pool, decoder in self.pools:
             target = self._kept_target(pool, decoder, keep)
-            s = torch.cat([scores[u][sl].double() for u, sl in pool.items()])
-            w = torch.cat([self.weights[u][sl] for u, sl in pool.items()])
+            s, w = self._flat(pool, scores)
             group = self._groups(pool)  # (units,) one id per (unit type, layer): each keeps at least one unit
             flat = _keep_best_that_fit(s, w, target, torch.zeros_like(s))
-            if group is not None:
-                flat = _keep_one_per_group(s, w, target, flat, group)
-            start = 0
-            for u, sl in pool.items():
-                n = sl.stop - sl.start
-                masks[u][sl] = flat[start:start + n].to(masks[u].dtype)
-                start += n
+            _unflatten(flat if group is None else _keep_one_per_group(s, w, target, flat, group), pool, masks)
         return masks
 
     def _groups(self, pool) -> torch.Tensor | None:
@@ -151,6 +143,15 @@ class ParamBudget:
                     ids.append(torch.full((hi - lo,), k, dtype=torch.long))
                     k += 1
         return torch.cat(ids)
+
+
+def _unflatten(flat: torch.Tensor, pool: dict[str, slice], out: dict[str, torch.Tensor]) -> None:
+    """Write a pool's vector back into each unit type's flat vector."""
+    start = 0
+    for u, sl in pool.items():
+        n = sl.stop - sl.start
+        out[u][sl] = flat[start:start + n].to(out[u].dtype)
+        start += n
 
 
 def _keep_best_that_fit(s: torch.Tensor, w: torch.Tensor, target: float, flat: torch.Tensor) -> torch.Tensor:

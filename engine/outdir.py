@@ -155,6 +155,19 @@ def lock_holder(out: Path) -> str:
 
 
 @contextmanager
+def _holding(key: str, entry: list):
+    """One holder's share of a lock entry; the last one out closes the descriptor (which drops the flock)."""
+    try:
+        yield
+    finally:
+        with _held_lock:
+            entry[1] -= 1
+            if entry[1] == 0:
+                _held.pop(key, None)
+                os.close(entry[0])
+
+
+@contextmanager
 def folder_lock(out: Path, exclusive: bool = True, what: str = "write"):
     """Hold the folder's advisory lock for the block. Re-entrant in one thread; another process or thread
     that holds it makes this raise UserError naming the holder. The folder must exist."""
@@ -172,14 +185,8 @@ def folder_lock(out: Path, exclusive: bool = True, what: str = "write"):
         else:
             reentered = False
     if reentered:
-        try:
+        with _holding(key, entry):
             yield
-        finally:
-            with _held_lock:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    _held.pop(key, None)
-                    os.close(entry[0])
         return
     path = Path(out) / LOCK_FILE
     try:
@@ -200,14 +207,8 @@ def folder_lock(out: Path, exclusive: bool = True, what: str = "write"):
             os.pwrite(fd, f"process {os.getpid()}\n".encode(), 0)
     with _held_lock:
         entry = _held[key] = [fd if fd is not None else os.open(os.devnull, os.O_RDONLY), 1, exclusive, me]
-    try:
+    with _holding(key, entry):
         yield
-    finally:
-        with _held_lock:
-            entry[1] -= 1
-            if entry[1] == 0:
-                _held.pop(key, None)
-                os.close(entry[0])  # closing the descriptor drops the flock
 
 
 @contextmanager
