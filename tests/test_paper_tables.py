@@ -35,7 +35,7 @@ def test_pg_cells_run_the_papers_optimiser_unless_they_are_its_ablation():
     for c in pt.cells({1, 2, 3, 4, 5}, [0]):
         if c.pg and c.table != 4:
             config = pt.cell_config(c, ARGS, "m")
-            assert (config.num_mask_samples, config.baseline) == (2, "moving-average"), (c.table, c.row)
+            assert (config.num_mask_samples, config.method_options["baseline"]) == (2, "moving-average"), (c.table, c.row)
 
 
 def test_only_picks_rows_by_name_and_refuses_an_unknown_one():
