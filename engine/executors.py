@@ -26,6 +26,7 @@ from .masking import MaskHooks
 from .slicing import SlicedLayers
 from .unit_types import UNIT_TYPES
 from .units import UnitLayout
+from .registry import add_entry
 
 Executor = Callable[[MaskHooks, UnitLayout, torch.Tensor, dict[str, torch.Tensor], dict | None], torch.Tensor]
 EXECUTORS: dict[str, Executor] = {}
@@ -42,9 +43,7 @@ def on_accelerator(hooks: MaskHooks, samples: dict[str, torch.Tensor]) -> dict[s
 
 def register_executor(name: str):
     def add(fn: Executor) -> Executor:
-        if name in EXECUTORS:
-            raise ValueError(f"executor {name!r} is already registered")
-        EXECUTORS[name] = fn
+        add_entry(EXECUTORS, name, fn, "executor")
         return fn
 
     return add

@@ -91,9 +91,7 @@ def _compensation_biases(adapter: ModelAdapter, i: int, kept: dict[str, torch.Te
         w = proj.weight.detach().double().cpu()
         bias = torch.zeros(w.shape[0], dtype=torch.float64) if proj.bias is None else proj.bias.detach().double().cpu()
         if t.name in fill:
-            removed = torch.ones(w.shape[1], dtype=torch.bool)
-            removed[t.column_index(adapter, kept[t.name])] = False
-            bias = bias + w[:, removed] @ fill[t.name][i].double().cpu()[removed]
+            bias = bias + t.removed_contribution(adapter, w, kept[t.name], fill[t.name][i].double().cpu())
         out[f"{adapter.param_name(proj)}.bias"] = bias.to(proj.weight.dtype)
     return out
 

@@ -23,10 +23,7 @@ from torch import nn
 from .arch import ModelAdapter
 from .errors import UserError
 from .unit_types import UNIT_TYPES, LayerUnitType
-
-
-def _unit_index(kept: torch.Tensor, width: int) -> torch.Tensor:
-    return kept if width == 1 else (kept[:, None] * width + torch.arange(width, device=kept.device)).reshape(-1)
+from .unit_types.base import unit_index
 
 
 def sliced_linears(adapter: ModelAdapter, t: LayerUnitType, i: int, mask: torch.Tensor,
@@ -45,7 +42,7 @@ def sliced_linears(adapter: ModelAdapter, t: LayerUnitType, i: int, mask: torch.
     out = {}
     for j, (linear, dim, width) in enumerate(t.owned_weights(adapter, i)):
         w = linear.weight
-        idx = _unit_index(kept.to(w.device), width)
+        idx = unit_index(kept.to(w.device), width)
         if buffers is None:
             weight = w.index_select(dim, idx)
         else:
@@ -61,30 +58,24 @@ def sliced_linears(adapter: ModelAdapter, t: LayerUnitType, i: int, mask: torch.
             if empty:
                 weight = torch.zeros_like(weight)
             if fill is not None:  # the removed columns' mean contribution, as a bias
-                removed = torch.ones(w.shape[1], dtype=torch.bool, device=w.device)
-                if not empty:
-                    removed[t.column_index(adapter, kept.to(w.device))] = False
-                extra = w[:, removed] @ fill.to(w)[removed]
+                extra = t.removed_contribution(adapter, w, None if empty else kept, fill)
                 bias = extra if bias is None else bias + extra
         out[linear] = (weight, bias)
     return out
 
 
-GATHER_THREADS = 1  # CPU threads for the gathers (None: torch's setting); see _gather_threads
-
-
 @contextmanager
 def _gather_threads(layer: nn.Module):
-    """On the CPU, gather with GATHER_THREADS threads. A row gather is a memory copy: a second thread does not
+    """On the CPU, gather with one thread. A row gather is a memory copy: a second thread does not
     make it faster, and torch's parallel index_select is 10-30x slower than one thread when the cores are
     shared (measured on the 2 cores here: 8-24 ms against 0.9 ms for one 1536 x 576 weight), which made the
     gathers cost a third of a dense forward."""
     on_cpu = next(layer.parameters()).device.type == "cpu"
     before = torch.get_num_threads()
-    if not on_cpu or GATHER_THREADS is None or GATHER_THREADS >= before:
+    if not on_cpu or before <= 1:
         yield
         return
-    torch.set_num_threads(GATHER_THREADS)
+    torch.set_num_threads(1)
     try:
         yield
     finally:

@@ -12,6 +12,7 @@ from typing import Callable
 
 from ..errors import UserError
 from ..outdir import folder_lock
+from ..registry import add_entry
 
 Exporter = Callable[[Path, Path, str], dict]  # (run folder, destination, outtype) -> what was written
 
@@ -29,9 +30,7 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {}
 
 def register_export_format(name: str, outtypes: tuple[str, ...]):
     def add(fn: Exporter) -> Exporter:
-        if name in EXPORT_FORMATS:
-            raise ValueError(f"export format {name!r} is already registered")
-        EXPORT_FORMATS[name] = ExportFormat(name, fn, outtypes, (fn.__doc__ or "").strip().split("\n")[0])
+        add_entry(EXPORT_FORMATS, name, ExportFormat(name, fn, outtypes, (fn.__doc__ or "").strip().split("\n")[0]), "export format")
         return fn
 
     return add

@@ -9,16 +9,15 @@ import dataclasses
 
 from ..errors import UserError
 from .base import Method, StepGradient
+from ..registry import add_entry
 
 METHODS: dict[str, type[Method]] = {}
 
 
 def register_method(name: str):
     def add(cls: type[Method]) -> type[Method]:
-        if name in METHODS:
-            raise ValueError(f"method {name!r} is already registered")
+        add_entry(METHODS, name, cls, "method")
         cls.name = name
-        METHODS[name] = cls
         return cls
 
     return add

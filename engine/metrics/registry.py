@@ -14,6 +14,7 @@ import torch
 
 from ..arch import ModelAdapter
 from ..units import UnitLayout
+from ..registry import add_entry
 
 
 @dataclass
@@ -79,9 +80,7 @@ def register_metric(name: str, scores: str, needs_data: bool):
         raise ValueError(f"scores must be units, layers or any, got {scores!r}")
 
     def add(fn: MetricFn) -> MetricFn:
-        if name in METRICS:
-            raise ValueError(f"metric {name!r} is already registered")
-        METRICS[name] = Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0])
+        add_entry(METRICS, name, Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0]), "metric")
         return fn
 
     return add

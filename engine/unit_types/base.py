@@ -16,6 +16,11 @@ from torch import nn
 from ..arch import ModelAdapter
 
 
+def unit_index(kept: torch.Tensor, width: int) -> torch.Tensor:
+    """The row or column indices of the kept units when each unit spans `width` consecutive ones."""
+    return kept if width == 1 else (kept[:, None] * width + torch.arange(width, device=kept.device)).reshape(-1)
+
+
 class UnitType(ABC):
     name: str  # the key in configs, masks, scores and metrics
     title: str  # for figures and the app
@@ -54,8 +59,16 @@ class LayerUnitType(UnitType):
 
     def column_index(self, adapter: ModelAdapter, kept: torch.Tensor) -> torch.Tensor:
         """The output projection's input columns of the kept units (indices)."""
-        w = self.column_width(adapter)
-        return kept if w == 1 else (kept[:, None] * w + torch.arange(w, device=kept.device)).reshape(-1)
+        return unit_index(kept, self.column_width(adapter))
+
+    def removed_contribution(self, adapter: ModelAdapter, weight: torch.Tensor, kept: torch.Tensor | None,
+                             fill: torch.Tensor) -> torch.Tensor:
+        """Bias compensation: W[:, removed] mu[removed], what the removed units' mean inputs add to the output
+        projection (weight: its weight; kept: the kept units' indices, None for none kept; fill: mu per column)."""
+        removed = torch.ones(weight.shape[1], dtype=torch.bool, device=weight.device)
+        if kept is not None:
+            removed[self.column_index(adapter, kept.to(weight.device))] = False
+        return weight[:, removed] @ fill.to(weight)[removed]
 
     def unit_params(self, adapter: ModelAdapter) -> list[int]:
         """Per layer: the rows and columns of every owned linear that one unit narrows (and their biases)."""
@@ -79,7 +92,7 @@ class LayerUnitType(UnitType):
         """State-dict key -> (dim, kept indices) of every tensor of layer i these units narrow."""
         out = {}
         for linear, dim, width in self.owned_weights(adapter, i):
-            idx = kept if width == 1 else (kept[:, None] * width + torch.arange(width)).reshape(-1)
+            idx = unit_index(kept, width)
             name = adapter.param_name(linear)
             out[f"{name}.weight"] = (dim, idx)
             if dim == 0:  # a bias follows the output rows; an output projection's bias stays whole

@@ -6,14 +6,13 @@ imports it."""
 from __future__ import annotations
 
 from .base import LayerUnitType, UnitType
+from ..registry import add_entry
 
 UNIT_TYPES: dict[str, UnitType] = {}  # name -> the unit type, in registration order
 
 
 def register_unit_type(cls: type[UnitType]) -> type[UnitType]:
-    if cls.name in UNIT_TYPES:
-        raise ValueError(f"unit type {cls.name!r} is already registered")
-    UNIT_TYPES[cls.name] = cls()
+    add_entry(UNIT_TYPES, cls.name, cls(), "unit type")
     return cls
 
 
