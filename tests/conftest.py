@@ -26,6 +26,26 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def write_llama_gguf(path: Path, hidden: int, tensors: dict, **keys) -> None:
+    """A one-block llama GGUF declaring `hidden` (and the extra keys: add_NAME=value), holding `tensors`
+    (name -> numpy array): complete, or deliberately inconsistent, for the loader's error tests."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(1)
+    w.add_head_count(8)
+    for name, value in keys.items():
+        getattr(w, f"add_{name}")(value)
+    for name, array in tensors.items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def assert_cli_fails_with_one_line(argv: list[str], message: str, capfd) -> None:
     """In-process `engine.cli.main(argv)`: exit status 2 and exactly one `error: ...` line naming `message`."""
     from engine.cli import main

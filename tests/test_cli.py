@@ -14,7 +14,7 @@ import pytest
 
 from engine.cli import main
 
-from conftest import REPO, SMALL_CALIB, WIKI_RAW, clean_env, run_engine
+from conftest import write_llama_gguf, REPO, SMALL_CALIB, WIKI_RAW, clean_env, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -134,34 +134,17 @@ def saved_run(folder: Path, tiny_path: Path, tmp: Path) -> Path:
 
 def write_mismatched_gguf(path: Path) -> None:
     """A llama GGUF that declares hidden size 128 but holds 64-wide tensors."""
-    import gguf
     import numpy as np
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(512)
-    w.add_embedding_length(128)
-    w.add_block_count(1)
-    w.add_feed_forward_length(384)
-    w.add_head_count(8)
-    w.add_head_count_kv(4)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(16)
-    w.add_vocab_size(32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"t{i}" for i in range(32)])
-    w.add_token_scores([0.0] * 32)
-    w.add_token_types([1] * 32)
     h = 64
-    w.add_tensor("token_embd.weight", np.zeros((32, h), dtype=np.float32))
-    w.add_tensor("output_norm.weight", np.zeros(h, dtype=np.float32))
+    tensors = {"token_embd.weight": np.zeros((32, h), dtype=np.float32), "output_norm.weight": np.zeros(h, dtype=np.float32)}
     for name, shape in (("attn_q", (h, h)), ("attn_k", (h // 2, h)), ("attn_v", (h // 2, h)), ("attn_output", (h, h)),
                         ("ffn_gate", (384, h)), ("ffn_up", (384, h)), ("ffn_down", (h, 384)), ("attn_norm", (h,)),
                         ("ffn_norm", (h,))):
-        w.add_tensor(f"blk.0.{name}.weight", np.zeros(shape, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors[f"blk.0.{name}.weight"] = np.zeros(shape, dtype=np.float32)
+    write_llama_gguf(path, 128, tensors, feed_forward_length=384, head_count_kv=4, layer_norm_rms_eps=1e-6,
+                     rope_dimension_count=16, vocab_size=32, tokenizer_model="llama",
+                     token_list=[f"t{i}" for i in range(32)], token_scores=[0.0] * 32, token_types=[1] * 32)
 
 
 def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, tuple[list, str]]:

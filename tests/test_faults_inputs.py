@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL_CALIB, TINY_MODEL, WIKI_RAW, assert_cli_fails_with_one_line
+from conftest import write_llama_gguf, SMALL_CALIB, TINY_MODEL, WIKI_RAW, assert_cli_fails_with_one_line
 
 TINY_PRUNE = ["--max-windows", "2", "--init-batches", "1", "--batch-size", "2", "--num-mask-samples", "2",
               "--steps", "2", "--seqlen", "64", "--eval-seqlen", "64", "--calib", str(SMALL_CALIB)]
@@ -57,19 +57,9 @@ def model_copy(tmp_path: Path, **config) -> Path:
 
 def write_small_gguf(path: Path) -> None:
     """A complete llama GGUF of ~250 kB (when the packaged default model is not installed)."""
-    import gguf
     import numpy as np
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(512)
-    w.add_embedding_length(256)
-    w.add_block_count(1)
-    w.add_head_count(8)
-    w.add_tensor("token_embd.weight", np.zeros((256, 256), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_llama_gguf(path, 256, {"token_embd.weight": np.zeros((256, 256), dtype=np.float32)})
 
 
 @pytest.fixture(scope="module")
