@@ -11,7 +11,7 @@ import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from engine.errors import UserError  # noqa: E402
-from engine.export import MASKS_FILE  # noqa: E402
+from engine.runfiles import MASKS_FILE  # noqa: E402
 from engine.ui.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
 
 st.title(":material/folder_open: Runs")

@@ -11,6 +11,7 @@ from engine.arch import ARCHITECTURES, register_architecture
 from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.executors import EXECUTORS, register_executor
+from engine.exporters import EXPORT_FORMATS, register_export_format
 from engine.methods import METHODS, Method, StepGradient, register_method
 from engine.metrics import METRICS, register_metric
 from engine.pruner import PruneRun
@@ -31,16 +32,19 @@ def scratch_entries():
 
 
 def test_a_name_is_registered_once():
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(ValueError, match="^method 'pg' is already registered$"):
         register_method("pg")(type("Again", (Method,), {}))
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(ValueError, match="^metric 'wanda-sp' is already registered$"):
         register_metric("wanda-sp", scores="units", needs_data=False)(lambda ctx, units: {})
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(ValueError, match="^unit type 'channels' is already registered$"):
         register_unit_type(type(UNIT_TYPES["channels"]))
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(ValueError, match=r"^model type 'llama' already has an adapter \(LlamaLikeAdapter\)$"):
         register_architecture("llama")(ARCHITECTURES["llama"])
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(ValueError, match="^executor 'batched' is already registered$"):
         register_executor("batched")(EXECUTORS["batched"])
+    with pytest.raises(ValueError, match="^export format 'hf' is already registered$"):
+        register_export_format("hf", ("f32",))(EXPORT_FORMATS["hf"].fn)
+    assert METHODS["pg"].__name__ != "Again" and EXPORT_FORMATS["hf"].outtypes != ("f32",)  # the tables are unchanged
 
 
 def test_a_new_metric_and_method_are_used_by_the_run(scratch_entries, tiny, tiny_path, tmp_path):

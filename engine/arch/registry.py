@@ -5,10 +5,7 @@ imports it."""
 
 from __future__ import annotations
 
-from torch import nn
-
-from ..errors import UserError
-from .base import ARCHITECTURES, AttentionLinears, MlpLinears, ModelAdapter, base_model_type  # noqa: F401
+from .base import ARCHITECTURES, ModelAdapter
 
 
 def register_architecture(*model_types: str):
@@ -26,6 +23,3 @@ def register_architecture(*model_types: str):
 
 def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(ARCHITECTURES))
-
-
-adapter_for = ModelAdapter.for_model  # the one lookup

@@ -13,6 +13,7 @@ from typing import Callable
 from ..errors import UserError
 from ..outdir import folder_lock
 from ..registry import add_entry
+from ..runfiles import has_run_marker, MASKS_META_FILE, MODEL_DIR
 
 Exporter = Callable[[Path, Path, str], dict]  # (run folder, destination, outtype) -> what was written
 
@@ -38,9 +39,6 @@ def register_export_format(name: str, outtypes: tuple[str, ...]):
 
 def export_run(run_dir: str | Path, fmt: str, dest: str | Path, outtype: str | None = None) -> dict:
     """Export a finished run in format `fmt` to `dest` (which must not exist)."""
-    from ..runfiles import has_run_marker
-    from ..runfiles import MASKS_META_FILE, MODEL_DIR
-
     if fmt not in EXPORT_FORMATS:
         raise UserError(f"unknown export format {fmt!r}; choose from {', '.join(EXPORT_FORMATS)}")
     f = EXPORT_FORMATS[fmt]
@@ -55,7 +53,7 @@ def export_run(run_dir: str | Path, fmt: str, dest: str | Path, outtype: str | N
         raise UserError(f"{run_dir} is not a run folder")
     with folder_lock(run_dir, exclusive=False, what="export"):  # a run being written is refused, naming its process
         if not (run_dir / MASKS_META_FILE).is_file() or not (run_dir / MODEL_DIR / "config.json").is_file():
-            raise UserError(f"{run_dir} holds no finished mask and export (masks.json, {MODEL_DIR}/): finish the run "
+            raise UserError(f"{run_dir} holds no finished mask and export ({MASKS_META_FILE}, {MODEL_DIR}/): finish the run "
                             "first (python -m engine prune --out RUN --resume)")
         if dest.exists():
             raise UserError(f"--out {dest} already exists; choose a new path (nothing was written)")

@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from .registry import Method, method_options, METHODS, register_method, StepGradient  # noqa: F401
+from .base import Method, StepGradient  # noqa: F401
+from .registry import method_options, METHODS, register_method  # noqa: F401
 from . import pg, gumbel, metric  # noqa: E402,F401  (register in this order)
 
 __all__ = ["METHODS", "Method", "StepGradient", "method_options", "register_method"]

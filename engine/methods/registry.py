@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import UserError
-from .base import Method, StepGradient
+from .base import Method
 from ..registry import add_entry
 
 METHODS: dict[str, type[Method]] = {}

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import UserError
 from ..loading import count_parameters
-from ..runfiles import RESULTS_FILE
+from ..runfiles import GGUF_FILE, MODEL_DIR, RESULTS_FILE
 from ..unit_types import unit_sizes
 
 _locks: dict[int, threading.Lock] = {}
@@ -110,7 +110,6 @@ def load_sliced(run_dir: str | Path) -> ChatModel:
 
     from .. import register_pruned_classes
     from ..loading import load_tokenizer, ModelSource
-    from ..rundir import MODEL_DIR
 
     folder = Path(run_dir) / MODEL_DIR
     if not (folder / "config.json").is_file():
@@ -148,7 +147,6 @@ def load_gguf(run_dir: str | Path, outtype: str = "f16", threads: int | None = N
 
     from ..exporters import export_run
     from ..loading import ModelSource, load_tokenizer
-    from ..rundir import GGUF_FILE, MODEL_DIR
     from . import llamacpp
 
     run_dir = Path(run_dir)

@@ -184,7 +184,7 @@ def load_for_zeroshot(config: ZeroshotConfig):
             raise UserError(f"run folder not found: {config.run}")
         meta_file = run / MASKS_META_FILE
         if not meta_file.is_file():
-            raise UserError(f"{config.run} holds no finished run's masks (masks.json)")
+            raise UserError(f"{config.run} holds no finished run's masks ({MASKS_META_FILE})")
         base_name = config.model or json.loads(meta_file.read_text())["base_model"]
         base = load_base(base_name, config.dtype, config.device)
         masked = masked_from_run(base, run)
@@ -223,7 +223,7 @@ def _run_zeroshot(config: ZeroshotConfig, out_dir: Path, log) -> dict:
     if config.model is not None:
         resolve_model(config.model)  # a typo fails before anything is written or loaded
     if config.run is not None and not (Path(config.run) / MASKS_META_FILE).is_file():
-        raise UserError(f"{config.run} is not a finished prune run (no masks.json)")
+        raise UserError(f"{config.run} is not a finished prune run (no {MASKS_META_FILE})")
     data = zeroshot_data_dir(config.data_dir)  # fail on missing data before loading a model
     task_dir = write_task_dir(out_dir / TASKS_SUBDIR, config.tasks, str(data))
     model, tok, label, layer_masks, params = load_for_zeroshot(config)

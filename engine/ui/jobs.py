@@ -271,8 +271,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def read_run(path: str | Path) -> RunInfo | None:
     """A run folder's summary, or None when the folder holds no run."""
-    from ..export import MASKS_FILE
-    from ..rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
+    from ..runfiles import CHECKPOINT_FILE, CONFIG_FILE, MASKS_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
 
     p = Path(path)
     try:
