@@ -4,8 +4,10 @@ Each step samples N_s masks around the current keep probabilities, measures each
 calibration batch, and pulls the probabilities toward the mask that did best. Forward passes only, like policy
 gradient, but with no estimator: a toy for the "add a method" walkthrough (docs/architecture.md).
 
-    python -c "import runpy; runpy.run_path('docs/examples/random_search.py'); from engine.cli import main; \\
-               main(['prune', '--method', 'random-search', '--random-search-pull', '0.5', '--out', 'runs/rs'])"
+Register it by running this file before the engine parses its flags, from the repository root:
+
+    python -c "import runpy, sys; runpy.run_path('docs/examples/random_search.py'); from engine.cli import main; \\
+               sys.exit(main())" prune --method random-search --random-search-pull 0.5 --out runs/rs
 """
 
 from dataclasses import dataclass
