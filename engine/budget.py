@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
-from .unit_types import UNIT_TYPES
+from .unit_types import UNIT_TYPES, whole_layer_type
 
 
 def unit_weights(adapter, layout) -> dict[str, torch.Tensor]:
@@ -18,8 +18,13 @@ def unit_weights(adapter, layout) -> dict[str, torch.Tensor]:
     return out
 
 
+def layer_params(adapter) -> list[int]:
+    """The parameters of each decoder layer (what removing it as a whole-layer unit takes away)."""
+    return whole_layer_type().unit_params(adapter)
+
+
 def decoder_params(adapter) -> int:
-    return sum(p.numel() for i in range(adapter.num_layers) for p in adapter.layer(i).parameters())
+    return sum(layer_params(adapter))
 
 
 def removed_parameters(layout, weights: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -84,7 +89,7 @@ class ParamBudget:
                             "layer's widths nest inside it); prune layers alone, or heads and channels, or use --budget units")
         self.layout, self.scope = layout, scope
         self.weights = unit_weights(adapter, layout)
-        self.layer_params = [sum(p.numel() for p in adapter.layer(i).parameters()) for i in range(adapter.num_layers)]
+        self.layer_params = layer_params(adapter)
         self.types = layout.unit_types
         self.pools = self._pools()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import asdict
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from .errors import UserError
 from .io import atomic_file
 from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
-from .runstate import RunState, StepReport
+from .runstate import RunState
 
 if TYPE_CHECKING:  # annotations only
     from .pruner import PruneRun
@@ -34,8 +35,14 @@ class Checkpoints:
 
     def __init__(self, run: "PruneRun"):
         self.run = run
+        self.saved_step: int | None = None  # the step of the checkpoint on disk, once this process read or wrote one
 
-    def snapshot(self, state: RunState, report: StepReport | None = None) -> RunState:
+    @cached_property
+    def config_dict(self) -> dict:
+        """The run's config as the checkpoint stores it (JSON types); a run's config does not change while it runs."""
+        return json.loads(json.dumps(self.run.config.to_dict()))
+
+    def snapshot(self, state: RunState, line: str | None = None) -> RunState:
         """A copy of the state as a checkpoint would hold it now (the sampler's and the mask rng's positions,
         the config, this step's metrics line); later steps do not change it."""
         snap = copy.copy(state)
@@ -43,17 +50,18 @@ class Checkpoints:
         snap.method_state = copy.deepcopy(state.method_state)
         snap.sampler_state = copy.deepcopy(self.run.sampler.state_dict())
         snap.mask_rng_state = self.run.mask_rng.get_state()
-        snap.config = json.loads(json.dumps(self.run.config.to_dict()))
-        if report is not None:
-            snap.last_report = report.to_json()
+        snap.config = self.config_dict
+        if line is not None:
+            snap.last_report = line
         return snap
 
-    def save(self, state: RunState, report: StepReport | None = None) -> None:
-        self.write(self.snapshot(state, report))
+    def save(self, state: RunState) -> None:
+        self.write(self.snapshot(state))
 
     def write(self, snap: RunState) -> None:
         with atomic_file(self.run.out / CHECKPOINT_FILE) as tmp:
             torch.save(asdict(snap), tmp)
+        self.saved_step = snap.step
 
     def load(self) -> RunState:
         path = self.run.out / CHECKPOINT_FILE
@@ -80,6 +88,7 @@ class Checkpoints:
         self.check_config_unchanged(state)
         for hook in self.run.hooks:
             hook.on_resume(state)
+        self.saved_step = state.step
         return state
 
     def check_config_unchanged(self, state: RunState) -> None:
@@ -88,7 +97,7 @@ class Checkpoints:
         the checkpoint holds."""
         c, path = self.run.config, self.run.out / CONFIG_FILE
         if state.config is not None:  # checkpoints from before this check carry no config
-            now = json.loads(json.dumps(c.to_dict()))
+            now = self.config_dict
             then = _normalised(state.config)
             changed = [k for k in sorted(set(now) | set(then)) if k != "steps" and now.get(k) != then.get(k)]
             if changed:
@@ -112,5 +121,5 @@ class Checkpoints:
         if missing and self.run.method.optimises:
             shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
             self.run.log(f"warning: {METRICS_FILE} lacks the records of {len(missing)} finished steps ({shown}): "
-                     "their lines were lost; the loss curve has a gap there")
+                         "their lines were lost; the loss curve has a gap there")
         return kept

@@ -19,9 +19,6 @@ from .exporters import EXPORT_FORMATS
 from .loading import DEFAULT_MODEL, DTYPES
 from .rundir import GGUF_FILE
 
-D = PruneConfig()  # defaults, shown in --help
-
-
 DATA_SETTINGS = ("eval_data", "eval_seqlen", "max_windows", "eval_batch_size", "dtype", "device")  # prune's and eval's
 
 
@@ -38,7 +35,9 @@ def _setting_args(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None
             continue
         hint, default, choices = hints[f.name], getattr(defaults, f.name), choices_of(f)
         shown = ",".join(default) if isinstance(default, list) else ("none" if default in (None, {}) else default)
-        kw = dict(default=default, help=f"{f.metadata.get('help', '')} (default {shown})".replace("%", "%%"))
+        text = f.metadata.get("help", "")
+        text += "" if "(default" in text else f" (default {shown})"  # a help that says its default says it better
+        kw = dict(default=default, help=text.replace("%", "%%"))
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         if hint is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
@@ -270,14 +269,15 @@ def cmd_prune(args) -> int:
             raise
         # model and data loaded: only now may --overwrite remove the old run, not for a typo in an argument
         check_out_dir(out, args.resume, args.overwrite)
-        if args.resume and config.steps != PruneConfig.load(out / CONFIG_FILE).steps:
-            print(f"steps: {PruneConfig.load(out / CONFIG_FILE).steps} -> {config.steps} (the schedules follow a "
-                  f"{config.steps}-step run from the checkpoint on)", file=sys.stderr)
+        saved_steps = PruneConfig.load(out / CONFIG_FILE).steps if args.resume else config.steps
+        if saved_steps != config.steps:
+            print(f"steps: {saved_steps} -> {config.steps} (the schedules follow a {config.steps}-step run from the "
+                  "checkpoint on)", file=sys.stderr)
             config.save(out / CONFIG_FILE)
         try:
             results = run.run(resume=args.resume)
         except KeyboardInterrupt:
-            step = run.load_checkpoint().step if (out / CHECKPOINT_FILE).exists() else None
+            step = run.checkpoints.saved_step  # None when the run had written no checkpoint yet
             where = (f"the checkpoint holds step {step}/{config.steps}: continue with python -m engine prune "
                      f"--out {out} --resume") if step is not None else "before the first checkpoint: nothing to resume"
             raise _Interrupted(f"interrupted; {where}") from None

@@ -22,8 +22,6 @@ from .units import SCOPES
 
 # the choices of settings that name a registry entry come from the registry (validate() reads the registries
 # themselves, so an entry registered later, e.g. by a user's script, is accepted too)
-INITS = (*unit_metrics(), "random-progressive")  # random-progressive: random scores, the rate raised in stages
-LAYER_INITS = layer_metrics()
 LR_SCHEDULES = tuple(LR_SCHEDULE_FNS)
 FINAL_MASKS = ("last", "best-val")
 SAMPLE_FORWARDS = ("auto", *EXECUTORS)
@@ -79,7 +77,6 @@ def _no_constant(name: str):
 
 _METHODS = lambda: tuple(METHODS)  # noqa: E731  (the registries as they are when checked: a user's entry counts)
 _INITS = lambda: (*unit_metrics(), "random-progressive")  # noqa: E731
-_LAYER_INITS = lambda: layer_metrics()  # noqa: E731
 
 
 @dataclass
@@ -109,7 +106,7 @@ class PruneConfig:
                         help="initial scores of KV groups and channels. taylor needs one backward pass per init batch "
                              "(LLM-Pruner's first-order importance); random-progressive starts random at "
                              "--progressive-increment pruning and raises the rate by that much per stage")
-    layer_init: str = setting("layerwise-ppl", choices=_LAYER_INITS, label="Initial scores of layers",
+    layer_init: str = setting("layerwise-ppl", choices=layer_metrics, label="Initial scores of layers",
                               help="initial scores of whole layers: layerwise-ppl = calibration loss with each layer "
                                    "removed alone; sleb = greedy removal order")
     progressive_increment: float = setting(0.05, label="Progressive increment",
@@ -141,7 +138,7 @@ class PruneConfig:
                                              "the scores or by the init metric")
     unit_multiple: dict = setting(default_factory=dict, label="Unit multiple",
                                   help="final mask: every layer keeps a multiple of N units of that type, e.g. channels=32 "
-                                       "(whole Q8_0 blocks and GEMM tiles in llama.cpp; never over the budget) (default: none)")
+                                       "(whole Q8_0 blocks and GEMM tiles in llama.cpp; never over the budget)")
     method_options: dict = setting(default_factory=dict, flag=False,  # the method's flags come from its Options
                                    help="the method's own settings (its Options dataclass)")
     seed: int = setting(0, label="Seed", help="seeds the calibration stream, the masks and the random metrics")

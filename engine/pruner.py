@@ -154,8 +154,9 @@ class PruneRun:
                                                                       for j, x in enumerate(report.losses)})
                     for hook in self.hooks:
                         hook.on_step(state, report)
-                    good = self.checkpoints.snapshot(state, report)  # from here an interrupt saves this step
-                    metrics.write(report.to_json() + "\n")
+                    line = report.to_json()
+                    good = self.checkpoints.snapshot(state, line)  # from here an interrupt saves this step
+                    metrics.write(line + "\n")
                     metrics.flush()
                     if bar is not None:
                         bar.update(1)

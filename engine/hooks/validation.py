@@ -4,12 +4,10 @@ in the state, for --final-mask best-val."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..errors import UserError
 from ..evaluate import batch_loss
+from ..runstate import check_finite
 from .base import RunHook, register_hook
 
 
@@ -37,6 +35,4 @@ class Validation(RunHook):
         c = self.run.config
         if state.step % c.val_every == 0 or state.step == c.steps:
             report.val_ppl = self.validate(state)
-            if not math.isfinite(report.val_ppl):
-                raise UserError(f"step {state.step}: the held-out perplexity is {report.val_ppl}; stopped (the "
-                                "checkpoint holds the last finite state; a lower --lr may help)")
+            check_finite(f"step {state.step}", {}, {"held-out perplexity": report.val_ppl})
