@@ -89,12 +89,15 @@ class PruneConfig:
                          help=f"{DEFAULT_MODEL} (packaged GGUF), a model folder, a .gguf file or a hub id")
     units: list[str] = setting(default_factory=lambda: ["heads", "channels"], label="Units to prune",
                                help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers)")
-    prune_ratio: float = setting(0.3, label="Pruning rate", help="fraction of each unit pool removed")
-    budget: str = setting("units", choices=lambda: tuple(BUDGETS), label="Budget",
-                          help="units: --prune-ratio removes that fraction of each unit type's count (the paper's); "
-                               "params: it removes that fraction of the decoder layers' parameters, every unit "
-                               "weighing its parameters, KV groups and channels in one pool (global) or one pool "
-                               "per layer (uniform)")
+    prune_ratio: float = setting(0.3, label="Pruning rate",
+                                 help="fraction removed: of the decoder layers' parameters (--budget params), or of each "
+                                      "unit type's count (--budget units)")
+    budget: str = setting("params", choices=lambda: tuple(BUDGETS), label="Budget",
+                          help="params: --prune-ratio removes that fraction of the decoder layers' parameters "
+                               "(embeddings and LM head are never pruned), every unit weighing its parameters, all "
+                               "selected unit types in one pool (global: the method learns the mix of layers, KV "
+                               "groups and channels) or one pool per layer (uniform); units: that fraction of each "
+                               "unit type's count (the paper's, and every run made before the parameter budget)")
     scope: str = setting("global", choices=SCOPES, label="Scope",
                          help="global: budget shared across layers (learned per-layer split); uniform: same ratio per layer")
     method: str = setting("pg", choices=_METHODS, label="Method",
@@ -102,20 +105,29 @@ class PruneConfig:
                                "back-propagation through the model (for comparison); metric: no optimisation, keep the top "
                                "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, "
                                "Layerwise-PPL, SLEB)")
-    init: str = setting("wanda-sp", choices=_INITS, label="Initial scores",
-                        help="initial scores of KV groups and channels. taylor needs one backward pass per init batch "
-                             "(LLM-Pruner's first-order importance); random-progressive starts random at "
-                             "--progressive-increment pruning and raises the rate by that much per stage")
-    layer_init: str = setting("layerwise-ppl", choices=layer_metrics, label="Initial scores of layers",
-                              help="initial scores of whole layers: layerwise-ppl = calibration loss with each layer "
-                                   "removed alone; sleb = greedy removal order")
+    init: str = setting("taylor", choices=_INITS, label="Initial scores",
+                        help="initial scores of KV groups and channels. taylor (the best one-shot metric measured, "
+                             "docs/results.md) needs one backward pass per init batch (LLM-Pruner's first-order "
+                             "importance); wanda-sp needs forward passes only (for a model whose backward pass does "
+                             "not fit); random-progressive starts random at --progressive-increment pruning and "
+                             "raises the rate by that much per stage")
+    layer_init: str = setting("sleb", choices=layer_metrics, label="Initial scores of layers",
+                              help="initial scores of whole layers: sleb = greedy removal order (the best measured); "
+                                   "layerwise-ppl = calibration loss with each layer removed alone (n model runs "
+                                   "instead of SLEB's n per removal)")
     progressive_increment: float = setting(0.05, label="Progressive increment",
                                            help="random-progressive: prune-ratio step per stage")
     prob_map: str = setting("sigmoid-norm", choices=lambda: tuple(PROB_MAPS), label="Metric → probability",
-                            help="metric -> initial keep probability")
+                            help="metric -> initial keep probability, of KV groups and channels")
+    layer_prob_map: str = setting("score-const", choices=lambda: tuple(PROB_MAPS), label="Metric → probability (layers)",
+                                  help="metric -> initial keep probability, of whole layers (sigmoid-norm over 30 "
+                                       "layers starts most of them at one value: docs/pg-optimizer.md)")
     score_const: float = setting(0.8, label="score-const c", help="score-const: s of metric-kept units (1 - c for the others)")
     init_batches: int = setting(16, minimum=1, label="Init batches (metric)",
-                                help="calibration batches for the init metric (Wanda-sp, Taylor, Layerwise-PPL, SLEB)")
+                                help="calibration batches for the init metric of KV groups and channels (Wanda-sp, Taylor)")
+    layer_init_batches: int = setting(2, minimum=1, label="Init batches (layer metric)",
+                                      help="calibration batches for the layer metric: Layerwise-PPL runs the model once "
+                                           "per layer and batch, SLEB once per layer, removal and batch")
     # the defaults: the best quality per CPU minute measured on the default model (docs/pg-optimizer.md); the
     # paper's settings are the preset "paper"
     steps: int = setting(50, minimum=1, label="Steps", help="optimisation steps")
@@ -157,17 +169,28 @@ class PruneConfig:
     checkpoint_minutes: float = setting(2.0, minimum=0.0, label="Checkpoint every N minutes",
                                         help="also save state when this many minutes passed since the last save (0: off); "
                                              "Ctrl-C and SIGTERM save the last finished step in any case")
-    val_every: int = setting(0, minimum=0, label="Validate every N steps (0 = off)",
-                             help="every N steps, held-out perplexity of the current hard mask (0: off; every 10th "
-                                  "calibration document is held out)")
+    val_every: int = setting(10, minimum=0, label="Validate every N steps (0 = off)",
+                             help="methods that optimise: every N steps, held-out perplexity of the current hard mask "
+                                  "(0: off; every 10th calibration document is held out)")
     val_batches: int = setting(4, minimum=1, label="Validation batches", help="held-out batches per check")
-    final_mask: str = setting("last", choices=FINAL_MASKS, label="Final mask",
-                              help="last: from the final scores; best-val: from the step whose hard mask validated best, "
-                                   "the init mask (step 0) included (needs --val-every)")
+    final_mask: str = setting("best-val", choices=FINAL_MASKS, label="Final mask",
+                              help="best-val: from the step whose hard mask validated best, the init mask (step 0) "
+                                   "included (needs --val-every), so a run never ends worse on held-out data than "
+                                   "it started; last: from the final scores")
 
     @property
     def keep_ratio(self) -> float:
         return 1.0 - self.prune_ratio
+
+    def prob_map_for(self, unit_type: str) -> str:
+        """The metric -> probability map of a unit type: --layer-prob-map for whole layers, --prob-map otherwise."""
+        return self.layer_prob_map if UNIT_TYPES[unit_type].whole_layer else self.prob_map
+
+    @property
+    def validates(self) -> bool:
+        """Held-out validation runs: --val-every N > 0, for a method that optimises (a one-shot method has one
+        mask, so it holds no calibration out)."""
+        return self.val_every > 0 and METHODS[self.method].optimises
 
     def validate(self) -> "PruneConfig":
         def bad(msg):
@@ -185,7 +208,7 @@ class PruneConfig:
             bad(f"seed must be between 0 and {SEED_MAX}, got {self.seed}")
         if self.max_windows is not None and self.max_windows < 1:
             bad(f"max windows must be at least 1, got {self.max_windows}")
-        if self.final_mask == "best-val" and self.val_every == 0:
+        if self.final_mask == "best-val" and self.val_every == 0 and METHODS[self.method].optimises:
             bad("final mask best-val needs held-out validation: set val every to a positive step count")
         if self.lr <= 0:
             bad(f"learning rate must be positive, got {self.lr}")
@@ -201,11 +224,8 @@ class PruneConfig:
                 bad(f"unit multiple of {unit} must be a whole number of at least 1, got {n!r}")
         # the method's own settings, validated by the method and stored whole (defaults written out)
         self.method_options = dataclasses.asdict(options) if (options := method_options(self.method, self.method_options, self)) else {}
-        optimising = [name for name, m in METHODS.items() if m.optimises]
         if not METHODS[self.method].optimises and self.init == "random-progressive":
             bad(f"random-progressive is a schedule of the optimisation; method {self.method} has none (use init random)")
-        if not METHODS[self.method].optimises and self.val_every:
-            bad(f"method {self.method} runs no steps; held-out validation (val every) needs {' or '.join(optimising)}")
         return self
 
     def to_dict(self) -> dict:
@@ -246,6 +266,11 @@ class PruneConfig:
             data = json.loads(Path(path).read_text(), parse_constant=_no_constant)
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise UserError(f"cannot read run config {path}: {e}") from e
+        if isinstance(data, dict) and "prob_map" in data and "layer_prob_map" not in data:
+            # saved before layers had their own map and batch count: its layer metric used the units' (its
+            # validation and final mask were saved, so they keep their meaning)
+            data.setdefault("layer_prob_map", data["prob_map"])
+            data.setdefault("layer_init_batches", data.get("init_batches", PruneConfig.init_batches))
         try:
             return cls.from_dict(data)
         except UserError as e:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .metrics import METRICS, MetricContext
+from .joint import choose_mix
 from .metrics.probability import initial_scores, standardize
 from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, write_run_marker
 from .runstate import RunState, check_finite
@@ -22,14 +23,20 @@ def metric_names(run: "PruneRun") -> dict[str, str]:
     return {u: run.config.layer_init if UNIT_TYPES[u].whole_layer else run.unit_metric for u in run.layout.unit_types}
 
 
+def metric_batches(c, units: list[str]) -> int:
+    """Calibration batches a metric of these unit types takes: --layer-init-batches for whole layers (their
+    metrics run the model once per layer, SLEB once per layer and removal), --init-batches otherwise."""
+    return max(c.layer_init_batches if UNIT_TYPES[u].whole_layer else c.init_batches for u in units)
+
+
 def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The standardized importance metric of every unit type (flat; higher = keep)."""
     c, wanted = run.config, metric_names(run)
-    ctx = MetricContext(run.adapter, run.layout, batches, keep_ratio=c.keep_ratio, seed=c.seed + 2,
-                        progress=run.progress, log=run.log)
     raw: dict[str, list[torch.Tensor]] = {}
     for name in dict.fromkeys(wanted.values()):
         units = [u for u, m in wanted.items() if m == name]
+        ctx = MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
+                            seed=c.seed + 2, progress=run.progress, log=run.log)
         run.log(f"computing the {name} metric for {', '.join(units)}")
         raw.update(METRICS[name].fn(ctx, units))
     return {u: standardize(u, raw[u]) for u in run.layout.unit_types}
@@ -40,18 +47,23 @@ def fresh_state(run: "PruneRun") -> RunState:
     c, names = run.config, metric_names(run)
     run.log(f"initialising scores ({', '.join(dict.fromkeys(names.values()))}, {c.prob_map})")
     needs_data = any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())
-    batches = [run.sampler.next_batch() for _ in range(c.init_batches)] if needs_data else []
+    n = max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
+    batches = [run.sampler.next_batch() for _ in range(n)] if needs_data else []
     z = initial_metric(run, batches)
-    keep0 = run.keep_ratio_at(0)
-    scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keep0, c.prob_map, c.score_const)
-                                 for u in run.layout.unit_types}, keep0)  # one budget over every unit type
+    keep0, mix = run.keep_ratio_at(0), None
+    if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
+        scores, mix = choose_mix(run, z, run.val_batches or batches[:4], keep0)
+    else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
+        keeps = run.budget.type_keeps(keep0)
+        scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), c.prob_map_for(u),
+                                                       c.score_const) for u in run.layout.unit_types}, keep0)
     state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=run.mask_rng.get_state(),
                      ppl_dense=float("nan"), ppl_init=float("nan"), init_scores={u: s.clone() for u, s in scores.items()},
-                     init_metric=z)
+                     init_metric=z, init_mix=mix, init_mask_scores=run.budget.init_mask_scores(scores))
     for hook in run.hooks:
         hook.on_init(state, batches)
     state.ppl_dense = run.masked_perplexity(None, "dense")
-    state.ppl_init = run.masked_perplexity(run.hard_masks(z), "init")
+    state.ppl_init = run.masked_perplexity(run.hard_masks(state.init_mask_scores or z), "init")
     return state
 
 

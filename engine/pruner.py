@@ -51,10 +51,13 @@ def _run_data(tokenizer, config: PruneConfig):
     source). With validation on, every 10th calibration document is held out."""
     texts, calib_source = load_calibration_texts(config.calib)
     val_batches = []
-    if config.val_every:
+    if config.validates:
         texts, held_out = split_holdout(texts)
         if not held_out:
-            raise UserError("validation needs at least 10 calibration documents (every 10th is held out)")
+            CalibrationSampler(tokenizer, texts, config.seqlen, config.batch_size, config.seed)  # (its error first)
+            raise UserError("held-out validation (--val-every, on by default for --final-mask best-val) needs at least "
+                            "10 calibration documents (every 10th is held out); give more, or --val-every 0 "
+                            "--final-mask last")
         sampler = CalibrationSampler(tokenizer, held_out, config.seqlen, config.batch_size, config.seed + 3)
         val_batches = [sampler.next_batch() for _ in range(config.val_batches)]
     text, eval_source = load_eval_text(config.eval_data)

@@ -53,6 +53,10 @@ class RunState:
     best_scores: dict[str, torch.Tensor] | None = None
     val_ppl_init: float | None = None  # held-out perplexity of the init mask (step 0, a candidate of best-val)
     init_metric: dict[str, torch.Tensor] | None = None  # the standardized init metric (method metric ranks it)
+    # what the init mask is cut from: the init metric (None), or under --budget params the initial probabilities
+    # (z-scores of different unit types are not on one scale; the probabilities hold each type's share)
+    init_mask_scores: dict[str, torch.Tensor] | None = None
+    init_mix: list[dict] | None = None  # the joint method: each candidate mix of layers and widths and its loss
     input_means: dict[str, list[torch.Tensor]] | None = None  # bias compensation: mean input of each output column
     method_state: dict = field(default_factory=dict)  # what a method carries from step to step (pg: control moments)
     config: dict | None = None  # the run's config when saved: --resume refuses a config.json edited since

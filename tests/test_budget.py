@@ -70,68 +70,131 @@ def param_budget(arch: str, units: tuple[str, ...], scope: str):
     return ParamBudget(layout, scope, adapter), adapter, layout
 
 
-def kept_params(budget, masks_or_scores) -> float:
-    return sum(float((budget.weights[u] * m.double()).sum()) for u, m in masks_or_scores.items())
+def one_unit(budget, units) -> float:
+    """The weight of the heaviest unit the hard mask fills with (a layer only when layers are pruned alone)."""
+    return max(float(budget.weights[u].max()) for u in units if u != "layers" or len(units) == 1)
 
 
+COMBOS = [("heads",), ("channels",), ("heads", "channels"), ("layers",), ("heads", "channels", "layers"),
+          ("channels", "layers"), ("heads", "layers")]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("scope", ["global", "uniform"])
-@pytest.mark.parametrize("units", [("heads",), ("channels",), ("heads", "channels"), ("layers",)])
-def test_param_budget_projection_and_hard_mask(units, scope):
-    budget, adapter, layout = param_budget("llama", units, scope)
-    g = torch.Generator().manual_seed(0)
-    heaviest = max(float(w.max()) for w in budget.weights.values())
+@pytest.mark.parametrize("units", COMBOS)
+def test_param_budget_projection_and_hard_mask(units, scope, arch):
+    """The projection keeps E[kept parameters] at the budget (on it when the scores were over it), and the hard
+    mask lands within one unit's weight below it, for every unit-type combination (layers nested over widths
+    included) under global and uniform scope."""
     from engine.errors import UserError
 
+    if "layers" in units and len(units) > 1 and scope == "uniform":
+        with pytest.raises(UserError, match="--scope global"):
+            param_budget(arch, units, scope)
+        return
+    budget, adapter, layout = param_budget(arch, units, scope)
+    g = torch.Generator().manual_seed(0)
     tried = 0
     for keep in (0.5, 0.7, 0.8, 0.9):
         try:
-            targets = [budget._kept_target(pool, decoder, keep) for pool, decoder in budget.pools]
+            target = budget.kept_target(keep)
+            if scope == "uniform" and "layers" not in units:
+                [budget._layer_target(i, keep) for i in range(adapter.num_layers)]
         except UserError:  # these unit types hold less than that share of the decoder
             continue
         tried += 1
-        for _ in range(3):
-            z = {u: torch.rand(layout.total(u), generator=g) * 1.6 - 0.3 for u in units}
+        for shift in (0.0, 0.5):  # under, then over the budget
+            z = {u: torch.rand(layout.total(u), generator=g) * 1.6 - 0.3 + shift for u in units}
             s = budget.project(z, keep)
-            # the expected kept parameters stay at the budget (every pool: over it before the projection)
-            for (pool, _), target in zip(budget.pools, targets):
-                got = sum(float((budget.weights[u][sl] * s[u][sl].double()).sum()) for u, sl in pool.items())
-                before = sum(float((budget.weights[u][sl] * z[u][sl].clamp(0, 1).double()).sum()) for u, sl in pool.items())
-                if before > target:  # over the budget: projected onto it
-                    assert got == pytest.approx(target, rel=1e-6)
-                else:  # within it: only clamped
-                    assert all(torch.equal(s[u][sl], z[u][sl].clamp(0, 1)) for u, sl in pool.items())
+            before = budget.expected_kept({u: v.clamp(0, 1) for u, v in z.items()})
+            got = budget.expected_kept(s)
+            assert all(float(v.min()) >= 0 and float(v.max()) <= 1 for v in s.values())
+            assert got <= target * (1 + 1e-6)
+            if before > target and (scope == "global" or "layers" in units):  # over it: projected onto it
+                assert got == pytest.approx(target, rel=1e-6)
             masks = budget.hard_masks(s, keep)
-            for (pool, _), target in zip(budget.pools, targets):
-                got = sum(float((budget.weights[u][sl] * masks[u][sl].double()).sum()) for u, sl in pool.items())
-                floor = sum(float(w.min()) for u, sl in pool.items() if u != "layers"
-                            for w in layout.split(u, budget.weights[u][sl]) if len(w))  # one unit per layer and type
-                assert got <= max(target, floor) + 1e-6  # never over the budget, unless one unit per layer is
-                assert got > target - heaviest  # and short of it by less than one unit's weight
+            kept = budget.kept_params(masks)
+            floor = sum(float(budget.fixed.sum()) for _ in [0]) + sum(
+                float(w.min()) for u in units if u != "layers" for w in layout.split(u, budget.weights[u]))
+            assert kept <= max(target, floor) + 1e-6  # never over the budget, unless one unit per layer is
+            slack = one_unit(budget, units) * (adapter.num_layers if scope == "uniform" else 1)
+            assert kept > target - slack - 1e-6, (kept, target, slack)  # short of it by less than one unit
             for u in units:
-                if u != "layers":
-                    assert all(float(m.sum()) >= 1 for m in layout.split(u, masks[u]))  # every layer keeps one
+                if u != "layers":  # every kept layer keeps one unit of each width type
+                    assert all(float(m.sum()) >= 1 for m in layout.split(u, masks[u]))
     assert tried >= 1
 
 
+def test_nested_budget_holds_at_every_step_of_a_run():
+    """Layers over widths: the expected kept parameters, sum_l p_l (c_l + sum w s), stay at the budget after
+    every step of a noisy descent (the exact expectation, not a per-type approximation)."""
+    budget, adapter, layout = param_budget("llama", ("layers", "heads", "channels"), "global")
+    g = torch.Generator().manual_seed(3)
+    for keep in (0.6, 0.75):
+        target = budget.kept_target(keep)
+        s, over = budget.project({u: torch.full((layout.total(u),), 0.9) for u in layout.unit_types}, keep), 0
+        for step in range(25):
+            z = {u: v - 0.05 * torch.randn(v.shape, generator=g) + 0.02 for u, v in s.items()}  # a noisy step
+            before = budget.expected_kept({u: v.clamp(0, 1) for u, v in z.items()})
+            s = budget.project(z, keep)
+            p = s["layers"].double()
+            exact = float(sum(p[i] * (budget.fixed[i] + sum(float((budget.weights[u] * s[u].double())[sl].sum())
+                                                                 for u in ("heads", "channels")
+                                                                 for sl in [layout.layer_slices(u)[i]]))
+                                  for i in range(adapter.num_layers)))
+            assert exact == pytest.approx(budget.expected_kept(s), rel=1e-9)
+            assert exact <= target * (1 + 1e-6), step
+            if before > target:  # pushed over the budget: projected back onto it
+                assert exact == pytest.approx(target, rel=1e-6), step
+                over += 1
+        assert over >= 5  # the check ran
+
+
+def test_nested_projection_is_the_plain_one_when_layers_are_sure():
+    """With every layer at 1 the nested projection is the weighted projection of the widths alone."""
+    from engine.policy import project_weighted_capped_simplex
+
+    budget, adapter, layout = param_budget("llama", ("layers", "heads", "channels"), "global")
+    g = torch.Generator().manual_seed(4)
+    z = {u: torch.rand(layout.total(u), generator=g) + 0.3 for u in layout.unit_types}
+    z["layers"] = torch.full((adapter.num_layers,), 5.0)  # far above 1: stays kept
+    s = budget.project(z, 0.7)
+    flat = project_weighted_capped_simplex(torch.cat([z["heads"], z["channels"]]).double(),
+                                           torch.cat([budget.weights["heads"], budget.weights["channels"]]),
+                                           budget.kept_target(0.7) - float(budget.fixed.sum()))
+    assert torch.allclose(torch.cat([s["heads"], s["channels"]]).double(), flat, atol=1e-5)
+    assert torch.equal(s["layers"], torch.ones(adapter.num_layers))
+
+
+def test_nested_hard_mask_removes_unlikely_layers_and_fills_with_width():
+    budget, adapter, layout = param_budget("llama", ("layers", "heads", "channels"), "global")
+    s = {u: torch.full((layout.total(u),), 0.9) for u in ("heads", "channels")}
+    s["layers"] = torch.ones(adapter.num_layers)
+    s["layers"][1] = 0.2  # layer 1 is unlikely: removed whole; the others' width makes up the rest
+    keep = 0.6
+    masks = budget.hard_masks(s, keep)
+    assert masks["layers"].tolist() == [1.0 if i != 1 else 0.0 for i in range(adapter.num_layers)]
+    kept = budget.kept_params(masks)
+    assert budget.kept_target(keep) - one_unit(budget, ("heads", "channels")) < kept <= budget.kept_target(keep)
+
+
 def test_uniform_and_global_remove_the_same_parameters():
-    """At the same ratio, a uniform run removes what a global one does, to within one lightest unit per layer
-    (each layer's pool lands below its own target by less than that)."""
+    """At the same ratio, a uniform run removes what a global one does, to within one unit (each layer's pool
+    lands below its own target by less than one of its channels: together less than a KV group here)."""
     g_budget, adapter, layout = param_budget("llama", ("heads", "channels"), "global")
     u_budget, _, _ = param_budget("llama", ("heads", "channels"), "uniform")
     gen = torch.Generator().manual_seed(1)
-    lightest = min(float(w.min()) for w in g_budget.weights.values())
+    heaviest = max(float(w.max()) for w in g_budget.weights.values())
     for keep in (0.6, 0.7, 0.8):
         z = {u: torch.rand(layout.total(u), generator=gen) for u in layout.unit_types}
-        a = kept_params(g_budget, g_budget.hard_masks(g_budget.project(z, keep), keep))
-        b = kept_params(u_budget, u_budget.hard_masks(u_budget.project(z, keep), keep))
-        assert abs(a - b) <= adapter.num_layers * lightest + 1e-6, (keep, a, b)
+        a = g_budget.kept_params(g_budget.hard_masks(g_budget.project(z, keep), keep))
+        b = u_budget.kept_params(u_budget.hard_masks(u_budget.project(z, keep), keep))
+        assert abs(a - b) <= heaviest, (keep, a, b)
 
 
-def test_param_budget_refuses_layers_with_widths_and_impossible_ratios():
+def test_param_budget_refuses_impossible_ratios():
     from engine.errors import UserError
 
-    with pytest.raises(UserError, match="not supported yet"):
-        param_budget("llama", ("heads", "layers"), "global")
     budget, _, layout = param_budget("llama", ("heads",), "global")
     with pytest.raises(UserError, match="lower --prune-ratio"):
         budget.project({"heads": torch.ones(layout.total("heads"))}, 0.2)

@@ -66,7 +66,7 @@ def test_prune_cli_end_to_end(cli_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     results = json.loads((out / "results.json").read_text())
-    m = re.search(r"dense ([\d.]+) \| init \(wanda-sp\) ([\d.]+) \| pruned ([\d.]+)", proc.stdout)
+    m = re.search(r"dense ([\d.]+) \| init \(taylor\) ([\d.]+) \| pruned ([\d.]+)", proc.stdout)
     assert m, proc.stdout
     assert m.groups() == tuple(f"{results[k]:.2f}" for k in ("ppl_dense", "ppl_init", "ppl_pruned"))
     assert f"{results['params_dense']:,} -> {results['params_pruned']:,}" in proc.stdout
@@ -231,9 +231,10 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
         "calib without text field": (prune_args(tiny_path, out, "--calib", no_text_field), "text"),
         "calib folder without json": (prune_args(tiny_path, out, "--calib", calib_dir), "calib_dir"),
         "calib longer than every document": (prune_args(tiny_path, out, "--calib", short_docs), "seqlen"),
-        "validation without enough documents": (prune_args(tiny_path, out, "--val-every", "1", "--calib", short_docs),
+        "validation without enough documents": (prune_args(tiny_path, out, "--val-every", "1", "--calib", short_docs,
+                                                           "--seqlen", "2"),
                                                 "10 calibration documents"),
-        "best-val without validation": (prune_args(tiny_path, out, "--final-mask", "best-val"), "val"),
+        "best-val without validation": (prune_args(tiny_path, out, "--val-every", "0", "--final-mask", "best-val"), "val"),
         "eval data empty file": (prune_args(tiny_path, out, "--eval-data", blank, *small), "empty"),
         "eval data missing": (prune_args(tiny_path, out, "--eval-data", tmp / "gone.txt", *small), "gone.txt"),
         "eval data too short": (prune_args(tiny_path, out, "--eval-data", no_text_field, *small), "window"),

@@ -54,7 +54,8 @@ def main_run(tiny, tiny_path, tmp_path_factory):
     model, tok = tiny
     out = tmp_path_factory.mktemp("main") / "run"
     config = PruneConfig.of(model=str(tiny_path), steps=4, max_windows=4, init_batches=2, batch_size=4, lr=0.05,
-                         checkpoint_every=2, num_mask_samples=2, baseline="moving-average")  # the paper's estimator
+                         checkpoint_every=2, num_mask_samples=2, baseline="moving-average",  # the paper's estimator
+                         budget="units", final_mask="last")  # the unit budget and the last mask: checked below
     reports: list[StepReport] = []
     run = PruneRun(config, out, model=model, tokenizer=tok, log=quiet)
     results = run.run(progress=False, observer=reports.append)

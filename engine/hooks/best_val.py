@@ -10,7 +10,7 @@ from .base import RunHook, register_hook
 class BestValFinal(RunHook):
     @staticmethod
     def applies(config) -> bool:
-        return config.final_mask == "best-val"
+        return config.final_mask == "best-val" and config.validates
 
     def final_scores(self, state, scores):
         return state.best_scores

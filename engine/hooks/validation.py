@@ -15,7 +15,7 @@ from .base import RunHook, register_hook
 class Validation(RunHook):
     @staticmethod
     def applies(config) -> bool:
-        return config.val_every > 0
+        return config.validates
 
     def validate(self, state) -> float:
         run = self.run

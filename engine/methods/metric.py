@@ -12,4 +12,4 @@ class MetricOnly(Method):
     optimises = False
 
     def final_scores(self, state):
-        return state.init_metric
+        return state.init_mask_scores or state.init_metric

@@ -1,0 +1,186 @@
+"""The comparison table at matched parameters (issue 27): every row removes the same fraction of the decoder
+layers' parameters (`--budget params`), on one protocol; resumable, each cell cached on disk.
+
+    python bench/compare_table.py [--rates 0.3,0.5] [--seeds 0,1,2] [--only ROW ...] [--out DIR]
+    python bench/compare_table.py --list            # the cells, in the order they run, and which are done
+    python bench/compare_table.py --report-only     # write table.md from the cells done so far
+
+Protocol: the default model (SmolLM2-135M-Instruct); WikiText-2 raw test as the engine loads it, the first
+--max-windows (256) windows of 128 tokens; C4 calibration, 8 x 128 tokens per step; the tool's defaults (the
+fast preset: 50 steps, leave-one-out over N_s 8, lr 0.02 cosine; Taylor for widths, SLEB for layers,
+best-val final mask) unless a row says otherwise. PG rows run every --seeds at the first rate and the first
+seed at the others; one-shot rows run the first seed.
+
+Every cell is one `python -m engine prune` run in its own process (bench/paper_tables.run_cell: a cell with
+results.json is done, one with a checkpoint resumes, two queues side by side share the cells through lock
+files). Each cell's CPU and wall seconds (summed over its resumes) go to cells/<cell>.time.json.
+Two queues at one thread each on 2 cores:
+
+    OMP_NUM_THREADS=1 python bench/compare_table.py &  OMP_NUM_THREADS=1 python bench/compare_table.py &
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+from cli_common import ROOT, csv_list, positive, run
+from paper_tables import Cell, cell_key, plain_copy, run_cell
+
+HC = {"units": "heads,channels", "budget": "params"}
+LAYERS = {"units": "layers", "budget": "params", "scope": "global"}
+JOINT = {"units": "layers,heads,channels", "budget": "params", "scope": "global"}
+# SLEB runs the model once per layer and removal: about 30 CPU minutes per cell at 30 % here. The joint rows
+# take Layerwise-PPL's layer order (n model runs) so that a PG cell fits in about 35 minutes on one core.
+ROWS: list[tuple[str, dict, bool]] = [  # (row, settings, optimises)
+    ("Taylor (LLM-Pruner's metric, global ranking)", {**HC, "method": "metric", "scope": "global", "init": "taylor"}, False),
+    ("Wanda-sp (uniform)", {**HC, "method": "metric", "scope": "uniform", "init": "wanda-sp"}, False),
+    ("SLEB", {**LAYERS, "method": "metric", "layer_init": "sleb"}, False),
+    ("Layerwise-PPL", {**LAYERS, "method": "metric", "layer_init": "layerwise-ppl"}, False),
+    ("Joint one-shot (Layerwise-PPL + Taylor, best mix)", {**JOINT, "method": "metric", "init": "taylor",
+                                                          "layer_init": "layerwise-ppl"}, False),
+    ("PG joint (layers + heads + channels)", {**JOINT, "method": "pg", "init": "taylor", "layer_init": "layerwise-ppl"}, True),
+    ("PG heads + channels (global)", {**HC, "method": "pg", "scope": "global", "init": "taylor"}, True),
+    ("PG heads + channels (uniform)", {**HC, "method": "pg", "scope": "uniform", "init": "taylor"}, True),
+    ("PG layers (SLEB, score-const, best-val)", {**LAYERS, "method": "pg", "layer_init": "sleb"}, True),
+]
+RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
+             "PG heads + channels (global)", "Wanda-sp (uniform)")
+
+
+def cells(rates: list[float], seeds: list[int]) -> list[Cell]:
+    out = []
+    for i, r in enumerate(rates):
+        for row, settings, pg in ROWS:
+            for s in (seeds if pg and i == 0 else seeds[:1]):
+                out.append(Cell(27, row, r, settings, seed=s, pg=pg))
+    return out
+
+
+def order(todo: list[Cell], rates: list[float], seeds: list[int]) -> list[Cell]:
+    """The must-show cells first: the first rate's headline rows seed by seed, then the rest, SLEB last."""
+    def key(c: Cell):
+        return (rates.index(c.rate), c.row not in RUN_FIRST, seeds.index(c.seed), "SLEB" in c.row,
+                RUN_FIRST.index(c.row) if c.row in RUN_FIRST else 9)
+    return sorted(todo, key=key)
+
+
+def timed_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
+    """run_cell, adding this process's share of the cell's CPU and wall time to cells/<cell>.time.json."""
+    key = cell_key(c, args)
+    if (cells_dir / key / "results.json").exists():
+        return json.loads((cells_dir / key / "results.json").read_text())
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    res = run_cell(c, args, model_dir, cells_dir)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if cpu > 1:  # it ran here (not skipped as another queue's)
+        f = cells_dir / f"{key}.time.json"
+        old = json.loads(f.read_text()) if f.exists() else {"cpu_seconds": 0.0, "wall_seconds": 0.0}
+        f.write_text(json.dumps({"cpu_seconds": old["cpu_seconds"] + cpu,
+                                 "wall_seconds": old["wall_seconds"] + time.monotonic() - t0}) + "\n")
+    return res
+
+
+def fmt(values: list[float]) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:,.1f}"
+    return f"{statistics.mean(values):,.1f} ± {statistics.stdev(values):,.1f}"
+
+
+def report(todo: list[Cell], args, cells_dir: Path) -> str:
+    got = {}
+    for c in todo:
+        f = cells_dir / cell_key(c, args) / "results.json"
+        if f.exists():
+            t = cells_dir / f"{cell_key(c, args)}.time.json"
+            got[cell_key(c, args)] = (json.loads(f.read_text()), json.loads(t.read_text()) if t.exists() else None)
+    if not got:
+        return "no cell finished yet\n"
+    first = next(iter(got.values()))[0]
+    rates = sorted({c.rate for c in todo})
+    lines = [f"Model {args.model}; WikiText-2 raw test, first {first['eval_windows']} windows x {first['seqlen']} tokens "
+             f"(dense {first['ppl_dense']:.2f}); C4 calibration, 8 x 128 tokens per step; --budget params (each column "
+             f"removes that share of the decoder layers' parameters); PG: the fast preset ({args.steps} steps, lr "
+             f"{args.lr} cosine, leave-one-out over N_s 8), best-val final mask; {args.init_batches} calibration batches "
+             f"for Taylor/Wanda-sp, {args.layer_init_batches} for the layer metrics. A cell: perplexity [seeds], "
+             "CPU minutes per run (one thread).", "",
+             "| method | " + " | ".join(f"{r:.0%}" for r in rates) + " |", "|---" * (len(rates) + 1) + "|",
+             "| dense | " + " | ".join(f"{first['ppl_dense']:.2f}" for _ in rates) + " |"]
+    for row in dict.fromkeys(c.row for c in todo):
+        cols = []
+        for r in rates:
+            done = [(c, *got[cell_key(c, args)]) for c in todo if c.row == row and c.rate == r and cell_key(c, args) in got]
+            if not done:
+                cols.append("–")
+                continue
+            ppl = fmt([res["ppl_pruned"] for _, res, _ in done])
+            seeds = ",".join(str(c.seed) for c, _, _ in done)
+            cpu = [t["cpu_seconds"] / 60 for _, _, t in done if t]
+            mix = {res.get("layers_removed") for _, res, _ in done if res.get("layers_removed") is not None}
+            extra = f"; {'/'.join(str(m) for m in sorted(mix))} layers out" if mix and "joint" in row.lower() else ""
+            cols.append(f"{ppl} [{seeds}] ({statistics.mean(cpu):.0f} CPU min{extra})" if cpu else f"{ppl} [{seeds}]{extra}")
+        lines.append(f"| {row} | " + " | ".join(cols) + " |")
+    lines += ["", "Removed (parameters, % of the decoder) per finished cell:", ""]
+    for c in todo:
+        k = cell_key(c, args)
+        if k in got:
+            res = got[k][0]
+            lines.append(f"- {c.row}, {c.rate:.0%}, seed {c.seed}: {res['ppl_pruned']:,.1f} (init {res['ppl_init']:,.1f}); "
+                         f"{res.get('params_removed', 0):,} removed ({res.get('removed_of_decoder', 0):.1%}); `{k}`")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--rates", default="0.3,0.5,0.4", type=csv_list(float, lambda r: 0 < r < 1, "ratios in (0, 1)"),
+                   help="shares of the decoder's parameters to remove (default %(default)s; the first gets every seed)")
+    p.add_argument("--seeds", default="0,1,2", type=csv_list(int, lambda s: s >= 0, "seeds (integers >= 0)"))
+    p.add_argument("--steps", type=positive(int), default=50)
+    p.add_argument("--lr", type=positive(float), default=0.02)
+    p.add_argument("--max-windows", type=positive(int), default=256)
+    p.add_argument("--eval-seqlen", type=positive(int), default=128)
+    p.add_argument("--init-batches", type=positive(int), default=16)
+    p.add_argument("--layer-init-batches", type=positive(int), default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--only", action="append", metavar="ROW", help="run only this row's cells (repeat for more)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "compare_table"))
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args()
+    args.gumbel_lr = args.lr  # (paper_tables' cell settings read it; no Gumbel row here)
+    out = Path(args.out)
+    cells_dir = out / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    todo = cells(args.rates, args.seeds)
+    rows = {c.row for c in todo}
+    for r in args.only or []:
+        if r not in rows:
+            raise SystemExit(f"compare_table.py: error: --only: no row {r!r}; rows: {'; '.join(sorted(rows))}")
+    queue = order([c for c in todo if not args.only or c.row in args.only], args.rates, args.seeds)
+    if args.list:
+        for c in queue:
+            done = (cells_dir / cell_key(c, args) / "results.json").exists()
+            print(f"{'done' if done else 'todo':4} | {c.row} | {c.rate:.0%} | seed {c.seed} | {cell_key(c, args)}")
+        return
+    if not args.report_only:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        model_dir = plain_copy(args.model, out / "model")
+        for c in queue:
+            timed_cell(c, args, model_dir, cells_dir)
+            (out / "table.md").write_text(report(todo, args, cells_dir))
+    text = report(todo, args, cells_dir)
+    (out / "table.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    run(main)
