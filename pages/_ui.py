@@ -70,6 +70,29 @@ def fmt_params(n: int | None) -> str:
     return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.0f} k"
 
 
+def removed_short(results: dict | None) -> str:
+    """What a run removed, for a table cell: "30.0 % of decoder" (— before it finished, or for a run from
+    before the report)."""
+    if not results or "removed_of_decoder" not in results:
+        return "—"
+    return f"{results['removed_of_decoder']:.1%} of decoder"
+
+
+def removal_text(results: dict | None) -> str | None:
+    """What a finished run removed, in words: parameters, shares of the decoder and of the model, each unit
+    type's part, and for runs that prune whole layers the mix (layers out, width cut in the layers kept)."""
+    if not results or "params_removed" not in results:
+        return None
+    parts = ", ".join(f"{u} {fmt_params(n)}" for u, n in results.get("params_removed_by_unit_type", {}).items())
+    text = (f"Removed {results['params_removed']:,} parameters: {results['removed_of_decoder']:.1%} of the decoder "
+            f"layers, {results['removed_of_model']:.1%} of the whole model (embeddings and LM head are never pruned). "
+            f"By unit type: {parts}.")
+    if "layers" in results.get("params_removed_by_unit_type", {}) and len(results["params_removed_by_unit_type"]) > 1:
+        text += (f" The mix: {results.get('layers_removed', 0)} whole layers removed, and "
+                 f"{results.get('width_removed_of_kept_layers', 0):.1%} of the width of the layers kept.")
+    return text
+
+
 # --- a run's charts -----------------------------------------------------------------------------
 def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | None, results: dict | None,
                key: str) -> None:
@@ -83,6 +106,8 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
                   delta=f"{results['ppl_pruned'] - results['ppl_init']:+.2f} vs init", delta_color="inverse")
         c4.metric("Parameters", fmt_params(results["params_pruned"]),
                   delta=f"{results['params_pruned'] / results['params_dense'] - 1:+.1%}", delta_color="off")
+        if removal_text(results):
+            st.caption(removal_text(results))
     if last is None:
         st.info("No optimisation step yet: charts appear after the first step.")
         return

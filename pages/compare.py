@@ -57,23 +57,33 @@ rows = []
 for ab, r in zip("AB", chosen):
     c, res = r.config, r.results or {}
     rows.append({
-        "id": ab, "run": r.name, "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}", "units": ",".join(c.get("units", [])),
-        "steps": f"{r.steps_done}/{c.get('steps')}", "status": r.status,
-        "ppl dense": res.get("ppl_dense"), "ppl init": res.get("ppl_init"), "ppl pruned": res.get("ppl_pruned"),
-        "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
+        "id": ab, "scope": c.get("scope"), "removed": _ui.removed_short(res), "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
+        "ppl pruned": res.get("ppl_pruned"), "ppl init": res.get("ppl_init"), "rate": f"{c.get('prune_ratio', 0):.0%}",
+        "budget": c.get("budget", "units"), "units": ",".join(c.get("units", [])), "steps": f"{r.steps_done}/{c.get('steps')}",
+        "status": r.status, "ppl dense": res.get("ppl_dense"), "run": r.name,
     })
 st.dataframe(rows, hide_index=True, width="stretch")
 
-if b is not None and (a.config.get("model") != b.config.get("model")
-                      or abs(a.config.get("prune_ratio", 0) - b.config.get("prune_ratio", 0)) > 1e-9):
-    st.warning("These two runs differ in model or pruning rate: the comparison is not like for like.")
+differs = [what for what, key in (("model", "model"), ("step budget", "steps"), ("calibration", "calib"),
+                                  ("evaluation data", "eval_data"), ("evaluation windows", "max_windows"))
+           if b is not None and a.config.get(key) != b.config.get(key)]
+if differs:
+    st.warning(f"These two runs differ in {', '.join(differs)}: the comparison is not like for like.")
 removed = [r.results["params_dense"] - r.results["params_pruned"] for r in chosen
            if r.results and "params_dense" in r.results and "params_pruned" in r.results]
-if len(removed) == 2 and abs(removed[0] - removed[1]) > 0.005 * chosen[0].results["params_dense"]:
-    st.warning(f"These two runs removed different numbers of parameters: A {removed[0]:,}, B {removed[1]:,} "
-               f"({(removed[0] - removed[1]) / chosen[0].results['params_dense']:+.1%} of the model). A pruning rate "
-               "is a fraction of each unit pool, so a uniform run that rounds per layer removes a different amount: "
-               "compare perplexities with that in mind.")
+if len(removed) == 2:
+    dense = chosen[0].results["params_dense"]
+    if abs(removed[0] - removed[1]) > 0.005 * dense:
+        st.warning(f"These two runs removed different numbers of parameters: A {removed[0]:,}, B {removed[1]:,} "
+                   f"({(removed[0] - removed[1]) / dense:+.1%} of the model). Their perplexities are not like for "
+                   "like. Under `--budget units` a rate is a fraction of each unit pool's count, and a uniform run "
+                   "rounds per layer; `--budget params` (the default) removes the same share of parameters in "
+                   "both scopes.")
+    else:
+        st.success(f"Both runs removed the same parameters, within 0.5 % of the model: A {removed[0]:,}, "
+                   f"B {removed[1]:,}.")
+elif b is not None:
+    st.info("Whether the two runs removed the same parameters shows once both have finished.")
 
 order = list(UNIT_TYPES)  # the registry's order; a unit type it no longer has goes last
 units = sorted({u for r in chosen for u in r.config.get("units", [])}, key=lambda u: order.index(u) if u in order else len(order))
@@ -87,12 +97,24 @@ else:
     st.info("Perplexities appear once a run has finished.")
 
 # Offer the missing counterpart of run A.
+def matching_config(config: dict, results: dict | None, scope: str) -> dict:
+    """Run A's settings in the other scope, on the same parameter budget."""
+    if config.get("budget", "units") == "params":
+        return {**config, "scope": scope}
+    if not results or "removed_of_decoder" not in results:
+        raise UserError("run A counted units (--budget units) and has not finished: its parameter budget is not "
+                        "known yet; wait for it, or start the other scope on Prune with --budget params")
+    return {**config, "scope": scope, "budget": "params", "prune_ratio": round(results["removed_of_decoder"], 6)}
+
+
 other = "uniform" if a.config.get("scope") == "global" else "global"
 if b is None or b.config.get("scope") == a.config.get("scope"):
     st.markdown(f"No **{other}** run to compare with run A yet.")
-    if st.button(icon=":material/play_arrow:", label=f"Start the matching {other} run (same model, rate and settings)"):
+    if st.button(icon=":material/play_arrow:", label=f"Start the matching {other} run (same model, settings and parameter budget)",
+                 help="Removes the same share of the decoder's parameters as run A (under --budget params; a run A "
+                      "made under --budget units is matched by the share it actually removed)."):
         try:
-            config = PruneConfig.from_dict({**a.config, "scope": other})
+            config = PruneConfig.from_dict(matching_config(a.config, a.results, other))
             out = _ui.runs_dir() / new_run_name(config)
             _ui.job_manager().start(config, out)
             _ui.select_run(out)

@@ -31,9 +31,10 @@ for r in all_runs:
     rows.append({
         "run": r.name, "status": "running" if jobs.busy_with(r.path) else r.status,
         "model": Path(c.get("model", "")).name, "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}",
-        "units": ",".join(c.get("units", [])), "steps": f"{r.steps_done}/{c.get('steps')}",
-        "ppl dense": res.get("ppl_dense"), "ppl pruned": res.get("ppl_pruned"),
+        "removed": _ui.removed_short(res), "ppl pruned": res.get("ppl_pruned"),
         "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
+        "units": ",".join(c.get("units", [])), "budget": c.get("budget", "units"), "steps": f"{r.steps_done}/{c.get('steps')}",
+        "ppl dense": res.get("ppl_dense"),
         "modified": datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"),
     })
 st.dataframe(rows, hide_index=True, width="stretch")
