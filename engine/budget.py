@@ -13,7 +13,8 @@ exceeds the budget after any step.
 
 Hard masks (`hard_masks`): layers with p < 1/2 are removed (the least likely first, never more than the
 budget); the widths of the kept layers then share what the budget leaves. Each width type's share is in
-proportion to the parameters of its units with s >= 1/2 (the mix the scores hold); inside a type the most
+proportion to its expected kept parameters sum(w s) (the mix the scores hold: the init's split, then what
+the method learned); inside a type the most
 likely units are kept while they fit its share, then the most likely of any type that still fit, so the
 mask lands below the budget by less than one unit's weight; every (layer, width type) keeps one unit."""
 
@@ -287,7 +288,7 @@ def _width_pool_mask(s: torch.Tensor, w: torch.Tensor, layer: torch.Tensor, kept
                      type_sizes: list[int], target: float) -> torch.Tensor:
     """The hard mask of one pool of widths (its types' units one after the other, `type_sizes` of each; `layer`:
     each unit's layer): the units of removed layers are moot (the layer goes whole) and left kept; among the
-    others each type's share of `target` is in proportion to the parameters of its units with s >= 1/2;
+    others each type's share of `target` is in proportion to its expected kept parameters sum(w s);
     inside a type the most likely units while they fit its share; then the most likely of any type that still
     fit; every (type, layer) keeps at least one unit."""
     kind = torch.cat([torch.full((n,), k, dtype=torch.long) for k, n in enumerate(type_sizes)])
@@ -300,10 +301,8 @@ def _pool_mask(s, w, kind, group, target) -> torch.Tensor:
     if not s.numel():
         return s.clone()
     types = int(kind.max()) + 1
-    likely = torch.stack([(w * ((kind == k) & (s >= 0.5))).sum() for k in range(types)])
-    if float(likely.sum()) <= 0:
-        likely = torch.stack([(w * s * (kind == k)).sum() for k in range(types)])
-    share = likely * (target / float(likely.sum())) if float(likely.sum()) > 0 else likely
+    expected = torch.stack([(w * s * (kind == k)).sum() for k in range(types)])  # E[kept] of each type
+    share = expected * (target / float(expected.sum())) if float(expected.sum()) > 0 else expected
     flat = torch.zeros_like(s)
     for k in range(types):
         idx = torch.nonzero(kind == k).flatten()
