@@ -350,3 +350,43 @@ def test_masked_chat_without_a_layer_matches_the_sliced_export(tiny, tmp_path):
     masked_text, _ = answer(masked, "Once upon a time", settings)
     sliced_text, _ = answer(ChatModel(sliced, tok, "sliced", 0), "Once upon a time", settings)
     assert masked_text == sliced_text and len(masked_text.strip()) > 0
+
+
+COMBOS = {"pg-taylor": dict(init="taylor"), "pg-wanda-sp": dict(init="wanda-sp"), "pg-random": dict(init="random"),
+          "pg-magnitude-sp": dict(init="magnitude-sp"),
+          "pg-random-progressive": dict(init="random-progressive", progressive_increment=0.15),
+          "gumbel": dict(method="gumbel", lr=0.5), "metric-wanda-sp": dict(method="metric", init="wanda-sp"),
+          "metric-taylor": dict(method="metric", init="taylor"),
+          "layers-sleb": dict(units=["layers"], layer_init="sleb", prune_ratio=0.5),
+          "layers-layerwise-ppl": dict(units=["layers"], layer_init="layerwise-ppl", prune_ratio=0.5),
+          "joint": dict(units=["layers", "heads", "channels"], prune_ratio=0.6)}
+
+
+@pytest.mark.parametrize("budget", ["params", "units"])
+@pytest.mark.parametrize("scope", ["global", "uniform"])
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_every_method_and_init_runs_under_both_budgets(combo, scope, budget, tiny, tiny_path, small_eval_file, tmp_path):
+    """Gumbel-softmax, the metric method and every init under --budget params and units, both scopes; under
+    params every run removes its share of the decoder's parameters to within one unit's weight."""
+    from engine.errors import UserError
+
+    kw = {"steps": 2, "val_batches": 1, **COMBOS[combo]}
+    if combo == "joint" and scope == "uniform" and budget == "params":
+        with pytest.raises(UserError, match="--scope global"):
+            run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", scope=scope, budget=budget, **kw)
+        return
+    results = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", scope=scope, budget=budget, **kw)
+    assert results["status"] == "done" and results["budget"] == budget
+    assert results["params_removed"] == results["params_dense"] - results["params_pruned"]
+    if budget == "params":
+        ratio = kw.get("prune_ratio", 0.3)
+        adapter = ModelAdapter.for_model(tiny[0])
+        sizes = unit_sizes(adapter)
+        from engine.budget import unit_weights
+        from engine.units import UnitLayout
+
+        weights = unit_weights(adapter, UnitLayout({u: sizes[u] for u in results["units"]}))
+        one = max(float(w.max()) for u, w in weights.items() if u != "layers" or len(weights) == 1)
+        slack = one * (adapter.num_layers if scope == "uniform" and "layers" not in results["units"] else 1)
+        removed, target = results["params_removed"], ratio * results["params_decoder"]
+        assert target - 1e-6 <= removed < target + slack, (removed, target, slack)

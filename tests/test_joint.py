@@ -1,0 +1,63 @@
+"""The joint method (issue 27): layers, KV groups and channels on one parameter budget. Its starting mix of
+whole layers and width is the candidate whose one-shot mask loses least; these tests check the candidates,
+the choice and the budget of what it starts from, with a known loss in place of the model's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import PruneConfig
+from engine.joint import candidate_scores, choose_mix, layer_counts
+
+from test_budget import param_budget
+
+
+def test_layer_counts_span_none_to_the_most_the_budget_allows():
+    assert layer_counts([10] * 10, 35.0) == [0, 1, 2, 3]  # at most 3 whole layers fit in a removal of 35
+    assert layer_counts([10] * 4, 100.0) == [0, 1, 2, 3]  # never every layer
+    assert layer_counts([10] * 10, 5.0) == [0]  # less than a layer: width only
+
+
+def fake_run(units=("layers", "heads", "channels"), keep=0.6):
+    budget, adapter, layout = param_budget("llama", units, "global")
+    config = PruneConfig(units=list(units), prune_ratio=1 - keep, budget="params")
+    logs = []
+    run = SimpleNamespace(config=config, budget=budget, layout=layout, log=logs.append,
+                          hard_masks=lambda scores, k=keep: budget.hard_masks(scores, k))
+    g = torch.Generator().manual_seed(0)
+    z = {u: torch.randn(layout.total(u), generator=g) for u in units}
+    return run, z, adapter, logs
+
+
+@pytest.mark.parametrize("best_layers", [0, 1])
+def test_the_mix_that_loses_least_is_chosen(best_layers):
+    """A loss that is lowest with `best_layers` whole layers removed: the run starts from that mix, on budget."""
+    run, z, adapter, logs = fake_run()
+    keep = 1 - run.config.prune_ratio
+
+    def loss(masks, batch):
+        return abs(int((masks["layers"] <= 0.5).sum()) - best_layers) + float(batch)
+
+    scores, lines = choose_mix(run, z, [torch.tensor(0.0), torch.tensor(1.0)], keep, loss=loss)
+    counts = [line["layers_removed"] for line in lines]
+    assert counts == sorted(set(counts)) and len(counts) >= 2  # every candidate once, from none up
+    assert min(lines, key=lambda line: line["loss"])["layers_removed"] == best_layers
+    masks = run.budget.hard_masks(scores, keep)
+    assert int((masks["layers"] <= 0.5).sum()) == best_layers
+    assert run.budget.expected_kept(scores) <= run.budget.kept_target(keep) * (1 + 1e-6)
+    assert len(logs) == len(lines) and all("joint mix" in m for m in logs)
+
+
+def test_a_candidate_removes_the_least_important_layers_and_cuts_width_to_the_rest():
+    run, z, adapter, _ = fake_run()
+    keep = 1 - run.config.prune_ratio
+    z["layers"] = torch.tensor([3.0, -2.0, 1.0, 0.5][: adapter.num_layers])
+    scores = candidate_scores(run.budget, z, run.layout, 1, keep, run.config)
+    masks = run.budget.hard_masks(scores, keep)
+    assert masks["layers"].tolist() == [1.0 if i != 1 else 0.0 for i in range(adapter.num_layers)]  # the lowest
+    kept = run.budget.kept_params(masks)
+    heaviest = max(float(run.budget.weights[u].max()) for u in ("heads", "channels"))
+    assert run.budget.kept_target(keep) - heaviest < kept <= run.budget.kept_target(keep) + 1e-6
