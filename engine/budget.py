@@ -92,7 +92,7 @@ class UnitBudget:
     def initial(self, scores: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:
         return scores  # each unit type's initial scores are already on its own budget
 
-    def type_keeps(self, keep: float) -> dict[str, float]:
+    def type_keeps(self, keep: float, comparable=None) -> dict[str, float]:
         return {u: keep for u in self.layout.unit_types}
 
     def init_mask_scores(self, scores):
@@ -144,15 +144,16 @@ class ParamBudget:
         return float((p * layer_sizes(self.fixed, self.weights, self.width_layer,
                                       {u: scores[u].double() for u in self.widths})).sum())
 
-    def kept_params(self, masks: dict[str, torch.Tensor]) -> float:
-        """The decoder parameters a hard mask keeps (a removed layer's widths not counted)."""
+    def kept_params(self, masks: dict[str, torch.Tensor]) -> float:  # (a removed layer's widths not counted)
         return self.expected_kept({u: (m > 0.5).double() for u, m in masks.items()})
 
-    def type_keeps(self, keep: float) -> dict[str, float]:
-        """The keep ratio each width type's init map starts at, so that together they meet the budget: every
-        width type loses the same fraction of its parameters (the unit budget's split). Layers: see engine/joint."""
-        removable = float(sum(self.weights[u].sum() for u in self.widths))
+    def type_keeps(self, keep: float, comparable: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """Each width type's keep ratio for its init map: the same share of every type's parameters, or given
+        metrics that compare across types, the split of one ranking of them all (ranked_split). Layers: joint.py."""
         kept_w = self.kept_target(keep) - float(self.fixed.sum())
+        if comparable:
+            return ranked_split(comparable, self.weights, kept_w)
+        removable = float(sum(self.weights[u].sum() for u in self.widths))
         return {u: min(1.0, max(0.0, kept_w / removable)) for u in self.widths}
 
     def project(self, scores: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:
@@ -221,6 +222,15 @@ class ParamBudget:
             layer = torch.cat([self.width_layer[u][sl] for u, sl in pool.items()])
             _unflatten(_width_pool_mask(s, w, layer, kept_layer, [sl.stop - sl.start for sl in pool.values()], budget), pool, masks)
         return masks
+
+def ranked_split(scores: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], kept: float) -> dict[str, float]:
+    """Each type's kept share of its parameters when one ranking of all the units by score keeps the best while
+    their weights fit in `kept` (FLAP's adaptive structure, on scores comparable across types)."""
+    types = list(scores)
+    s, w = torch.cat([scores[u].double() for u in types]), torch.cat([weights[u] for u in types])
+    mask = torch.split(_keep_best_that_fit(s, w, kept, torch.zeros_like(s)), [scores[u].numel() for u in types])
+    return {u: float((weights[u] * m).sum() / weights[u].sum()) for u, m in zip(types, mask)}
+
 
 def layer_sizes(fixed: torch.Tensor, weights: dict[str, torch.Tensor], width_layer: dict[str, torch.Tensor],
                 s: dict[str, torch.Tensor]) -> torch.Tensor:

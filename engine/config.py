@@ -104,7 +104,8 @@ class PruneConfig:
                           help="pg: policy gradient, forward passes only (default); gumbel: Gumbel-softmax masks trained by "
                                "back-propagation through the model (for comparison); metric: no optimisation, keep the top "
                                "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, "
-                               "Layerwise-PPL, SLEB)")
+                               "Layerwise-PPL, SLEB); flap: FLAP one-shot (= metric with --init flap and "
+                               "--bias-compensation)")
     init: str = setting("taylor", choices=_INITS, label="Initial scores",
                         help="initial scores of KV groups and channels. taylor (the best one-shot metric measured, "
                              "docs/results.md) needs one backward pass per init batch (LLM-Pruner's first-order "
@@ -222,6 +223,8 @@ class PruneConfig:
                     f"({', '.join(u for u in self.units if not UNIT_TYPES[u].whole_layer)}), not {unit!r}")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 bad(f"unit multiple of {unit} must be a whole number of at least 1, got {n!r}")
+        for name, value in METHODS[self.method].implies.items():  # what the method is (FLAP: its metric, ...)
+            setattr(self, name, value)
         # the method's own settings, validated by the method and stored whole (defaults written out)
         self.method_options = dataclasses.asdict(options) if (options := method_options(self.method, self.method_options, self)) else {}
         if not METHODS[self.method].optimises and self.init == "random-progressive":

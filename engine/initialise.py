@@ -39,7 +39,8 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
                             seed=c.seed + 2, progress=run.progress, log=run.log)
         run.log(f"computing the {name} metric for {', '.join(units)}")
         raw.update(METRICS[name].fn(ctx, units))
-    return {u: standardize(u, raw[u]) for u in run.layout.unit_types}
+    return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])
+            for u in run.layout.unit_types}
 
 
 def fresh_state(run: "PruneRun") -> RunState:
@@ -54,7 +55,8 @@ def fresh_state(run: "PruneRun") -> RunState:
     if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
         scores, mix = choose_mix(run, z, run.val_batches or batches[:4], keep0)
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
-        keeps = run.budget.type_keeps(keep0)
+        comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
+        keeps = run.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)
         scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), c.prob_map_for(u),
                                                        c.score_const) for u in run.layout.unit_types}, keep0)
     state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=run.mask_rng.get_state(),

@@ -35,6 +35,7 @@ class Method:
     name: ClassVar[str]
     optimises: ClassVar[bool] = True
     Options: ClassVar[type | None] = None  # the dataclass of this method's own settings, if any
+    implies: ClassVar[dict] = {}  # run settings this method fixes (FLAP: its metric and compensation)
 
     def __init__(self, ctx: "StepContext", options: Any = None):
         self.ctx = ctx

@@ -64,6 +64,9 @@ class Metric:
     scores: str  # "units", "layers" or "any"
     needs_data: bool
     summary: str
+    # its scores are already standardized so that they compare across layers and unit types (FLAP's): they are
+    # not standardized again, and under --budget params they split the budget between the unit types
+    comparable: bool = False
 
     def scores_units(self) -> bool:
         return self.scores in ("units", "any")
@@ -75,12 +78,13 @@ class Metric:
 METRICS: dict[str, Metric] = {}
 
 
-def register_metric(name: str, scores: str, needs_data: bool):
+def register_metric(name: str, scores: str, needs_data: bool, comparable: bool = False):
     if scores not in ("units", "layers", "any"):
         raise ValueError(f"scores must be units, layers or any, got {scores!r}")
 
     def add(fn: MetricFn) -> MetricFn:
-        add_entry(METRICS, name, Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0]), "metric")
+        add_entry(METRICS, name, Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0], comparable),
+                  "metric")
         return fn
 
     return add

@@ -1,0 +1,116 @@
+"""FLAP (issue 24): the fluctuation metric against a hand computation, its adaptive structure across layers
+and modules, and its compensated export against the compensated masked model, on tiny random LLaMA, Mistral
+and Qwen2 models; `--method flap` on the tiny real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.arch import ModelAdapter
+from engine.budget import ParamBudget
+from engine.export import export_pruned
+from engine.masking import MaskHooks
+from engine.metrics import METRICS, MetricContext
+from engine.metrics.activations import input_means
+from engine.metrics.probability import initial_scores
+from engine.unit_types import UNIT_TYPES, unit_sizes
+from engine.units import UnitLayout
+
+from test_adapters_export import ARCHS, build_model
+from test_executors import batch
+
+
+def flap_scores(model, batches, units=("heads", "channels")):
+    a = ModelAdapter.for_model(model)
+    layout = UnitLayout({u: unit_sizes(a)[u] for u in units})
+    raw = METRICS["flap"].fn(MetricContext(a, layout, batches), list(units))
+    return a, layout, {u: torch.cat(raw[u]) for u in units}, raw
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_fluctuation_metric_equals_a_hand_computation(arch):
+    """var over the calibration tokens of each output-projection input column (n - 1), times the column's
+    squared norm, standardized per layer and module, averaged over a unit's columns."""
+    model = build_model(arch)
+    batches = [batch(model, rows=2, seqlen=11, seed=s) for s in (1, 2)]
+    a, layout, _, raw = flap_scores(model, batches)
+    for u in ("heads", "channels"):
+        t = UNIT_TYPES[u]
+        for i in range(a.num_layers):
+            proj, seen = t.output_proj(a, i), []
+            h = proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+            with torch.no_grad():
+                for b in batches:
+                    model(input_ids=b)
+            h.remove()
+            x = torch.cat(seen).double()
+            score = x.var(0, unbiased=True) * proj.weight.detach().double().pow(2).sum(0)
+            z = (score - score.mean()) / score.std()
+            want = z.view(-1, t.column_width(a)).mean(1)
+            torch.testing.assert_close(raw[u][i].double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_adaptive_structure_gives_layers_their_own_widths():
+    """Under one ranking across layers, a layer whose channel fluctuations are few and large (most of its
+    channels then sit just below its mean) keeps another share of channels than a layer whose are spread;
+    with the same statistics in every layer each layer would keep the same share."""
+    model = build_model("llama")
+    a = ModelAdapter.for_model(model)
+    with torch.no_grad():  # layer 0: three channels carry almost all of the fluctuation
+        w = a.mlp(0).output.weight
+        w[:, :3] *= 50.0
+    batches = [batch(model, rows=4, seqlen=16, seed=s) for s in (1, 2)]
+    _, layout, z, _ = flap_scores(model, batches, units=("channels",))
+    budget = ParamBudget(layout, "global", a)
+    keep = 0.7
+    s = budget.initial({"channels": initial_scores(z["channels"], layout, "channels", "global",
+                                                   budget.type_keeps(keep)["channels"], "sigmoid-norm", 0.8)}, keep)
+    kept = [int(m.sum()) for m in layout.split("channels", budget.hard_masks(s, keep)["channels"])]
+    assert len(set(kept)) > 1, kept  # the layers got different widths
+    assert kept[0] > max(kept[1:]), kept  # the skewed layer's bulk ranks above the others' low tails
+
+
+def test_the_adaptive_structure_splits_the_budget_between_modules_by_one_ranking():
+    model = build_model("llama")
+    a, layout, z, _ = flap_scores(model, [batch(model, rows=4, seqlen=16, seed=1)])
+    budget = ParamBudget(layout, "global", a)
+    z["heads"] = z["heads"] + 5.0  # every KV group far above every channel: the channels take the whole cut
+    keeps = budget.type_keeps(0.8, z)
+    assert keeps["heads"] == 1.0 and keeps["channels"] < 0.8
+    assert budget.type_keeps(0.8, None)["heads"] == pytest.approx(budget.type_keeps(0.8, None)["channels"])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_flap_compensated_export_equals_the_compensated_masked_model(arch, tmp_path, tiny):
+    model = build_model(arch)
+    batches = [batch(model, rows=4, seqlen=19, seed=5)]
+    a, layout, z, _ = flap_scores(model, batches)
+    budget, keep = ParamBudget(layout, "global", a), 0.7
+    keeps = budget.type_keeps(keep, z)
+    s = budget.initial({u: initial_scores(z[u], layout, u, "global", keeps[u], "sigmoid-norm", 0.8) for u in z}, keep)
+    masks = budget.hard_masks(s, keep)
+    assert budget.kept_params(masks) <= budget.kept_target(keep) + 1e-6
+    fill = input_means(a, batches)
+    ids = batch(model, rows=2, seqlen=19, seed=4)
+    with torch.no_grad(), MaskHooks(a) as hooks:
+        hooks.set({u: layout.split(u, m) for u, m in masks.items()}, fill)
+        compensated = model(input_ids=ids).logits
+    export_pruned(model, tiny[1], layout, masks, tmp_path / "m", fill)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, compensated, rtol=1e-4, atol=1e-4)
+
+
+def test_method_flap_is_metric_flap_with_compensation(tiny, tiny_path, small_eval_file, tmp_path):
+    from test_methods import run_tiny
+
+    results = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap")
+    assert results["method"] == "flap" and results["init"] == "flap" and results["steps"] == 0
+    assert results["ppl_pruned"] == pytest.approx(results["ppl_init"])
+    from engine.config import PruneConfig
+
+    saved = PruneConfig.load(tmp_path / "r" / "config.json")
+    assert saved.bias_compensation and saved.init == "flap"
+    assert abs(results["removed_of_decoder"] - 0.3) < 0.02
