@@ -109,7 +109,7 @@ class PruneRun:
         batch = self.sampler.next_batch()
         keep, lr = self.keep_ratio_at(state.step), self.lr_at(state.step)
         g = self.method.gradient(state, batch)
-        state.scores = self.budget.project({u: (s.double() - lr * g.grads[u]).float() for u, s in state.scores.items()}, keep)
+        state.scores = self.budget.project(self.method.next_scores(state, g.grads, lr), keep)
         state.step += 1
         seconds = time.perf_counter() - t0
         state.seconds_in_steps += seconds

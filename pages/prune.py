@@ -60,7 +60,8 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                           format_func=lambda m: {"pg": "policy gradient (forward passes only)",
                                                  "gumbel": "Gumbel-softmax (back-propagation, for comparison)",
                                                  "metric": "no optimisation: the init metric's top units",
-                                                 "flap": "FLAP one-shot (fluctuation metric, compensation)"}.get(m, m),
+                                                 "flap": "FLAP one-shot (fluctuation metric, compensation)",
+                                                 "bonsai": "Bonsai (forward passes only: sampled sub-models, regression)"}.get(m, m),
                           help=_ui.help_of(PruneConfig, "method"), key="method")
     layer_inits = list(_ui.choices(PruneConfig, "layer_init"))
     layer_init = c5.selectbox(_ui.label_of(PruneConfig, "layer_init"), layer_inits, index=layer_inits.index(D.layer_init),

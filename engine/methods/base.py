@@ -44,6 +44,11 @@ class Method:
     def gradient(self, state: "RunState", batch: torch.Tensor) -> StepGradient:
         raise NotImplementedError(f"method {self.name} does not optimise")
 
+    def next_scores(self, state: "RunState", grads: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
+        """The scores this step proposes, before the run projects them onto the budget: s - lr g (a method that
+        sets its scores itself, as Bonsai's rounds do, overrides this)."""
+        return {u: (s.double() - lr * grads[u]).float() for u, s in state.scores.items()}
+
     def final_scores(self, state: "RunState") -> dict[str, torch.Tensor]:
         """The scores the final masks are cut from (the best-val hook may take another step's instead)."""
         return state.scores
