@@ -48,9 +48,15 @@ ROWS: list[tuple[str, dict, bool]] = [  # (row, settings, optimises)
     ("PG heads + channels (global)", {**HC, "method": "pg", "scope": "global", "init": "taylor"}, True),
     ("PG heads + channels (uniform)", {**HC, "method": "pg", "scope": "uniform", "init": "taylor"}, True),
     ("PG layers (SLEB, score-const, best-val)", {**LAYERS, "method": "pg", "layer_init": "sleb"}, True),
+    # the peers of issue 24: FLAP one-shot, PG from FLAP, and Bonsai at PG's compute (its steps x N_s forwards)
+    ("FLAP (one-shot, with its bias compensation)", {**HC, "method": "flap", "scope": "global", "init": "flap"}, False),
+    ("PG from FLAP", {**HC, "method": "pg", "scope": "global", "init": "flap"}, True),
+    ("Bonsai (50 steps x N_s 8 forwards, as PG)", {**HC, "method": "bonsai", "scope": "global", "init": "wanda-sp"}, True),
+    # the joint method with the tool's own defaults (SLEB's layer order: about 30 CPU minutes more per cell)
+    ("PG joint, SLEB layer order (the defaults)", {**JOINT, "method": "pg", "init": "taylor", "layer_init": "sleb"}, True),
 ]
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
-             "PG heads + channels (global)", "Wanda-sp (uniform)")
+             "PG heads + channels (global)", "Wanda-sp (uniform)", "FLAP (one-shot, with its bias compensation)")
 
 
 def cells(rates: list[float], seeds: list[int]) -> list[Cell]:
