@@ -155,6 +155,8 @@ def live() -> None:
         st.progress(min(done_steps / total, 1.0),
                     text=f"{done_steps}/{total} steps · {last['seconds']:.2f} s/step · ETA {_ui.fmt_seconds(eta)} · "
                          f"running for {_ui.fmt_seconds(elapsed)}" if last else f"preparing · {snap.phase}")
+    if last and cfg.get("method") in METHODS and (line := METHODS[cfg["method"]].progress(cfg, done_steps)):
+        st.caption(f"{cfg['method']}: {line} · current loss {sum(last['losses']) / len(last['losses']):.3f}")
     _ui.render_run(snap.history, cfg, snap.head_mask, snap.result, key="job")
     if snap.status == DONE:
         st.success("Done. Compare it with the other scope on **Compare**, or talk to it on **Chat**.")

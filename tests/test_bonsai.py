@@ -53,3 +53,15 @@ def test_bonsai_options_are_checked():
         PruneConfig(method="bonsai", steps=3, method_options={"rounds": 5}).validate()
     with pytest.raises(UserError, match="ridge"):
         PruneConfig(method="bonsai", method_options={"ridge": 0.0}).validate()
+
+
+def test_the_progress_line_counts_rounds_and_samples():
+    from engine.methods import METHODS
+
+    config = {"method": "bonsai", "steps": 10, "num_mask_samples": 8, "method_options": {"rounds": 5}}
+    bonsai = METHODS["bonsai"]
+    assert bonsai.progress(config, 0) == "round 1 of 5: 0 sub-models sampled in it"
+    assert bonsai.progress(config, 1) == "round 1 of 5: 8 sub-models sampled in it"
+    assert bonsai.progress(config, 2) == "round 2 of 5: 0 sub-models sampled in it"
+    assert bonsai.progress(config, 9) == "round 5 of 5: 8 sub-models sampled in it"
+    assert METHODS["pg"].progress(config, 3) is None

@@ -44,6 +44,11 @@ class Method:
     def gradient(self, state: "RunState", batch: torch.Tensor) -> StepGradient:
         raise NotImplementedError(f"method {self.name} does not optimise")
 
+    @classmethod
+    def progress(cls, config: dict, step: int) -> str | None:
+        """A line on where the method is after `step` steps, for the app (None: the step count says it all)."""
+        return None
+
     def next_scores(self, state: "RunState", grads: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
         """The scores this step proposes, before the run projects them onto the budget: s - lr g (a method that
         sets its scores itself, as Bonsai's rounds do, overrides this)."""

@@ -80,6 +80,16 @@ class Bonsai(Method):
         return StepGradient(losses, {u: torch.zeros_like(s, dtype=torch.float64) for u, s in state.scores.items()},
                             float(losses.mean()))
 
+    @classmethod
+    def progress(cls, config: dict, step: int) -> str | None:
+        """"round r of R, n sub-models sampled in it" (the app's progress line)."""
+        rounds = int((config.get("method_options") or {}).get("rounds", BonsaiOptions.rounds))
+        steps, n_s = int(config.get("steps", 1)), int(config.get("num_mask_samples", 1))
+        ends = [(r * steps) // rounds for r in range(1, rounds + 1)]
+        r = next((k for k, end in enumerate(ends) if step < end), rounds - 1)
+        start = ends[r - 1] if r else 0
+        return f"round {r + 1} of {rounds}: {(step - start) * n_s} sub-models sampled in it"
+
     def next_scores(self, state, grads, lr):
         return self._probabilities(state)
 
