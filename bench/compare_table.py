@@ -179,6 +179,7 @@ def main() -> None:
         return
     if not args.report_only:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(out / "metric_cache"))  # cells share SLEB's order
         model_dir = plain_copy(args.model, out / "model")
         for c in queue:
             timed_cell(c, args, model_dir, cells_dir)

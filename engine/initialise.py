@@ -3,6 +3,10 @@ init perplexities."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +33,29 @@ def metric_batches(c, units: list[str]) -> int:
     return max(c.layer_init_batches if UNIT_TYPES[u].whole_layer else c.init_batches for u in units)
 
 
+def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricContext) -> dict[str, list[torch.Tensor]]:
+    """METRICS[name] on ctx, or its earlier result from the folder $PG_PRUNE_METRIC_CACHE when one is set (a
+    bench's cells share SLEB's 30 CPU minutes this way): keyed by the metric, the unit types, the model, the
+    keep ratio, the seed and the calibration batches themselves, so a cached value is the same computation's."""
+    folder = os.environ.get("PG_PRUNE_METRIC_CACHE")
+    if not folder:
+        return METRICS[name].fn(ctx, units)
+    h = hashlib.sha1(json.dumps([name, units, run.source.path, run.source.gguf_file, ctx.keep_ratio, ctx.seed,
+                                 run.config.dtype]).encode())
+    for b in ctx.batches:
+        h.update(b.numpy().tobytes())
+    path = Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
+    if path.is_file():
+        run.log(f"{name}: taken from the metric cache {path}")
+        return torch.load(path)
+    out = METRICS[name].fn(ctx, units)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(out, tmp)
+    os.replace(tmp, path)
+    return out
+
+
 def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The standardized importance metric of every unit type (flat; higher = keep)."""
     c, wanted = run.config, metric_names(run)
@@ -38,7 +65,7 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
         ctx = MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
                             seed=c.seed + 2, progress=run.progress, log=run.log)
         run.log(f"computing the {name} metric for {', '.join(units)}")
-        raw.update(METRICS[name].fn(ctx, units))
+        raw.update(cached_metric(run, name, units, ctx))
     return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])
             for u in run.layout.unit_types}
 

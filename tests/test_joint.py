@@ -61,3 +61,19 @@ def test_a_candidate_removes_the_least_important_layers_and_cuts_width_to_the_re
     kept = run.budget.kept_params(masks)
     heaviest = max(float(run.budget.weights[u].max()) for u in ("heads", "channels"))
     assert run.budget.kept_target(keep) - heaviest < kept <= run.budget.kept_target(keep) + 1e-6
+
+
+def test_the_metric_cache_returns_the_same_computation(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """$PG_PRUNE_METRIC_CACHE: a second run with the same metric, model, budget, seed and batches reads the
+    first one's result (and ends on the same mask); another seed computes its own."""
+    from test_methods import run_tiny
+
+    monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(tmp_path / "cache"))
+    kw = dict(method="metric", units=["layers"], layer_init="sleb", prune_ratio=0.5)
+    first = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "a", **kw)
+    files = sorted((tmp_path / "cache").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("sleb-")
+    second = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "b", **kw)
+    assert sorted((tmp_path / "cache").iterdir()) == files and second["kept_per_layer"] == first["kept_per_layer"]
+    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "c", seed=1, **kw)
+    assert len(list((tmp_path / "cache").iterdir())) == 2
