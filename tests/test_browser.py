@@ -329,7 +329,9 @@ def test_browser_end_to_end(server, browser):
         wait(lambda: "removed different numbers of parameters" in page_text(d), what="the parameter warning")
         text = page_text(d)
         assert "Traceback" not in text and "Error" not in text.split("Compare", 1)[-1][:50]
-        assert "zz-layers [" in text.replace("  ", " ") and "zz-layers-width [" in text.replace("  ", " "), text[:2000]
+        # The chosen runs are the comboboxes' values (Streamlit's selectbox is an <input>, not text on the page).
+        chosen = [by_label(d, f"Run {x}").get_attribute("value") for x in "AB"]
+        assert chosen[0].startswith("zz-layers ") and chosen[1].startswith("zz-layers-width "), chosen
         shot(d, "compare-layers", plots=2)
     print(f"browser test took {time.time() - t0:.0f} s")
 
