@@ -54,6 +54,11 @@ ROWS: list[tuple[str, dict, bool]] = [  # (row, settings, optimises)
     ("Bonsai (50 steps x N_s 8 forwards, as PG)", {**HC, "method": "bonsai", "scope": "global", "init": "wanda-sp"}, True),
     # the joint method with the tool's own defaults (SLEB's layer order: about 30 CPU minutes more per cell)
     ("PG joint, SLEB layer order (the defaults)", {**JOINT, "method": "pg", "init": "taylor", "layer_init": "sleb"}, True),
+    # the joint method on the strongest one-shot parts: SLEB's layers, FLAP's widths (one ranking across types) and
+    # its bias compensation, the mix chosen on compensated losses over every layer count
+    ("Joint one-shot (SLEB + FLAP, compensated, best mix)", {**JOINT, "method": "flap", "init": "flap", "layer_init": "sleb"}, False),
+    ("PG joint from SLEB + FLAP (compensated)", {**JOINT, "method": "pg", "init": "flap", "layer_init": "sleb",
+                                                 "bias_compensation": True}, True),
 ]
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
              "PG heads + channels (global)", "Wanda-sp (uniform)", "FLAP (one-shot, with its bias compensation)")

@@ -79,10 +79,12 @@ def fresh_state(run: "PruneRun") -> RunState:
     batches = [run.sampler.next_batch() for _ in range(n)] if needs_data else []
     z = initial_metric(run, batches)
     keep0, mix = run.keep_ratio_at(0), None
+    for hook in run.hooks:
+        hook.before_scores(batches)
+    comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
     if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
-        scores, mix = choose_mix(run, z, run.val_batches or batches[:4], keep0)
+        scores, mix = choose_mix(run, z, run.val_batches or batches[:4], keep0, comparable=frozenset(comparable))
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
-        comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
         keeps = run.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)
         scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), c.prob_map_for(u),
                                                        c.score_const) for u in run.layout.unit_types}, keep0)

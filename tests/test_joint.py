@@ -77,3 +77,45 @@ def test_the_metric_cache_returns_the_same_computation(tiny, tiny_path, small_ev
     assert sorted((tmp_path / "cache").iterdir()) == files and second["kept_per_layer"] == first["kept_per_layer"]
     run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "c", seed=1, **kw)
     assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def width_share(budget, masks, u):
+    """The share of width type u's parameters kept in the layers the mask keeps."""
+    in_kept = masks["layers"][budget.width_layer[u]] > 0.5
+    w = budget.weights[u][in_kept]
+    return float((w * (masks[u][in_kept] > 0.5)).sum() / w.sum())
+
+
+def test_comparable_width_metrics_split_the_width_by_one_ranking():
+    """With FLAP-like metrics (comparable across types) the candidate's width goes where the one ranking puts it:
+    heads scored far above every channel keep all of theirs and channels lose the whole width budget; without
+    comparability both types keep the same share."""
+    run, z, adapter, _ = fake_run(keep=0.8)
+    keep = 0.8
+    z["heads"], z["channels"] = z["heads"].abs() + 10.0, z["channels"] - 10.0
+    b = run.budget
+    equal = b.hard_masks(candidate_scores(b, z, run.layout, 0, keep, run.config), keep)
+    ranked = b.hard_masks(candidate_scores(b, z, run.layout, 0, keep, run.config, frozenset({"heads", "channels"})), keep)
+    assert width_share(b, ranked, "heads") == 1.0 and width_share(b, ranked, "channels") < width_share(b, equal, "channels")
+    assert abs(width_share(b, equal, "heads") - width_share(b, equal, "channels")) < 0.35  # (KV groups round coarsely)
+    assert b.expected_kept(candidate_scores(b, z, run.layout, 0, keep, run.config, frozenset({"heads", "channels"}))) \
+        <= b.kept_target(keep) * (1 + 1e-6)
+
+
+def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """--bias-compensation: the means are measured before the mix is chosen, so every candidate's loss is the
+    compensated model's (the same masking the run optimises and exports)."""
+    import engine.initialise as initialise
+    from test_methods import run_tiny
+
+    seen = []
+    real = initialise.choose_mix
+
+    def spy(run, *a, **kw):
+        seen.append(run.ctx.fill)
+        return real(run, *a, **kw)
+
+    monkeypatch.setattr(initialise, "choose_mix", spy)
+    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", units=["layers", "heads", "channels"],
+             layer_init="sleb", prune_ratio=0.5, budget="params")
+    assert len(seen) == 1 and seen[0] is not None and set(seen[0]) == {"heads", "channels"}

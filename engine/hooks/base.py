@@ -34,6 +34,10 @@ class RunHook:
     def on_setup(self) -> None:
         """The run is built (model, layout and data loaded): check the config against the model, set schedules."""
 
+    def before_scores(self, batches: list[torch.Tensor]) -> None:
+        """A fresh run: the init metric is computed on `batches`, the initial scores are not yet chosen (the
+        joint method's mix is chosen on masked losses that this hook's masking already applies to)."""
+
     def on_init(self, state: "RunState", batches: list[torch.Tensor]) -> None:
         """A fresh state: scores initialised, the init perplexities not yet measured."""
 

@@ -22,9 +22,13 @@ class BiasCompensation(RunHook):
     def applies(config) -> bool:
         return config.bias_compensation
 
-    def on_init(self, state, batches) -> None:
+    def before_scores(self, batches) -> None:  # (so that the joint method's candidate losses are compensated)
         self.run.log("measuring mean inputs of the output projections (bias compensation)")
-        state.input_means = input_means(self.run.adapter, batches)
+        self.means = input_means(self.run.adapter, batches)
+        self.run.ctx.fill = compensation_fill(self.means, self.run.layout.unit_types)
+
+    def on_init(self, state, batches) -> None:
+        state.input_means = self.means
         self.on_resume(state)
 
     def on_resume(self, state) -> None:
