@@ -1,5 +1,9 @@
 """Policy-gradient structural pruning of decoder-only LLMs (KV groups and MLP channels)."""
 
+import time
+
+IMPORTED = time.monotonic()  # before torch and transformers load: the CLI's --time-budget counts from here
+
 _registered = False
 
 

@@ -108,7 +108,7 @@ class Checkpoints:
             if now["steps"] != then["steps"] and len(self.run.stages) > 1:
                 raise UserError(f"the number of steps of a random-progressive run cannot change on resume (its "
                                 f"stages are laid out over them): keep steps {then['steps']}")
-        if state.step > c.steps:
+        if state.step > c.steps and c.time_budget is None:  # (a time budget plans its own count)
             raise UserError(f"the checkpoint is at step {state.step}, past steps {c.steps}: steps cannot go below "
                             "the steps already done")
 

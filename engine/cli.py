@@ -11,6 +11,7 @@ import sys
 import typing
 from pathlib import Path
 
+from . import IMPORTED
 from .config import PRESETS, PruneConfig
 from .fields import choices_of
 from .methods import METHODS
@@ -256,7 +257,7 @@ def cmd_prune(args) -> int:
         try:
             held.enter_context(folder_lock(out, what="prune into"))  # held to the end: one writer at a time
             check_out_dir(out, args.resume, args.overwrite, clear=False)  # again, now that nobody else writes
-            run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr))
+            run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr), started=IMPORTED)
             if args.resume and (out / CHECKPOINT_FILE).exists():
                 run.load_checkpoint()  # an edited config.json or a --steps below the checkpoint fail here
             if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation

@@ -131,7 +131,12 @@ class PruneConfig:
                                            "per layer and batch, SLEB once per layer, removal and batch")
     # the defaults: the best quality per CPU minute measured on the default model (docs/pg-optimizer.md); the
     # paper's settings are the preset "paper"
-    steps: int = setting(50, minimum=1, label="Steps", help="optimisation steps")
+    steps: int = setting(50, minimum=1, label="Steps", help="optimisation steps (with --time-budget: the plan until the first step is timed)")
+    time_budget: float | None = setting(None, minimum=0.0, exclusive=True, label="Time budget (minutes)",
+                                        help="methods that optimise: the whole run's wall minutes (loading, evaluations and "
+                                             "export included); the step count follows from the measured step time, "
+                                             "re-planned after every step, and the schedules stretch to it (default: off, "
+                                             "--steps steps)")
     lr: float = setting(0.02, label="Learning rate η",
                         help="learning rate eta (the paper: 0.002; short CPU runs do better near 0.02)")
     lr_schedule: str = setting("cosine", choices=LR_SCHEDULES, label="LR schedule", help="cosine decays it to 0 over the steps")
@@ -227,6 +232,8 @@ class PruneConfig:
             setattr(self, name, value)
         # the method's own settings, validated by the method and stored whole (defaults written out)
         self.method_options = dataclasses.asdict(options) if (options := method_options(self.method, self.method_options, self)) else {}
+        if self.time_budget is not None and self.init == "random-progressive":
+            bad("time budget: random-progressive's stages are fixed by --steps; use --steps with it")
         if not METHODS[self.method].optimises and self.init == "random-progressive":
             bad(f"random-progressive is a schedule of the optimisation; method {self.method} has none (use init random)")
         return self

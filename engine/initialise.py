@@ -93,7 +93,7 @@ def fresh_state(run: "PruneRun") -> RunState:
                      init_metric=z, init_mix=mix, init_mask_scores=run.budget.init_mask_scores(scores))
     for hook in run.hooks:
         hook.on_init(state, batches)
-    state.ppl_dense = run.masked_perplexity(None, "dense")
+    state.ppl_dense = run.masks.dense_perplexity()
     state.ppl_init = run.masked_perplexity(run.hard_masks(state.init_mask_scores or z), "init")
     return state
 

@@ -68,10 +68,14 @@ def _run_data(tokenizer, config: PruneConfig):
 class PruneRun:
     """One pruning run bound to its output folder. Model and data are loaded once, here."""
 
-    def __init__(self, config: PruneConfig, out_dir: str | Path, model=None, tokenizer=None, log: Callable[[str], None] = print):
+    def __init__(self, config: PruneConfig, out_dir: str | Path, model=None, tokenizer=None, log: Callable[[str], None] = print,
+                 started: float | None = None):
+        # --time-budget counts the run's whole wall time from `started` (time.monotonic(); default: now)
+        self.started = time.monotonic() if started is None else started
         self.config, c = config.validate(), config
         self.out, self.log, self.progress = Path(out_dir), log, True  # progress: tqdm bars (run(progress=False): off)
         self.source = resolve_model(c.model)
+        self.from_disk = model is None  # (the dense perplexity is cached only for a model read from its files)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
         self.model, self.tokenizer = model, tokenizer
@@ -116,11 +120,11 @@ class PruneRun:
         hard = self.hard_masks(state.scores, keep)
         detailed = [u for u in state.scores if UNIT_TYPES[u].report_scores]  # the heatmap's data
         return StepReport(
-            step=state.step, total_steps=c.steps, losses=[float(x) for x in g.losses], baseline=float(g.baseline), lr=lr,
+            step=state.step, total_steps=self.ctx.steps, losses=[float(x) for x in g.losses], baseline=float(g.baseline), lr=lr,
             mean_score={u: self.layout.layer_means(u, s) for u, s in state.scores.items()},
             kept_fraction={u: self.layout.layer_means(u, m) for u, m in hard.items()},
             head_scores=[p.tolist() for p in self.layout.split(detailed[0], state.scores[detailed[0]])] if detailed else None,
-            seconds=seconds, eta_seconds=(state.seconds_in_steps / state.step) * (c.steps - state.step), keep_ratio=keep)
+            seconds=seconds, eta_seconds=(state.seconds_in_steps / state.step) * max(self.ctx.steps - state.step, 0), keep_ratio=keep)
 
     def run(self, resume: bool = False, observer: Observer | None = None, stop: threading.Event | None = None,
             progress: bool = True) -> dict:
@@ -133,7 +137,7 @@ class PruneRun:
             state = start_state(self, resume)
             stopped = self._loop(state, observer, stop)
             if stopped:
-                self.log(f"stopped at step {state.step}/{self.config.steps}; state saved, resume with --resume")
+                self.log(f"stopped at step {state.step}/{self.ctx.steps}; state saved, resume with --resume")
                 return {"status": "stopped", "step": state.step}
             return self.finish(state)
 
@@ -144,11 +148,13 @@ class PruneRun:
         if self.progress and self.method.optimises:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=c.steps, initial=state.step, desc="pruning", unit="step")
+            bar = tqdm(total=self.ctx.steps, initial=state.step, desc="pruning", unit="step")
         good, saved_at = self.checkpoints.snapshot(state), time.monotonic()  # the last finished step
+        for hook in self.hooks:
+            hook.on_start(state)
         try:
             with open(self.out / METRICS_FILE, "a") as metrics, contextlib.closing(bar) if bar else contextlib.nullcontext():
-                while self.method.optimises and state.step < c.steps:
+                while self.method.optimises and state.step < self.ctx.steps:  # (--time-budget re-plans ctx.steps)
                     if stop is not None and stop.is_set():
                         return True
                     report = self.step(state)
@@ -162,6 +168,7 @@ class PruneRun:
                     metrics.write(line + "\n")
                     metrics.flush()
                     if bar is not None:
+                        bar.total = self.ctx.steps
                         bar.update(1)
                         bar.set_postfix(loss=f"{sum(report.losses) / len(report.losses):.3f}", baseline=f"{report.baseline:.3f}")
                     if observer is not None:
@@ -173,7 +180,7 @@ class PruneRun:
                         saved_at = time.monotonic()
             return False
         except KeyboardInterrupt:  # (another error leaves the last checkpoint as it is, as a crash would)
-            self.log(f"interrupted: the checkpoint holds step {good.step}/{c.steps}; continue with --resume")
+            self.log(f"interrupted: the checkpoint holds step {good.step}/{self.ctx.steps}; continue with --resume")
             raise
         finally:
             if not isinstance(sys.exc_info()[1], Exception):

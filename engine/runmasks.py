@@ -3,10 +3,12 @@ mask costs in perplexity."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from . import ppl_cache
 from .evaluate import batch_loss, perplexity
 from .policy import LR_SCHEDULE_FNS, stage_at
 
@@ -14,17 +16,28 @@ if TYPE_CHECKING:  # annotations only
     from .pruner import PruneRun
 
 
+def mask_key(flat_masks: dict[str, torch.Tensor] | None, fill) -> tuple:
+    """What a perplexity depends on besides the run's model and windows: the hard masks' values (None: dense)
+    and the compensation asked for (the run's, `...`, or another object)."""
+    if flat_masks is None:
+        return (None,)
+    return (tuple((u, (m > 0.5).numpy().tobytes()) for u, m in sorted(flat_masks.items())),
+            "run" if fill is ... else id(fill))
+
+
 class RunMasks:
     def __init__(self, run: "PruneRun"):
         self.run = run
+        self.measured: dict[tuple, float] = {}  # mask_key -> perplexity, within this process
+        self.longest_eval = 0.0  # wall seconds of the longest evaluation (--time-budget's reserve for the last one)
 
     def keep_ratio_at(self, step: int) -> float:
         """The budget at 0-based `step`: the target, or the current stage's (progressive)."""
-        return 1.0 - stage_at(self.run.stages, step, self.run.config.steps)[0]
+        return 1.0 - stage_at(self.run.stages, step, self.run.ctx.steps)[0]
 
     def lr_at(self, step: int) -> float:
         """The learning-rate schedule over the run, or over each stage (progressive)."""
-        _, into, length = stage_at(self.run.stages, step, self.run.config.steps)
+        _, into, length = stage_at(self.run.stages, step, self.run.ctx.steps)  # (the planned count: --time-budget stretches it)
         return LR_SCHEDULE_FNS[self.run.config.lr_schedule](self.run.config.lr, into, length)
 
     def hard_masks(self, scores: dict[str, torch.Tensor], keep_ratio: float | None = None) -> dict[str, torch.Tensor]:
@@ -44,16 +57,40 @@ class RunMasks:
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         return {u: self.run.layout.split(u, m) for u, m in flat.items()}
 
+    def dense_perplexity(self) -> float:
+        """The dense model's perplexity, from the cache (engine/ppl_cache.py) when this model's files, dtype,
+        device and windows were evaluated before."""
+        r, c = self.run, self.run.config
+        fingerprint = ppl_cache.model_fingerprint(r.source.path, r.source.gguf_file) if r.from_disk else None
+        key = ppl_cache.dense_key(fingerprint, c.dtype, c.device, r.windows) if fingerprint else None
+        cached = ppl_cache.lookup(key) if key else None
+        if cached is not None:
+            r.log(f"dense perplexity: {cached:.3f} (cached: the same model files and windows were evaluated before)")
+            self.measured[mask_key(None, ...)] = cached
+            return cached
+        ppl = self.masked_perplexity(None, "dense")
+        if key:
+            ppl_cache.store(key, ppl)
+        return ppl
+
     def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str, fill=...) -> float:
         """WikiText perplexity of the dense model (None) or under one hard mask, computed by the run's executor
         (the sliced one computes only the kept units): exp of the mean over windows of each window's mean loss.
-        fill: compensation means other than the run's (None: none)."""
+        fill: compensation means other than the run's (None: none). A mask evaluated before in this process (a
+        one-shot method's final mask is its init mask; best-val often returns it) is not evaluated again."""
+        key = mask_key(flat_masks, fill)
+        if key in self.measured:
+            self.run.log(f"{what} perplexity: {self.measured[key]:.3f} (the same mask as evaluated before)")
+            return self.measured[key]
         self.run.log(f"evaluating {what} perplexity on {self.run.windows.shape[0]} windows of {self.run.config.eval_seqlen} tokens")
 
         def masked_loss(model, batch):  # the executor gives the batch's mean; every row counts it once
             return self.run.ctx.losses({u: m[None] for u, m in flat_masks.items()}, batch, fill).expand(batch.shape[0])
 
+        t0 = time.monotonic()
         ppl = perplexity(self.run.model, self.run.windows, self.run.config.eval_batch_size, self.run.progress,
                          batch_loss if flat_masks is None else masked_loss)
+        self.longest_eval = max(self.longest_eval, time.monotonic() - t0)
         self.run.log(f"{what} perplexity: {ppl:.3f}")
+        self.measured[key] = ppl
         return ppl

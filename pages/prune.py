@@ -54,6 +54,9 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                         help=_ui.help_of(PruneConfig, "init"), key="init")
     steps = c3.number_input(_ui.label_of(PruneConfig, "steps"), 1, 100_000, D.steps,
                             help=_ui.help_of(PruneConfig, "steps"), key="steps")
+    time_budget = c3.number_input(_ui.label_of(PruneConfig, "time_budget"), min_value=0.0, max_value=10_000.0, value=None,
+                                  step=1.0, placeholder="off: run the steps", help=_ui.help_of(PruneConfig, "time_budget"),
+                                  key="time_budget")
     c4, c5 = st.columns(2)
     methods = list(_ui.choices(PruneConfig, "method"))
     method = c4.selectbox(_ui.label_of(PruneConfig, "method"), methods, index=methods.index(D.method),
@@ -92,6 +95,7 @@ if submitted:
         config = PruneConfig(
             model=DEFAULT_MODEL if choice == "default" else local_path.strip(), units=list(units), prune_ratio=float(rate),
             scope=scope, method=method, init=init, layer_init=layer_init, steps=int(steps), **hyper,
+            time_budget=float(time_budget) if time_budget else None,
             method_options=method_values.get(method, {}), max_windows=int(max_windows) or None,
             unit_multiple={"channels": int(channel_multiple)} if channel_multiple > 1 and "channels" in units else {},
         )
@@ -145,7 +149,7 @@ def live() -> None:
                 st.code(snap.error_detail)
         return
 
-    total = cfg.get("steps", 1)
+    total = (last or {}).get("total_steps") or cfg.get("steps", 1)  # (a --time-budget run re-plans its count)
     done_steps = last["step"] if last else 0
     if snap.status == DONE:
         st.progress(1.0, text=f"{done_steps}/{total} steps · done")

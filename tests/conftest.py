@@ -61,6 +61,13 @@ def run_engine(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess
                           text=True, timeout=timeout)
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """Every test its own dense-perplexity cache (engine/ppl_cache.py), so no test reads another's figure (child
+    processes inherit it through the environment)."""
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     assert (TINY_MODEL / "config.json").is_file(), f"the tiny test model is missing at {TINY_MODEL}"

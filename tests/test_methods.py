@@ -390,3 +390,23 @@ def test_every_method_and_init_runs_under_both_budgets(combo, scope, budget, tin
         slack = one * (adapter.num_layers if scope == "uniform" and "layers" not in results["units"] else 1)
         removed, target = results["params_removed"], ratio * results["params_decoder"]
         assert target - 1e-6 <= removed < target + slack, (removed, target, slack)
+
+
+def test_a_mask_is_evaluated_once(tiny, tiny_path, small_eval_file, tmp_path):
+    """A one-shot method's final mask is its init mask: the pruned perplexity is the init's, not a second pass
+    over the windows; another mask (PG's after steps, seen through a different mask) is evaluated anew."""
+    logs = []
+    config = small_config(tiny_path, small_eval_file, method="flap")
+    results = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=logs.append).run(progress=False)
+    passes = [m for m in logs if m.startswith("evaluating")]
+    assert [m.split(" perplexity")[0] for m in passes] == ["evaluating dense", "evaluating init"]
+    assert results["ppl_pruned"] == results["ppl_init"]
+    run = PruneRun(small_config(tiny_path, small_eval_file, method="metric"), tmp_path / "s", model=tiny[0],
+                   tokenizer=tiny[1], log=logs.append)
+    masks = {u: torch.ones(run.layout.total(u)) for u in run.layout.unit_types}
+    first = run.masked_perplexity(masks, "a")
+    masks["channels"][:5] = 0
+    n = len([m for m in logs if m.startswith("evaluating")])
+    assert run.masked_perplexity(masks, "b") != first and len([m for m in logs if m.startswith("evaluating")]) == n + 1
+    assert run.masked_perplexity(masks, "c") == run.masked_perplexity(dict(masks), "d")
+    assert len([m for m in logs if m.startswith("evaluating")]) == n + 1

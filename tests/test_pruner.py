@@ -415,6 +415,7 @@ def test_default_model_short_run(tmp_path, small_eval_file):
         dense = run.model(input_ids=ids).logits.float()
         got = exported(input_ids=ids).logits.float()
     # float32 over 30 layers: sliced and masked matmuls round differently (measured ~5e-4 on logits of
-    # magnitude ~20); a wrong slice would move logits by whole units, as pruning itself does
+    # magnitude ~20, and 2.4e-3 on 4 of 638,976 logits on another host's CPU); a wrong slice would move logits
+    # by whole units, as pruning itself does
     assert float((masked - dense).abs().max()) > 1.0
-    torch.testing.assert_close(got, masked, atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(got, masked, atol=5e-3, rtol=1e-4)

@@ -5,6 +5,8 @@ calls every joined hook in RUN_HOOKS' order and never branches on an option's na
     progressive    random-progressive: the budget raised in stages (a schedule, not an init metric)
     compensation   FLAP's bias compensation: removed inputs replaced by their calibration means
     multiples      every layer keeps a multiple of N units (llama.cpp blocks)
+    time_budget    --time-budget MIN: the step count planned from the measured step time (before validation,
+                   so the last planned step is validated)
     validation     held-out perplexity of the hard mask every --val-every steps (and of the init mask)
     best_val       --final-mask best-val: the best-validated step's scores are the final ones
     ranking        --within-layer-ranking init-metric: per-layer counts from the scores, units by the metric
@@ -13,6 +15,6 @@ calls every joined hook in RUN_HOOKS' order and never branches on an option's na
 from __future__ import annotations
 
 from .base import RUN_HOOKS, RunHook, register_hook
-from . import progressive, compensation, multiples, validation, best_val, ranking  # noqa: E402,F401  (in this order)
+from . import progressive, compensation, multiples, time_budget, validation, best_val, ranking  # noqa: E402,F401  (in this order)
 
 __all__ = ["RUN_HOOKS", "RunHook", "register_hook"]

@@ -44,6 +44,9 @@ class RunHook:
     def on_resume(self, state: "RunState") -> None:
         """A state read back from the checkpoint."""
 
+    def on_start(self, state: "RunState") -> None:
+        """The steps are about to begin (after the init evaluations, or the checkpoint read back)."""
+
     def on_step(self, state: "RunState", report: "StepReport") -> None:
         """A step is done; its report is not yet written."""
 

@@ -33,6 +33,6 @@ class Validation(RunHook):
 
     def on_step(self, state, report) -> None:
         c = self.run.config
-        if state.step % c.val_every == 0 or state.step == c.steps:
+        if state.step % c.val_every == 0 or state.step == self.run.ctx.steps:
             report.val_ppl = self.validate(state)
             check_finite(f"step {state.step}", {}, {"held-out perplexity": report.val_ppl})

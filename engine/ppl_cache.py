@@ -1,0 +1,68 @@
+"""The dense model's perplexity, remembered across runs (issue 28: a fixed cost every run paid again).
+
+A run that loaded its model from disk looks up the dense perplexity under a key made of everything it depends
+on: the model's files (name, size and modification time of each), the dtype and device, and the evaluation
+windows' token ids themselves (so the data file, its tokenization, the window length and count are all in
+it). A model handed in memory (tests, the app's own copies) is never cached: nothing ties it to its files.
+
+The folder is $PG_PRUNE_CACHE, or ~/.cache/pg-prune; PG_PRUNE_CACHE=off turns the cache off."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".model")
+
+
+def cache_dir() -> Path | None:
+    value = os.environ.get("PG_PRUNE_CACHE")
+    if value is not None and value.strip().lower() in ("", "off", "0", "none"):
+        return None
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "pg-prune"
+
+
+def model_fingerprint(path: str, gguf_file: str | None = None) -> list | None:
+    """(name, size, mtime) of the model's files: a folder's weights and configs, or the GGUF file; None when
+    the model is not on this disk (a hub id)."""
+    p = Path(path)
+    files = [p / gguf_file] if gguf_file else ([p] if p.is_file() else
+                                               sorted(f for f in p.iterdir() if f.suffix in MODEL_FILE_SUFFIXES) if p.is_dir() else [])
+    if not files or not all(f.is_file() for f in files):
+        return None
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def dense_key(fingerprint: list, dtype: str, device: str, windows: torch.Tensor) -> str:
+    h = hashlib.sha1(json.dumps([fingerprint, str(dtype), str(device), list(windows.shape)]).encode())
+    h.update(windows.contiguous().numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+def lookup(key: str) -> float | None:
+    folder = cache_dir()
+    f = folder / f"dense-{key}.json" if folder else None
+    if f is None or not f.is_file():
+        return None
+    try:
+        value = json.loads(f.read_text())["ppl_dense"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged entry is measured again (and rewritten)
+    return float(value) if isinstance(value, (int, float)) and value == value and value > 0 else None
+
+
+def store(key: str, ppl: float) -> None:
+    folder = cache_dir()
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"dense-{key}.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({"ppl_dense": ppl}) + "\n")
+        os.replace(tmp, folder / f"dense-{key}.json")
+    except OSError:
+        pass  # a read-only home: the run goes on, measuring next time too

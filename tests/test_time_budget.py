@@ -1,0 +1,102 @@
+"""--time-budget MIN (issue 28): the step count planned from the measured step time, the schedules stretched to
+it, the run ending within one step of its limit, and a resumed run planning what is left. The steps' cost is
+a fake clock (each step advances it), so the figures are exact and the tests fast."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import pytest
+
+from engine.errors import UserError
+from engine.hooks.time_budget import EXPORT_SECONDS, RESERVE_FACTOR, TimeBudget, planned_steps
+from engine.policy import LR_SCHEDULE_FNS
+from engine.pruner import PruneRun
+
+from test_pruner import small_config
+
+
+def test_planned_steps_fit_what_is_left():
+    assert planned_steps(done=3, elapsed=10.0, limit=60.0, per_step=2.0, reserve=5.0) == 3 + 22
+    assert planned_steps(done=3, elapsed=58.0, limit=60.0, per_step=2.0, reserve=5.0) == 3  # no room: stop now
+    assert planned_steps(done=0, elapsed=0.0, limit=60.0, per_step=0.0, reserve=0.0) == 0
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def budget_run(tiny, tiny_path, eval_file, out, clock, costs, minutes=1.0, **kw):
+    """A PG run under a time budget whose k-th step (0-based, over sessions) costs costs(k) fake seconds."""
+    config = small_config(tiny_path, eval_file, time_budget=minutes, steps=4, val_every=5, checkpoint_every=1000, **kw)
+    run = PruneRun(config, out, model=tiny[0], tokenizer=tiny[1], log=lambda m: None, started=clock.t)
+    hook = next(h for h in run.hooks if isinstance(h, TimeBudget))
+    hook.clock = clock
+    gradient = run.method.gradient
+
+    def timed(state, batch):
+        clock.t += costs(state.step)
+        return gradient(state, batch)
+
+    run.method.gradient = timed
+    return run
+
+
+def lines(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_run_ends_within_one_step_of_its_limit_and_the_schedule_stretches(tiny, tiny_path, small_eval_file, tmp_path):
+    clock = FakeClock()
+    run = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "r", clock, lambda k: 2.0)
+    results = run.run(progress=False)
+    reserve = RESERVE_FACTOR * run.masks.longest_eval + EXPORT_SECONDS
+    steps = results["steps"]
+    assert steps == math.floor((60.0 - reserve) / 2.0)  # every step costs 2 s; the end is reserved
+    assert steps * 2.0 + reserve <= 60.0 < (steps + 1) * 2.0 + reserve  # within one step of the limit
+    assert results["time_used"]["seconds"] == pytest.approx(steps * 2.0)
+    got = lines(tmp_path / "r")
+    assert [ln["step"] for ln in got] == list(range(1, steps + 1))
+    cosine = LR_SCHEDULE_FNS["cosine"]
+    # from step 1 on, the plan is the whole run: the lr follows a cosine over `steps`, not over --steps 4
+    assert [ln["lr"] for ln in got] == pytest.approx([cosine(0.05, k, steps) for k in range(steps)])
+    assert all(ln["total_steps"] == steps for ln in got)
+    assert got[-1]["val_ppl"] is not None  # the last planned step is validated
+
+
+def test_a_slower_step_shrinks_the_plan(tiny, tiny_path, small_eval_file, tmp_path):
+    clock = FakeClock()
+    run = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "r", clock, lambda k: 1.0 if k < 10 else 3.0)
+    results = run.run(progress=False)
+    got = lines(tmp_path / "r")
+    assert got[5]["total_steps"] > results["steps"]  # planned at 1 s a step, then re-planned
+    reserve = RESERVE_FACTOR * run.masks.longest_eval + EXPORT_SECONDS
+    assert abs(results["time_used"]["seconds"] + reserve - 60.0) <= 3.0  # within one (slow) step of the limit
+
+
+def test_a_resumed_run_plans_what_is_left(tiny, tiny_path, small_eval_file, tmp_path):
+    clock = FakeClock()
+    whole = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "a", clock, lambda k: 2.0).run(progress=False)
+    clock = FakeClock()
+    stop = threading.Event()
+    run = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "b", clock, lambda k: 2.0)
+    run.run(progress=False, observer=lambda report: report.step == 7 and stop.set(), stop=stop)
+    assert json.loads(lines(tmp_path / "b")[-1]["step"].__str__()) == 7
+    clock.t += 100.0  # the time between the sessions is not the run's
+    resumed = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "b", clock, lambda k: 2.0).run(resume=True, progress=False)
+    assert resumed["steps"] == whole["steps"]
+    assert resumed["time_used"]["seconds"] == pytest.approx(whole["time_used"]["seconds"])
+
+
+def test_time_budget_is_checked(tiny_path, small_eval_file):
+    for bad in (0.0, -1.0):
+        with pytest.raises(UserError, match="time budget must be above 0"):
+            small_config(tiny_path, small_eval_file, time_budget=bad).validate()
+    with pytest.raises(UserError, match="random-progressive"):
+        small_config(tiny_path, small_eval_file, time_budget=1.0, init="random-progressive").validate()
