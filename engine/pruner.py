@@ -69,13 +69,10 @@ class PruneRun:
     """One pruning run bound to its output folder. Model and data are loaded once, here."""
 
     def __init__(self, config: PruneConfig, out_dir: str | Path, model=None, tokenizer=None, log: Callable[[str], None] = print,
-                 started: float | None = None):
-        # --time-budget counts the run's whole wall time from `started` (time.monotonic(); default: now)
-        self.started = time.monotonic() if started is None else started
-        self.config, c = config.validate(), config
+                 started: float | None = None):  # started: time.monotonic() the --time-budget counts from (default: now)
+        self.started, self.config, c = time.monotonic() if started is None else started, config.validate(), config
         self.out, self.log, self.progress = Path(out_dir), log, True  # progress: tqdm bars (run(progress=False): off)
-        self.source = resolve_model(c.model)
-        self.from_disk = model is None  # (the dense perplexity is cached only for a model read from its files)
+        self.source, self.from_disk = resolve_model(c.model), model is None  # (only a model read from its files is cached)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
         self.model, self.tokenizer = model, tokenizer

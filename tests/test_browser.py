@@ -235,7 +235,7 @@ def test_browser_end_to_end(server, browser):
     t0 = time.time()
     d.get(url)
     wait(lambda: "Prune" in d.find_element(By.TAG_NAME, "h1").text, timeout=90 * SLOW, what="the Prune page")
-    assert "No run yet" in page_text(d)
+    wait(lambda: "No run yet" in page_text(d), what="the empty run panel")  # (a fragment: drawn after the form)
 
     # The rate slider: 0.30 -> 0.50 with the keyboard, on its thumb.
     rate = by_label(d, "Pruning rate")  # the range input inside the slider's thumb
