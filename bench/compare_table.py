@@ -51,6 +51,7 @@ ROWS: list[tuple[str, dict, bool]] = [  # (row, settings, optimises)
     # the peers of issue 24: FLAP one-shot, PG from FLAP, and Bonsai at PG's compute (its steps x N_s forwards)
     ("FLAP (one-shot, with its bias compensation)", {**HC, "method": "flap", "scope": "global", "init": "flap"}, False),
     ("PG from FLAP", {**HC, "method": "pg", "scope": "global", "init": "flap"}, True),
+    ("PG from FLAP, compensated", {**HC, "method": "pg", "scope": "global", "init": "flap", "bias_compensation": True}, True),
     ("Bonsai (50 steps x N_s 8 forwards, as PG)", {**HC, "method": "bonsai", "scope": "global", "init": "wanda-sp"}, True),
     # the joint method with the tool's own defaults (SLEB's layer order: about 30 CPU minutes more per cell)
     ("PG joint, SLEB layer order (the defaults)", {**JOINT, "method": "pg", "init": "taylor", "layer_init": "sleb"}, True),

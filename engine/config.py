@@ -58,6 +58,7 @@ def _migrate(data: dict) -> dict:
     level (every run saved them); they become method options of a gumbel run and are dropped otherwise."""
     data = dict(data)
     data.setdefault("budget", "units")  # every run from before the parameter budget counted units
+    data.setdefault("early_stop", 0)  # nor did any stop early
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -179,6 +180,10 @@ class PruneConfig:
                              help="methods that optimise: every N steps, held-out perplexity of the current hard mask "
                                   "(0: off; every 10th calibration document is held out)")
     val_batches: int = setting(4, minimum=1, label="Validation batches", help="held-out batches per check")
+    early_stop: int = setting(10, minimum=0, label="Stop early after N still steps (0 = off)",
+                              help="methods that optimise: stop when the hard mask has not changed for N steps, the "
+                                   "scores are saturated (at most 1 %% of them between 0.01 and 0.99) and, with "
+                                   "validation, no check improved on the best in those N steps (0: off)")
     final_mask: str = setting("best-val", choices=FINAL_MASKS, label="Final mask",
                               help="best-val: from the step whose hard mask validated best, the init mask (step 0) "
                                    "included (needs --val-every), so a run never ends worse on held-out data than "

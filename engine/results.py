@@ -50,6 +50,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "lr": c.lr,
         "seconds_per_step": state.seconds_in_steps / max(state.step, 1),
         "seconds_in_steps": state.seconds_in_steps,
+        "stopped_early": state.stopped_early,  # --early-stop: the step it stopped at, or None
         "time_budget": c.time_budget,  # minutes, or None
         "time_used": state.time_used,  # --time-budget: the wall seconds at the last step, all sessions
         "peak_rss_mb": peak_rss_mb(),

@@ -61,6 +61,7 @@ class RunState:
     method_state: dict = field(default_factory=dict)  # what a method carries from step to step (pg: control moments)
     config: dict | None = None  # the run's config when saved: --resume refuses a config.json edited since
     last_report: str | None = None  # metrics.jsonl's line of this step, restored on resume if that line was lost
+    stopped_early: int | None = None  # --early-stop: the step the run stopped at
     time_used: dict | None = None  # --time-budget: the run's wall seconds at this step (all sessions), its longest evaluation
 
 

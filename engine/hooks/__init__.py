@@ -8,6 +8,8 @@ calls every joined hook in RUN_HOOKS' order and never branches on an option's na
     time_budget    --time-budget MIN: the step count planned from the measured step time (before validation,
                    so the last planned step is validated)
     validation     held-out perplexity of the hard mask every --val-every steps (and of the init mask)
+    early_stop     --early-stop N: a run whose hard mask and saturated scores stopped moving ends (after validation,
+                   so it sees the latest check)
     best_val       --final-mask best-val: the best-validated step's scores are the final ones
     ranking        --within-layer-ranking init-metric: per-layer counts from the scores, units by the metric
 """
@@ -15,6 +17,6 @@ calls every joined hook in RUN_HOOKS' order and never branches on an option's na
 from __future__ import annotations
 
 from .base import RUN_HOOKS, RunHook, register_hook
-from . import progressive, compensation, multiples, time_budget, validation, best_val, ranking  # noqa: E402,F401  (in this order)
+from . import progressive, compensation, multiples, time_budget, validation, early_stop, best_val, ranking  # noqa: E402,F401  (in this order)
 
 __all__ = ["RUN_HOOKS", "RunHook", "register_hook"]
