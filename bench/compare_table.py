@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from cli_common import ROOT, csv_list, positive, run
-from paper_tables import Cell, cell_key, plain_copy, run_cell
+from paper_tables import Cell, cell_key, fmt, plain_copy, run_cell
 
 HC = {"units": "heads,channels", "budget": "params"}
 LAYERS = {"units": "layers", "budget": "params", "scope": "global"}
@@ -103,14 +103,6 @@ def timed_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
         f.write_text(json.dumps({"cpu_seconds": old["cpu_seconds"] + cpu,
                                  "wall_seconds": old["wall_seconds"] + time.monotonic() - t0}) + "\n")
     return res
-
-
-def fmt(values: list[float]) -> str:
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:,.1f}"
-    return f"{statistics.mean(values):,.1f} ± {statistics.stdev(values):,.1f}"
 
 
 def report(todo: list[Cell], args, cells_dir: Path) -> str:

@@ -108,11 +108,12 @@ class PruneConfig:
                                "Layerwise-PPL, SLEB); flap: FLAP one-shot (= metric with --init flap and "
                                "--bias-compensation)")
     init: str = setting("taylor", choices=_INITS, label="Initial scores",
-                        help="initial scores of KV groups and channels. taylor (the best one-shot metric measured, "
-                             "docs/results.md) needs one backward pass per init batch (LLM-Pruner's first-order "
-                             "importance); wanda-sp needs forward passes only (for a model whose backward pass does "
-                             "not fit); random-progressive starts random at --progressive-increment pruning and "
-                             "raises the rate by that much per stage")
+                        help="initial scores of KV groups and channels. taylor (LLM-Pruner's first-order importance) "
+                             "needs one backward pass per init batch; flap (FLAP's fluctuation metric, forward passes "
+                             "only: the best one-shot width metric measured, with --bias-compensation, docs/results.md; "
+                             "not yet the default: PG from it is measured on one seed); wanda-sp needs forward passes "
+                             "only; random-progressive starts random at --progressive-increment pruning and raises the "
+                             "rate by that much per stage")
     layer_init: str = setting("sleb", choices=layer_metrics, label="Initial scores of layers",
                               help="initial scores of whole layers: sleb = greedy removal order (the best measured); "
                                    "layerwise-ppl = calibration loss with each layer removed alone (n model runs "
