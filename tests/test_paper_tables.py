@@ -134,3 +134,20 @@ def test_bad_arguments_are_one_error_line(args, message, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("paper_tables.py: error:") and message in proc.stderr
+
+
+def test_the_comparison_tables_cells_are_valid_runs_and_its_docs_block_is_replaced(tmp_path):
+    """bench/compare_table.py: every cell is a valid run config (a row's lr scale included), and --write-docs
+    replaces only what stands between the markers."""
+    import compare_table as ct
+
+    for c in ct.cells([0.3, 0.5], [0, 1, 2]):
+        ns = pt.cell_config(c, ARGS, "m").validate()
+        assert ns.prune_ratio == c.rate and ns.budget == "params"
+        if c.pg:
+            assert ns.lr == pytest.approx(0.02 * c.lr_scale)
+    assert any(c.lr_scale != 1.0 for c in ct.cells([0.3], [0]))
+    doc = tmp_path / "results.md"
+    doc.write_text("head\n<!-- compare_table -->\nold table\n<!-- /compare_table -->\ntail\n")
+    ct.write_docs("protocol\n\n| a | b |\n\nRemoved (parameters, % of the decoder) per cell:\n- x\n", doc)
+    assert doc.read_text() == "head\n<!-- compare_table -->\nprotocol\n\n| a | b |\n<!-- /compare_table -->\ntail\n"
