@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
 import torch
+
+from .io import atomic_write_text
 
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".model")
 
@@ -30,8 +33,12 @@ def model_fingerprint(path: str, gguf_file: str | None = None) -> list | None:
     """(name, size, mtime) of the model's files: a folder's weights and configs, or the GGUF file; None when
     the model is not on this disk (a hub id)."""
     p = Path(path)
-    files = [p / gguf_file] if gguf_file else ([p] if p.is_file() else
-                                               sorted(f for f in p.iterdir() if f.suffix in MODEL_FILE_SUFFIXES) if p.is_dir() else [])
+    if gguf_file:
+        files = [p / gguf_file]
+    elif p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix in MODEL_FILE_SUFFIXES)
+    else:
+        files = [p]
     if not files or not all(f.is_file() for f in files):
         return None
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
@@ -57,12 +64,10 @@ def lookup(key: str) -> float | None:
 
 def store(key: str, ppl: float) -> None:
     folder = cache_dir()
-    if folder is None:
+    if folder is None or not math.isfinite(ppl):  # (a non-finite figure is never kept: lookup refuses it)
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"dense-{key}.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"ppl_dense": ppl}) + "\n")
-        os.replace(tmp, folder / f"dense-{key}.json")
+        atomic_write_text(folder / f"dense-{key}.json", json.dumps({"ppl_dense": ppl}) + "\n")
     except OSError:
         pass  # a read-only home: the run goes on, measuring next time too

@@ -6,10 +6,9 @@ validation windows is never stopped. The count starts again after a resume."""
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
+from ..runmasks import mask_key
 from .base import RunHook, register_hook
 
 SATURATED = 0.01  # a score within this of 0 or 1 is saturated
@@ -19,14 +18,6 @@ UNSATURATED_SHARE = 0.01  # the share of scores allowed to be unsaturated
 def saturated(scores: dict[str, torch.Tensor], eps: float = SATURATED, share: float = UNSATURATED_SHARE) -> bool:
     s = torch.cat([t.detach().double().flatten() for t in scores.values()])
     return float(((s > eps) & (s < 1 - eps)).double().mean()) <= share if s.numel() else True
-
-
-def mask_digest(masks: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha1()
-    for u in sorted(masks):
-        h.update(u.encode())
-        h.update((masks[u] > 0.5).numpy().tobytes())
-    return h.hexdigest()
 
 
 def still(unchanged: int, patience: int, is_saturated: bool, best_step: int | None, step: int, validates: bool) -> bool:
@@ -48,7 +39,7 @@ class EarlyStop(RunHook):
 
     def on_step(self, state, report) -> None:
         run, c = self.run, self.run.config
-        digest = mask_digest(run.hard_masks(state.scores, run.keep_ratio_at(state.step - 1)))
+        digest = mask_key(run.hard_masks(state.scores, run.keep_ratio_at(state.step - 1)), ...)
         self.unchanged = self.unchanged + 1 if digest == self.digest else 0
         self.digest = digest
         if state.step < run.ctx.steps and still(self.unchanged, c.early_stop, saturated(state.scores), state.best_step,
