@@ -35,6 +35,8 @@ from paper_tables import Cell, cell_key, fmt, plain_copy, run_cell
 HC = {"units": "heads,channels", "budget": "params"}
 LAYERS = {"units": "layers", "budget": "params", "scope": "global"}
 JOINT = {"units": "layers,heads,channels", "budget": "params", "scope": "global"}
+JOINT4 = {**JOINT, "mix_batches": 4}  # the rows measured before the mix took 8 batches (the config's old default)
+JOINT8 = {**JOINT, "mix_batches": 8}  # (PruneConfig.of reads a config without the field as an old one: 4)
 # SLEB runs the model once per layer and removal: about 30 CPU minutes per cell at 30 % here. The joint rows
 # take Layerwise-PPL's layer order (n model runs) so that a PG cell fits in about 35 minutes on one core.
 ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
@@ -42,9 +44,9 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     ("Wanda-sp (uniform)", {**HC, "method": "metric", "scope": "uniform", "init": "wanda-sp"}, False),
     ("SLEB", {**LAYERS, "method": "metric", "layer_init": "sleb"}, False),
     ("Layerwise-PPL", {**LAYERS, "method": "metric", "layer_init": "layerwise-ppl"}, False),
-    ("Joint one-shot (Layerwise-PPL + Taylor, best mix)", {**JOINT, "method": "metric", "init": "taylor",
+    ("Joint one-shot (Layerwise-PPL + Taylor, best mix)", {**JOINT4, "method": "metric", "init": "taylor",
                                                           "layer_init": "layerwise-ppl"}, False),
-    ("PG joint (layers + heads + channels)", {**JOINT, "method": "pg", "init": "taylor", "layer_init": "layerwise-ppl"}, True),
+    ("PG joint (layers + heads + channels)", {**JOINT4, "method": "pg", "init": "taylor", "layer_init": "layerwise-ppl"}, True),
     ("PG heads + channels (global)", {**HC, "method": "pg", "scope": "global", "init": "taylor"}, True),
     ("PG heads + channels (uniform)", {**HC, "method": "pg", "scope": "uniform", "init": "taylor"}, True),
     ("PG layers (SLEB, score-const, best-val)", {**LAYERS, "method": "pg", "layer_init": "sleb"}, True),
@@ -54,24 +56,32 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     ("PG from FLAP, compensated", {**HC, "method": "pg", "scope": "global", "init": "flap", "bias_compensation": True}, True),
     ("Bonsai (50 steps x N_s 8 forwards, as PG)", {**HC, "method": "bonsai", "scope": "global", "init": "wanda-sp"}, True),
     # the joint method with the tool's own defaults (SLEB's layer order: about 30 CPU minutes more per cell)
-    ("PG joint, SLEB layer order (the defaults)", {**JOINT, "method": "pg", "init": "taylor", "layer_init": "sleb"}, True),
+    ("PG joint, SLEB layer order (the defaults)", {**JOINT4, "method": "pg", "init": "taylor", "layer_init": "sleb"}, True),
     # the joint method on the strongest one-shot parts: SLEB's layers, FLAP's widths (one ranking across types) and
     # its bias compensation, the mix chosen on compensated losses over every layer count
-    ("Joint one-shot (SLEB + FLAP, compensated, best mix)", {**JOINT, "method": "flap", "init": "flap", "layer_init": "sleb"}, False),
-    ("PG joint from SLEB + FLAP (compensated)", {**JOINT, "method": "pg", "init": "flap", "layer_init": "sleb",
+    ("Joint one-shot (SLEB + FLAP, compensated, best mix)", {**JOINT4, "method": "flap", "init": "flap", "layer_init": "sleb"}, False),
+    ("PG joint from SLEB + FLAP (compensated)", {**JOINT4, "method": "pg", "init": "flap", "layer_init": "sleb",
                                                  "bias_compensation": True}, True),
     # the same with sampled masks close to the init mask (score-const c = 0.95 for layers and widths): a local search
-    ("PG joint from SLEB + FLAP, sharp init (score-const 0.95)", {**JOINT, "method": "pg", "init": "flap", "layer_init": "sleb",
+    ("PG joint from SLEB + FLAP, sharp init (score-const 0.95)", {**JOINT4, "method": "pg", "init": "flap", "layer_init": "sleb",
                                                                  "bias_compensation": True, "prob_map": "score-const",
                                                                  "score_const": 0.95}, True),
     # ... with 10x the step size: at c = 0.95 a unit whose drop helps by 0.3 nats moves by about lr * 0.3 a step,
     # so at lr 0.02 nothing flips in 50 steps (the row above); at 0.2 it can
-    ("PG joint from SLEB + FLAP, sharp init, lr 0.2", {**JOINT, "method": "pg", "init": "flap", "layer_init": "sleb",
+    ("PG joint from SLEB + FLAP, sharp init, lr 0.2", {**JOINT4, "method": "pg", "init": "flap", "layer_init": "sleb",
                                                        "bias_compensation": True, "prob_map": "score-const",
                                                        "score_const": 0.95}, True, 10.0),
+    # the mix chosen on 8 batches (4 held-out + 4 init batches for PG, the first 8 init batches one-shot) in place of 4
+    ("Joint one-shot (SLEB + FLAP, compensated, mix on 8 batches)", {**JOINT8, "method": "flap", "init": "flap",
+                                                                     "layer_init": "sleb"}, False),
+    # PG on the widths of the layers that mix keeps: layers fixed at 0/1 (score-const c = 1), widths from FLAP's
+    # sigmoid-norm map (the setting in which PG improves on its init for widths alone)
+    ("PG joint from SLEB + FLAP, fixed layers (mix on 8 batches)", {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb",
+                                                                    "bias_compensation": True, "layer_score_const": 1.0}, True),
 ]
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
-SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",)
+SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
+                   "Joint one-shot (SLEB + FLAP, compensated, mix on 8 batches)")
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
              "PG heads + channels (global)", "Wanda-sp (uniform)", "FLAP (one-shot, with its bias compensation)")
 

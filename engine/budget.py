@@ -127,6 +127,7 @@ class ParamBudget:
             torch.zeros(len(self.layer_params), dtype=torch.float64), self.weights, self.width_layer,
             {u: torch.ones_like(self.weights[u]) for u in self.widths})
         self.nested = bool(self.layer_type and self.widths)  # layers over widths: E[kept] is bilinear
+        self.fixed_layers = False  # (--layer-score-const 1: the layers' 0/1 probabilities are not projected)
 
     def kept_target(self, keep: float) -> float:
         """The kept decoder parameters a keep ratio allows, checked against what the selected units can remove."""
@@ -157,6 +158,8 @@ class ParamBudget:
         return {u: min(1.0, max(0.0, kept_w / removable)) for u in self.widths}
 
     def project(self, scores: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:
+        if self.nested and self.fixed_layers:
+            return self._project_widths_given_layers(scores, keep)
         if self.nested:
             L = self.layer_type
             p, widths = project_nested(scores[L].double(), {u: scores[u].double() for u in self.widths}, self.weights,
@@ -175,6 +178,24 @@ class ParamBudget:
             else:
                 budget = self._layer_target(i, keep)
             _unflatten(project_weighted_capped_simplex(z, w, max(budget, 0.0)), pool, out)
+        return out
+
+    def _project_widths_given_layers(self, scores: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:
+        """Fixed layers (probabilities 0 or 1, kept as they are): the widths of the kept layers projected onto what
+        the budget leaves after the kept layers' fixed parameters (E[kept] is then linear in the widths); the
+        widths of removed layers are moot and left as they are."""
+        from .policy import project_weighted_capped_simplex
+
+        L, out = self.layer_type, {u: s.clone() for u, s in scores.items()}
+        kept = scores[L].double() >= 0.5
+        out[L] = kept.to(scores[L].dtype)
+        pool = {u: kept[self.width_layer[u]] for u in self.widths}
+        z = torch.cat([scores[u].double()[pool[u]] for u in self.widths])
+        w = torch.cat([self.weights[u][pool[u]] for u in self.widths])
+        budget = max(self.kept_target(keep) - float(self.fixed[kept].sum()), 0.0)
+        flat = torch.split(project_weighted_capped_simplex(z, w, budget), [int(pool[u].sum()) for u in self.widths])
+        for u, part in zip(self.widths, flat):
+            out[u][pool[u]] = part.to(out[u].dtype)
         return out
 
     def _layer_target(self, i: int, keep: float) -> float:

@@ -59,6 +59,7 @@ def _migrate(data: dict) -> dict:
     data = dict(data)
     data.setdefault("budget", "units")  # every run from before the parameter budget counted units
     data.setdefault("early_stop", 0)  # nor did any stop early
+    data.setdefault("mix_batches", 4)  # the joint mix was chosen on 4 batches
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -126,6 +127,14 @@ class PruneConfig:
                                   help="metric -> initial keep probability, of whole layers (sigmoid-norm over 30 "
                                        "layers starts most of them at one value: docs/pg-optimizer.md)")
     score_const: float = setting(0.8, label="score-const c", help="score-const: s of metric-kept units (1 - c for the others)")
+    layer_score_const: float | None = setting(None, label="score-const c (layers)",
+                                              help="score-const c of whole layers (default: --score-const); 1 fixes the "
+                                                   "layers the init keeps and removes: with widths (the joint method), "
+                                                   "the run then learns the widths of the kept layers only")
+    mix_batches: int = setting(8, minimum=1, label="Joint mix batches",
+                               help="joint method (layers with widths): calibration batches the starting mix of layers "
+                                    "and widths is chosen on (held-out ones first, then the init batches; every "
+                                    "candidate costs a forward pass per batch)")
     init_batches: int = setting(16, minimum=1, label="Init batches (metric)",
                                 help="calibration batches for the init metric of KV groups and channels (Wanda-sp, Taylor)")
     layer_init_batches: int = setting(2, minimum=1, label="Init batches (layer metric)",
@@ -194,6 +203,16 @@ class PruneConfig:
     def keep_ratio(self) -> float:
         return 1.0 - self.prune_ratio
 
+    def score_const_for(self, unit_type: str) -> float:
+        """score-const c of a unit type: --layer-score-const for whole layers (when set), --score-const otherwise."""
+        whole = UNIT_TYPES[unit_type].whole_layer
+        return self.layer_score_const if whole and self.layer_score_const is not None else self.score_const
+
+    @property
+    def fixed_layers(self) -> bool:
+        """Whole layers start at probabilities 0 and 1 and stay there (score-const with c = 1)."""
+        return self.layer_prob_map == "score-const" and self.layer_score_const == 1.0
+
     def prob_map_for(self, unit_type: str) -> str:
         """The metric -> probability map of a unit type: --layer-prob-map for whole layers, --prob-map otherwise."""
         return self.layer_prob_map if UNIT_TYPES[unit_type].whole_layer else self.prob_map
@@ -226,6 +245,8 @@ class PruneConfig:
             bad(f"learning rate must be positive, got {self.lr}")
         if not 0.5 < self.score_const < 1.0:
             bad(f"score-const c must be in (0.5, 1), got {self.score_const}")
+        if self.layer_score_const is not None and not 0.5 < self.layer_score_const <= 1.0:
+            bad(f"layer score-const c must be in (0.5, 1], got {self.layer_score_const}")
         if self.init == "random-progressive" and not 0.0 < self.progressive_increment <= self.prune_ratio:
             bad(f"progressive increment must be in (0, prune ratio], got {self.progressive_increment}")
         for unit, n in self.unit_multiple.items():

@@ -83,11 +83,13 @@ def fresh_state(run: "PruneRun") -> RunState:
         hook.before_scores(batches)
     comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
     if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
-        scores, mix = choose_mix(run, z, run.val_batches or batches[:4], keep0, comparable=frozenset(comparable))
+        mix_on = (list(run.val_batches or []) + batches)[:c.mix_batches]
+        mix_on += [run.sampler.next_batch() for _ in range(c.mix_batches - len(mix_on))]  # (metrics without data)
+        scores, mix = choose_mix(run, z, mix_on, keep0, comparable=frozenset(comparable))
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
         keeps = run.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)
         scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), c.prob_map_for(u),
-                                                       c.score_const) for u in run.layout.unit_types}, keep0)
+                                                       c.score_const_for(u)) for u in run.layout.unit_types}, keep0)
     state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=run.mask_rng.get_state(),
                      ppl_dense=float("nan"), ppl_init=float("nan"), init_scores={u: s.clone() for u, s in scores.items()},
                      init_metric=z, init_mix=mix, init_mask_scores=run.budget.init_mask_scores(scores))

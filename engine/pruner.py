@@ -81,6 +81,7 @@ class PruneRun:
         sizes = unit_sizes(self.adapter)
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
+        self.budget.fixed_layers = c.fixed_layers
         self.sampler, self.val_batches, self.windows, self.calib_source, self.eval_source = _run_data(tokenizer, c)
         self.mask_rng = torch.Generator().manual_seed(c.seed + 1)
         self.sample_losses = EXECUTORS[resolve_executor(c.sample_forward, c.device)]

@@ -119,3 +119,58 @@ def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_ev
     run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", units=["layers", "heads", "channels"],
              layer_init="sleb", prune_ratio=0.5, budget="params")
     assert len(seen) == 1 and seen[0] is not None and set(seen[0]) == {"heads", "channels"}
+
+
+def test_fixed_layers_keep_their_probabilities_and_the_widths_take_the_budget():
+    """--layer-score-const 1: layers at probability 0/1 are not projected; the kept layers' widths are projected
+    (exactly: the weighted capped simplex over them) onto what the kept layers' fixed parameters leave, and the
+    widths of a removed layer are left alone."""
+    from engine.policy import project_weighted_capped_simplex
+
+    run, z, adapter, _ = fake_run(keep=0.6)
+    b, keep = run.budget, 0.6
+    b.fixed_layers = True
+    n = len(b.layer_params)
+    layers = torch.ones(n)
+    layers[1] = 0.0
+    scores = {"layers": layers, **{u: torch.full_like(z[u], 0.9) + 0.05 * torch.rand_like(z[u]) for u in b.widths}}
+    out = b.project(scores, keep)
+    assert torch.equal(out["layers"], layers)
+    in_kept = {u: layers[b.width_layer[u]] > 0.5 for u in b.widths}
+    for u in b.widths:  # a removed layer's widths are moot
+        assert torch.equal(out[u][~in_kept[u]], scores[u][~in_kept[u]])
+    assert b.expected_kept(out) == pytest.approx(b.kept_target(keep), rel=1e-6)
+    zk = torch.cat([scores[u].double()[in_kept[u]] for u in b.widths])
+    wk = torch.cat([b.weights[u][in_kept[u]] for u in b.widths])
+    want = project_weighted_capped_simplex(zk, wk, b.kept_target(keep) - float(b.fixed[layers > 0.5].sum()))
+    got = torch.cat([out[u].double()[in_kept[u]] for u in b.widths])
+    assert torch.allclose(got, want.to(got.dtype), atol=1e-6)
+
+
+def test_layer_score_const_validates():
+    from engine.errors import UserError
+
+    assert PruneConfig(layer_score_const=1.0).validate().score_const_for("layers") == 1.0
+    assert PruneConfig().validate().score_const_for("layers") == PruneConfig.score_const
+    assert PruneConfig(layer_score_const=1.0, layer_prob_map="score-const").fixed_layers
+    assert not PruneConfig(layer_score_const=1.0, layer_prob_map="sigmoid-norm").fixed_layers
+    for bad in (0.5, 1.5):
+        with pytest.raises(UserError, match="layer score-const"):
+            PruneConfig(layer_score_const=bad).validate()
+
+
+def test_a_joint_run_with_fixed_layers_learns_the_widths_only(tiny, tiny_path, small_eval_file, tmp_path):
+    """PG joint with --layer-score-const 1: the layers the mix chose stay chosen at every step (their scores
+    stay 0/1), the widths move, and the expected kept parameters stay at the budget."""
+    from engine.rundir import CHECKPOINT_FILE
+    from test_methods import run_tiny
+
+    out = tmp_path / "r"
+    results = run_tiny(tiny, tiny_path, small_eval_file, out, units=["layers", "heads", "channels"], layer_init="sleb",
+                       prune_ratio=0.5, budget="params", layer_score_const=1.0, steps=3, num_mask_samples=3,
+                       lr=0.5, final_mask="last", val_every=0)
+    state = torch.load(out / CHECKPOINT_FILE, weights_only=False)
+    init, now = state["init_scores"], state["scores"]
+    assert set(init["layers"].tolist()) <= {0.0, 1.0} and torch.equal(now["layers"], init["layers"])
+    assert any(not torch.equal(now[u], init[u]) for u in ("heads", "channels"))
+    assert results["steps"] == 3 and results["kept_per_layer"]["layers"] == [int(p) for p in init["layers"].tolist()]
