@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
+from .policy import project_weighted_capped_simplex
 from .unit_types import UNIT_TYPES, whole_layer_type
 
 
@@ -126,8 +127,7 @@ class ParamBudget:
         self.fixed = torch.tensor(self.layer_params, dtype=torch.float64) - layer_sizes(
             torch.zeros(len(self.layer_params), dtype=torch.float64), self.weights, self.width_layer,
             {u: torch.ones_like(self.weights[u]) for u in self.widths})
-        self.nested = bool(self.layer_type and self.widths)  # layers over widths: E[kept] is bilinear
-        self.fixed_layers = False  # (--layer-score-const 1: the layers' 0/1 probabilities are not projected)
+        self.nested, self.fixed_layers = bool(self.layer_type and self.widths), False  # (fixed: --layer-score-const 1)
 
     def kept_target(self, keep: float) -> float:
         """The kept decoder parameters a keep ratio allows, checked against what the selected units can remove."""
@@ -158,15 +158,13 @@ class ParamBudget:
         return {u: min(1.0, max(0.0, kept_w / removable)) for u in self.widths}
 
     def project(self, scores: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:
-        if self.nested and self.fixed_layers:
-            return self._project_widths_given_layers(scores, keep)
-        if self.nested:
+        if self.nested and not self.fixed_layers:
             L = self.layer_type
             p, widths = project_nested(scores[L].double(), {u: scores[u].double() for u in self.widths}, self.weights,
                                        self.width_layer, self.fixed, self.kept_target(keep))
             return {L: p.to(scores[L].dtype), **{u: widths[u].to(scores[u].dtype) for u in self.widths}}
-        from .policy import project_weighted_capped_simplex
-
+        if self.nested:  # fixed layers (--layer-score-const 1)
+            return project_widths_given_layers(self, scores, self.kept_target(keep))
         target = self.kept_target(keep)
         out = {u: torch.empty_like(s) for u, s in scores.items()}
         for i, pool in enumerate(self._pools()):
@@ -178,24 +176,6 @@ class ParamBudget:
             else:
                 budget = self._layer_target(i, keep)
             _unflatten(project_weighted_capped_simplex(z, w, max(budget, 0.0)), pool, out)
-        return out
-
-    def _project_widths_given_layers(self, scores: dict[str, torch.Tensor], keep: float) -> dict[str, torch.Tensor]:
-        """Fixed layers (probabilities 0 or 1, kept as they are): the widths of the kept layers projected onto what
-        the budget leaves after the kept layers' fixed parameters (E[kept] is then linear in the widths); the
-        widths of removed layers are moot and left as they are."""
-        from .policy import project_weighted_capped_simplex
-
-        L, out = self.layer_type, {u: s.clone() for u, s in scores.items()}
-        kept = scores[L].double() >= 0.5
-        out[L] = kept.to(scores[L].dtype)
-        pool = {u: kept[self.width_layer[u]] for u in self.widths}
-        z = torch.cat([scores[u].double()[pool[u]] for u in self.widths])
-        w = torch.cat([self.weights[u][pool[u]] for u in self.widths])
-        budget = max(self.kept_target(keep) - float(self.fixed[kept].sum()), 0.0)
-        flat = torch.split(project_weighted_capped_simplex(z, w, budget), [int(pool[u].sum()) for u in self.widths])
-        for u, part in zip(self.widths, flat):
-            out[u][pool[u]] = part.to(out[u].dtype)
         return out
 
     def _layer_target(self, i: int, keep: float) -> float:
@@ -270,8 +250,6 @@ def project_nested(zp: torch.Tensor, zs: dict[str, torch.Tensor], weights: dict[
     s = clamp(z_s - v w p_l(i), 0, 1), p = clamp(z_p - v a(s), 0, 1); for each v a few alternations reach
     their fixed point, v is found by bisection; then p is projected exactly given s
     (project_weighted_capped_simplex), so E[kept] never ends over the target."""
-    from .policy import project_weighted_capped_simplex
-
     def at(v: float):
         p = zp.clamp(0.0, 1.0)
         for _ in range(inner):
@@ -296,6 +274,22 @@ def project_nested(zp: torch.Tensor, zs: dict[str, torch.Tensor], weights: dict[
     p, positive = p.clone(), a > 0  # (a layer of no parameters at all does not count)
     p[positive] = project_weighted_capped_simplex(zp[positive], a[positive], target)
     return p, s
+
+
+def project_widths_given_layers(b: "ParamBudget", scores: dict[str, torch.Tensor], target: float) -> dict[str, torch.Tensor]:
+    """Fixed layers (probabilities 0 or 1, kept as they are): the widths of the kept layers projected onto what
+    `target` leaves after the kept layers' fixed parameters (E[kept] is then linear in the widths); the widths
+    of removed layers are moot and left as they are."""
+    L, out = b.layer_type, {u: s.clone() for u, s in scores.items()}
+    kept = scores[L].double() >= 0.5
+    out[L] = kept.to(scores[L].dtype)
+    pool = {u: kept[b.width_layer[u]] for u in b.widths}
+    z = torch.cat([scores[u].double()[pool[u]] for u in b.widths])
+    w = torch.cat([b.weights[u][pool[u]] for u in b.widths])
+    flat = project_weighted_capped_simplex(z, w, max(target - float(b.fixed[kept].sum()), 0.0))
+    for u, part in zip(b.widths, torch.split(flat, [int(pool[u].sum()) for u in b.widths])):
+        out[u][pool[u]] = part.to(out[u].dtype)
+    return out
 
 
 def layer_mask(p: torch.Tensor, params: torch.Tensor, target: float, nested: bool) -> torch.Tensor:

@@ -129,12 +129,10 @@ class PruneConfig:
     score_const: float = setting(0.8, label="score-const c", help="score-const: s of metric-kept units (1 - c for the others)")
     layer_score_const: float | None = setting(None, label="score-const c (layers)",
                                               help="score-const c of whole layers (default: --score-const); 1 fixes the "
-                                                   "layers the init keeps and removes: with widths (the joint method), "
-                                                   "the run then learns the widths of the kept layers only")
+                                                   "init's layers (the joint method then learns the kept layers' widths)")
     mix_batches: int = setting(8, minimum=1, label="Joint mix batches",
-                               help="joint method (layers with widths): calibration batches the starting mix of layers "
-                                    "and widths is chosen on (held-out ones first, then the init batches; every "
-                                    "candidate costs a forward pass per batch)")
+                               help="joint method: calibration batches the starting mix of layers and widths is chosen "
+                                    "on (held-out first, then init batches; a forward pass per candidate and batch)")
     init_batches: int = setting(16, minimum=1, label="Init batches (metric)",
                                 help="calibration batches for the init metric of KV groups and channels (Wanda-sp, Taylor)")
     layer_init_batches: int = setting(2, minimum=1, label="Init batches (layer metric)",
@@ -209,8 +207,7 @@ class PruneConfig:
         return self.layer_score_const if whole and self.layer_score_const is not None else self.score_const
 
     @property
-    def fixed_layers(self) -> bool:
-        """Whole layers start at probabilities 0 and 1 and stay there (score-const with c = 1)."""
+    def fixed_layers(self) -> bool:  # whole layers start at probability 0 or 1 and stay there
         return self.layer_prob_map == "score-const" and self.layer_score_const == 1.0
 
     def prob_map_for(self, unit_type: str) -> str:
