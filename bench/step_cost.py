@@ -15,6 +15,10 @@ The same is measured for one Gumbel-softmax step (N_s relaxed masks, back-propag
 model): the time and memory side of the paper's PG vs Gumbel-softmax comparison (its Table 3).
 --random-config builds a LLaMA of that size with random weights (the default model's tokenizer and
 vocabulary) instead of loading one: time and memory do not depend on the weights' values.
+
+--ranks 1,2 measures instead the data-parallel step (engine/distributed.py: torchrun, gloo on the CPU, NCCL with
+--device cuda): one PG step with each number of ranks, side by side, each rank with --threads-per-rank threads (1),
+the N_s masked forwards shared out over the ranks (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli_common import ROOT, positive, run
+from cli_common import ROOT, csv_list, positive, run
 from engine.unit_types import unit_sizes
 
 # Random LLaMA configs for the cost by model size (GQA like the default model; tied 49,152-token vocabulary).
@@ -92,6 +96,57 @@ def setup(args):
     run.progress = gumbel.progress = False
     state = run.fresh_state()
     return run, gumbel, state
+
+
+def rank_worker(args) -> dict | None:
+    """One rank of a data-parallel step (started by torchrun): the median seconds of a PG step, on rank 0."""
+    import torch
+
+    from engine.config import PruneConfig
+    from engine.distributed import join_world
+    from engine.pruner import PruneRun
+
+    torch.set_num_threads(args.threads_per_rank)
+    torch.manual_seed(0)
+    world = join_world(args.device)
+    config = PruneConfig.of(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
+                            num_mask_samples=args.num_mask_samples, baseline="moving-average", max_windows=1,
+                            prune_ratio=args.prune_ratio, dtype=args.dtype, device=args.device, val_every=0,
+                            final_mask="last", sample_forward=args.executors[0] if len(args.executors) == 1 else "auto")
+    run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None, world=world)
+    run.progress = False
+    state = run.fresh_state()
+    run.step(state)  # warm-up
+    seconds = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        run.step(state)  # (the losses' all-gather ends every rank's step together)
+        if on_cuda(args.device):
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t)
+    world.leave()
+    return {"ranks": world.size, "sec_step": statistics.median(seconds), "threads": torch.get_num_threads()} if world.writes else None
+
+
+def rank_table(args, copy_dir: Path) -> list[str]:
+    """torchrun --nproc-per-node K for each K of --ranks; the step time of each side by side."""
+    out = {}
+    for k in args.ranks:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={k}", __file__,
+               "--worker", "ranks", "--plain-copy", str(copy_dir)] + [
+            f"--{key.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}" for key, v in vars(args).items()
+            if key not in ("worker", "plain_copy", "out", "gumbel", "random_config", "model", "ranks")]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        if res.returncode != 0:
+            sys.exit(f"{k} ranks failed:\n{res.stderr[-2000:]}")
+        out[k] = json.loads([ln for ln in res.stdout.strip().splitlines() if ln.startswith("{")][-1])
+    one = out[min(out)]["sec_step"] * min(out)  # (a table without K = 1 compares against the smallest K's total)
+    lines = ["| ranks | s / step | speed-up | efficiency | samples per rank |", "|---|---|---|---|---|"]
+    for k, r in out.items():
+        lines.append(f"| {k} | {r['sec_step']:.3f} | {one / r['sec_step']:.2f} | {one / r['sec_step'] / k:.0%} | "
+                     f"{-(-args.num_mask_samples // k)} |")
+    return lines
 
 
 def worker(args) -> dict:
@@ -163,10 +218,18 @@ def main() -> None:
     p.add_argument("--executors", default="sequential,batched,sliced",
                    type=lambda v: [e.strip() for e in v.split(",") if e.strip()])
     p.add_argument("--out", default=None, help="folder for a JSON record of the figures (bench/results/step_cost)")
+    p.add_argument("--ranks", type=csv_list(int, lambda k: k > 0, "rank counts"), default=None,
+                   help="e.g. 1,2: the data-parallel step time with each number of ranks (torchrun) instead of the table")
+    p.add_argument("--threads-per-rank", type=positive(int), default=1, help="torch threads of each rank (with --ranks)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--plain-copy", help=argparse.SUPPRESS)
     args = p.parse_args()
     load_before = os.getloadavg()
+    if args.worker == "ranks":
+        result = rank_worker(args)
+        if result is not None:
+            print(json.dumps(result))
+        return
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -205,6 +268,14 @@ def main() -> None:
     tok.save_pretrained(copy_dir)
     del model
 
+    if args.ranks:
+        lines = [f"model {args.model} ({args.dtype}, {args.device}), batch {args.batch_size}x{args.seqlen}, "
+                 f"N_s={args.num_mask_samples}, {args.prune_ratio:.0%} pruned, median of {args.repeats} PG steps; "
+                 f"{args.threads_per_rank} torch thread(s) per rank; load average (1/5/15 min) before: "
+                 f"{'/'.join(f'{x:.2f}' for x in load_before)}", *rank_table(args, copy_dir),
+                 f"load average after: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}"]
+        print("\n".join(lines))
+        return
     workers = ["time", "mem-dense", *(f"mem-pg-{e}" for e in args.executors), *(["mem-gumbel"] if args.gumbel else [])]
     out = {}
     for w in workers:

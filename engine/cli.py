@@ -242,22 +242,106 @@ def _resume_config(args, out: Path) -> PruneConfig:
 
 
 def cmd_prune(args) -> int:
+    """One process, or under torchrun one rank of a data-parallel run (engine/distributed.py): rank 0 is the run
+    as in one process and alone writes the run folder; the other ranks follow it from a scratch folder."""
+    from .distributed import join_world
+
+    world = join_world(args.device)
+    status = (_prune_writer if world.writes else _prune_follower)(args, world)
+    world.leave()
+    return status
+
+
+# the run files a rank other than 0 needs to resume: rank 0 sends them (the ranks may not share a filesystem)
+_RESUME_FILES = ("config.json", "checkpoint.pt", "metrics.jsonl")
+
+
+def _job_digest(config: PruneConfig | None) -> int | None:
+    """What every rank must agree on before a data-parallel run starts: the settings and the model's files (names,
+    sizes and the small files' content, not their times: copies on other machines are newer)."""
+    if config is None:
+        return None
+    from .distributed import digest
+    from .loading import resolve_model
+
+    source = resolve_model(config.model)
+    folder = Path(source.path)
+    files = sorted(folder.iterdir()) if folder.is_dir() and not source.gguf_file else [folder / (source.gguf_file or "")]
+    seen = [(f.name, f.stat().st_size, f.read_bytes() if f.suffix == ".json" and f.stat().st_size < 2**20 else b"")
+            for f in files if f.is_file()]
+    return digest(json.dumps(config.to_dict(), sort_keys=True), str(seen))
+
+
+def _start_together(world, resolve) -> PruneConfig:
+    """Every rank's config, checked together: one rank's refusal (a bad flag, a model that is not there) ends every
+    rank with its line; different settings or model files end them as a mismatched world."""
+    config, error, job = None, None, None
+    try:
+        config = resolve()
+        job = _job_digest(config)
+    except UserError as e:
+        error = str(e)
+    world.agree((error, job), "their settings or model files")
+    return config
+
+
+def _prune_follower(args, world) -> int:
+    """A rank other than 0: the same run in a scratch folder (its checkpoints are rank 0's), no output."""
+    import tempfile
+
+    from .config import PruneConfig
+    from .pruner import PruneRun
+
+    sent = world.from_writer(None, "the run's start")
+    if sent["error"]:
+        raise UserError(sent["error"])
+    with tempfile.TemporaryDirectory(prefix=f"pg-prune-rank{world.rank}-") as scratch:
+        out = Path(scratch)
+        for name, data in sent["files"].items():  # --resume: rank 0's checkpoint, config and metrics
+            (out / name).write_bytes(data)
+
+        def resolve():  # under --resume the run's saved config, as rank 0 read it (with its --steps)
+            return (PruneConfig.from_dict(sent["config"]) if args.resume else _config_from_args(args)).validate()
+
+        config = _start_together(world, resolve)
+        run = PruneRun(config, out, log=lambda m: None, started=IMPORTED, world=world)
+        run.run(resume=args.resume, progress=False)
+    return 0
+
+
+def _prune_writer(args, world) -> int:
     import contextlib
 
+    from .distributed import RankLost
     from .outdir import folder_lock
     from .pruner import PruneRun
     from .rundir import CHECKPOINT_FILE, CONFIG_FILE, check_out_dir, cleanup_out_dir, prepare_out_dir
 
     out = Path(args.out)
-    check_out_dir(out, args.resume, args.overwrite, clear=False)  # refuse early; delete nothing yet
-    config = _resume_config(args, out) if args.resume else _config_from_args(args)
-    config.validate()
+
+    def resolve():
+        check_out_dir(out, args.resume, args.overwrite, clear=False)  # refuse early; delete nothing yet
+        config = _resume_config(args, out) if args.resume else _config_from_args(args)
+        return config.validate()
+
+    if world.size > 1:  # the other ranks start from what rank 0 resolved or refused
+        try:
+            config, error = resolve(), None
+        except UserError as e:
+            config, error = None, str(e)
+        files = {n: (out / n).read_bytes() for n in _RESUME_FILES if args.resume and (out / n).is_file()} if not error else {}
+        world.from_writer({"error": error, "config": config.to_dict() if config else None, "files": files}, "the run's start")
+        if error:
+            raise UserError(error)
+        config = _start_together(world, lambda: config)
+    else:
+        config = resolve()
     created = prepare_out_dir(out)  # --out exists and is writable before the slow model load
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(folder_lock(out, what="prune into"))  # held to the end: one writer at a time
             check_out_dir(out, args.resume, args.overwrite, clear=False)  # again, now that nobody else writes
-            run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr), started=IMPORTED)
+            run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr), started=IMPORTED, world=world)
             if args.resume and (out / CHECKPOINT_FILE).exists():
                 run.load_checkpoint()  # an edited config.json or a --steps below the checkpoint fail here
             if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
@@ -277,10 +361,12 @@ def cmd_prune(args) -> int:
             config.save(out / CONFIG_FILE)
         try:
             results = run.run(resume=args.resume)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, RankLost) as e:
             step = run.checkpoints.saved_step  # None when the run had written no checkpoint yet
             where = (f"the checkpoint holds step {step}/{config.steps}: continue with python -m engine prune "
                      f"--out {out} --resume") if step is not None else "before the first checkpoint: nothing to resume"
+            if isinstance(e, RankLost):
+                raise UserError(f"{e}; {where} (with any number of ranks)") from None
             raise _Interrupted(f"interrupted; {where}") from None
         if results["status"] == "done":
             print(f"perplexity ({results['eval_windows']} windows x {results['seqlen']} tokens): "

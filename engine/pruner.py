@@ -27,6 +27,7 @@ from .budget import BUDGETS
 from .checkpoints import Checkpoints
 from .config import PruneConfig
 from .context import StepContext
+from .distributed import World
 from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
 from .errors import UserError
 from .executors import EXECUTORS, resolve_executor
@@ -69,9 +70,9 @@ class PruneRun:
     """One pruning run bound to its output folder. Model and data are loaded once, here."""
 
     def __init__(self, config: PruneConfig, out_dir: str | Path, model=None, tokenizer=None, log: Callable[[str], None] = print,
-                 started: float | None = None):  # started: time.monotonic() the --time-budget counts from (default: now)
+                 started: float | None = None, world: World = World()):  # started: time.monotonic() the --time-budget counts from
         self.started, self.config, c = time.monotonic() if started is None else started, config.validate(), config
-        self.out, self.log, self.progress = Path(out_dir), log, True  # progress: tqdm bars (run(progress=False): off)
+        self.out, self.log, self.progress, self.world = Path(out_dir), log, True, world  # tqdm bars; this torchrun rank
         self.source, self.from_disk = resolve_model(c.model), model is None  # (only a model read from its files is cached)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
@@ -84,7 +85,7 @@ class PruneRun:
         self.budget.fixed_layers = c.fixed_layers
         self.sampler, self.val_batches, self.windows, self.calib_source, self.eval_source = _run_data(tokenizer, c)
         self.mask_rng = torch.Generator().manual_seed(c.seed + 1)
-        self.sample_losses = EXECUTORS[resolve_executor(c.sample_forward, c.device)]
+        self.sample_losses = self.world.share_executor(EXECUTORS[resolve_executor(c.sample_forward, c.device)])
         self.ctx = StepContext(model, self.adapter, self.layout, self.sample_losses, self.mask_rng, c.num_mask_samples, c.steps)
         self.method = METHODS[c.method](self.ctx, method_options(c.method, c.method_options, c))
         self.stages, self.unit_metric = [(0, c.prune_ratio)], c.init  # a hook may replace them (progressive)
@@ -107,8 +108,7 @@ class PruneRun:
     def step(self, state: RunState) -> StepReport:
         """One optimisation step: the method's gradient estimate on one calibration batch, then
         s <- proj_C(s - lr g) for every unit type."""
-        c, t0 = self.config, time.perf_counter()
-        batch = self.sampler.next_batch()
+        t0, batch = time.perf_counter(), self.sampler.next_batch()
         keep, lr = self.keep_ratio_at(state.step), self.lr_at(state.step)
         g = self.method.gradient(state, batch)
         state.scores = self.budget.project(self.method.next_scores(state, g.grads, lr), keep)
@@ -181,7 +181,7 @@ class PruneRun:
             self.log(f"interrupted: the checkpoint holds step {good.step}/{self.ctx.steps}; continue with --resume")
             raise
         finally:
-            if not isinstance(sys.exc_info()[1], Exception):
+            if not isinstance(e := sys.exc_info()[1], Exception) or getattr(e, "checkpoint_safe", False):  # (a lost rank)
                 self.write_checkpoint(good)
 
     def finish(self, state: RunState) -> dict:

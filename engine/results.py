@@ -6,6 +6,7 @@ import json
 from typing import TYPE_CHECKING
 
 from .budget import removal_report
+from .distributed import shares
 from .io import atomic_write_text
 from .loading import count_parameters
 from .rundir import MODEL_DIR, RESULTS_FILE
@@ -53,7 +54,10 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "stopped_early": state.stopped_early,  # --early-stop: the step it stopped at, or None
         "time_budget": c.time_budget,  # minutes, or None
         "time_used": state.time_used,  # --time-budget: the wall seconds at the last step, all sessions
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),  # (of rank 0 in a data-parallel run)
+        "world_size": run.world.size,  # torchrun's ranks in the session that finished the run
+        "mask_samples_by_rank": shares(c.num_mask_samples, run.world.size),  # which rank ran which of the N_s samples
+        "worlds": state.worlds,  # each session's ranks from the step it started at
     }
 
 
@@ -65,8 +69,10 @@ def finish(run: "PruneRun", state: RunState) -> dict:
     for hook in run.hooks:
         scores = hook.final_scores(state, scores)
     masks = run.final_masks(scores, state.init_metric)
+    ppl_pruned = run.masked_perplexity(masks, "pruned")  # (every rank: a data-parallel run shares its forwards)
+    if not run.world.writes:  # rank 0 alone writes the masks, the export and results.json
+        return {"status": "done", "rank": run.world.rank, "ppl_pruned": ppl_pruned}
     save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores)
-    ppl_pruned = run.masked_perplexity(masks, "pruned")
     run.log(f"exporting the sliced model to {run.out / MODEL_DIR}")
     export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill)
     results = run_results(run, state, scores, masks, ppl_pruned, export["params"])

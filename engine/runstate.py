@@ -62,6 +62,7 @@ class RunState:
     config: dict | None = None  # the run's config when saved: --resume refuses a config.json edited since
     last_report: str | None = None  # metrics.jsonl's line of this step, restored on resume if that line was lost
     stopped_early: int | None = None  # --early-stop: the step the run stopped at
+    worlds: list | None = None  # data-parallel runs: [{from_step, world_size}] of each session (torchrun's ranks)
     time_used: dict | None = None  # --time-budget: the run's wall seconds at this step (all sessions), its longest evaluation
 
 

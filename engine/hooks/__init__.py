@@ -2,6 +2,7 @@
 life (as llm-compressor's modifiers are). A hook joins a run when its `applies(config)` is true; the run loop
 calls every joined hook in RUN_HOOKS' order and never branches on an option's name itself.
 
+    ranks          data-parallel runs (torchrun): every rank's state compared after every step
     progressive    random-progressive: the budget raised in stages (a schedule, not an init metric)
     compensation   FLAP's bias compensation: removed inputs replaced by their calibration means
     multiples      every layer keeps a multiple of N units (llama.cpp blocks)
@@ -17,6 +18,6 @@ calls every joined hook in RUN_HOOKS' order and never branches on an option's na
 from __future__ import annotations
 
 from .base import RUN_HOOKS, RunHook, register_hook
-from . import progressive, compensation, multiples, time_budget, validation, early_stop, best_val, ranking  # noqa: E402,F401  (in this order)
+from . import ranks, progressive, compensation, multiples, time_budget, validation, early_stop, best_val, ranking  # noqa: E402,F401  (in this order)
 
 __all__ = ["RUN_HOOKS", "RunHook", "register_hook"]

@@ -71,6 +71,7 @@ class TimeBudget(RunHook):
         """The run's step count from here (ctx.steps), and what a checkpoint keeps of the time used."""
         self.eval_seconds = max(self.eval_seconds, self.run.masks.longest_eval)
         reserve = RESERVE_FACTOR * self.eval_seconds + EXPORT_SECONDS
-        self.run.ctx.steps = planned_steps(state.step, self.elapsed(), self.limit, per_step, reserve)
+        planned = planned_steps(state.step, self.elapsed(), self.limit, per_step, reserve)
+        self.run.ctx.steps = self.run.world.from_writer(planned, "the time budget's step count")  # (rank 0's clock)
         state.time_used = {"seconds": self.elapsed(), "eval_seconds": self.eval_seconds, "per_step": per_step,
                            "limit": self.limit}

@@ -1,0 +1,241 @@
+"""Data-parallel runs on torch.distributed: one model replica per rank, the N_s masked forwards of a step shared out.
+
+Started by torchrun (WORLD_SIZE and RANK in the environment), `python -m engine prune ...` runs data-parallel with
+no other flag; started any other way it is one process and torch.distributed is never imported.
+
+    world = join_world(device)                 # World() outside torchrun
+    executor = world.share_executor(executor)  # each rank runs share(N_s, K, rank) of the masks; losses all-gathered
+
+Every rank draws the same calibration batch and the same N_s masks from the same seeded generators, runs its share
+of the masked forwards, and receives every loss; the update that follows is computed on every rank from the same
+numbers, so the scores never drift apart (a hook checks a digest of the state on every step). Rank 0 alone writes
+the run folder; the others write their (identical) checkpoints into a scratch folder of their own and export
+nothing. A rank that dies or stops answering ends the others' collectives with RankLost (gloo: at once, when the
+connection closes; otherwise after the timeout, $PG_PRUNE_DIST_TIMEOUT seconds, default 600).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from .errors import UserError
+
+TIMEOUT_ENV = "PG_PRUNE_DIST_TIMEOUT"
+DEFAULT_TIMEOUT = 600.0
+
+
+def launched(env=os.environ) -> bool:
+    """Was this process started by torchrun (or an equivalent launcher) as one of several ranks?"""
+    return "RANK" in env and int(env.get("WORLD_SIZE", "1")) > 1
+
+
+def share(n: int, k: int, rank: int) -> range:
+    """The mask samples (0 .. n-1) that rank `rank` of `k` evaluates: contiguous, the first n % k ranks one more
+    (n = 3 over 2 ranks: 0, 1 and 2). A rank may get none (n < k)."""
+    if k < 1 or not 0 <= rank < k or n < 0:
+        raise ValueError(f"no share of {n} samples for rank {rank} of {k}")
+    base, extra = divmod(n, k)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def shares(n: int, k: int) -> list[list[int]]:
+    """Which samples each rank evaluates (results.json's `mask_samples_by_rank`)."""
+    return [list(share(n, k, r)) for r in range(k)]
+
+
+def timeout_seconds(env=os.environ) -> float:
+    text = env.get(TIMEOUT_ENV, "")
+    try:
+        value = float(text) if text.strip() else DEFAULT_TIMEOUT
+    except ValueError:
+        raise UserError(f"${TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise UserError(f"${TIMEOUT_ENV} must be positive, got {text!r}")
+    return value
+
+
+def digest(*parts: Any) -> int:
+    """A 63-bit digest of tensors (their bytes), numbers and strings, in order: what the ranks compare."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        if isinstance(p, torch.Tensor):
+            t = p.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(p, dict):
+            for k in sorted(p, key=str):
+                h.update(repr(k).encode())
+                h.update(digest(p[k]).to_bytes(8, "little"))
+        elif isinstance(p, (list, tuple)):
+            for x in p:
+                h.update(digest(x).to_bytes(8, "little"))
+        else:
+            h.update(repr(p).encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def backend_reason(e: BaseException) -> str:
+    """The backend's reason in a few words: its first sentence, without gloo's source location."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    first = re.sub(r"^(\[[^\]]*\]\s*)+", "", first).split(". ")[0].strip().rstrip(".")
+    return first[:160] or type(e).__name__
+
+
+class RankLost(UserError):
+    """Another rank died or stopped answering. The state of the last finished step is whole: the writer saves it
+    (as an interrupt does) so that the run resumes there, with any number of ranks."""
+
+    checkpoint_safe = True
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ranks of a run. World() is one process: every collective is the identity."""
+
+    rank: int = 0
+    size: int = 1
+    backend: str | None = None  # gloo (CPU tensors) or nccl (tensors on this rank's GPU)
+    device: str = "cpu"  # where the collectives' tensors live
+
+    @property
+    def writes(self) -> bool:
+        """Only rank 0 writes the run folder, shows progress and exports."""
+        return self.rank == 0
+
+    def describe(self) -> dict:
+        return {"world_size": self.size, "backend": self.backend}
+
+    # --- collectives (each turns a lost peer into RankLost) ------------------------------------------------
+    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RuntimeError as e:  # gloo's closed connections, timeouts and NCCL's errors are RuntimeErrors
+            raise RankLost(f"rank {self.rank} of {self.size}: another rank died or stopped answering during {what} "
+                           f"({backend_reason(e)})") from None
+
+    def gather_shares(self, local: torch.Tensor, n: int, what: str = "the mask samples' losses") -> torch.Tensor:
+        """Every rank's share of n float64 values (local: this rank's, share(n, K, rank)), in sample order."""
+        import torch.distributed as dist
+
+        width = -(-n // self.size)
+        padded = torch.zeros(width, dtype=torch.float64, device=self.device)
+        padded[:local.numel()] = local.to(self.device, torch.float64)
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self._collective(what, lambda: dist.all_gather(parts, padded))
+        return torch.cat([parts[r][:len(share(n, self.size, r))] for r in range(self.size)]).cpu()
+
+    def gather_objects(self, obj: Any, what: str) -> list:
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.size
+        self._collective(what, lambda: dist.all_gather_object(out, obj))
+        return out
+
+    def from_writer(self, obj: Any, what: str) -> Any:
+        """Rank 0's `obj` on every rank (the others pass None)."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.writes else None]
+        self._collective(what, lambda: dist.broadcast_object_list(box, src=0))
+        return box[0]
+
+    def check_same(self, what: str, *parts: Any) -> None:
+        """Raise UserError when the ranks' digests of `parts` differ (nothing to do in one process)."""
+        if self.size == 1:
+            return
+        mine = digest(*parts)
+        seen = self.gather_objects(mine, what)
+        if len(set(seen)) > 1:
+            odd = [r for r, d in enumerate(seen) if d != seen[0]]
+            raise UserError(f"the ranks disagree on {what}: rank{'s' if len(odd) > 1 else ''} "
+                            f"{', '.join(map(str, odd))} differ{'' if len(odd) > 1 else 's'} from rank 0 (digests "
+                            f"{', '.join(f'{d:016x}' for d in seen)}); the run stopped before writing it")
+
+    def agree(self, errors_and_values: tuple[str | None, Any], what: str) -> None:
+        """Start-up: every rank hands in (its error or None, the digest of what it will run). The first error (by
+        rank) ends every rank with that line; different digests end them as a mismatched world."""
+        if self.size == 1:
+            if errors_and_values[0]:
+                raise UserError(errors_and_values[0])
+            return
+        seen = self.gather_objects(errors_and_values, what)
+        failed = [(r, e) for r, (e, _) in enumerate(seen) if e]
+        if failed:
+            r, e = failed[0]
+            raise UserError(e if r == self.rank or self.size == 1 else f"rank {r}: {e}")
+        digests = [d for _, d in seen]
+        if len(set(digests)) > 1:
+            odd = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise UserError(f"a mismatched world: rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} "
+                            f"would run another job than rank 0 ({what} differ); start every rank with the same "
+                            "command, model files and data")
+
+    # --- the narrow place where the step's work is shared out --------------------------------------------
+    def share_executor(self, executor: Callable) -> Callable:
+        """An executor (engine/executors.py) that evaluates only this rank's share of the samples and returns
+        every sample's loss. One process: the executor itself."""
+        if self.size == 1:
+            return executor
+
+        def shared(hooks, layout, batch, samples, fill=None):
+            n = next(iter(samples.values())).shape[0]
+            mine = share(n, self.size, self.rank)
+            local = (executor(hooks, layout, batch, {u: m[mine.start:mine.stop] for u, m in samples.items()}, fill)
+                     if len(mine) else torch.empty(0, dtype=torch.float64))
+            return self.gather_shares(local, n)
+
+        return shared
+
+    def leave(self, clean: bool = True) -> None:
+        """Leave the process group (not after a lost rank: a dead peer could make the goodbye hang)."""
+        if self.size == 1 or not clean:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join_world(device: str, env=os.environ) -> World:
+    """World() outside torchrun; under it, this rank's World, its process group started (gloo, or NCCL for
+    --device cuda) with the collectives' timeout. --device auto (one replica spread over every GPU of the machine)
+    takes one rank per machine."""
+    if not launched(env):
+        return World()
+    import torch.distributed as dist
+
+    rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+    on_gpus = device.startswith("cuda")
+    if device == "auto" and local_size > 1:
+        raise UserError(f"--device auto spreads one replica over every GPU of the machine, and {local_size} ranks "
+                        "were started on this one: give each rank its GPU (--device cuda) or start one rank per machine "
+                        "(torchrun --nproc-per-node 1)")
+    where = "cpu"
+    if on_gpus:
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: no CUDA device on this machine")
+        local = int(env.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise UserError(f"rank {rank} is local rank {local}, but this machine has {torch.cuda.device_count()} "
+                            "CUDA devices: start at most one rank per GPU")
+        torch.cuda.set_device(local)  # --device cuda is this rank's GPU
+        where = f"cuda:{local}"
+    backend = "nccl" if on_gpus else "gloo"
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds(env)))
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"rank {rank} of {size} could not join the others ({backend}: {backend_reason(e)})") from None
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), backend=backend, device=where)

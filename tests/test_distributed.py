@@ -1,0 +1,252 @@
+"""Data-parallel pruning on torch.distributed (issue 26): `torchrun --nproc-per-node K -m engine prune ...` gives what
+one process gives, bit for bit (gloo on the CPU, the tiny model); a rank that dies ends the others with one line and
+a checkpoint that resumes with any number of ranks; a mismatched world is refused at start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.distributed import World, digest, launched, share, shares
+
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
+
+TIMING = ("seconds", "eta_seconds")
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "masks.safetensors", "masks.json", "results.json")
+
+
+# --- the small pure parts --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 2), (2, 2), (8, 3), (1, 2), (2, 5), (7, 7), (0, 3)])
+def test_share_covers_every_sample_once_in_order(n, k):
+    parts = [share(n, k, r) for r in range(k)]
+    assert [j for p in parts for j in p] == list(range(n))  # contiguous, in rank order
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1  # as even as it gets, the first ranks one more
+    assert shares(n, k) == [list(p) for p in parts]
+
+
+def test_share_of_three_over_two_and_bad_input():
+    assert shares(3, 2) == [[0, 1], [2]]
+    with pytest.raises(ValueError):
+        share(3, 2, 2)
+    with pytest.raises(ValueError):
+        share(3, 0, 0)
+
+
+def test_digest_sees_values_and_order():
+    a = torch.tensor([0.5, 0.25])
+    assert digest({"heads": a}, 1.0) == digest({"heads": a.clone()}, 1.0)
+    assert digest({"heads": a}, 1.0) != digest({"heads": a + 1e-7}, 1.0)
+    assert digest(a, None) != digest(None, a)
+    assert digest(torch.tensor([1.0])) != digest(torch.tensor([1.0], dtype=torch.float64))
+
+
+def test_one_process_is_the_identity():
+    """Outside torchrun the world is one process: the executor is the executor itself, nothing is compared or
+    gathered, and no process group is started."""
+    assert not launched({}) and not launched({"RANK": "0", "WORLD_SIZE": "1"}) and launched({"RANK": "1", "WORLD_SIZE": "2"})
+    w = World()
+
+    def f(*a):
+        return a
+
+    assert w.share_executor(f) is f and w.writes and w.from_writer(3, "x") == 3 and w.gather_objects(4, "x") == [4]
+    w.check_same("anything", torch.rand(3))  # nobody to disagree with
+    from engine.distributed import join_world
+
+    assert join_world("cpu", env={}) == World()
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+# --- runs ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dp-data") / "wiki.small.txt"
+    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    return path
+
+
+def flags(eval_file: Path, steps: int, *extra: str) -> list[str]:
+    return ["--model", str(TINY_MODEL), "--steps", str(steps), "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32",
+            "--max-windows", "2", "--init-batches", "1", "--lr", "0.05", "--calib", str(SMALL_CALIB),
+            "--eval-data", str(eval_file), "--checkpoint-every", "1", *extra]
+
+
+def env(**extra: str) -> dict[str, str]:
+    return clean_env(**{"OMP_NUM_THREADS": "1", "PG_PRUNE_DIST_TIMEOUT": "60", **extra})
+
+
+def single(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine", "prune", *args], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def torchrun(args: list[str], k: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node K -m engine prune ARGS` (torchrun is torch.distributed.run)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={k}",
+                           "-m", "engine", "prune", *args], cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(argvs: list[list[str]], timeout: str = "60") -> list[subprocess.Popen]:
+    """The ranks started as torchrun starts them (its environment variables), without its agent, so that a test can
+    kill one and watch the others."""
+    port, k = free_port(), len(argvs)
+    return [subprocess.Popen([sys.executable, "-m", "engine", "prune", *argv], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(k), RANK=str(r),
+                                     LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(k), PG_PRUNE_DIST_TIMEOUT=timeout))
+            for r, argv in enumerate(argvs)]
+
+
+def metric_lines(out: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def no_timing(lines: list[dict], also: tuple[str, ...] = ()) -> list[dict]:
+    return [{k: v for k, v in ln.items() if k not in TIMING + also} for ln in lines]
+
+
+def checkpoint(out: Path) -> dict:
+    return torch.load(out / "checkpoint.pt", weights_only=False)
+
+
+def assert_same_run(a: Path, b: Path, also: tuple[str, ...] = ()) -> None:
+    """Bit for bit: every step's losses, baseline, scores and reports; the checkpoint's scores, generators and
+    method state; the final masks and the results (but for timing and the world)."""
+    from safetensors.torch import load_file
+
+    assert no_timing(metric_lines(a), also) == no_timing(metric_lines(b), also)
+    ca, cb = checkpoint(a), checkpoint(b)
+    assert ca["step"] == cb["step"]
+    for key in ("scores", "init_scores", "best_scores"):
+        assert (ca[key] is None) == (cb[key] is None)
+        for u in ca[key] or {}:
+            assert torch.equal(ca[key][u], cb[key][u]), (key, u)
+    assert ca["baseline"] == cb["baseline"]
+    assert torch.equal(ca["mask_rng_state"], cb["mask_rng_state"])  # the same masks were drawn
+    assert torch.equal(ca["sampler_state"]["generator"], cb["sampler_state"]["generator"])  # and the same batches
+    assert str(ca["method_state"]) == str(cb["method_state"])
+    ma, mb = load_file(a / "masks.safetensors"), load_file(b / "masks.safetensors")
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    ra, rb = (json.loads((d / "results.json").read_text()) for d in (a, b))
+    varies = {"seconds_per_step", "seconds_in_steps", "peak_rss_mb", "world_size", "mask_samples_by_rank", "worlds"}
+    assert {k: v for k, v in ra.items() if k not in varies} == {k: v for k, v in rb.items() if k not in varies}
+
+
+@pytest.mark.parametrize("case, extra", [
+    ("moving-average", ["--num-mask-samples", "3", "--baseline", "moving-average"]),
+    ("leave-one-out+control-variate", ["--num-mask-samples", "3", "--baseline", "leave-one-out",
+                                       "--control-variate", "init-metric"]),
+    ("antithetic", ["--num-mask-samples", "4", "--mask-sampling", "antithetic", "--sample-forward", "sequential"]),
+])
+def test_two_ranks_give_the_single_process_run_bit_for_bit(case, extra, eval_file, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = single(flags(eval_file, 4, *extra, "--out", str(one)))
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    r2 = torchrun(flags(eval_file, 4, *extra, "--out", str(two)))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert_same_run(one, two)
+    res = json.loads((two / "results.json").read_text())
+    n = int(extra[1])
+    assert res["world_size"] == 2 and res["worlds"] == [{"from_step": 0, "world_size": 2}]
+    assert res["mask_samples_by_rank"] == shares(n, 2) and (n != 3 or res["mask_samples_by_rank"] == [[0, 1], [2]])
+    assert json.loads((one / "results.json").read_text())["mask_samples_by_rank"] == [list(range(n))]
+    # rank 0 alone wrote the run folder (what one process writes, nothing else), and showed progress
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    assert r2.stdout.count("perplexity (2 windows") == 1 and r2.stderr.count("exporting the sliced model") == 1
+
+
+def test_a_killed_rank_ends_the_run_with_one_line_and_resumes_on_one(eval_file, tmp_path):
+    """kill -9 of rank 1 mid-run: rank 0 exits at once (gloo sees the connection close; a rank that hangs instead
+    meets the timeout) with one `error:` line and the last finished step checkpointed; --resume in one process
+    finishes the run with each step recorded once, and ends where an uninterrupted run ends, bit for bit."""
+    steps, extra = 150, ["--num-mask-samples", "3", "--baseline", "moving-average", "--lr-schedule", "constant"]
+    out, ref = tmp_path / "dp", tmp_path / "ref"
+    ranks = start_ranks([flags(eval_file, steps, *extra, "--out", str(out))] * 2, timeout="30")
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and len(metric_lines(out)) >= 10):
+            assert ranks[0].poll() is None and time.monotonic() < deadline, ranks[0].stderr.read()[-2000:]
+            time.sleep(0.05)
+        os.kill(ranks[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = ranks[0].communicate(timeout=60)
+        assert time.monotonic() - killed < 30  # within the timeout (at once, in fact)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert ranks[0].returncode == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, lines[-5:]
+    assert "another rank died or stopped answering" in errors[0] and "--resume" in errors[0], errors[0]
+    step = checkpoint(out)["step"]
+    assert step >= 10 and f"the checkpoint holds step {step}/{steps}" in errors[0]
+    assert [r["step"] for r in metric_lines(out)] == list(range(1, step + 1))
+    assert step < steps
+    resumed = single(flags(eval_file, steps, *extra, "--out", str(out), "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [r["step"] for r in metric_lines(out)] == list(range(1, steps + 1))  # each step recorded once
+    res = json.loads((out / "results.json").read_text())
+    assert res["worlds"] == [{"from_step": 0, "world_size": 2}, {"from_step": step, "world_size": 1}]
+    r = single(flags(eval_file, steps, *extra, "--out", str(ref)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_same_run(ref, out)
+
+
+def test_a_one_process_run_resumes_on_two_ranks(eval_file, tmp_path):
+    """--resume with K = 2 of a run started in one process: the same as one uninterrupted process (constant lr and
+    no validation, so that the shorter first session's schedules do not differ)."""
+    extra = ["--num-mask-samples", "3", "--baseline", "leave-one-out", "--lr-schedule", "constant", "--val-every", "0",
+             "--final-mask", "last"]
+    out, ref = tmp_path / "run", tmp_path / "ref"
+    assert single(flags(eval_file, 3, *extra, "--out", str(out))).returncode == 0
+    r = torchrun(flags(eval_file, 6, *extra, "--out", str(out), "--resume"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert single(flags(eval_file, 6, *extra, "--out", str(ref))).returncode == 0
+    assert_same_run(ref, out, also=("total_steps",))  # (the first session's lines say 3)
+    assert json.loads((out / "results.json").read_text())["worlds"] == [
+        {"from_step": 0, "world_size": 1}, {"from_step": 3, "world_size": 2}]
+
+
+def test_a_mismatched_world_is_refused_at_start(eval_file, tmp_path):
+    """Rank 1 started with other settings: every rank ends at start-up (before loading the model) with one line."""
+    out = tmp_path / "dp"
+    ranks = start_ranks([flags(eval_file, 4, "--out", str(out)), flags(eval_file, 5, "--out", str(out))])
+    errs = []
+    for p in ranks:
+        _, err = p.communicate(timeout=120)
+        errs.append(err)
+        assert p.returncode == 2, err[-2000:]
+    for err in errs:
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: a mismatched world: rank 1"), lines
+    assert not (out / "config.json").exists()
+
+
+def test_a_refusal_on_rank_0_ends_every_rank(eval_file, tmp_path):
+    """--resume of a folder that holds no run: rank 0 refuses, and the other rank says the same and ends."""
+    out = tmp_path / "nothing"
+    out.mkdir()
+    ranks = start_ranks([flags(eval_file, 4, "--out", str(out), "--resume")] * 2)
+    for p in ranks:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and err.strip().splitlines() == [err.strip().splitlines()[0]], err[-2000:]
+        assert err.startswith("error: --resume") and "holds no run" in err
