@@ -95,8 +95,11 @@ def removal_text(results: dict | None) -> str | None:
 
 # --- a run's charts -----------------------------------------------------------------------------
 def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | None, results: dict | None,
-               key: str) -> None:
-    """Heatmap of KV groups, MLP channels and whole layers per layer, loss curves, and final results."""
+               key: str, run_dir: str | Path | None = None) -> None:
+    """Heatmap of KV groups, MLP channels and whole layers per layer, loss curves, and final results; layers
+    removed whole are grey in every chart. Below: the masks per layer as a table, and their downloads."""
+    from engine.ui.settings import layer_rows, removed_layers
+
     last = history[-1] if history else None
     if results and results.get("status") == "done":
         c1, c2, c3, c4 = st.columns(4)
@@ -111,22 +114,45 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
     if last is None:
         st.info("No optimisation step yet: charts appear after the first step.")
         return
+    done = bool(results and results.get("kept_per_layer"))
+    kept = figures.kept_fractions_from_results(results) if done else figures.effective_kept(last["kept_fraction"])
+    removed = removed_layers(kept)
     heads, chans = last.get("head_scores"), last["mean_score"].get("channels")
     cols = st.columns(2) if heads and chans else [st.container()]
     if heads:
         if head_mask is None:
             head_mask = head_mask_from_scores(heads, config.get("scope", "global"), 1 - config.get("prune_ratio", 0.3))
         with cols[0]:
-            st.plotly_chart(figures.heads_heatmap(heads, head_mask), key=f"{key}-heads", width="stretch", config=PLOT_CONFIG)
+            st.plotly_chart(figures.heads_heatmap(heads, head_mask, removed=removed), key=f"{key}-heads", width="stretch",
+                            config=PLOT_CONFIG)
     if chans:
         with cols[-1]:
-            st.plotly_chart(figures.channels_figure(chans, last["kept_fraction"].get("channels")),
+            st.plotly_chart(figures.channels_figure(chans, kept.get("channels"), removed=removed),
                             key=f"{key}-channels", width="stretch", config=PLOT_CONFIG)
     layers = last["mean_score"].get("layers")
     if layers:
-        st.plotly_chart(figures.layers_figure(layers, last["kept_fraction"].get("layers")), key=f"{key}-layers",
+        st.plotly_chart(figures.layers_figure(layers, kept.get("layers")), key=f"{key}-layers",
                         width="stretch", config=PLOT_CONFIG)
     st.plotly_chart(figures.loss_figure(history), key=f"{key}-loss", width="stretch", config=PLOT_CONFIG)
+    sizes = results.get("units_per_layer") if done else ({"heads": [len(r) for r in heads]} if heads else None)
+    rows = layer_rows(kept, sizes)
+    with st.expander(("Final masks" if done else "Current hard masks") + " per layer: kept KV groups, channels, layers"):
+        st.dataframe(rows, hide_index=True, width="stretch", key=f"{key}-layer-table")
+        download_masks(rows, run_dir, key)
+
+
+def download_masks(rows: list[dict], run_dir: str | Path | None, key: str) -> None:
+    """Download buttons: the per-layer table as CSV and, for a finished run, its masks as JSON (masks.json)."""
+    from engine.ui.settings import rows_csv
+
+    name = Path(run_dir).name if run_dir else "run"
+    c1, c2 = st.columns(2)
+    c1.download_button("Masks per layer (CSV)", rows_csv(rows), file_name=f"{name}-masks-per-layer.csv",
+                       mime="text/csv", icon=":material/download:", key=f"{key}-csv")
+    masks = Path(run_dir) / "masks.json" if run_dir else None
+    if masks is not None and masks.is_file():
+        c2.download_button("Masks (JSON)", masks.read_bytes(), file_name=f"{name}-masks.json", mime="application/json",
+                           icon=":material/download:", key=f"{key}-json")
 
 
 def render_disk_run(run_dir: str | Path, key: str) -> None:
@@ -139,7 +165,7 @@ def render_disk_run(run_dir: str | Path, key: str) -> None:
     st.caption(f"Run **{info.name}** — {info.status}, {info.steps_done}/{info.config.get('steps')} steps, "
                f"model `{info.config.get('model')}`")
     render_run(read_metrics(run_dir), info.config, run_head_mask(run_dir) if info.has_masks else None,
-               info.results, key)
+               info.results, key, run_dir=run_dir)
 
 
 # --- chat models (loaded in the page's script run, never in a fragment tick) ----------------------
@@ -172,10 +198,12 @@ def run_figures_for_compare(info: RunInfo) -> dict[str, list[float]]:
 
 
 def option_widgets(options_cls, defaults: dict | None = None, key: str | None = "opt", columns: int = 3,
-                   names: tuple[str, ...] | None = None) -> dict:
+                   names: tuple[str, ...] | None = None, hidden: tuple[str, ...] = ()) -> dict:
     """One widget per field of a settings dataclass (a method's Options, or the run's PruneConfig: all fields, or
-    `names`), made from the field's declaration: its label, help, choices and bounds (engine.fields.setting).
-    Widget keys are KEY-FIELD (FIELD without a key). Returns {field: value}."""
+    `names`), made from the field's declaration: its label, help and choices (engine.fields.setting). Widget keys
+    are KEY-FIELD (FIELD without a key); a key already in the session state keeps its value (persisted settings).
+    Bounds are not enforced by the widget: the run's validation names a value out of bounds in one message.
+    `hidden` fields that do not apply get no widget; their value is kept. Returns {field: value}."""
     import dataclasses
     import typing
 
@@ -183,24 +211,31 @@ def option_widgets(options_cls, defaults: dict | None = None, key: str | None = 
 
     defaults, values = defaults or {}, {}
     hints = typing.get_type_hints(options_cls)
-    cols = st.columns(columns)
-    fields = [f for f in dataclasses.fields(options_cls) if names is None or f.name in names]
-    for i, f in enumerate(fields):
-        col, meta = cols[i % columns], f.metadata
+    fields = [f for f in dataclasses.fields(options_cls) if (names is None or f.name in names)]
+    cols, i = st.columns(columns), 0
+    for f in fields:
+        meta = f.metadata
         label = meta.get("label") or f.name.replace("_", " ").capitalize()
         default, choices, k = defaults.get(f.name, f.default), choices_of(f), f"{key}-{f.name}" if key else f.name
+        if f.name in hidden:
+            values[f.name] = st.session_state.get(k, default)
+            continue
+        col, i = cols[i % columns], i + 1
+        seeded = k in st.session_state
         kw = dict(help=meta.get("help") or None, key=k)
         if choices:
-            values[f.name] = col.selectbox(label, list(choices), index=list(choices).index(default), **kw)
+            values[f.name] = col.selectbox(label, list(choices), **kw) if seeded else \
+                col.selectbox(label, list(choices), index=list(choices).index(default), **kw)
         elif hints[f.name] is bool:
-            values[f.name] = col.checkbox(label, bool(default), **kw)
+            values[f.name] = col.checkbox(label, **kw) if seeded else col.checkbox(label, bool(default), **kw)
         elif hints[f.name] is int:
-            values[f.name] = int(col.number_input(label, value=int(default), step=1, min_value=meta.get("minimum"),
-                                                  max_value=meta.get("maximum"), **kw))
+            values[f.name] = int(col.number_input(label, step=1, **kw) if seeded else
+                                 col.number_input(label, value=int(default), step=1, **kw))
         elif hints[f.name] is float:
-            values[f.name] = float(col.number_input(label, value=float(default), format="%.4g", **kw))
+            values[f.name] = float(col.number_input(label, format="%.4g", **kw) if seeded else
+                                   col.number_input(label, value=float(default), format="%.4g", **kw))
         else:
-            values[f.name] = col.text_input(label, str(default), **kw)
+            values[f.name] = col.text_input(label, **kw) if seeded else col.text_input(label, str(default), **kw)
     return values
 
 
@@ -225,3 +260,179 @@ def choices(cls, name: str) -> tuple:
     from engine.fields import choices_of
 
     return choices_of(_field(cls, name))
+
+
+# --- the Prune form's settings: kept across pages and reloads ------------------------------------------------
+FORM_VALUES, FORM_BASE, FORM_FROM = "prune_settings", "prune_settings_base", "prune_settings_from"
+
+
+def form_keys() -> list[str]:
+    """Every widget key of the Prune form (engine/ui/settings.py's default_values lists them)."""
+    from engine.ui.settings import default_values
+
+    return list(default_values())
+
+
+def restore_prune_settings() -> None:
+    """Seed the Prune form's widgets from the session's settings (read from beside the runs the first time), so
+    that they keep their values across pages, reloads and hidden widgets."""
+    from engine.ui.settings import default_values, load_settings
+
+    ss = st.session_state
+    if FORM_VALUES not in ss:
+        ss[FORM_VALUES], ss[FORM_BASE], ss[FORM_FROM] = load_settings(runs_dir())
+    seed = {**default_values(), **ss[FORM_VALUES]}
+    for k, v in seed.items():
+        if k not in ss:
+            ss[k] = v
+
+
+def save_prune_settings() -> dict:
+    """The form's values now (a hidden widget's last value included), kept in the session and beside the runs."""
+    from engine.ui.settings import save_settings
+
+    ss = st.session_state
+    old = ss.get(FORM_VALUES) or {}
+    values = {k: ss[k] if k in ss else old.get(k) for k in form_keys() if k in ss or k in old}
+    if values != old:
+        ss[FORM_VALUES] = values
+        try:
+            save_settings(runs_dir(), values, ss.get(FORM_BASE), ss.get(FORM_FROM))
+        except OSError:
+            pass  # a read-only runs folder: the session still keeps them
+    return values
+
+
+def load_into_form(config: dict, source: str | None) -> None:
+    """Fill the Prune form from a run's config: its form fields, and the rest as the base of the next run."""
+    from engine.ui.settings import form_values, save_settings
+
+    ss = st.session_state
+    for k in form_keys():
+        ss.pop(k, None)
+    ss[FORM_VALUES], ss[FORM_BASE], ss[FORM_FROM] = {**form_values(config), "run_name": ""}, dict(config), source
+    try:
+        save_settings(runs_dir(), ss[FORM_VALUES], ss[FORM_BASE], source)
+    except OSError:
+        pass
+
+
+def reset_prune_settings() -> None:
+    """Back to the defaults (a button's callback: runs before the widgets are drawn)."""
+    from engine.config import PruneConfig
+
+    load_into_form(PruneConfig().to_dict(), None)
+    st.session_state[FORM_BASE] = None
+    save_prune_settings()
+
+
+def apply_preset(name: str) -> None:
+    """Set the widgets a preset names (engine/config.py's PRESETS; a button's callback)."""
+    from engine.ui.settings import preset_values
+
+    st.session_state.update(preset_values(name, "pg"))
+
+
+def hidden_options(method: str) -> tuple[str, ...]:
+    """A method's options that do not apply to the others chosen: pg's window T serves the moving average only."""
+    if method == "pg" and st.session_state.get("opt-pg-baseline") != "moving-average":
+        return ("baseline_window",)
+    return ()
+
+
+# --- the plan of a run, before it starts ------------------------------------------------------------------
+@st.cache_resource(max_entries=64, show_spinner="Reading the model's config…")
+def _removal(model: str, units: tuple, ratio: float, budget: str, scope: str):
+    from engine.plan import model_skeleton, plan_removal
+
+    return plan_removal(model_skeleton(model), list(units), ratio, budget, scope)
+
+
+def _rate(config, skeleton) -> tuple[float, str, bool]:
+    """(seconds per token, where it comes from, measured here?): earlier runs of the model, a probe of this
+    machine, or a guess from the model's size."""
+    from engine.plan import cached_probe, probe_key, rate_from_runs
+    from engine.ppl_cache import cache_dir
+
+    found = rate_from_runs([(r.config, r.results) for r in runs()], config.model, config.dtype)
+    if found:
+        return found[0], f"the step time of {found[1]} earlier run{'s' if found[1] > 1 else ''} of this model", True
+    probe = cached_probe(cache_dir(), probe_key(config.model, config.dtype, config.batch_size, config.seqlen))
+    if probe:
+        return probe, "a probe of this machine (one dense forward of a batch)", True
+    guess = 2 * (skeleton.params_total) / 100e9  # about 100 GFLOP/s: 2 CPU cores measured on SmolLM2
+    return guess, "a guess from the model's size (not measured on this machine yet)", False
+
+
+def plan_panel(config, problem: str | None) -> float | None:
+    """The plan above Start: parameters removed, time, peak memory, speed-up. Returns the estimated seconds."""
+    from engine.errors import UserError
+    from engine.plan import model_skeleton, plan_memory, plan_time, probe_seconds_per_token, speedup
+    from engine.ppl_cache import cache_dir
+    from engine.unit_types import UNIT_TYPES
+
+    box = st.container(border=True)
+    box.markdown("**Plan** · from the model's config (no weights loaded); times are estimates")
+    if problem is not None:  # (a warning: Start, pressed, says it as the one error)
+        box.warning(f"Cannot start as set — error: {problem}", icon=":material/error:")
+        return None
+    try:
+        skeleton = model_skeleton(config.model)
+        removal = _removal(config.model, tuple(config.units), float(config.prune_ratio), config.budget, config.scope)
+    except UserError as e:
+        box.error(f"error: {e}")
+        return None
+    rate, source, measured = _rate(config, skeleton)
+    if not measured and skeleton.params_total < 20e6:  # a small model: probing costs well under a second
+        rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache_dir())
+        source, measured = "a probe of this machine (one dense forward of a batch)", True
+    times = plan_time(config, skeleton, rate, source)
+    total = config.time_budget * 60 if config.time_budget else times.total
+    memory = plan_memory(config, skeleton)
+    peaks = [r.results["peak_rss_mb"] for r in runs() if r.results and r.results.get("peak_rss_mb")
+             and r.config.get("model") == config.model]
+    c1, c2, c3, c4 = box.columns(4)
+    c1.metric("Parameters removed", fmt_params(removal.params_removed),
+              help="What the run's budget removes (engine/budget.py's accounting), within one unit.")
+    c2.metric("Estimated time", ("≈ " if not config.time_budget else "") + fmt_seconds(total),
+              help=f"Seconds per token from {source}.")
+    c3.metric("Peak memory (est.)", f"{memory.total / 1e9:.1f} GB",
+              help=", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in memory.parts.items()))
+    c4.metric("Speed-up (est.)", f"{speedup(skeleton, removal.params_removed):.2f}×",
+              help="Dense over pruned matrix parameters a token multiplies (decoder and LM head); attention over "
+                   "the context left out. llama.cpp measured 1.40× for 30 % of SmolLM2 (docs/gguf.md).")
+    split = ", ".join(f"{UNIT_TYPES[u].title if u in UNIT_TYPES else u} {n:,}" for u, n in removal.by_type.items())
+    how = ("the split between unit types is where the run starts: the method learns it" if removal.split_learned
+           else "per unit type")
+    box.markdown(f"Will remove **{removal.params_removed:,}** parameters"
+                 f"{'' if removal.exact else ' (about)'}: {removal.removed_of_decoder:.1%} of the decoder layers, "
+                 f"{removal.removed_of_model:.1%} of the whole model (embeddings and LM head are never pruned)"
+                 + (f", up to {removal.tolerance:,} more (one unit)" if removal.tolerance else "")
+                 + f". {how.capitalize()}: {split}"
+                 + (f"; {removal.layers_removed} whole layer{'s' if removal.layers_removed != 1 else ''} out" if
+                    removal.layers_removed else "") + ".")
+    phases = " · ".join(f"{k} {fmt_seconds(v)}" for k, v in times.phases.items() if v >= 0.5)
+    box.caption(f"Time: {phases}" + (f" (the time budget stops it at {config.time_budget:g} min)" if config.time_budget else "")
+                + f". Rate: {rate * 1e3:.3f} ms per token, from {source}."
+                + (f" Earlier runs of this model peaked at {max(peaks) / 1e3:.1f} GB." if peaks else ""))
+    if not measured and box.button("Measure this machine's speed", key="probe", icon=":material/speed:",
+                                   help="One forward of a calibration batch through the model built with random "
+                                        "weights (no file is read); remembered for this model and batch shape."):
+        with st.spinner("Measuring one forward…"):
+            probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache_dir())
+        st.rerun()
+    return total
+
+
+# narrow columns for the run tables, so the key ones fit a 1400 px window
+COMPACT_COLUMNS = {k: st.column_config.Column(width="small") for k in
+                   ("status", "scope", "rate", "steps", "params", "budget", "id", "ppl pruned", "ppl dense", "ppl init")}
+
+
+def short(value) -> str:
+    """A setting's value for a sentence: lists joined, long paths by their name."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) or "—"
+    if isinstance(value, str) and "/" in value:
+        return Path(value).name
+    return "—" if value is None else str(value)

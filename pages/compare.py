@@ -14,6 +14,7 @@ from engine.config import PruneConfig  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.unit_types import UNIT_TYPES  # noqa: E402
 from engine.ui.jobs import new_run_name  # noqa: E402
+from engine.ui.settings import config_differences, same_plan  # noqa: E402
 
 st.title(":material/compare_arrows: Compare: global vs uniform")
 st.markdown("**Global** scope shares one budget across all layers, so the method decides how much to cut in each "
@@ -27,12 +28,10 @@ if not all_runs:
 
 
 def pick_default(scope: str, like=None):
+    """The newest run of this scope; with `like`, one that makes a fair pair with it (same model, units, budget,
+    rate, steps and method)."""
     for r in all_runs:
-        c = r.config
-        if c.get("scope") != scope:
-            continue
-        if like is None or (c.get("model") == like.config.get("model")
-                            and abs(c.get("prune_ratio", 0) - like.config.get("prune_ratio", 0)) < 1e-9):
+        if r.config.get("scope") == scope and (like is None or same_plan(r.config, like.config)):
             return r
     return None
 
@@ -40,6 +39,7 @@ def pick_default(scope: str, like=None):
 a_default = pick_default("global") or all_runs[0]
 b_default = pick_default("uniform", like=a_default) or pick_default("uniform") or \
     next((r for r in all_runs if r.path != a_default.path), None)
+jobs = _ui.job_manager()
 c1, c2 = st.columns(2)
 a = c1.selectbox("Run A", all_runs, index=all_runs.index(a_default), format_func=_ui.run_label, key="cmp_a")
 b_options = [r for r in all_runs if r.path != a.path]
@@ -57,18 +57,18 @@ rows = []
 for ab, r in zip("AB", chosen):
     c, res = r.config, r.results or {}
     rows.append({
-        "id": ab, "scope": c.get("scope"), "removed": _ui.removed_short(res), "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
-        "ppl pruned": res.get("ppl_pruned"), "ppl init": res.get("ppl_init"), "rate": f"{c.get('prune_ratio', 0):.0%}",
-        "budget": c.get("budget", "units"), "units": ",".join(c.get("units", [])), "steps": f"{r.steps_done}/{c.get('steps')}",
-        "status": r.status, "ppl dense": res.get("ppl_dense"), "run": r.name,
+        "id": ab, "scope": c.get("scope"), "steps": f"{r.steps_done}/{c.get('steps')}",
+        "status": "running" if jobs.busy_with(r.path) else r.status, "ppl pruned": res.get("ppl_pruned"),
+        "params": _ui.fmt_params(res.get("params_pruned")) if res else "—", "rate": f"{c.get('prune_ratio', 0):.0%}",
+        "removed": _ui.removed_short(res), "ppl init": res.get("ppl_init"), "budget": c.get("budget", "units"),
+        "units": ",".join(c.get("units", [])), "ppl dense": res.get("ppl_dense"), "run": r.name,
     })
-st.dataframe(rows, hide_index=True, width="stretch")
+st.dataframe(rows, hide_index=True, width="stretch", column_config=_ui.COMPACT_COLUMNS)
 
-differs = [what for what, key in (("model", "model"), ("step budget", "steps"), ("calibration", "calib"),
-                                  ("evaluation data", "eval_data"), ("evaluation windows", "max_windows"))
-           if b is not None and a.config.get(key) != b.config.get(key)]
+differs = config_differences(a.config, b.config) if b is not None else []
 if differs:
-    st.warning(f"These two runs differ in {', '.join(differs)}: the comparison is not like for like.")
+    st.warning("These two runs differ in more than their scope, so the comparison is not like for like: "
+               + "; ".join(f"**{label}**: A {_ui.short(va)}, B {_ui.short(vb)}" for label, va, vb in differs) + ".")
 removed = [r.results["params_dense"] - r.results["params_pruned"] for r in chosen
            if r.results and "params_dense" in r.results and "params_pruned" in r.results]
 if len(removed) == 2:
@@ -108,16 +108,34 @@ def matching_config(config: dict, results: dict | None, scope: str) -> dict:
 
 
 other = "uniform" if a.config.get("scope") == "global" else "global"
-if b is None or b.config.get("scope") == a.config.get("scope"):
-    st.markdown(f"No **{other}** run to compare with run A yet.")
+snap = jobs.snapshot()
+if snap.active:
+    # a run is going (this page's Start, or Prune's): its progress, redrawn until it ends
+    @st.fragment(run_every=1.5)
+    def progress() -> None:
+        s = jobs.snapshot()
+        if not s.active:
+            st.rerun()  # the whole page: the finished run joins the table
+        last = s.last
+        total = (last or {}).get("total_steps") or (s.config or {}).get("steps", 1)
+        done = last["step"] if last else 0
+        st.progress(min(done / total, 1.0), text=f"Running `{Path(s.out_dir).name}` ({(s.config or {}).get('scope')}): "
+                                                   f"{done}/{total} steps · {s.phase}")
+
+    progress()
+elif b is None or b.config.get("scope") == a.config.get("scope") or not same_plan(a.config, b.config):
+    st.markdown(f"No **{other}** run with run A's model, units, budget, rate and steps yet.")
     if st.button(icon=":material/play_arrow:", label=f"Start the matching {other} run (same model, settings and parameter budget)",
                  help="Removes the same share of the decoder's parameters as run A (under --budget params; a run A "
                       "made under --budget units is matched by the share it actually removed)."):
         try:
             config = PruneConfig.from_dict(matching_config(a.config, a.results, other))
             out = _ui.runs_dir() / new_run_name(config)
-            _ui.job_manager().start(config, out)
+            jobs.start(config, out)
             _ui.select_run(out)
-            st.success(f"Started {out.name}: watch it on **Prune**.")
+            st.session_state["cmp-started"] = out.name
+            st.rerun()
         except UserError as e:
             st.error(f"Cannot start: {e}")
+if (started := st.session_state.pop("cmp-started", None)):
+    st.success(f"Started {started}: its progress is above, and on **Prune**.")

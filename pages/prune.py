@@ -10,17 +10,16 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402  (also puts the repository root on sys.path)
 import streamlit as st  # noqa: E402
 
-from engine.config import PruneConfig
+from engine.config import PRESETS, PruneConfig
 from engine.methods import METHODS
+from engine.plan import LONG_RUN_SECONDS
+from engine.ui import settings as S
 from engine.unit_types import UNIT_TYPES
 from engine.errors import UserError
 from engine.ui.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
-from engine.loading import DEFAULT_MODEL
 
 D = PruneConfig()
-# the run settings under "Hyperparameters": widgets made from their declarations in PruneConfig
-HYPERPARAMETERS = ("lr", "lr_schedule", "num_mask_samples", "batch_size", "seqlen", "prob_map", "eval_seqlen",
-                   "init_batches", "seed", "val_every", "checkpoint_every")
+HYPERPARAMETERS = S.HYPERPARAMETERS  # the run settings under "Hyperparameters" (engine/ui/settings.py)
 jobs = _ui.job_manager()
 
 st.title(":material/content_cut: Prune")
@@ -33,79 +32,115 @@ st.markdown(
 
 MODEL_CHOICES = {"default": "SmolLM2-135M-Instruct (packaged, 30 layers)", "local": "A local model folder or .gguf file"}
 
+# The form's values live in the session (a page switch or a run loaded on Runs keeps them) and beside the runs (a
+# browser reload starts from the last ones): every widget is seeded from them before it is drawn.
+_ui.restore_prune_settings()
+
 _snap = jobs.snapshot()
 _has_view = _snap.status != IDLE or _ui.selected_run() is not None
 with st.expander("**Run settings**: model, units, pruning rate, scope, steps", expanded=not _has_view,
-                 icon=":material/tune:"), st.form("prune-form", border=False):
+                 icon=":material/tune:"):
+    base = st.session_state.get(_ui.FORM_BASE)
+    if base:
+        b1, b2 = st.columns([4, 1])
+        b1.caption(f"Settings from run **{st.session_state.get(_ui.FORM_FROM) or 'loaded'}**: the settings this form "
+                   "does not show are that run's too.")
+        b2.button("Reset to defaults", key="reset-settings", on_click=_ui.reset_prune_settings, icon=":material/restart_alt:")
     choice = st.radio("Model", list(MODEL_CHOICES), format_func=MODEL_CHOICES.get, horizontal=True,
                       help="The default ships with the project (a 4-bit GGUF, loaded as float32). "
                            "A local model is a transformers folder (with config.json) or a .gguf file.", key="model_choice")
     local_path = st.text_input("Local model path (used when 'A local model folder or .gguf file' is chosen)",
                                placeholder="/path/to/model-folder or /path/to/model.gguf", key="model_path")
-    units = st.multiselect(_ui.label_of(PruneConfig, "units"), list(UNIT_TYPES), default=D.units,
+    units = st.multiselect(_ui.label_of(PruneConfig, "units"), list(UNIT_TYPES),
                            format_func=lambda u: UNIT_TYPES[u].title, help=_ui.help_of(PruneConfig, "units"), key="units")
-    rate = st.slider(_ui.label_of(PruneConfig, "prune_ratio"), 0.0, 1.0, D.prune_ratio, 0.05, format="%.2f",
+    rate = st.slider(_ui.label_of(PruneConfig, "prune_ratio"), 0.0, 1.0, step=0.05, format="%.2f",
                      help=_ui.help_of(PruneConfig, "prune_ratio"), key="rate")
     c1, c2, c3 = st.columns(3)
     scope = c1.radio(_ui.label_of(PruneConfig, "scope"), list(_ui.choices(PruneConfig, "scope")), horizontal=True,
                      help=_ui.help_of(PruneConfig, "scope"), key="scope")
-    inits = list(_ui.choices(PruneConfig, "init"))
-    init = c2.selectbox(_ui.label_of(PruneConfig, "init"), inits, index=inits.index(D.init),
+    budget = c1.radio(_ui.label_of(PruneConfig, "budget"), list(_ui.choices(PruneConfig, "budget")), horizontal=True,
+                      help=_ui.help_of(PruneConfig, "budget"), key="budget")
+    init = c2.selectbox(_ui.label_of(PruneConfig, "init"), list(_ui.choices(PruneConfig, "init")),
                         help=_ui.help_of(PruneConfig, "init"), key="init")
-    steps = c3.number_input(_ui.label_of(PruneConfig, "steps"), 1, 100_000, D.steps,
-                            help=_ui.help_of(PruneConfig, "steps"), key="steps")
-    time_budget = c3.number_input(_ui.label_of(PruneConfig, "time_budget"), min_value=0.0, max_value=10_000.0, value=None,
-                                  step=1.0, placeholder="off: run the steps", help=_ui.help_of(PruneConfig, "time_budget"),
-                                  key="time_budget")
+    steps = c3.number_input(_ui.label_of(PruneConfig, "steps"), step=1, help=_ui.help_of(PruneConfig, "steps"), key="steps")
+    time_budget = c3.number_input(_ui.label_of(PruneConfig, "time_budget"), step=1.0, placeholder="off: run the steps",
+                                  help=_ui.help_of(PruneConfig, "time_budget"), key="time_budget")
     c4, c5 = st.columns(2)
-    methods = list(_ui.choices(PruneConfig, "method"))
-    method = c4.selectbox(_ui.label_of(PruneConfig, "method"), methods, index=methods.index(D.method),
+    method = c4.selectbox(_ui.label_of(PruneConfig, "method"), list(_ui.choices(PruneConfig, "method")),
                           format_func=lambda m: {"pg": "policy gradient (forward passes only)",
                                                  "gumbel": "Gumbel-softmax (back-propagation, for comparison)",
                                                  "metric": "no optimisation: the init metric's top units",
                                                  "flap": "FLAP one-shot (fluctuation metric, compensation)",
                                                  "bonsai": "Bonsai (forward passes only: sampled sub-models, regression)"}.get(m, m),
                           help=_ui.help_of(PruneConfig, "method"), key="method")
-    layer_inits = list(_ui.choices(PruneConfig, "layer_init"))
-    layer_init = c5.selectbox(_ui.label_of(PruneConfig, "layer_init"), layer_inits, index=layer_inits.index(D.layer_init),
-                              help=_ui.help_of(PruneConfig, "layer_init"), key="layer_init")
-    with st.expander("Hyperparameters (the fast preset; the paper's are `--preset paper`: lr 0.002, N_s 2, moving average)"):
+    if "layers" in units:  # (whole layers only: the layer metric does not apply otherwise)
+        c5.selectbox(_ui.label_of(PruneConfig, "layer_init"), list(_ui.choices(PruneConfig, "layer_init")),
+                     help=_ui.help_of(PruneConfig, "layer_init"), key="layer_init")
+    with st.expander("Hyperparameters: the fast preset (lr 0.02, N_s 8, leave-one-out); the paper's are one click away"):
+        p1, p2, _ = st.columns([1, 1, 3])
+        p1.button("The paper's (lr 0.002, N_s 2, moving average)", key="preset-paper", on_click=_ui.apply_preset,
+                  args=("paper",), help="engine/config.py's preset 'paper', as `--preset paper` on the command line: "
+                                        f"{', '.join(f'{k} {v}' for k, v in PRESETS['paper'].items())}")
+        p2.button("The fast preset (the defaults)", key="preset-fast", on_click=_ui.apply_preset, args=("fast",),
+                  help=f"{', '.join(f'{k} {v}' for k, v in PRESETS['fast'].items())}")
         hyper = _ui.option_widgets(PruneConfig, key=None, names=HYPERPARAMETERS)
         h1, h2, h3 = st.columns(3)
-        max_windows = h1.number_input("Evaluation windows (0 = all)", 0, 10_000, 64,
-                                      help="WikiText-2 windows used for the dense, init and pruned perplexities. "
-                                           "All 2,370 windows take about 15 min per evaluation for SmolLM2 on this CPU.", key="max_windows")
-        channel_multiple = h1.number_input("MLP channels per layer: a multiple of", 1, 256, 1,
-                                           help="Final mask: every layer keeps a multiple of this many MLP channels "
-                                                "(never over the budget). 32 gives llama.cpp whole Q8_0 blocks and "
-                                                "GEMM tiles; 1 = off.", key="channel_multiple")
+        h1.number_input("Evaluation windows (0 = all)", step=1,
+                        help="WikiText-2 windows used for the dense, init and pruned perplexities. "
+                             "All 2,370 windows take about 15 min per evaluation for SmolLM2 on this CPU.", key="max_windows")
+        h1.number_input("MLP channels per layer: a multiple of", step=1,
+                        help="Final mask: every layer keeps a multiple of this many MLP channels "
+                             "(never over the budget). 32 gives llama.cpp whole Q8_0 blocks and GEMM tiles; 1 = off.",
+                        key="channel_multiple")
     # each method's own settings, made from its Options declarations (a method registered by a script shows too)
-    method_values = {}
     for name, cls in METHODS.items():
         if cls.Options is not None:
-            with st.expander(f"Options of method {name}" + (" (used when it is the method)" if name != D.method else "")):
-                method_values[name] = _ui.option_widgets(cls.Options, key=f"opt-{name}")
-    label = st.text_input("Run name (optional)", help=f"The run is saved under {_ui.runs_dir()}/<date>-<model>-<scope>-<rate>-<name>.", key="run_name")
-    submitted = st.form_submit_button("Start pruning", type="primary", icon=":material/play_arrow:")
+            with st.expander(f"Options of method {name}" + (" (used when it is the method)" if name != method else "")):
+                _ui.option_widgets(cls.Options, key=f"opt-{name}", hidden=_ui.hidden_options(name))
+    st.text_input("Run name (optional)", help=f"The run is saved under {_ui.runs_dir()}/<date>-<model>-<scope>-<rate>-<name>.",
+                  key="run_name")
+    values = _ui.save_prune_settings()
+    config, problem = None, None
+    try:
+        config = S.form_config(values, base).validate()
+    except UserError as e:
+        problem = str(e)
+    estimate = _ui.plan_panel(config, problem)
+    submitted = st.button("Start pruning", type="primary", icon=":material/play_arrow:", key="start")
 
+
+def start(config: PruneConfig) -> None:
+    out = _ui.runs_dir() / new_run_name(config, st.session_state.get("run_name", ""))
+    jobs.start(config, out)
+    _ui.select_run(out)
+    st.session_state.pop("confirm-long", None)
+    st.toast(f"Started {out.name}")
+    st.rerun()  # redraw with the settings folded away
+
+
+pending = st.session_state.get("confirm-long")
 if submitted:
     try:
-        if choice == "local" and not local_path.strip():
-            raise UserError("give the path of a local model folder or .gguf file")
-        config = PruneConfig(
-            model=DEFAULT_MODEL if choice == "default" else local_path.strip(), units=list(units), prune_ratio=float(rate),
-            scope=scope, method=method, init=init, layer_init=layer_init, steps=int(steps), **hyper,
-            time_budget=float(time_budget) if time_budget else None,
-            method_options=method_values.get(method, {}), max_windows=int(max_windows) or None,
-            unit_multiple={"channels": int(channel_multiple)} if channel_multiple > 1 and "channels" in units else {},
-        )
-        out = _ui.runs_dir() / new_run_name(config, label)
-        jobs.start(config, out)
-        _ui.select_run(out)
-        st.toast(f"Started {out.name}")
-        st.rerun()  # redraw with the settings folded away
+        if problem is not None:
+            raise UserError(problem)
+        if estimate is not None and estimate > LONG_RUN_SECONDS and pending != config.to_dict():
+            st.session_state["confirm-long"] = config.to_dict()
+            st.rerun()
+        start(config)
     except UserError as e:
         st.error(f"Cannot start: {e}")
+elif pending is not None and config is not None and pending == config.to_dict():
+    st.warning(f"This run is estimated at **{_ui.fmt_seconds(estimate)}** (over {LONG_RUN_SECONDS / 60:.0f} min). "
+               "Start it anyway?", icon=":material/schedule:")
+    y, n, _ = st.columns([1, 1, 4])
+    if y.button("Yes, start it", type="primary", key="confirm-start"):
+        try:
+            start(config)
+        except UserError as e:
+            st.error(f"Cannot start: {e}")
+    if n.button("No", key="cancel-start"):
+        st.session_state.pop("confirm-long", None)
+        st.rerun()
 
 st.divider()
 
@@ -153,15 +188,19 @@ def live() -> None:
     done_steps = last["step"] if last else 0
     if snap.status == DONE:
         st.progress(1.0, text=f"{done_steps}/{total} steps · done")
+    elif snap.status == STOPPED:
+        st.progress(min(done_steps / total, 1.0), text=f"{done_steps}/{total} steps · stopped (resumable)")
     else:
-        eta = last["eta_seconds"] if last else None
+        sps = S.seconds_per_step(snap.history)
+        eta = S.eta_seconds(snap.history, total)
         elapsed = time.time() - (snap.started_at or time.time())
         st.progress(min(done_steps / total, 1.0),
-                    text=f"{done_steps}/{total} steps · {last['seconds']:.2f} s/step · ETA {_ui.fmt_seconds(eta)} · "
-                         f"running for {_ui.fmt_seconds(elapsed)}" if last else f"preparing · {snap.phase}")
+                    text=f"{done_steps}/{total} steps · {sps:.2f} s/step (mean of the last {min(len(snap.history), 5)}) · "
+                         f"ETA {_ui.fmt_seconds(eta)} · running for {_ui.fmt_seconds(elapsed)}"
+                    if last else f"preparing · {snap.phase}")
     if last and cfg.get("method") in METHODS and (line := METHODS[cfg["method"]].progress(cfg, done_steps)):
         st.caption(f"{cfg['method']}: {line} · current loss {sum(last['losses']) / len(last['losses']):.3f}")
-    _ui.render_run(snap.history, cfg, snap.head_mask, snap.result, key="job")
+    _ui.render_run(snap.history, cfg, snap.head_mask, snap.result, key="job", run_dir=snap.out_dir)
     if snap.status == DONE:
         st.success("Done. Compare it with the other scope on **Compare**, or talk to it on **Chat**.")
 

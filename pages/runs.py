@@ -1,5 +1,6 @@
 """Runs: the run folders on disk; load one into the pages, resume, export, delete."""
 
+import json
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -13,6 +14,7 @@ import streamlit as st  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.runfiles import MASKS_FILE  # noqa: E402
 from engine.ui.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
+from engine.ui.settings import results_table, settings_table  # noqa: E402
 
 st.title(":material/folder_open: Runs")
 st.caption(f"Runs folder: `{_ui.runs_dir()}` (set $PG_PRUNE_RUNS_DIR to use another). "
@@ -20,6 +22,8 @@ st.caption(f"Runs folder: `{_ui.runs_dir()}` (set $PG_PRUNE_RUNS_DIR to use anot
            "the sliced model (model/) and results.json.")
 
 jobs = _ui.job_manager()
+if (deleted := st.session_state.pop("deleted-run", None)):
+    st.success(f"Deleted {deleted}.", icon=":material/delete:")
 all_runs = _ui.runs()
 if not all_runs:
     st.info("No runs yet: start one on **Prune**.")
@@ -29,28 +33,33 @@ rows = []
 for r in all_runs:
     c, res = r.config, r.results or {}
     rows.append({
-        "run": r.name, "status": "running" if jobs.busy_with(r.path) else r.status,
-        "model": Path(c.get("model", "")).name, "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}",
-        "removed": _ui.removed_short(res), "ppl pruned": res.get("ppl_pruned"),
-        "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
-        "units": ",".join(c.get("units", [])), "budget": c.get("budget", "units"), "steps": f"{r.steps_done}/{c.get('steps')}",
-        "ppl dense": res.get("ppl_dense"),
-        "modified": datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"),
+        "status": "running" if jobs.busy_with(r.path) else r.status, "model": Path(c.get("model", "")).name,
+        "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}", "steps": f"{r.steps_done}/{c.get('steps')}",
+        "ppl pruned": res.get("ppl_pruned"), "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
+        "removed": _ui.removed_short(res), "units": ",".join(c.get("units", [])), "budget": c.get("budget", "units"),
+        "ppl dense": res.get("ppl_dense"), "modified": datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"),
+        "run": r.name,
     })
-st.dataframe(rows, hide_index=True, width="stretch")
+st.dataframe(rows, hide_index=True, width="stretch", column_config=_ui.COMPACT_COLUMNS)
 
 paths = [str(r.path) for r in all_runs]
 current = _ui.selected_run()
 run = st.selectbox("Run", all_runs, index=paths.index(current) if current in paths else 0, format_func=_ui.run_label)
 busy = jobs.busy_with(run.path)
 
-b1, b2 = st.columns(2)
+b1, b2, b3 = st.columns(3)
 if b1.button("Load into the pages", icon=":material/upload:", type="primary",
-             help="Prune shows its charts, Chat talks to it, Compare starts from it."):
+             help="Prune shows its charts and its settings fill the form, Chat talks to it, Compare starts from it."):
     _ui.select_run(run.path)
-    st.success(f"Loaded {run.name}.")
+    _ui.load_into_form(run.config, run.name)
+    st.success(f"Loaded {run.name}: its charts and its settings are on **Prune**.")
+if b2.button("Re-run with these settings", icon=":material/replay:",
+             help="Fill the Prune form with this run's settings (every one of them, also those the form does not "
+                  "show) and open Prune: check the plan and press Start."):
+    _ui.load_into_form(run.config, run.name)
+    st.switch_page("pages/prune.py")
 if run.status == STOPPED and not busy:
-    if b2.button("Resume this run", icon=":material/play_arrow:", help="Continue from its last checkpoint (watch it on Prune)."):
+    if b3.button("Resume this run", icon=":material/play_arrow:", help="Continue from its last checkpoint (watch it on Prune)."):
         try:
             jobs.start(None, run.path, resume=True)
             _ui.select_run(run.path)
@@ -60,10 +69,13 @@ if run.status == STOPPED and not busy:
 
 t1, t2, t3 = st.tabs(["Config", "Results", "Files"])
 with t1:
-    st.json(run.config, expanded=True)
+    st.dataframe(settings_table(run.config), hide_index=True, width="stretch")
+    st.download_button("config.json", json.dumps(run.config, indent=2), file_name=f"{run.name}-config.json",
+                       icon=":material/download:")
 with t2:
     if run.results:
-        st.json(run.results, expanded=True)
+        st.markdown(_ui.removal_text(run.results) or "")
+        st.dataframe(results_table(run.results), hide_index=True, width="stretch")
     else:
         st.info("No results yet: the run has not finished.")
 with t3:
@@ -99,7 +111,7 @@ if st.button("Delete run", icon=":material/delete:", disabled=not confirm or bus
         delete_run(run.path, jobs)
         if _ui.selected_run() == str(run.path):
             _ui.select_run(None)
-        st.toast(f"Deleted {run.name}.")
+        st.session_state["deleted-run"] = run.name  # shown once, after the page is redrawn without it
         st.rerun()
     except UserError as e:
         st.error(str(e))

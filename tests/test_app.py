@@ -60,6 +60,18 @@ def start_button(at: AppTest):
     return next(b for b in at.button if "Start pruning" in b.label)
 
 
+def confirm_long_run(at: AppTest) -> AppTest:
+    """A run estimated over 10 minutes asks first (5,000 steps of the tiny model may be under it): say yes."""
+    if any("Start it anyway?" in w.value for w in at.warning):
+        next(b for b in at.button if b.label == "Yes, start it").click().run()
+    return at
+
+
+def phase(at: AppTest) -> str:
+    """The running job's caption: its phase and run folder."""
+    return next((c.value for c in at.caption if "run folder" in c.value), "")
+
+
 def status(at: AppTest) -> str:
     return " ".join(s.value for s in at.subheader)
 
@@ -147,6 +159,7 @@ def test_unsupported_architecture_is_an_error(runs_dir, tmp_path):
 def test_start_heatmap_refuse_second_stop_resume(runs_dir):
     at = fill_prune_form(app(), steps=5000)
     start_button(at).click().run()
+    confirm_long_run(at)
     assert not at.error, [e.value for e in at.error]
     at = wait_for(at, lambda a: len(charts(a)) >= 3)
     assert {"heatmap", "bar", "scatter"} <= chart_types(at)
@@ -154,9 +167,9 @@ def test_start_heatmap_refuse_second_stop_resume(runs_dir):
     assert len(heat["z"]) == 2 and len(heat["z"][0]) == 4  # 2 layers x 4 KV groups
     assert {t for row in heat["text"] for t in row} <= {"✓", "✗"}
     # The heatmap follows the steps.
-    step = int(at.caption[0].value.split("step ")[1].split("/")[0])
-    at = wait_for(at, lambda a: "step " in a.caption[0].value
-                  and int(a.caption[0].value.split("step ")[1].split("/")[0]) > step)
+    step = int(phase(at).split("step ")[1].split("/")[0])
+    at = wait_for(at, lambda a: "step " in phase(a)
+                  and int(phase(a).split("step ")[1].split("/")[0]) > step)
 
     # A second Start while it runs is refused, with a message.
     second = app()
@@ -166,7 +179,7 @@ def test_start_heatmap_refuse_second_stop_resume(runs_dir):
 
     next(b for b in at.button if "Stop" in b.label).click().run()
     at = wait_for(at, lambda a: "Stopped" in status(a))
-    run_dir = Path(at.caption[0].value.split("`")[1])
+    run_dir = Path(phase(at).split("`")[1])
     assert (run_dir / "checkpoint.pt").exists() and not (run_dir / "results.json").exists()
 
     # Resume, then stop again.
@@ -191,9 +204,10 @@ def test_two_sessions_see_one_job(runs_dir):
     before = set(runs_dir.iterdir()) if runs_dir.exists() else set()
     first = fill_prune_form(app(), steps=5000)
     start_button(first).click().run()
+    confirm_long_run(first)
     assert not first.error, [e.value for e in first.error]
     second = wait_for(app(), lambda a: "Running" in status(a))
-    run_dir = first.caption[0].value.split("`")[1] if "`" in first.caption[0].value else None
+    run_dir = phase(first).split("`")[1] if "`" in phase(first) else None
     fill_prune_form(second)
     start_button(second).click().run()
     assert any("already running" in e.value for e in second.error)
@@ -284,7 +298,7 @@ def test_runs_list_load_export_delete(runs_dir, tmp_path):
 # --- Layers ----------------------------------------------------------------------------------
 def test_layer_pruning_run_shows_the_layers_chart(runs_dir):
     at = fill_prune_form(app(), steps=4, rate=0.5)
-    at.multiselect(key="units").set_value(["heads", "layers"])
+    at.multiselect(key="units").set_value(["heads", "layers"]).run()  # the layer metric shows with whole layers
     at.selectbox(key="layer_init").set_value("sleb")
     start_button(at).click().run()
     assert not at.error, [e.value for e in at.error]
@@ -316,3 +330,108 @@ def test_compare_two_layer_runs_and_warns_when_the_parameters_differ(tmp_path, m
     assert any("removed different numbers of parameters" in w.value for w in at.warning), [w.value for w in at.warning]
     titles = [s["layout"]["title"]["text"] for s in charts(at)]
     assert any("Sparsity per layer" in t for t in titles)
+
+
+# --- issue 25: the plan, settings that persist, re-run, removed layers, Compare's differences -------------
+def plan_count(at: AppTest) -> int:
+    """The parameter count the plan panel says the run will remove."""
+    line = next(m.value for m in at.markdown if m.value.startswith("Will remove"))
+    return int(line.split("**")[1].replace(",", ""))
+
+
+def test_the_plan_matches_what_the_run_removes_and_settings_persist(runs_dir):
+    at = fill_prune_form(app(), steps=3, rate=0.4)
+    at.run()
+    planned = plan_count(at)
+    assert {m.label for m in at.metric} >= {"Parameters removed", "Estimated time", "Peak memory (est.)", "Speed-up (est.)"}
+    # another page and back: the form keeps the tiny model and its steps
+    at.switch_page("pages/runs.py").run()
+    at.switch_page("pages/prune.py").run()
+    assert at.text_input(key="model_path").value == str(TINY) and at.number_input(key="steps").value == 3
+    assert app().number_input(key="steps").value == 3  # a new session (a browser reload) too
+    start_button(at).click().run()
+    at = wait_for(at, lambda a: "Done" in status(a))
+    run = Path(next(c.value for c in at.caption if "run folder" in c.value).split("`")[1])
+    results = json.loads((run / "results.json").read_text())
+    tolerance = int(next(m.value for m in at.markdown if m.value.startswith("Will remove")).split("up to ")[1].split(" ")[0]
+                    .replace(",", "")) if "up to" in next(m.value for m in at.markdown if m.value.startswith("Will remove")) else 0
+    assert abs(results["params_removed"] - planned) <= max(tolerance, 1)
+
+
+def test_steps_0_is_one_clear_error(runs_dir):
+    at = fill_prune_form(app(), steps=0)
+    at.run()
+    assert any("error: steps must be at least 1, got 0" in w.value for w in at.warning)  # the plan says so at once
+    start_button(at).click().run()
+    assert not at.exception
+    assert [e.value for e in at.error if "Cannot start" in e.value] == ["Cannot start: steps must be at least 1, got 0"]
+
+
+def test_rerun_with_these_settings_reproduces_the_config(runs_dir):
+    done = finished_run(runs_dir, "global")
+    at = app()
+    at.switch_page("pages/runs.py").run()
+    at.selectbox[0].select_index(next(i for i, o in enumerate(at.selectbox[0].options) if done.name in o)).run()
+    next(b for b in at.button if "Re-run with these settings" in b.label).click().run()
+    assert not at.exception, at.exception
+    assert at.title[0].value.endswith("Prune") and at.number_input(key="steps").value == json.loads(
+        (done / "config.json").read_text())["steps"]
+    at.switch_page("pages/prune.py").run()  # (AppTest's next run would be the Runs page again)
+    start_button(at).click().run()
+    at = wait_for(at, lambda a: "Done" in status(a))
+    run = Path(next(c.value for c in at.caption if "run folder" in c.value).split("`")[1])
+    assert run != done
+    assert json.loads((run / "config.json").read_text()) == json.loads((done / "config.json").read_text())
+
+
+def test_compare_names_the_differing_steps(tmp_path, monkeypatch):
+    from engine.config import PruneConfig
+    from engine.pruner import PruneRun
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
+    calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
+    for scope, steps in (("global", 2), ("uniform", 3)):
+        config = PruneConfig(model=str(TINY), scope=scope, prune_ratio=0.5, **{**FAST, "steps": steps}, calib=calib,
+                             num_mask_samples=2)
+        PruneRun(config, runs / f"{scope}-{steps}", log=lambda m: None).run(progress=False)
+        time.sleep(1.1)
+    at = app()
+    at.switch_page("pages/compare.py").run()
+    assert not at.exception, at.exception
+    warning = next(w.value for w in at.warning if "not like for like" in w.value)
+    assert "**Steps**: A 2, B 3" in warning or "**Steps**: A 3, B 2" in warning
+    assert "Scope" not in warning
+    assert any("matching" in b.label for b in at.button)  # no fair pair yet: offered
+
+
+def test_a_removed_layer_is_drawn_removed(runs_dir):
+    at = fill_prune_form(app(), steps=2, rate=0.5)
+    at.multiselect(key="units").set_value(["heads", "channels", "layers"]).run()
+    at.selectbox(key="layer_init").set_value("layerwise-ppl")
+    start_button(at).click().run()
+    assert not at.error, [e.value for e in at.error]
+    at = wait_for(at, lambda a: "Done" in status(a))
+    run = Path(next(c.value for c in at.caption if "run folder" in c.value).split("`")[1])
+    kept_layers = json.loads((run / "results.json").read_text())["kept_per_layer"]["layers"]
+    removed = [i for i, k in enumerate(kept_layers) if not k]
+    heat = next(s for s in charts(at) if s["data"][0].get("type") == "heatmap")
+    grey = next((t for t in heat["data"] if t.get("name") == "removed layers"), None)
+    if not removed:
+        assert grey is None
+        return
+    assert [i for i, row in enumerate(grey["z"]) if row[0] == 1] == removed
+    assert all(row == [None] * len(row) for i, row in enumerate(heat["data"][0]["z"]) if i in removed)
+    table = next(d.value for d in at.dataframe if "layer kept" in d.value.columns)
+    assert list(table.index[table["layer kept"] == "removed"]) == removed
+
+
+def test_a_run_over_10_minutes_asks_first(runs_dir):
+    at = fill_prune_form(app(), steps=6)
+    at.number_input(key="time_budget").set_value(20.0).run()  # a 20-minute time budget: the plan says 20 min
+    assert any(m.label == "Estimated time" and "20 min" in m.value for m in at.metric), [m.value for m in at.metric]
+    start_button(at).click().run()
+    assert any("Start it anyway?" in w.value for w in at.warning) and "Running" not in status(at)
+    next(b for b in at.button if b.label == "No").click().run()
+    assert not any("Start it anyway?" in w.value for w in at.warning) and not at.exception
+    at.number_input(key="time_budget").set_value(None).run()

@@ -16,6 +16,7 @@ cores; not run in CI).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -224,6 +225,38 @@ def fill_form(d, steps: int) -> None:
         set_input(d, label, value)
 
 
+def planned_removal(d, steps: int) -> tuple[int, int] | None:
+    """(parameters, tolerance) the plan panel says the run will remove, once it shows the given steps."""
+    import re
+
+    if by_label(d, "Steps").get_attribute("value") != str(steps):
+        return None
+    m = re.search(r"Will remove ([\d,]+) parameters.*?(?:up to ([\d,]+) more)?", page_text(d))
+    return (int(m.group(1).replace(",", "")), int((m.group(2) or "0").replace(",", ""))) if m else None
+
+
+def newest_run(runs: Path) -> Path:
+    return max((p for p in runs.iterdir() if (p / "config.json").exists()), key=lambda p: (p / "config.json").stat().st_mtime)
+
+
+def pick_run(d, name: str) -> None:
+    """Choose a run in the Runs page's select box."""
+    box = by_label(d, "Run")
+    click_when_free(d, box)
+    option = wait(lambda: [o for o in d.find_elements(By.CSS_SELECTOR, '[role="option"]') if name in o.text], what=name)[0]
+    option.click()
+    wait(lambda: name in by_label(d, "Run").get_attribute("value"), what=f"{name} chosen")
+
+
+def removed_heatmap_rows(d):
+    return d.execute_script("""
+        for (const el of document.querySelectorAll('.js-plotly-plot')) {
+            for (const t of (el.data || [])) if (t.name === 'removed layers')
+                return t.z.map((row, i) => row[0] === 1 ? i : -1).filter(i => i >= 0);
+        }
+        return null;""")
+
+
 def status_line(d) -> str:
     return " ".join(h.text for h in d.find_elements(By.TAG_NAME, "h3"))
 
@@ -251,6 +284,12 @@ def test_browser_end_to_end(server, browser):
     # A long run: watch the heatmap change, then stop it.
     fill_form(d, steps=5000)
     button(d, "Start pruning").click()
+    def asked_or_started():
+        asked = [b for b in d.find_elements(By.TAG_NAME, "button") if "Yes, start it" in b.text and b.is_displayed()]
+        return asked or ("Running" in status_line(d) or "Loading" in status_line(d))
+    asked = wait(asked_or_started, timeout=60 * SLOW, what="the run to start, or the page to ask first")
+    if isinstance(asked, list):  # estimated over 10 minutes: the page asks first
+        asked[0].click()
     z0 = wait(lambda: heatmap_z(d), timeout=120 * SLOW, what="the KV-group heatmap")
     wait(lambda: heatmap_z(d) not in (None, z0), timeout=60 * SLOW, what="the heatmap to update")
     assert "Running" in status_line(d)
@@ -265,11 +304,15 @@ def test_browser_end_to_end(server, browser):
     # A short run to the end.
     open_expander(d, "Run settings")
     set_input(d, "Steps", 20 if REAL else 8)
+    planned = wait(lambda: planned_removal(d, 20 if REAL else 8), what="the plan of the short run")
     button(d, "Start pruning").click()
     wait(lambda: "Done" in status_line(d) and "Pruned perplexity" in page_text(d), timeout=120 * SLOW,
          what="the short run to finish")
     show_status(d)
     shot(d, "prune-done", plots=3)
+    short_run = newest_run(runs)
+    removed = json.loads((short_run / "results.json").read_text())["params_removed"]
+    assert abs(removed - planned[0]) <= max(planned[1], 1), (removed, planned)  # the plan said so, within one unit
 
     # A narrow window still reads.
     d.set_window_size(480, HEIGHT)
@@ -280,6 +323,13 @@ def test_browser_end_to_end(server, browser):
 
     # Compare: start the matching uniform run, wait for it, compare.
     goto(d, "Compare")
+    if not REAL:  # the settings survive a visit to another page
+        goto(d, "Prune")
+        open_expander(d, "Run settings")
+        assert by_label(d, "Local model path (used when 'A local model folder or .gguf file' is chosen)") \
+            .get_attribute("value") == str(TINY)
+        assert by_label(d, "Steps").get_attribute("value") == "8"
+        goto(d, "Compare")
     button(d, "Start the matching uniform run").click()
     wait(lambda: "Started" in page_text(d), what="the uniform run to start")
     goto(d, "Prune")
@@ -322,17 +372,41 @@ def test_browser_end_to_end(server, browser):
     shot(d, "runs")
     assert len([p for p in runs.iterdir() if (p / "config.json").exists()]) == 3
 
+    # Re-run the short run with its settings: the new run's config is the same.
+    if not REAL:
+        pick_run(d, short_run.name)
+        button(d, "Re-run with these settings").click()
+        wait(lambda: d.find_element(By.TAG_NAME, "h1").text.endswith("Prune"), what="the Prune page")
+        open_expander(d, "Run settings")
+        wait(lambda: "Settings from run" in page_text(d) and short_run.name in page_text(d), what="the run's settings")
+        before = set(runs.iterdir())
+        button(d, "Start pruning").click()
+        again = wait(lambda: next((p for p in set(runs.iterdir()) - before if (p / "results.json").exists()), None),
+                     timeout=120, what="the re-run to finish")
+        assert json.loads((again / "config.json").read_text()) == json.loads((short_run / "config.json").read_text())
+
     # Compare two runs that prune whole layers (it once crashed on them), which removed different parameters.
     if not REAL:
         layer_runs(runs)
         goto(d, "Compare")
         wait(lambda: "removed different numbers of parameters" in page_text(d), what="the parameter warning")
+        assert "Steps: A 2, B 3" in page_text(d)  # the runs' differing settings, named
         text = page_text(d)
         assert "Traceback" not in text and "Error" not in text.split("Compare", 1)[-1][:50]
         # The chosen runs are the comboboxes' values (Streamlit's selectbox is an <input>, not text on the page).
         chosen = [by_label(d, f"Run {x}").get_attribute("value") for x in "AB"]
         assert chosen[0].startswith("zz-layers ") and chosen[1].startswith("zz-layers-width "), chosen
         shot(d, "compare-layers", plots=2)
+
+        # A run that removed a layer: that layer is grey and marked removed in the KV-group heatmap.
+        goto(d, "Runs")
+        pick_run(d, "zz-layers-width")
+        button(d, "Load into the pages").click()
+        goto(d, "Prune")
+        kept = json.loads((runs / "zz-layers-width" / "results.json").read_text())["kept_per_layer"]["layers"]
+        removed_rows = wait(lambda: removed_heatmap_rows(d), what="the removed layers in the heatmap")
+        assert removed_rows == [i for i, k in enumerate(kept) if not k] and removed_rows
+        shot(d, "prune-removed-layer", plots=2)
     print(f"browser test took {time.time() - t0:.0f} s")
 
 
@@ -345,7 +419,8 @@ def layer_runs(runs: Path) -> None:
     calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
     small = dict(steps=2, max_windows=2, init_batches=1, layer_init_batches=1, batch_size=2, seqlen=32, eval_seqlen=32,
                  num_mask_samples=2, val_batches=1, calib=calib, budget="units", prune_ratio=0.5)
-    for name, units, scope in (("zz-layers", ["layers"], "global"), ("zz-layers-width", ["heads", "channels", "layers"], "uniform")):
-        PruneRun(PruneConfig(model=str(TINY), units=units, scope=scope, **small), runs / name,
+    for name, units, scope, steps in (("zz-layers", ["layers"], "global", 2),
+                                      ("zz-layers-width", ["heads", "channels", "layers"], "uniform", 3)):
+        PruneRun(PruneConfig(model=str(TINY), units=units, scope=scope, **{**small, "steps": steps}), runs / name,
                  log=lambda m: None).run(progress=False)
         time.sleep(1.1)  # newest last: Compare's defaults pick the newest global run, and the newest uniform one

@@ -15,31 +15,56 @@ from ..unit_types import UNIT_TYPES
 _FONT = dict(size=13)
 _MARGIN = dict(l=10, r=10, t=64, b=10)
 _RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+REMOVED = "#bdbdbd"  # a layer the hard mask removes whole: grey in every chart
+
+
+def effective_kept(kept_fraction: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Kept fractions per layer with the units of removed layers counted as removed (a hard mask leaves the
+    widths of a removed layer as they were: moot, but not kept)."""
+    whole = [u for u in kept_fraction if u in UNIT_TYPES and UNIT_TYPES[u].whole_layer]
+    if not whole:
+        return dict(kept_fraction)
+    kept_layer = [x > 0.5 for x in kept_fraction[whole[0]]]
+    return {u: list(v) if u in whole else [x if k else 0.0 for x, k in zip(v, kept_layer)]
+            for u, v in kept_fraction.items()}
 
 
 def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     fig.update_layout(title=dict(text=title, x=0, xanchor="left"), height=height, margin=_MARGIN, font=_FONT,
-                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0))
+                      legend=dict(orientation="h", yanchor="top", y=-0.3, xanchor="left", x=0))
     return fig
 
 
-def heads_heatmap(head_scores: list[list[float]], head_mask: list[list[int]] | None, title: str = "") -> go.Figure:
+def heads_heatmap(head_scores: list[list[float]], head_mask: list[list[int]] | None, title: str = "",
+                  removed: list[int] | tuple = ()) -> go.Figure:
     """Layers (rows, first layer on top) x KV groups (columns); colour = keep probability s.
 
-    Groups the current hard mask keeps carry a check mark, pruned ones a cross.
+    Groups the current hard mask keeps carry a check mark, pruned ones a cross; `removed` layers (removed whole)
+    are grey, marked "removed", and none of their groups count as kept.
     """
     n_layers = len(head_scores)
     n_groups = max(len(r) for r in head_scores)
+    removed = set(removed)
+    ys = [f"L{i}" + (" (removed)" if i in removed else "") for i in range(n_layers)]
     text = None
     if head_mask is not None:
-        text = [["✓" if k else "✗" for k in row] for row in head_mask]
+        head_mask = [[0] * len(row) if i in removed else row for i, row in enumerate(head_mask)]
+        text = [["" if i in removed else ("✓" if k else "✗") for k in row] for i, row in enumerate(head_mask)]
+    z = [[None] * len(row) if i in removed else row for i, row in enumerate(head_scores)]
     fig = go.Figure(go.Heatmap(
-        z=head_scores, x=[f"g{j}" for j in range(n_groups)], y=[f"L{i}" for i in range(n_layers)],
+        z=z, x=[f"g{j}" for j in range(n_groups)], y=ys,
         zmin=0, zmax=1, colorscale="Viridis", text=text, texttemplate="%{text}" if text else None,
         textfont=dict(size=12, color="white"), xgap=2, ygap=2,
         colorbar=dict(title=dict(text="s", side="top"), thickness=12, len=1.0, tickvals=[0, 0.5, 1]),
         hovertemplate="layer %{y}, group %{x}<br>s = %{z:.3f}<extra></extra>",
     ))
+    if removed:
+        fig.add_heatmap(z=[[1] * n_groups if i in removed else [None] * n_groups for i in range(n_layers)],
+                        x=[f"g{j}" for j in range(n_groups)], y=ys, name="removed layers", showscale=False,
+                        colorscale=[[0, REMOVED], [1, REMOVED]], xgap=2, ygap=2,
+                        text=[["removed"] * n_groups if i in removed else [""] * n_groups for i in range(n_layers)],
+                        texttemplate="%{text}", textfont=dict(size=11, color="#555"),
+                        hovertemplate="%{y}: the whole layer is removed<extra></extra>")
     fig.update_yaxes(autorange="reversed", title="layer", dtick=1 if n_layers <= 16 else 2)
     fig.update_xaxes(title="KV group", side="bottom")
     kept = sum(map(sum, head_mask)) if head_mask else None
@@ -48,13 +73,22 @@ def heads_heatmap(head_scores: list[list[float]], head_mask: list[list[int]] | N
     return _layout(fig, title or f"KV groups: keep probability s{suffix}", height=min(max(300, 150 + 22 * n_layers), 820))
 
 
-def channels_figure(mean_score: list[float], kept_fraction: list[float] | None, title: str = "") -> go.Figure:
-    """Per layer: the fraction of MLP channels the hard mask keeps (bars) and the mean s (markers)."""
+def channels_figure(mean_score: list[float], kept_fraction: list[float] | None, title: str = "",
+                    removed: list[int] | tuple = ()) -> go.Figure:
+    """Per layer: the fraction of MLP channels the hard mask keeps (bars) and the mean s (markers); `removed`
+    layers (removed whole) keep none: a grey bar marked "removed"."""
+    removed = set(removed)
     layers = [f"L{i}" for i in range(len(mean_score))]
     fig = go.Figure()
     if kept_fraction is not None:
+        kept_fraction = [0.0 if i in removed else f for i, f in enumerate(kept_fraction)]
         fig.add_bar(x=layers, y=kept_fraction, name="kept by hard mask", marker_color="#4c78a8",
                     hovertemplate="%{x}: %{y:.1%} kept<extra></extra>")
+    if removed:
+        fig.add_bar(x=[layers[i] for i in sorted(removed)], y=[1.0] * len(removed), name="removed layer",
+                    marker_color=REMOVED, opacity=0.6, text=["removed"] * len(removed), textposition="inside",
+                    hovertemplate="%{x}: the whole layer is removed<extra></extra>")
+        fig.update_layout(barmode="overlay")
     fig.add_scatter(x=layers, y=mean_score, name="mean s", mode="markers+lines", marker=dict(color="#f58518", size=7),
                     line=dict(width=1), hovertemplate="%{x}: mean s %{y:.3f}<extra></extra>")
     fig.update_yaxes(range=[0, 1.05], title="fraction", tickformat=".0%")
@@ -65,14 +99,14 @@ def channels_figure(mean_score: list[float], kept_fraction: list[float] | None, 
 def layers_figure(layer_scores: list[float], kept: list[float] | None, title: str = "") -> go.Figure:
     """Per layer: its keep probability s (bars, coloured by the current hard mask: kept or removed)."""
     layers = [f"L{i}" for i in range(len(layer_scores))]
-    colours = ["#4c78a8" if (kept is None or k) else "#d62728" for k in (kept or [1] * len(layers))]
+    colours = ["#4c78a8" if (kept is None or k) else REMOVED for k in (kept or [1] * len(layers))]
     fig = go.Figure(go.Bar(x=layers, y=layer_scores, marker_color=colours,
                            text=None if kept is None else ["" if k else "✗" for k in kept], textposition="outside",
                            hovertemplate="%{x}: s %{y:.3f}<extra></extra>"))
     fig.update_yaxes(range=[0, 1.1], title="keep probability s")
     fig.update_xaxes(title="layer")
     n_removed = None if kept is None else sum(1 for k in kept if not k)
-    sub = f"<br><sup>hard mask removes {n_removed} of {len(layers)} (red, ✗)</sup>" if kept is not None else ""
+    sub = f"<br><sup>hard mask removes {n_removed} of {len(layers)} (grey, ✗)</sup>" if kept is not None else ""
     return _layout(fig, title or f"Whole layers: keep probability s{sub}", height=340)
 
 
@@ -96,7 +130,7 @@ def loss_figure(history: list[dict], title: str = "") -> go.Figure:
                         customdata=[math.exp(v[1]) for v in val], secondary_y=False)
     fig.add_scatter(x=steps, y=[r["lr"] for r in history], name="learning rate", mode="lines",
                     line=dict(width=1.5, dash="dot", color="#e45756"), secondary_y=True)
-    fig.update_xaxes(title="step")
+    fig.update_xaxes(title="step", tickformat="d", dtick=max(1, math.ceil(len(steps) / 10)) if steps else None)
     fig.update_yaxes(title="calibration loss", secondary_y=False)
     fig.update_yaxes(title="lr", secondary_y=True, showgrid=False, tickformat=".1e", rangemode="tozero")
     return _layout(fig, title or "Calibration loss per mask sample, baseline, learning rate", height=400)
@@ -139,5 +173,6 @@ def perplexity_bars(runs: list[tuple[str, dict]]) -> go.Figure:
 
 
 def kept_fractions_from_results(results: dict) -> dict[str, list[float]]:
-    return {u: [k / n for k, n in zip(kept, results["units_per_layer"][u])]
-            for u, kept in results.get("kept_per_layer", {}).items()}
+    """Kept fraction per layer of each unit type, a removed layer's units counted as removed."""
+    return effective_kept({u: [k / n for k, n in zip(kept, results["units_per_layer"][u])]
+                           for u, kept in results.get("kept_per_layer", {}).items()})

@@ -1,0 +1,309 @@
+"""The Prune page's form as data, and the small pure pieces of the app's pages (no Streamlit here).
+
+The form is a dict of widget key -> value. `form_values` makes one from a run's config (so Runs' "Load into the
+pages" and "Re-run with these settings" fill the form), `form_config` makes the run's PruneConfig from one, on
+top of a base config that holds the settings the form does not show (a loaded run's, so a re-run reproduces
+it). The widgets themselves are made from the settings' declarations (engine/config.py) by the pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from ..config import PRESETS, PruneConfig
+from ..errors import UserError
+from ..loading import DEFAULT_MODEL
+
+# the run settings under "Hyperparameters": widgets made from their declarations in PruneConfig (key = field)
+HYPERPARAMETERS = ("lr", "lr_schedule", "num_mask_samples", "batch_size", "seqlen", "prob_map", "eval_seqlen",
+                   "init_batches", "seed", "val_every", "checkpoint_every")
+# widget key -> PruneConfig field, for the widgets that show one field as it is
+DIRECT = {"units": "units", "rate": "prune_ratio", "budget": "budget", "scope": "scope", "init": "init",
+          "steps": "steps", "time_budget": "time_budget", "method": "method", "layer_init": "layer_init",
+          **{h: h for h in HYPERPARAMETERS}}
+SETTINGS_FILE = ".app-prune-settings.json"
+APP_MAX_WINDOWS = 64  # the app evaluates on the first 64 windows unless told otherwise (all: 13 min for SmolLM2)  # the last settings of the Prune page, beside the runs
+
+
+def option_key(method: str, name: str) -> str:
+    """The widget key of a method's option (pages/_ui.option_widgets with key opt-METHOD)."""
+    return f"opt-{method}-{name}"
+
+
+def form_values(config: dict | PruneConfig) -> dict:
+    """The Prune form's widget values that show this config (a config.json dict or a PruneConfig)."""
+    from ..methods import METHODS
+
+    c = PruneConfig.from_dict(dict(config)) if isinstance(config, dict) else config
+    values = {k: getattr(c, f) for k, f in DIRECT.items()}
+    values["units"] = list(c.units)
+    values["model_choice"] = "default" if c.model == DEFAULT_MODEL else "local"
+    values["model_path"] = "" if c.model == DEFAULT_MODEL else c.model
+    values["max_windows"] = c.max_windows or 0
+    values["channel_multiple"] = int(c.unit_multiple.get("channels", 1))
+    cls = METHODS[c.method].Options if c.method in METHODS else None
+    if cls is not None:
+        options = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                   for f in dataclasses.fields(cls)}
+        options.update(c.method_options or {})
+        values.update({option_key(c.method, k): v for k, v in options.items() if k in options})
+    return values
+
+
+def form_config(values: dict, base: dict | None = None) -> PruneConfig:
+    """The PruneConfig the form's values describe, on top of `base` (a config dict: the settings the form does
+    not show; the defaults when None). Not validated (PruneConfig.validate says what is wrong)."""
+    data = dict(base or {})
+    data.pop("method_options", None)
+    for key, field in DIRECT.items():
+        if key in values:
+            data[field] = values[key]
+    if values.get("model_choice", "default") == "default":
+        data["model"] = DEFAULT_MODEL
+    else:
+        path = str(values.get("model_path") or "").strip()
+        if not path:
+            raise UserError("give the path of a local model folder or .gguf file")
+        data["model"] = path
+    data["units"] = list(values.get("units", data.get("units", PruneConfig().units)))
+    data["prune_ratio"] = float(data.get("prune_ratio", PruneConfig.prune_ratio))
+    if data.get("time_budget") is not None:
+        data["time_budget"] = float(data["time_budget"]) or None
+    if "max_windows" in values:
+        data["max_windows"] = int(values["max_windows"] or 0) or None
+    multiple = dict((base or {}).get("unit_multiple") or {})
+    multiple.pop("channels", None)
+    n = int(values.get("channel_multiple", 1) or 1)
+    if n > 1 and "channels" in data["units"]:
+        multiple["channels"] = n
+    data["unit_multiple"] = multiple
+    method = data.get("method", PruneConfig.method)
+    prefix = option_key(method, "")
+    options = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+    if not options and base and base.get("method") == method:
+        options = dict(base.get("method_options") or {})
+    data["method_options"] = options
+    return PruneConfig.from_dict(data)
+
+
+def preset_values(name: str, method: str = "pg") -> dict:
+    """The widget values a preset sets (engine/config.py's PRESETS): its run settings and, for the options of
+    `method` it names (e.g. pg's baseline), the option widgets."""
+    from ..methods import METHODS
+
+    preset, out = PRESETS[name], {}
+    fields = {f.name for f in dataclasses.fields(PruneConfig)}
+    cls = METHODS[method].Options if method in METHODS else None
+    options = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+    keys = {f: k for k, f in DIRECT.items()}
+    for field, value in preset.items():
+        if field in fields and field in keys:
+            out[keys[field]] = value
+        elif field in options:
+            out[option_key(method, field)] = value
+    return out
+
+
+def default_values() -> dict:
+    """The form's values for a fresh config, the options of every method with Options included."""
+    from ..methods import METHODS
+
+    values = {**form_values(PruneConfig()), "run_name": "", "max_windows": APP_MAX_WINDOWS}
+    for name, cls in METHODS.items():
+        if cls.Options is not None:
+            for f in dataclasses.fields(cls.Options):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                values.setdefault(option_key(name, f.name), default)
+    return values
+
+
+def valid_values(values: dict) -> dict:
+    """The values a widget can still show: a saved choice that is no longer one (a registry changed, a file
+    edited by hand) or a value of the wrong kind is dropped, so the widget takes its default."""
+    from ..fields import choices_of
+    from ..methods import METHODS
+    from ..unit_types import UNIT_TYPES
+
+    fields = {k: next(f for f in dataclasses.fields(PruneConfig) if f.name == field) for k, field in DIRECT.items()}
+    for name, cls in METHODS.items():
+        for f in dataclasses.fields(cls.Options) if cls.Options is not None else ():
+            fields[option_key(name, f.name)] = f
+    defaults, out = default_values(), {}
+    for k, v in values.items():
+        if k not in defaults:
+            continue
+        allowed = choices_of(fields[k]) if k in fields and k != "units" else None
+        if allowed is not None and v not in allowed:
+            continue
+        if k == "units" and not (isinstance(v, list) and all(u in UNIT_TYPES for u in v)):
+            continue
+        d = defaults[k]
+        if d is not None and v is not None and not isinstance(v, type(d)) and not (isinstance(d, float) and isinstance(v, int)):
+            continue
+        out[k] = float(v) if isinstance(d, float) and isinstance(v, int) and not isinstance(v, bool) else v
+    return out
+
+
+def save_settings(folder: str | Path, values: dict, base: dict | None, source: str | None = None) -> None:
+    """The Prune page's last settings, beside the runs (a browser reload starts from them): the form's values,
+    the base config of the settings it does not show, and the run they came from."""
+    from ..io import atomic_write_text
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"values": values, "base": base, "source": source}
+    atomic_write_text(folder / SETTINGS_FILE, json.dumps(data, indent=1, default=str) + "\n")
+
+
+def load_settings(folder: str | Path) -> tuple[dict, dict | None, str | None]:
+    """(values, base, source) saved by save_settings; ({}, None, None) when there are none or they are
+    unreadable. Values a widget could not show are dropped (valid_values)."""
+    try:
+        data = json.loads((Path(folder) / SETTINGS_FILE).read_text())
+        values, base, source = data["values"], data.get("base"), data.get("source")
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, None, None
+    values = valid_values(values) if isinstance(values, dict) else {}
+    return values, (base if isinstance(base, dict) else None), (source if isinstance(source, str) else None)
+
+
+# --- progress -----------------------------------------------------------------------------------------------
+def seconds_per_step(history: list[dict], recent: int = 5) -> float | None:
+    """The mean wall time of the last `recent` steps (one step alone jumps with validation steps)."""
+    times = [r["seconds"] for r in history[-recent:] if isinstance(r.get("seconds"), (int, float))]
+    return sum(times) / len(times) if times else None
+
+
+def eta_seconds(history: list[dict], total_steps: int, recent: int = 5) -> float | None:
+    """Seconds left for the steps not yet done, at the recent mean step time; None before the first step."""
+    sps = seconds_per_step(history, recent)
+    if sps is None:
+        return None
+    return max(total_steps - history[-1]["step"], 0) * sps
+
+
+# --- runs side by side --------------------------------------------------------------------------------------
+def setting_label(name: str) -> str:
+    f = next((f for f in dataclasses.fields(PruneConfig) if f.name == name), None)
+    return (f.metadata.get("label") if f is not None else None) or name.replace("_", " ")
+
+
+# settings that do not change what a run computes (or that Compare sets apart on purpose)
+_NOT_COMPARED = ("scope", "checkpoint_every", "checkpoint_minutes", "device")
+
+
+def config_differences(a: dict, b: dict, ignore: tuple[str, ...] = _NOT_COMPARED) -> list[tuple[str, object, object]]:
+    """(label, A's value, B's value) of every setting the two run configs differ in, but `ignore`'s. Configs of
+    earlier versions are read as today's (PruneConfig.from_dict), so a field one of them lacks is its old value."""
+    def norm(c):
+        try:
+            return PruneConfig.from_dict(dict(c)).to_dict()
+        except UserError:
+            return dict(c)
+
+    x, y = norm(a), norm(b)
+    out = []
+    for name in [f.name for f in dataclasses.fields(PruneConfig)]:
+        if name in ignore:
+            continue
+        va, vb = x.get(name), y.get(name)
+        if isinstance(va, float) and isinstance(vb, float) and math.isclose(va, vb, rel_tol=1e-9):
+            continue
+        if va != vb:
+            out.append((setting_label(name), va, vb))
+    return out
+
+
+def same_plan(a: dict, b: dict) -> bool:
+    """Two runs that make a fair pair: same model, units, budget, rate and steps (the scope may differ)."""
+    keys = ("model", "units", "budget", "steps", "method")
+    if any(a.get(k) != b.get(k) for k in keys):
+        return False
+    return abs(float(a.get("prune_ratio", 0)) - float(b.get("prune_ratio", 0))) < 1e-9
+
+
+# --- a run's masks per layer --------------------------------------------------------------------------------
+def layer_rows(kept_fraction: dict[str, list[float]], sizes: dict[str, list[int]] | None = None) -> list[dict]:
+    """One row per layer: whether the layer is kept, and the units of each type inside layers it keeps ("k/n"
+    with `sizes`, the units per layer; else a percentage). A removed layer keeps none of its units.
+    kept_fraction: unit type -> fraction kept per layer (a StepReport's kept_fraction; whole layers 0 or 1)."""
+    from ..unit_types import UNIT_TYPES
+
+    whole = [u for u in kept_fraction if u in UNIT_TYPES and UNIT_TYPES[u].whole_layer]
+    n = max((len(v) for v in kept_fraction.values()), default=0)
+    layer_kept = [x > 0.5 for x in kept_fraction[whole[0]]] if whole else [True] * n
+    rows = []
+    for i in range(n):
+        row = {"layer": i, "layer kept": "kept" if layer_kept[i] else "removed"}
+        for u, fractions in kept_fraction.items():
+            if u in whole:
+                continue
+            title = UNIT_TYPES[u].title if u in UNIT_TYPES else u
+            f = fractions[i] if layer_kept[i] else 0.0
+            if sizes and u in sizes:
+                row[title] = f"{int(round(f * sizes[u][i]))}/{sizes[u][i]}"
+            else:
+                row[title] = f"{f:.0%}"
+        rows.append(row)
+    return rows
+
+
+def removed_layers(kept_fraction: dict[str, list[float]] | None) -> list[int]:
+    """The layers a hard mask removes whole (none without whole-layer units)."""
+    from ..unit_types import UNIT_TYPES
+
+    for u, v in (kept_fraction or {}).items():
+        if u in UNIT_TYPES and UNIT_TYPES[u].whole_layer:
+            return [i for i, x in enumerate(v) if x <= 0.5]
+    return []
+
+
+def rows_csv(rows: list[dict]) -> str:
+    """A list of dicts (same keys) as CSV text."""
+    import csv
+    import io
+
+    if not rows:
+        return ""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def settings_table(config: dict) -> list[dict]:
+    """A run's config as rows (setting label, value) for a table; method options as 'option of METHOD'."""
+    rows = []
+    for k, v in config.items():
+        if k == "method_options" and isinstance(v, dict):
+            rows += [{"setting": f"{name} (option of {config.get('method')})", "value": _cell(x)} for name, x in v.items()]
+        else:
+            rows.append({"setting": setting_label(k), "value": _cell(v)})
+    return rows
+
+
+def _cell(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return ", ".join(map(str, v))
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={x}" for k, x in v.items()) or "—"
+    return "—" if v is None else str(v)
+
+
+def results_table(results: dict) -> list[dict]:
+    """A run's results.json as rows (what, value) for a table: numbers rounded, the per-layer lists left to the
+    masks table."""
+    rows = []
+    for k, v in results.items():
+        if k in ("kept_per_layer", "units_per_layer", "init_mix"):
+            continue
+        if isinstance(v, float):
+            v = f"{v:.1%}" if k.startswith("removed_of") or k.startswith("width_removed") else f"{v:,.4g}"
+        elif isinstance(v, int) and not isinstance(v, bool):
+            v = f"{v:,}"
+        rows.append({"result": k.replace("_", " "), "value": _cell(v)})
+    return rows

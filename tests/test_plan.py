@@ -1,0 +1,179 @@
+"""engine/plan.py (a run's plan from the model's config, no weights) and the app's pure helpers in
+engine/ui/settings.py and engine/ui/figures.py, tested directly on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.budget import removal_report
+from engine.config import PRESETS, PruneConfig
+from engine.errors import UserError
+from engine.plan import (model_skeleton, phase_tokens, plan_memory, plan_removal, plan_time, probe_seconds_per_token,
+                         rate_from_runs, skeleton_of, speedup)
+from engine.ui import figures
+from engine.ui import settings as S
+
+from conftest import SMALL_CALIB
+
+
+@pytest.fixture(scope="module")
+def skeleton(tiny_path):
+    return model_skeleton(str(tiny_path))
+
+
+def test_the_skeleton_has_the_loaded_models_shapes(skeleton, tiny):
+    """Built on the meta device from config.json alone, it counts what the loaded model holds."""
+    model, _ = tiny
+    real = skeleton_of(model)
+    assert next(skeleton.adapter.model.parameters()).device.type == "meta"
+    assert skeleton.params_total == real.params_total == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert skeleton.num_layers == real.num_layers and skeleton.head_params == real.head_params
+
+
+def test_a_model_that_cannot_be_read_is_one_user_error(tmp_path):
+    with pytest.raises(UserError, match="holds no model"):
+        model_skeleton(str(tmp_path))
+
+
+@pytest.mark.parametrize("units,budget,scope,rate", [
+    (["heads", "channels"], "params", "global", 0.3),
+    (["heads", "channels"], "params", "uniform", 0.4),
+    (["layers"], "params", "global", 0.3),
+    (["heads", "channels"], "units", "global", 0.5),
+    (["channels"], "units", "uniform", 0.25),
+])
+def test_the_plan_removes_what_the_run_removes(tmp_path, tiny_path, skeleton, units, budget, scope, rate):
+    """The plan's count against a real (2-step) run's results.json: equal within one unit's weight, and never
+    under the budget."""
+    from engine.pruner import PruneRun
+
+    plan = plan_removal(skeleton, units, rate, budget, scope)
+    config = PruneConfig(model=str(tiny_path), units=units, prune_ratio=rate, budget=budget, scope=scope, steps=2,
+                         max_windows=2, init_batches=1, batch_size=2, seqlen=32, eval_seqlen=32, num_mask_samples=2,
+                         val_batches=1, calib=str(SMALL_CALIB), layer_init="layerwise-ppl", layer_init_batches=1)
+    result = PruneRun(config, tmp_path / "run", log=lambda m: None).run(progress=False)
+    assert result["params_decoder"] == plan.params_decoder and result["params_dense"] == plan.params_total
+    assert abs(result["params_removed"] - plan.params_removed) <= max(plan.tolerance, 1), (result["params_removed"], plan)
+    if budget == "params":
+        assert plan.params_removed >= rate * plan.params_decoder - 1e-6
+    if not plan.split_learned:
+        assert result["params_removed_by_unit_type"] == plan.by_type
+
+
+def test_the_plan_uses_the_budgets_accounting(skeleton):
+    """The same numbers as engine/budget.py's removal_report on the same masks, and its refusals."""
+    plan = plan_removal(skeleton, ["layers"], 0.5, "params", "global")
+    layout_masks = {"layers": torch.tensor([1.0, 0.0])}
+    from engine.units import UnitLayout
+
+    report = removal_report(skeleton.adapter, UnitLayout({"layers": [1, 1]}), layout_masks, skeleton.params_total)
+    assert plan.params_removed == report["params_removed"] and plan.layers_removed == 1
+    with pytest.raises(UserError, match="lower --prune-ratio"):
+        plan_removal(skeleton, ["heads"], 0.95, "params", "global")  # more than the KV groups hold
+    with pytest.raises(UserError, match="strictly between 0 and 1"):
+        plan_removal(skeleton, ["heads"], 1.0)
+
+
+def test_speedup_grows_with_what_is_removed(skeleton):
+    assert speedup(skeleton, 0) == 1.0
+    small, large = (speedup(skeleton, plan_removal(skeleton, ["heads", "channels"], r).params_removed) for r in (0.2, 0.5))
+    assert 1.0 < small < large
+
+
+def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
+    base = PruneConfig(model=str(tiny_path), steps=10, max_windows=4)
+    more = PruneConfig(model=str(tiny_path), steps=20, max_windows=4)
+    t1, t2 = (plan_time(c, skeleton, 1e-4, "test") for c in (base, more))
+    assert t2.phases["steps"] == pytest.approx(2 * t1.phases["steps"])
+    assert t1.phases["steps"] == pytest.approx(10 * base.num_mask_samples * base.batch_size * base.seqlen * 1e-4)
+    assert "steps" not in phase_tokens(PruneConfig(model=str(tiny_path), method="metric", init="wanda-sp"), skeleton)
+    sleb = phase_tokens(PruneConfig(model=str(tiny_path), units=["layers"], layer_init="sleb"), skeleton)
+    assert sleb["layer metric"] > 0
+    taylor = plan_memory(base, skeleton)
+    wanda = plan_memory(PruneConfig(model=str(tiny_path), init="wanda-sp"), skeleton)
+    assert taylor.total - wanda.total == pytest.approx(taylor.parts["gradients (Taylor init)"])
+
+
+def test_the_probe_is_measured_once_and_cached(skeleton, tmp_path):
+    rate = probe_seconds_per_token(skeleton, "float32", 2, 16, cache=tmp_path)
+    assert rate > 0
+    assert probe_seconds_per_token(skeleton, "float32", 2, 16, cache=tmp_path) == rate  # read back, not re-measured
+
+
+def test_rate_from_runs_reads_the_same_model_only():
+    runs = [({"model": "m", "num_mask_samples": 2, "batch_size": 4, "seqlen": 8}, {"seconds_per_step": 6.4, "steps": 3}),
+            ({"model": "m", "num_mask_samples": 2, "batch_size": 4, "seqlen": 8}, {"seconds_per_step": 3.2, "steps": 3}),
+            ({"model": "other", "num_mask_samples": 2, "batch_size": 4, "seqlen": 8}, {"seconds_per_step": 99, "steps": 3}),
+            ({"model": "m"}, None)]
+    rate, n = rate_from_runs(runs, "m", "float32")
+    assert n == 2 and rate == pytest.approx(6.4 / 64)  # the median of the two (upper one)
+    assert rate_from_runs(runs, "nothing", "float32") is None
+
+
+# --- the Prune form as data -------------------------------------------------------------------------
+def test_form_values_round_trip_a_config(tiny_path):
+    """A run's config -> the form's values -> the same config (the settings the form does not show from the base)."""
+    config = PruneConfig.of(model=str(tiny_path), units=["heads", "channels", "layers"], prune_ratio=0.45, steps=7, lr=0.005,
+                            budget="units", val_batches=2, unit_multiple={"channels": 4}, baseline="moving-average",
+                            baseline_window=3, max_windows=9, seed=3).validate()
+    values = S.form_values(config.to_dict())
+    assert values["model_choice"] == "local" and values["steps"] == 7 and values["opt-pg-baseline_window"] == 3
+    again = S.form_config(values, config.to_dict()).validate()
+    assert again.to_dict() == config.to_dict()
+    changed = S.form_config({**values, "steps": 9}, config.to_dict()).validate()
+    assert [d[0] for d in S.config_differences(config.to_dict(), changed.to_dict())] == ["Steps"]
+
+
+def test_form_config_refuses_a_missing_path():
+    with pytest.raises(UserError, match="give the path"):
+        S.form_config({**S.default_values(), "model_choice": "local", "model_path": " "})
+
+
+def test_presets_fill_the_widgets_they_name():
+    paper = S.preset_values("paper")
+    assert paper["lr"] == PRESETS["paper"]["lr"] and paper["opt-pg-baseline"] == PRESETS["paper"]["baseline"]
+    config = S.form_config({**S.default_values(), **paper}).validate()
+    assert config.lr == PRESETS["paper"]["lr"] and config.method_options["baseline"] == PRESETS["paper"]["baseline"]
+
+
+def test_settings_saved_and_loaded_beside_the_runs(tmp_path):
+    values = {**S.default_values(), "steps": 3, "scope": "uniform"}
+    S.save_settings(tmp_path, values, {"steps": 3}, "run-x")
+    assert S.load_settings(tmp_path) == (values, {"steps": 3}, "run-x")
+    S.save_settings(tmp_path, {**values, "scope": "nowhere", "units": ["wings"]}, None)
+    loaded, _, _ = S.load_settings(tmp_path)  # what a widget cannot show is dropped
+    assert "scope" not in loaded and "units" not in loaded and loaded["steps"] == 3
+    (tmp_path / S.SETTINGS_FILE).write_text("{not json")
+    assert S.load_settings(tmp_path) == ({}, None, None)
+
+
+def test_eta_is_the_recent_mean():
+    history = [{"step": i, "seconds": s} for i, s in enumerate([10.0, 1.0, 1.0, 1.0, 1.0, 1.0], 1)]
+    assert S.seconds_per_step(history) == pytest.approx(1.0)
+    assert S.eta_seconds(history, 10) == pytest.approx(4.0)
+    assert S.eta_seconds([], 10) is None
+
+
+def test_config_differences_name_every_differing_setting():
+    a = PruneConfig(steps=2).to_dict()
+    b = {**PruneConfig(steps=10).to_dict(), "scope": "uniform"}
+    assert S.config_differences(a, b) == [("Steps", 2, 10)]  # the scope is what Compare sets apart
+    assert not S.same_plan(a, b) and S.same_plan(a, {**a, "scope": "uniform"})
+
+
+# --- removed layers -------------------------------------------------------------------------------
+def test_removed_layers_count_their_units_as_removed():
+    kept = {"heads": [1.0, 0.75], "channels": [0.5, 1.0], "layers": [1.0, 0.0]}
+    eff = figures.effective_kept(kept)
+    assert eff["heads"] == [1.0, 0.0] and eff["channels"] == [0.5, 0.0] and eff["layers"] == [1.0, 0.0]
+    rows = S.layer_rows(eff, {"heads": [4, 4], "channels": [8, 8]})
+    kv = next(k for k in rows[1] if k.startswith("KV"))
+    assert rows[1]["layer kept"] == "removed" and rows[1][kv] == "0/4"
+    assert next(v for k, v in rows[0].items() if k.startswith("MLP")) == "4/8"
+    assert S.rows_csv(rows).splitlines()[0].startswith("layer,layer kept")
+    heat = figures.heads_heatmap([[0.9, 0.8], [0.7, 0.6]], [[1, 1], [1, 0]], removed=[1])
+    grey = next(t for t in heat.data if t.name == "removed layers")
+    assert grey.z[1] == [1, 1] and grey.z[0] == [None, None] and heat.data[0].z[1] == [None, None]
+    bars = figures.channels_figure([0.5, 0.5], [0.5, 1.0], removed=[1])
+    assert list(bars.data[0].y) == [0.5, 0.0] and any(t.name == "removed layer" for t in bars.data)
