@@ -74,6 +74,10 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     # the mix chosen on 8 batches (4 held-out + 4 init batches for PG, the first 8 init batches one-shot) in place of 4
     ("Joint one-shot (SLEB + FLAP, compensated, mix on 8 batches)", {**JOINT8, "method": "flap", "init": "flap",
                                                                      "layer_init": "sleb"}, False),
+    # the width metrics on 64 calibration batches in place of 16 (bench/init_batches.py: 8 batches' masks differ from
+    # 16's in 12 % (FLAP) to 30 % (Taylor) of the removed parameters, so 16 is not converged either)
+    ("FLAP, 64 init batches", {**HC, "method": "flap", "scope": "global", "init": "flap", "init_batches": 64}, False),
+    ("Taylor, 64 init batches", {**HC, "method": "metric", "scope": "global", "init": "taylor", "init_batches": 64}, False),
     # PG on the widths of the layers that mix keeps: layers fixed at 0/1 (score-const c = 1), widths from FLAP's
     # sigmoid-norm map (the setting in which PG improves on its init for widths alone)
     ("PG joint from SLEB + FLAP, fixed layers (mix on 8 batches)", {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb",

@@ -130,7 +130,8 @@ def cell_values(c: Cell, args) -> dict:
     """The cell's settings as PruneConfig fields (units as the comma list the tables name them by)."""
     values = {**c.settings, "prune_ratio": c.rate, "seed": c.seed, "max_windows": args.max_windows,
               "eval_seqlen": args.eval_seqlen, "device": args.device,
-              "init_batches": args.layer_init_batches if c.settings["units"] == "layers" else args.init_batches}
+              "init_batches": c.settings.get("init_batches",  # (a row may fix its own)
+                                             args.layer_init_batches if c.settings["units"] == "layers" else args.init_batches)}
     if c.pg:
         lr = args.gumbel_lr if c.settings.get("method") == "gumbel" else args.lr
         values |= {"steps": args.steps, "lr": lr * c.lr_scale}
