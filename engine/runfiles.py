@@ -10,11 +10,14 @@ CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metri
 MASKS_FILE, MASKS_META_FILE = "masks.safetensors", "masks.json"
 MODEL_DIR = "model"
 GGUF_FILE = "model.gguf"  # prune --export-gguf
+# the app's GGUF downloads of another weight type than model.gguf's, exported on demand (engine/ui/deploy.py)
+GGUF_CACHE_FILES = ("model.f16.gguf", "model.q8_0.gguf", "model.f32.gguf")
 # A run folder's own marker: its name and content say what the folder is, so that --overwrite can never
 # mistake a model folder (which also holds a config.json) for a run.
 RUN_MARKER, RUN_FORMAT_VERSION = "pg-prune-run", 1
 # Everything a run writes into its folder (--overwrite removes these and nothing else).
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, MASKS_FILE, MASKS_META_FILE, GGUF_FILE)
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, MASKS_FILE, MASKS_META_FILE, GGUF_FILE,
+             *GGUF_CACHE_FILES)
 
 
 def has_run_marker(folder: Path) -> bool:

@@ -13,6 +13,9 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 import streamlit as st  # noqa: E402
+# transformers' lazy attributes, resolved once here, when the first page imports this module: resolved for the first
+# time from two script threads at once, they can fail ("cannot import name 'AutoConfig'")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402, F401
 
 from engine.ui import figures  # noqa: E402
 from engine.ui.jobs import (JobManager, RunInfo, default_runs_dir, head_mask_from_scores, list_runs,  # noqa: E402
@@ -78,6 +81,14 @@ def removed_short(results: dict | None) -> str:
     return f"{results['removed_of_decoder']:.1%} of decoder"
 
 
+def speedup_short(config: dict, results: dict | None) -> str:
+    """A run's estimated speed-up per token, for a table cell: "1.40× est." (— before it finished)."""
+    from engine.ui.settings import estimated_speedup
+
+    x = estimated_speedup(config, results)
+    return "—" if x is None else f"{x:.2f}× est."
+
+
 def removal_text(results: dict | None) -> str | None:
     """What a finished run removed, in words: parameters, shares of the decoder and of the model, each unit
     type's part, and for runs that prune whole layers the mix (layers out, width cut in the layers kept)."""
@@ -111,6 +122,8 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
                   delta=f"{results['params_pruned'] / results['params_dense'] - 1:+.1%}", delta_color="off")
         if removal_text(results):
             st.caption(removal_text(results))
+        if run_dir is not None:
+            deploy_panel(run_dir, key)
     if last is None:
         st.info("No optimisation step yet: charts appear after the first step.")
         return
@@ -139,6 +152,44 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
     with st.expander(("Final masks" if done else "Current hard masks") + " per layer: kept KV groups, channels, layers"):
         st.dataframe(rows, hide_index=True, width="stretch", key=f"{key}-layer-table")
         download_masks(rows, run_dir, key)
+
+
+def deploy_panel(run_dir: str | Path, key: str) -> None:
+    """Downloads of a finished run: the sliced model as a zip (loads with from_pretrained(..., trust_remote_code=True)
+    once unzipped), and its GGUF for llama.cpp (f16 or q8_0; exported on demand, under a spinner, with the
+    project's exporter, and kept in the run folder). The files are read only when a button is clicked."""
+    from engine.errors import UserError
+    from engine.ui import deploy
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "model" / "config.json").is_file():
+        return
+    box = st.container(border=True)
+    box.markdown("**Deploy** · download the pruned model")
+    c1, c2, c3 = box.columns([2, 1, 2])
+    c1.download_button("Sliced model (zip)", data=lambda: deploy.model_zip_bytes(run_dir),
+                       file_name=deploy.model_zip_name(run_dir), mime="application/zip", icon=":material/download:",
+                       key=f"{key}-zip", on_click="ignore",
+                       help="The run's model/ folder: unzip it and load it with AutoModelForCausalLM.from_pretrained("
+                            "folder, trust_remote_code=True).")
+    outtype = c2.selectbox("GGUF type", deploy.GGUF_OUTTYPES, key=f"{key}-gguf-type", label_visibility="collapsed",
+                           help="f16: half-precision weights; q8_0: 8-bit blocks, about half the size.")
+    try:
+        path = deploy.cached_run_gguf(run_dir, outtype)
+        if path is None and c3.button(f"Make the GGUF ({outtype})", icon=":material/build:", key=f"{key}-make-gguf",
+                                      help="Export the run for llama.cpp with the project's GGUF exporter (as "
+                                           f"`python -m engine export RUN --format gguf --outtype {outtype}`); kept "
+                                           "in the run folder."):
+            with st.spinner(f"Exporting the GGUF ({outtype}) for llama.cpp…"):
+                path = deploy.ensure_run_gguf(run_dir, outtype)
+    except UserError as e:
+        box.error(f"error: {e}")
+        return
+    if path is not None:
+        c3.download_button(f"GGUF {outtype} ({deploy.file_size(path)})", data=lambda: path.read_bytes(),
+                           file_name=deploy.gguf_download_name(run_dir, outtype), mime="application/octet-stream",
+                           icon=":material/download:", key=f"{key}-gguf-{outtype}", on_click="ignore",
+                           help=f"{path.name} in the run folder: one file llama.cpp (or Ollama) loads.")
 
 
 def download_masks(rows: list[dict], run_dir: str | Path | None, key: str) -> None:
@@ -188,6 +239,15 @@ def gguf_model(run_dir: str, mtime: float):
     from engine.tools.chat import load_gguf
 
     return load_gguf(run_dir)
+
+
+@st.cache_resource(max_entries=2, show_spinner="Converting the dense model to GGUF for llama.cpp (once; kept beside "
+                                                  "the runs)…")
+def dense_gguf_model(run_dir: str, mtime: float):
+    from engine.tools.chat import load_dense_gguf
+    from engine.tools.gguf_cache import DENSE_GGUF_DIR
+
+    return load_dense_gguf(run_dir, runs_dir() / DENSE_GGUF_DIR)
 
 
 def run_figures_for_compare(info: RunInfo) -> dict[str, list[float]]:
@@ -426,7 +486,8 @@ def plan_panel(config, problem: str | None) -> float | None:
 
 # narrow columns for the run tables, so the key ones fit a 1400 px window
 COMPACT_COLUMNS = {k: st.column_config.Column(width="small") for k in
-                   ("status", "scope", "rate", "steps", "params", "budget", "id", "ppl pruned", "ppl dense", "ppl init")}
+                   ("status", "scope", "rate", "steps", "params", "budget", "id", "ppl pruned", "ppl dense", "ppl init",
+                    "speed-up")}
 
 
 def short(value) -> str:

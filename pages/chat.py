@@ -9,12 +9,13 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from engine.tools.chat import GenerationSettings, masked_from_run, stream  # noqa: E402
+from engine.tools.chat import GenerationSettings, masked_from_run, speed_comparison, stream  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 
 st.title(":material/forum: Chat: dense vs pruned")
 st.markdown("Both models answer the same prompt, one after the other (dense first), streamed token by token. "
-            "Each prompt is answered on its own, without the earlier turns.")
+            "Each prompt is answered on its own, without the earlier turns. Both sides run in the **same backend** "
+            "(transformers beside transformers, llama.cpp beside llama.cpp), so their tokens/s compare.")
 
 finished = [r for r in _ui.runs() if r.results and r.has_masks]
 if not finished:
@@ -36,7 +37,9 @@ mode = st.radio("Pruned model", list(MODES), format_func=MODES.get, horizontal=T
                      "serves both columns, so the two answers are generated one after the other. "
                      "Sliced: the exported model whose matrices are physically smaller; it shows the real speed-up. "
                      "GGUF: the run's model.gguf (written by `prune --export-gguf`, or exported here as f16 the first "
-                     "time) in llama.cpp, as a user would deploy it; its tokens/s is llama.cpp's.")
+                     "time) in llama.cpp, as a user would deploy it; the dense side is then the dense model as a GGUF "
+                     "of the same type in llama.cpp too (converted once, kept beside the runs), so both tokens/s are "
+                     "llama.cpp's.")
 with st.expander("Generation settings (shared by both columns)", expanded=False):
     g1, g2, g3 = st.columns(3)
     max_new = g1.slider("Max new tokens", 8, 512, 64, 8)
@@ -48,8 +51,9 @@ history_key = "chat_history"
 history = st.session_state.setdefault(history_key, [])
 
 
-def stats_line(stats, params) -> str:
-    return f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tokens/s · {_ui.fmt_params(params)} parameters"
+def stats_line(stats, model) -> str:
+    return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tokens/s in {model.backend} · "
+            f"{_ui.fmt_params(model.params)} parameters")
 
 
 def show_turn(turn: dict) -> None:
@@ -61,6 +65,8 @@ def show_turn(turn: dict) -> None:
             st.markdown(f"**{turn[side + '_label']}**")
             st.markdown(turn[side] or "*(empty answer)*")
             st.caption(turn[side + "_stats"])
+    if turn.get("speedup"):
+        st.info(turn["speedup"], icon=":material/speed:")
 
 
 for turn in history:
@@ -69,10 +75,13 @@ for turn in history:
 prompt = st.chat_input("Ask both models…")
 if prompt:
     try:
-        dense = _ui.base_model(run.config["model"], run.config.get("dtype", "float32"))
-        pruned = {"masked": lambda: masked_from_run(dense, run.path),
-                  "sliced": lambda: _ui.sliced_model(str(run.path), run.modified),
-                  "gguf": lambda: _ui.gguf_model(str(run.path), run.modified)}[mode]()
+        if mode == "gguf":  # llama.cpp on both sides: the run's GGUF, and the dense model's of the same type
+            pruned = _ui.gguf_model(str(run.path), run.modified)
+            dense = _ui.dense_gguf_model(str(run.path), run.modified)
+        else:
+            dense = _ui.base_model(run.config["model"], run.config.get("dtype", "float32"))
+            pruned = (masked_from_run(dense, run.path) if mode == "masked"
+                      else _ui.sliced_model(str(run.path), run.modified))
     except UserError as e:
         st.error(f"Cannot load the models: {e}")
         st.stop()
@@ -80,20 +89,26 @@ if prompt:
         st.markdown(prompt)
     turn = {"prompt": prompt}
     cols = st.columns(2)
-    for col, side, model, label in ((cols[0], "dense", dense, f"Dense · {Path(run.config['model']).name}"),
-                                    (cols[1], "pruned", pruned, f"Pruned · {MODES[mode].split(' (')[0]}")):
+    tps = {}
+    for col, side, model, label in ((cols[0], "dense", dense, f"Dense · {Path(run.config['model']).name} · {dense.backend}"),
+                                    (cols[1], "pruned", pruned, f"Pruned · {MODES[mode].split(' (')[0]} · {pruned.backend}")):
         with col:
             st.markdown(f"**{label}**")
             try:
                 gen = stream(model, prompt, settings)
                 text = st.write_stream(gen)
-                stats = stats_line(gen.stats, model.params)
+                stats = stats_line(gen.stats, model)
+                tps[side] = gen.stats.tokens_per_s
             except UserError as e:
                 st.error(str(e))
                 text, stats = "", "failed"
             st.caption(stats)
         turn.update({side: text if isinstance(text, str) else "".join(map(str, text)), side + "_stats": stats,
                      side + "_label": label})
+    if len(tps) == 2:
+        turn["speedup"] = speed_comparison(dense.backend, tps["dense"], pruned.backend, tps["pruned"],
+                                           masked=mode == "masked")
+        st.info(turn["speedup"], icon=":material/speed:")
     history.append(turn)
 
 if history and st.button("Clear the conversation"):

@@ -56,12 +56,13 @@ chosen = [r for r in (a, b) if r is not None]
 rows = []
 for ab, r in zip("AB", chosen):
     c, res = r.config, r.results or {}
-    rows.append({
-        "id": ab, "scope": c.get("scope"), "steps": f"{r.steps_done}/{c.get('steps')}",
-        "status": "running" if jobs.busy_with(r.path) else r.status, "ppl pruned": res.get("ppl_pruned"),
-        "params": _ui.fmt_params(res.get("params_pruned")) if res else "—", "rate": f"{c.get('prune_ratio', 0):.0%}",
-        "removed": _ui.removed_short(res), "ppl init": res.get("ppl_init"), "budget": c.get("budget", "units"),
-        "units": ",".join(c.get("units", [])), "ppl dense": res.get("ppl_dense"), "run": r.name,
+    rows.append({  # the key columns first, so that they fit a 1400 px window
+        "id": ab, "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}", "removed": _ui.removed_short(res),
+        "ppl pruned": res.get("ppl_pruned"), "speed-up": _ui.speedup_short(c, res),
+        "params": _ui.fmt_params(res.get("params_pruned")) if res else "—", "steps": f"{r.steps_done}/{c.get('steps')}",
+        "status": "running" if jobs.busy_with(r.path) else r.status, "ppl init": res.get("ppl_init"),
+        "budget": c.get("budget", "units"), "units": ",".join(c.get("units", [])), "ppl dense": res.get("ppl_dense"),
+        "run": r.name,
     })
 st.dataframe(rows, hide_index=True, width="stretch", column_config=_ui.COMPACT_COLUMNS)
 

@@ -32,13 +32,13 @@ if not all_runs:
 rows = []
 for r in all_runs:
     c, res = r.config, r.results or {}
-    rows.append({
-        "status": "running" if jobs.busy_with(r.path) else r.status, "model": Path(c.get("model", "")).name,
-        "scope": c.get("scope"), "rate": f"{c.get('prune_ratio', 0):.0%}", "steps": f"{r.steps_done}/{c.get('steps')}",
-        "ppl pruned": res.get("ppl_pruned"), "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
-        "removed": _ui.removed_short(res), "units": ",".join(c.get("units", [])), "budget": c.get("budget", "units"),
-        "ppl dense": res.get("ppl_dense"), "modified": datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"),
-        "run": r.name,
+    rows.append({  # the key columns first, so that they fit a 1400 px window
+        "status": "running" if jobs.busy_with(r.path) else r.status, "scope": c.get("scope"),
+        "rate": f"{c.get('prune_ratio', 0):.0%}", "removed": _ui.removed_short(res), "ppl pruned": res.get("ppl_pruned"),
+        "speed-up": _ui.speedup_short(c, res), "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
+        "steps": f"{r.steps_done}/{c.get('steps')}", "model": Path(c.get("model", "")).name,
+        "units": ",".join(c.get("units", [])), "budget": c.get("budget", "units"), "ppl dense": res.get("ppl_dense"),
+        "modified": datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"), "run": r.name,
     })
 st.dataframe(rows, hide_index=True, width="stretch", column_config=_ui.COMPACT_COLUMNS)
 
@@ -85,6 +85,7 @@ with t3:
 
 st.subheader("Export")
 if run.has_model:
+    _ui.deploy_panel(run.path, key="runs-deploy")
     dest = st.text_input("Copy the sliced model to a new folder", placeholder="/path/to/new/folder",
                          help="A normal transformers folder: load it with AutoModelForCausalLM.from_pretrained(folder, "
                               "trust_remote_code=True).")

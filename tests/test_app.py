@@ -265,8 +265,136 @@ def test_chat_dense_and_pruned_answer(runs_dir, mode):
     assert len([a for a in answers if len(a.strip()) > 0]) >= 2
     # dense 656 k parameters, pruned fewer
     assert "656 k parameters" in stats[0] and "656 k parameters" not in stats[1]
-    if mode == "gguf":  # the run's GGUF was written once, atomically, and is what llama.cpp ran
+    # both sides in the same backend, named under each answer, and the speed-up measured in it
+    backend = "llama.cpp f16" if mode == "gguf" else "transformers float32"
+    assert all(f"tokens/s in {backend} ·" in s for s in stats), stats
+    speed = [i.value for i in at.info if "Speed-up, same backend" in i.value]
+    assert len(speed) == 1 and f"({backend})" in speed[0], [i.value for i in at.info]
+    tps = [float(s.split(" · ")[1].split(" tokens/s")[0]) for s in stats]
+    assert f"= **{tps[1] / tps[0]:.2f}×**" in speed[0] or abs(float(speed[0].split("= **")[1].split("×")[0])
+                                                              - tps[1] / tps[0]) < 0.02 * tps[1] / tps[0] + 0.01
+    if mode == "gguf":  # the run's GGUF was written once, atomically, and is what llama.cpp ran; the dense model
+        # was converted once, with the same weight type, beside the runs
+        from engine.tools.gguf_cache import DENSE_GGUF_DIR, gguf_outtype
+
         assert (run / "model.gguf").is_file() and not list(run.glob("*.tmp*"))
+        dense = list((runs_dir / DENSE_GGUF_DIR).glob("tinystories-656k-*.f16.gguf"))
+        assert len(dense) == 1 and gguf_outtype(dense[0]) == "f16" and gguf_outtype(run / "model.gguf") == "f16"
+        assert not list((runs_dir / DENSE_GGUF_DIR).glob(".*tmp*"))
+    if mode == "masked":  # the masks compute every weight: said so beside the figure
+        assert "no speed-up is expected" in speed[0]
+
+
+# --- Deploy: the downloads of a finished run -----------------------------------------------------
+def test_model_zip_loads_with_transformers(runs_dir, tmp_path):
+    import io
+    import zipfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.tools.chat import load_sliced
+    from engine.ui.deploy import model_zip_bytes, model_zip_name
+
+    run = finished_run(runs_dir, "global")
+    data = model_zip_bytes(run)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        assert z.testzip() is None
+        z.extractall(tmp_path)
+    folder = tmp_path / model_zip_name(run)[: -len(".zip")]
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True)  # as a user loads it
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        got = model(ids).logits
+        want = load_sliced(run).model(ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not list(run.glob(".*tmp*")) and not list(run.glob("*.zip"))  # built in memory: nothing written
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_gguf_download_is_made_once_cached_and_loads_in_llama_cpp(runs_dir):
+    import numpy as np
+
+    from engine.tools import llamacpp
+    from engine.ui.deploy import cached_run_gguf, ensure_run_gguf, gguf_download_name, gguf_outtype, run_gguf_path
+
+    run = finished_run(runs_dir, "global")
+    for outtype in ("f16", "q8_0"):
+        path = ensure_run_gguf(run, outtype)
+        assert path.parent == run and gguf_outtype(path) == outtype and cached_run_gguf(run, outtype) == path
+        mtime = path.stat().st_mtime_ns
+        assert ensure_run_gguf(run, outtype) == path and path.stat().st_mtime_ns == mtime  # cached: not re-exported
+        assert run_gguf_path(run, outtype) == path
+        llm = llamacpp.open_gguf(path, n_ctx=64, logits_all=True)  # llama.cpp loads it
+        try:
+            z = llamacpp.logits(llm, [1, 5, 9, 42])
+            assert z.shape[0] == 4 and np.isfinite(z).all()
+        finally:
+            llamacpp.close(llm)
+        assert gguf_download_name(run, outtype) == f"{run.name}-{outtype}.gguf"
+    assert not list(run.glob(".*tmp*"))
+    if (run / "model.gguf").is_file():  # Chat's (or --export-gguf's) file serves its own type
+        assert run_gguf_path(run, gguf_outtype(run / "model.gguf")) == run / "model.gguf"
+
+
+def test_deploy_bad_input_is_one_clear_error(tmp_path):
+    from engine.errors import UserError
+    from engine.ui.deploy import ensure_run_gguf, model_zip_bytes
+
+    with pytest.raises(UserError, match="no sliced model"):
+        model_zip_bytes(tmp_path)
+    with pytest.raises(UserError, match="no sliced model"):
+        ensure_run_gguf(tmp_path, "f16")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="GGUF type must be one of"):
+        ensure_run_gguf(tmp_path, "q4_k")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing written
+
+
+def test_speed_comparison_and_dense_gguf_path(tmp_path):
+    from engine.tools.chat import GenerationStats, speed_comparison, speedup
+    from engine.tools.gguf_cache import dense_gguf_path
+
+    assert speedup(GenerationStats(10, 2.0), GenerationStats(10, 1.0)) == pytest.approx(2.0)
+    assert speedup(GenerationStats(0, 1.0), GenerationStats(10, 1.0)) is None
+    same = speed_comparison("llama.cpp f16", 5.0, "llama.cpp f16", 7.5)
+    assert "same backend (llama.cpp f16)" in same and "**1.50×**" in same and "expected" not in same
+    assert "no speed-up is expected" in speed_comparison("transformers float32", 5, "transformers float32", 5, masked=True)
+    assert speed_comparison("transformers float32", 20.0, "llama.cpp f16", 5.0).startswith("No speed-up")
+    assert speed_comparison("llama.cpp f16", 0.0, "llama.cpp f16", 5.0).startswith("No speed-up")
+    # one cached file per model and type, named after the model; a model folder rewritten gets a new one
+    model = tmp_path / "my model"
+    shutil.copytree(TINY, model)
+    f16, q8 = dense_gguf_path(str(model), "f16", tmp_path / "c"), dense_gguf_path(str(model), "q8_0", tmp_path / "c")
+    assert f16.name.startswith("my-model-") and f16.name.endswith(".f16.gguf") and q8.name.endswith(".q8_0.gguf")
+    assert dense_gguf_path(str(model), "f16", tmp_path / "c") == f16
+    time.sleep(0.01)
+    (model / "config.json").write_text((model / "config.json").read_text() + " ")
+    assert dense_gguf_path(str(model), "f16", tmp_path / "c") != f16
+
+
+def test_runs_and_prune_offer_the_downloads(runs_dir):
+    run = finished_run(runs_dir, "global")
+    at = app()
+    at.session_state["selected_run"] = str(run)
+    at.run()
+    for page in ("pages/prune.py", "pages/runs.py"):
+        at.switch_page(page).run()
+        assert not at.exception, at.exception
+        if page.endswith("runs.py"):
+            at.selectbox[0].select_index(next(i for i, o in enumerate(at.selectbox[0].options) if run.name in o)).run()
+        labels = [b.proto.label for b in at.get("download_button")]
+        assert "Sliced model (zip)" in labels, labels
+        assert any(b.label.startswith("Make the GGUF") for b in at.button) or any(lb.startswith("GGUF ") for lb in labels)
+    if importlib.util.find_spec("llama_cpp") is not None:  # made on demand, then offered for download
+        (run / "model.q8_0.gguf").unlink(missing_ok=True)
+        at.selectbox(key="runs-deploy-gguf-type").set_value("q8_0").run()
+        next(b for b in at.button if b.label == "Make the GGUF (q8_0)").click().run()
+        assert not at.exception and not at.error, [e.value for e in at.error]
+        assert any(b.proto.label.startswith("GGUF q8_0 (") for b in at.get("download_button"))
+        assert (run / "model.q8_0.gguf").is_file()
 
 
 # --- Runs ------------------------------------------------------------------------------------
@@ -290,6 +418,10 @@ def test_runs_list_load_export_delete(runs_dir, tmp_path):
     # Delete needs the confirmation box.
     delete = next(b for b in at.button if "Delete run" in b.label)
     assert delete.disabled
+    from engine.ui.deploy import ensure_run_gguf
+
+    if importlib.util.find_spec("llama_cpp") is not None:  # the GGUF downloads made in the run folder go with it
+        ensure_run_gguf(done, "q8_0")
     at.checkbox[0].check().run()
     next(b for b in at.button if "Delete run" in b.label).click().run()
     assert not done.exists()
@@ -435,3 +567,14 @@ def test_a_run_over_10_minutes_asks_first(runs_dir):
     next(b for b in at.button if b.label == "No").click().run()
     assert not any("Start it anyway?" in w.value for w in at.warning) and not at.exception
     at.number_input(key="time_budget").set_value(None).run()
+
+
+def test_estimated_speedup_of_a_run(runs_dir):
+    from engine.plan import model_skeleton, speedup
+    from engine.ui.settings import estimated_speedup
+
+    run = finished_run(runs_dir, "global")
+    config, results = json.loads((run / "config.json").read_text()), json.loads((run / "results.json").read_text())
+    x = estimated_speedup(config, results)
+    assert x == pytest.approx(speedup(model_skeleton(config["model"]), results["params_removed"])) and x > 1
+    assert estimated_speedup(config, None) is None and estimated_speedup({"model": "/no/such/model"}, results) is None

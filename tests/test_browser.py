@@ -53,6 +53,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
 WIDTH, HEIGHT = 1100, 1900
+DOWNLOADS = Path(tempfile.mkdtemp(prefix="pg-prune-downloads-"))  # where the browser saves the app's downloads
 
 
 def free_port() -> int:
@@ -103,11 +104,15 @@ def browser():
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
                  f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}"):
         opts.add_argument(flag)
+    opts.add_experimental_option("prefs", {"download.default_directory": str(DOWNLOADS),
+                                           "download.prompt_for_download": False})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.set_window_size(WIDTH, HEIGHT)
+    driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(DOWNLOADS)})
     yield driver
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
+    shutil.rmtree(DOWNLOADS, ignore_errors=True)
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -261,6 +266,25 @@ def status_line(d) -> str:
     return " ".join(h.text for h in d.find_elements(By.TAG_NAME, "h3"))
 
 
+def download(d, label: str, timeout: float = 120) -> Path:
+    """Click a download button (its label starts with `label`) and wait for the browser to save the file."""
+    before = set(DOWNLOADS.iterdir())
+    click_when_free(d, button(d, label))
+    return wait(lambda: next((p for p in set(DOWNLOADS.iterdir()) - before if not p.name.endswith(".crdownload")
+                              and p.stat().st_size > 0), None), timeout=timeout * SLOW, what=f"the download of {label}")
+
+
+def table_columns(d) -> list[list[str]]:
+    """The columns each table (st.dataframe) draws in the window now: its grid only lays out the visible ones
+    (read from the grid's accessibility table)."""
+    return d.execute_script("""
+        return Array.from(document.querySelectorAll('[data-testid="stDataFrame"]')).map(t =>
+            Array.from(t.querySelectorAll('table th, [role=columnheader]')).map(e => e.textContent.trim()));""")
+
+
+KEY_COLUMNS = ("scope", "rate", "removed", "ppl pruned", "speed-up")  # what a 1400 px window must show of a run
+
+
 # --- the test ---------------------------------------------------------------------------------
 def test_browser_end_to_end(server, browser):
     url, runs = server
@@ -314,6 +338,25 @@ def test_browser_end_to_end(server, browser):
     removed = json.loads((short_run / "results.json").read_text())["params_removed"]
     assert abs(removed - planned[0]) <= max(planned[1], 1), (removed, planned)  # the plan said so, within one unit
 
+    # Deploy from the finished run: the sliced model as a zip that transformers loads, and a GGUF made on demand.
+    import zipfile
+
+    zipped = download(d, "Sliced model (zip)")
+    assert zipped.name == f"{short_run.name}-model.zip"
+    with zipfile.ZipFile(zipped) as z:
+        z.extractall(DOWNLOADS / "unzipped")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(DOWNLOADS / "unzipped" / zipped.stem), trust_remote_code=True)
+    assert model.config.vocab_size > 0
+    if importlib.util.find_spec("llama_cpp") is not None:
+        click_when_free(d, button(d, "Make the GGUF (f16)"))
+        gguf_file = download(d, "GGUF f16 (", timeout=180)
+        assert gguf_file.name == f"{short_run.name}-f16.gguf"
+        from engine.tools import llamacpp
+
+        llamacpp.close(llamacpp.open_gguf(gguf_file, n_ctx=64))  # llama.cpp loads it
+
     # A narrow window still reads.
     d.set_window_size(480, HEIGHT)
     time.sleep(1.5)
@@ -364,6 +407,9 @@ def test_browser_end_to_end(server, browser):
                         what="the llama.cpp answer")
         assert all(int(c.split(" tokens")[0]) > 0 for c in captions)
         assert "GGUF" in page_text(d)
+        # the dense side runs in llama.cpp too (the dense model's GGUF of the same type), and the speed-up is theirs
+        assert all("tokens/s in llama.cpp f16" in c for c in captions[2:]), captions
+        assert "Speed-up, same backend (llama.cpp f16)" in page_text(d)
         shot(d, "chat-gguf")
 
     # Runs: the three runs are listed.
@@ -371,6 +417,19 @@ def test_browser_end_to_end(server, browser):
     wait(lambda: "Delete run" in page_text(d), what="the runs page")
     shot(d, "runs")
     assert len([p for p in runs.iterdir() if (p / "config.json").exists()]) == 3
+    assert button(d, "Sliced model (zip)")  # the downloads are on Runs too
+
+    # At 1400 px the key columns of the Runs table and of Compare's are in view.
+    d.set_window_size(1400, HEIGHT)
+    time.sleep(1.5)
+    assert all(c in wait(lambda: table_columns(d)[0], what="the runs table") for c in KEY_COLUMNS), table_columns(d)
+    shot(d, "runs-1400")
+    goto(d, "Compare")
+    assert all(c in wait(lambda: table_columns(d)[0], what="the comparison table") for c in KEY_COLUMNS), \
+        table_columns(d)
+    shot(d, "compare-1400", plots=2)
+    d.set_window_size(WIDTH, HEIGHT)
+    goto(d, "Runs")
 
     # Re-run the short run with its settings: the new run's config is the same.
     if not REAL:

@@ -63,6 +63,7 @@ class ChatModel:
     params: int
     layer_masks: dict[str, list[torch.Tensor]] | None = None  # set: masks applied as hooks on `model`
     info: dict = field(default_factory=dict)
+    backend: str = "transformers float32"  # what runs it: its tokens/s compare only with the same backend's
 
 
 def load_base(model_name: str, dtype: str = "float32", device: str = "cpu") -> ChatModel:
@@ -71,7 +72,8 @@ def load_base(model_name: str, dtype: str = "float32", device: str = "cpu") -> C
 
     model, tok = load_model(resolve_model(model_name), dtype, device)
     ModelAdapter.for_model(model)  # unsupported architectures fail here, with a message
-    return ChatModel(model, tok, f"dense {Path(model_name).name}", count_parameters(model))
+    return ChatModel(model, tok, f"dense {Path(model_name).name}", count_parameters(model),
+                     backend=f"transformers {dtype}")
 
 
 def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
@@ -95,7 +97,8 @@ def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
     except (OSError, ValueError, KeyError):
         params = _effective_params(base.model, layout, masks)
     return ChatModel(base.model, base.tokenizer, f"pruned (masks on base): {Path(run_dir).name}", params,
-                     layer_masks={u: layout.split(u, m) for u, m in masks.items()}, info={"meta": meta})
+                     layer_masks={u: layout.split(u, m) for u, m in masks.items()}, info={"meta": meta},
+                     backend=base.backend)
 
 
 def _effective_params(model, layout, masks) -> int:
@@ -118,7 +121,8 @@ def load_sliced(run_dir: str | Path) -> ChatModel:
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     model.eval().requires_grad_(False)
     tok = load_tokenizer(ModelSource(str(folder), str(folder)))
-    return ChatModel(model, tok, f"pruned (sliced export): {Path(run_dir).name}", count_parameters(model))
+    return ChatModel(model, tok, f"pruned (sliced export): {Path(run_dir).name}", count_parameters(model),
+                     backend="transformers float32")
 
 
 class LlamaCppGenerator:
@@ -143,18 +147,66 @@ class LlamaCppGenerator:
 def load_gguf(run_dir: str | Path, outtype: str = "f16", threads: int | None = None) -> ChatModel:
     """A run's GGUF (RUN/model.gguf, as `prune --export-gguf` writes it; exported there first if missing)
     in llama.cpp, with the tokenizer of the run's sliced export."""
-    import json
-
     from ..exporters import export_run
-    from ..loading import ModelSource, load_tokenizer
-    from . import llamacpp
 
     run_dir = Path(run_dir)
-    folder, path = run_dir / MODEL_DIR, run_dir / GGUF_FILE
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{run_dir.name} has no sliced export (finish the run first)")
+    path = run_dir / GGUF_FILE
+    _sliced_folder(run_dir)
     if not path.is_file():
         export_run(run_dir, "gguf", path, outtype)
+    return gguf_chat(path, run_dir, _results(run_dir).get("params_pruned", 0),
+                     f"pruned (GGUF in llama.cpp): {run_dir.name}", threads)
+
+
+def load_dense_gguf(run_dir: str | Path, cache_dir: str | Path, threads: int | None = None) -> ChatModel:
+    """The run's dense base model as a GGUF in llama.cpp, of the same weight type as the run's GGUF (RUN/model.gguf,
+    which must exist: load_gguf first): the same backend on both sides, so their tokens/s compare. Converted once
+    with the project's exporter (engine/ui/deploy.py's dense_gguf) and cached in cache_dir; it talks through the
+    run's tokenizer, as the pruned side does."""
+    import json
+
+    from ..runfiles import CONFIG_FILE
+    from .gguf_cache import dense_gguf, gguf_outtype
+
+    run_dir = Path(run_dir)
+    pruned = run_dir / GGUF_FILE
+    outtype = gguf_outtype(pruned)
+    if outtype is None:
+        raise UserError(f"{pruned} is missing or not a GGUF this project writes (f16, q8_0, f32)")
+    try:
+        model = json.loads((run_dir / CONFIG_FILE).read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read the base model from {run_dir / CONFIG_FILE} ({type(e).__name__})") from e
+    path = dense_gguf(model, outtype, cache_dir)
+    return gguf_chat(path, run_dir, _results(run_dir).get("params_dense", 0), f"dense {Path(str(model)).name} "
+                     "(GGUF in llama.cpp)", threads)
+
+
+def _sliced_folder(run_dir: Path) -> Path:
+    folder = Path(run_dir) / MODEL_DIR
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{Path(run_dir).name} has no sliced export (finish the run first)")
+    return folder
+
+
+def _results(run_dir: Path) -> dict:
+    import json
+
+    try:
+        return json.loads((Path(run_dir) / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def gguf_chat(path: Path, run_dir: Path, params: int, label: str, threads: int | None = None) -> ChatModel:
+    """A GGUF file in llama.cpp, talking through the run's tokenizer and stopping at its end-of-text ids."""
+    import json
+
+    from ..loading import ModelSource, load_tokenizer
+    from .gguf_cache import gguf_outtype
+    from . import llamacpp
+
+    folder = _sliced_folder(run_dir)
     tok = load_tokenizer(ModelSource(str(folder), str(folder)))
     config = json.loads((folder / "config.json").read_text())
     eos = config.get("eos_token_id")
@@ -162,12 +214,32 @@ def load_gguf(run_dir: str | Path, outtype: str = "f16", threads: int | None = N
     if tok.eos_token_id is not None:
         stop.add(int(tok.eos_token_id))
     llm = llamacpp.open_gguf(path, n_ctx=2048, threads=threads)
-    try:
-        params = json.loads((run_dir / RESULTS_FILE).read_text())["params_pruned"]
-    except (OSError, ValueError, KeyError):
-        params = 0
-    return ChatModel(LlamaCppGenerator(llm, stop), tok, f"pruned (GGUF in llama.cpp): {run_dir.name}", params,
-                     info={"gguf": str(path)})
+    return ChatModel(LlamaCppGenerator(llm, stop), tok, label, int(params or 0), info={"gguf": str(path)},
+                     backend=f"llama.cpp {gguf_outtype(path) or 'GGUF'}")
+
+
+def speedup(dense: "GenerationStats", pruned: "GenerationStats") -> float | None:
+    """Pruned over dense tokens/s (above 1: the pruned model is faster), or None when either measured nothing."""
+    if dense.tokens_per_s <= 0 or pruned.tokens_per_s <= 0:
+        return None
+    return pruned.tokens_per_s / dense.tokens_per_s
+
+
+def speed_comparison(dense_backend: str, dense_tps: float, pruned_backend: str, pruned_tps: float,
+                     masked: bool = False) -> str:
+    """One sentence for under a chat turn: the measured speed-up when both ran in the same backend, else why
+    there is none. masked: the pruned side is the dense weights with masks as hooks (the same compute)."""
+    if dense_backend != pruned_backend:
+        return (f"No speed-up: dense ran in {dense_backend}, pruned in {pruned_backend}; tokens/s of different "
+                "backends do not compare.")
+    if dense_tps <= 0 or pruned_tps <= 0:
+        return f"No speed-up: a side generated no token ({dense_backend})."
+    text = (f"Speed-up, same backend ({dense_backend}): {pruned_tps:.1f} / {dense_tps:.1f} tokens/s = "
+            f"**{pruned_tps / dense_tps:.2f}×** (pruned over dense, this answer; one answer each, so noisy).")
+    if masked:
+        text += " Masks on the base model compute every weight, so no speed-up is expected: choose the sliced " \
+                "export or the GGUF for the real one."
+    return text
 
 
 def build_inputs(tokenizer, prompt: str) -> torch.Tensor:

@@ -307,3 +307,18 @@ def results_table(results: dict) -> list[dict]:
             v = f"{v:,}"
         rows.append({"result": k.replace("_", " "), "value": _cell(v)})
     return rows
+
+
+def estimated_speedup(config: dict, results: dict | None) -> float | None:
+    """A finished run's expected speed-up per token (engine/plan.py's speedup: dense over kept matrix parameters
+    a token multiplies), from its model's config and the parameters it removed; None before it finished or when
+    the model's config cannot be read."""
+    from ..errors import UserError
+    from ..plan import model_skeleton, speedup
+
+    if not results or "params_removed" not in results or not config.get("model"):
+        return None
+    try:
+        return speedup(model_skeleton(str(config["model"])), int(results["params_removed"]))
+    except (UserError, OSError, ValueError, KeyError, ImportError):  # (ImportError: transformers' lazy import
+        return None                                                   # raced by another thread; the cell shows —)
