@@ -46,9 +46,29 @@ def share(n: int, k: int, rank: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
+def dealt(n: int, k: int, rank: int) -> range:
+    """Every k-th item from `rank` on (n = 5 over 2 ranks: 0, 2, 4 and 1, 3): the split for items whose cost falls
+    along the list (Layerwise-PPL's and SLEB's candidate layers: removing an early layer runs every later one), so
+    that each rank gets a like mix of dear and cheap ones. A rank may get none (n < k)."""
+    share(n, k, rank)  # (the same checks)
+    return range(rank, n, k)
+
+
 def shares(n: int, k: int) -> list[list[int]]:
     """Which samples each rank evaluates (results.json's `mask_samples_by_rank`)."""
     return [list(share(n, k, r)) for r in range(k)]
+
+
+def on_cpu(obj: Any) -> Any:
+    """obj with every tensor in it (in dicts, lists and tuples) moved to the CPU: what crosses between ranks as an
+    object (a CUDA tensor would be unpickled on the sender's GPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_cpu(x) for x in obj)
+    return obj
 
 
 def timeout_seconds(env=os.environ) -> float:
@@ -96,24 +116,14 @@ class RankLost(UserError):
     checkpoint_safe = True
 
 
-@dataclass(frozen=True)
-class World:
-    """This process's place among the ranks of a run. World() is one process: every collective is the identity."""
+class Collectives:
+    """The collectives of a World (below), each of which turns a lost peer into RankLost; in one process each is
+    the identity and starts nothing."""
 
-    rank: int = 0
-    size: int = 1
-    backend: str | None = None  # gloo (CPU tensors) or nccl (tensors on this rank's GPU)
-    device: str = "cpu"  # where the collectives' tensors live
+    rank: int
+    size: int
+    device: str
 
-    @property
-    def writes(self) -> bool:
-        """Only rank 0 writes the run folder, shows progress and exports."""
-        return self.rank == 0
-
-    def describe(self) -> dict:
-        return {"world_size": self.size, "backend": self.backend}
-
-    # --- collectives (each turns a lost peer into RankLost) ------------------------------------------------
     def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
@@ -147,9 +157,40 @@ class World:
             return obj
         import torch.distributed as dist
 
-        box = [obj if self.writes else None]
+        box = [obj if self.rank == 0 else None]
         self._collective(what, lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
+
+    def add_up(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """The sum over the ranks of t (each rank's partial sum), added in float64 and returned in t's dtype and on
+        its device. For two ranks this rounds as t0 + t1 in t's dtype does (a float64 sum of two float32 or
+        bfloat16 values rounds back as their sum in that dtype would); for more, to within that dtype's rounding.
+        One process: t itself."""
+        if self.size == 1:
+            return t
+        import torch.distributed as dist
+
+        total = t.detach().to(self.device, torch.float64, copy=True)
+        self._collective(what, lambda: dist.all_reduce(total))
+        return total.to(t.device, t.dtype)
+
+
+@dataclass(frozen=True)
+class World(Collectives):
+    """This process's place among the ranks of a run. World() is one process: every collective is the identity."""
+
+    rank: int = 0
+    size: int = 1
+    backend: str | None = None  # gloo (CPU tensors) or nccl (tensors on this rank's GPU)
+    device: str = "cpu"  # where the collectives' tensors live
+
+    @property
+    def writes(self) -> bool:
+        """Only rank 0 writes the run folder, shows progress and exports."""
+        return self.rank == 0
+
+    def describe(self) -> dict:
+        return {"world_size": self.size, "backend": self.backend}
 
     def check_same(self, what: str, *parts: Any) -> None:
         """Raise UserError when the ranks' digests of `parts` differ (nothing to do in one process)."""
@@ -182,7 +223,29 @@ class World:
                             f"would run another job than rank 0 ({what} differ); start every rank with the same "
                             "command, model files and data")
 
-    # --- the narrow place where the step's work is shared out --------------------------------------------
+    # --- the narrow places where work is shared out -------------------------------------------------------
+    def mine(self, n: int, split: Callable[[int, int, int], range] = share) -> range:
+        """The items (0 .. n-1) this rank works on: split(n, K, rank); all of them in one process."""
+        return split(n, self.size, self.rank)
+
+    def map_shares(self, items: list, fn: Callable[[list], list], what: str,
+                   split: Callable[[int, int, int], range] = share) -> list:
+        """fn on this rank's share of `items` (split(n, K, rank); fn gets a list and returns one result per item),
+        every item's result on every rank, in item order (tensors come back on the CPU). An item's result is the
+        same whichever rank computes it, so the list is the one process's, bit for bit. One process: fn(items)."""
+        items = list(items)
+        if self.size == 1:
+            return list(fn(items))
+        mine = self.mine(len(items), split)
+        local = on_cpu(list(fn([items[j] for j in mine]))) if len(mine) else []
+        if len(local) != len(mine):
+            raise ValueError(f"{what}: {len(local)} results for {len(mine)} items")
+        out: list = [None] * len(items)
+        for r, part in enumerate(self.gather_objects(local, what)):
+            for j, x in zip(split(len(items), self.size, r), part):
+                out[j] = x
+        return out
+
     def share_executor(self, executor: Callable) -> Callable:
         """An executor (engine/executors.py) that evaluates only this rank's share of the samples and returns
         every sample's loss. One process: the executor itself."""

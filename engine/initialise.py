@@ -36,8 +36,11 @@ def metric_batches(c, units: list[str]) -> int:
 def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricContext) -> dict[str, list[torch.Tensor]]:
     """METRICS[name] on ctx, or its earlier result from the folder $PG_PRUNE_METRIC_CACHE when one is set (a
     bench's cells share SLEB's 30 CPU minutes this way): keyed by the metric, the unit types, the model, the
-    keep ratio, the seed and the calibration batches themselves, so a cached value is the same computation's."""
-    folder = os.environ.get("PG_PRUNE_METRIC_CACHE")
+    keep ratio, the seed and the calibration batches themselves, so a cached value is the same computation's.
+    Under torchrun rank 0's folder counts: rank 0 alone reads and writes it and sends a cached value to the others
+    (the ranks need not share a filesystem); a value not cached is computed by every rank together."""
+    world = run.world
+    folder = world.from_writer(os.environ.get("PG_PRUNE_METRIC_CACHE"), "the metric cache's folder")
     if not folder:
         return METRICS[name].fn(ctx, units)
     h = hashlib.sha1(json.dumps([name, units, run.source.path, run.source.gguf_file, ctx.keep_ratio, ctx.seed,
@@ -45,14 +48,15 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     for b in ctx.batches:
         h.update(b.numpy().tobytes())
     path = Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
-    if path.is_file():
+    if world.from_writer(path.is_file() if world.writes else None, "the metric cache's answer"):
         run.log(f"{name}: taken from the metric cache {path}")
-        return torch.load(path)
+        return world.from_writer(torch.load(path) if world.writes else None, f"the cached {name} metric")
     out = METRICS[name].fn(ctx, units)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(out, tmp)
-    os.replace(tmp, path)
+    if world.writes:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(out, tmp)
+        os.replace(tmp, path)
     return out
 
 
@@ -63,7 +67,7 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
     for name in dict.fromkeys(wanted.values()):
         units = [u for u, m in wanted.items() if m == name]
         ctx = MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
-                            seed=c.seed + 2, progress=run.progress, log=run.log)
+                            seed=c.seed + 2, progress=run.progress, log=run.log, world=run.world)
         run.log(f"computing the {name} metric for {', '.join(units)}")
         raw.update(cached_metric(run, name, units, ctx))
     return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.distributed import World, digest, launched, share, shares
+from engine.distributed import World, dealt, digest, launched, on_cpu, share, shares
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
 
@@ -66,6 +66,79 @@ def test_one_process_is_the_identity():
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
+@pytest.mark.parametrize("n, k", [(5, 2), (3, 3), (1, 2), (0, 2), (7, 3)])
+def test_dealt_covers_every_item_once(n, k):
+    parts = [dealt(n, k, r) for r in range(k)]
+    assert sorted(j for p in parts for j in p) == list(range(n)) and max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert [list(p) for p in parts if p] == [list(range(r, n, k)) for r in range(min(k, n))]
+    with pytest.raises(ValueError):
+        dealt(3, 2, 2)
+
+
+def test_world_helpers_in_one_process_are_the_plain_computation():
+    """map_shares calls fn once on the whole list (no copy to the CPU, no collective); add_up is t itself; mine is
+    every item."""
+    w, calls = World(), []
+    t = torch.rand(3)
+
+    def fn(items):
+        calls.append(list(items))
+        return [t * x for x in items]
+
+    out = w.map_shares([1, 2, 3], fn, "x", split=dealt)
+    assert calls == [[1, 2, 3]] and all(torch.equal(o, t * x) for o, x in zip(out, [1, 2, 3]))
+    assert w.add_up(t, "x") is t and list(w.mine(4)) == list(w.mine(4, dealt)) == [0, 1, 2, 3]
+    assert w.map_shares([], lambda items: [], "x") == []
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def test_on_cpu_moves_tensors_in_containers():
+    obj = {"a": [torch.ones(2), (torch.zeros(1), 3)], "b": "s"}
+    moved = on_cpu(obj)
+    assert moved["b"] == "s" and isinstance(moved["a"][1], tuple) and moved["a"][1][1] == 3
+    assert torch.equal(moved["a"][0], torch.ones(2)) and moved["a"][0].device.type == "cpu"
+
+
+def test_sums_added_in_batch_order_are_one_fold():
+    """column_sums' per-batch sums, added in batch order, are the running sum one process accumulates."""
+    from engine.metrics.activations import add_in_order
+
+    xs = [{("heads", 0): torch.rand(4) * 10 ** e} for e in (0, 7, -7, 3)]
+    running = xs[0][("heads", 0)]
+    for x in xs[1:]:
+        running = running + x[("heads", 0)]
+    assert torch.equal(add_in_order(xs)[("heads", 0)], running) and add_in_order([]) == {}
+
+
+HELPERS_ON_RANKS = """
+import sys, torch
+from engine.distributed import World, dealt, join_world
+w = join_world("cpu")
+seen = []
+out = w.map_shares(list(range(7)), lambda items: (seen.append(list(items)), [{"j": j, "t": torch.full((2,), float(j))}
+                   for j in items])[1], "a test", split=dealt)
+assert [o["j"] for o in out] == list(range(7)) and all(torch.equal(o["t"], torch.full((2,), float(o["j"]))) for o in out)
+assert seen == [list(dealt(7, 2, w.rank))], seen
+assert w.map_shares([5], lambda items: [x + 1 for x in items], "one item") == [6]
+a, b = torch.tensor([1.0, 2.0 ** -30], dtype=torch.float32), torch.tensor([2.0 ** -24, 1.0])
+total = w.add_up(a if w.rank == 0 else b, "a sum")
+assert total.dtype == torch.float32 and torch.equal(total, a + b), (total, a + b)  # as one float32 addition rounds
+print("ok", w.rank, w.size)
+w.leave()
+"""
+
+
+def test_world_helpers_on_two_ranks(tmp_path):
+    """map_shares (each rank runs fn on its share only; every rank gets every result in item order, an empty share
+    included) and add_up (float64, rounded back as the float32 sum) on 2 gloo ranks."""
+    script = tmp_path / "helpers.py"
+    script.write_text(HELPERS_ON_RANKS)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+                       cwd=REPO, env=env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(ln for ln in r.stdout.splitlines() if ln.startswith("ok")) == ["ok 0 2", "ok 1 2"]
+
+
 # --- runs ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eval_file(tmp_path_factory) -> Path:
@@ -89,11 +162,11 @@ def single(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess
                           text=True, timeout=timeout)
 
 
-def torchrun(args: list[str], k: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], k: int = 2, timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node K -m engine prune ARGS` (torchrun is torch.distributed.run)."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={k}",
-                           "-m", "engine", "prune", *args], cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+                           "-m", "engine", "prune", *args], cwd=REPO, env=env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def free_port() -> int:
@@ -169,6 +242,49 @@ def test_two_ranks_give_the_single_process_run_bit_for_bit(case, extra, eval_fil
     # rank 0 alone wrote the run folder (what one process writes, nothing else), and showed progress
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
     assert r2.stdout.count("perplexity (2 windows") == 1 and r2.stderr.count("exporting the sliced model") == 1
+
+
+INIT_METRICS = [
+    ("wanda-sp+bias-compensation", ["--init", "wanda-sp", "--bias-compensation"]),
+    ("flap", ["--init", "flap"]),
+    ("layers-sleb+taylor", ["--units", "layers,heads,channels", "--layer-init", "sleb", "--init", "taylor"]),
+    ("layers-layerwise-ppl", ["--units", "layers", "--layer-init", "layerwise-ppl", "--prune-ratio", "0.5"]),
+]
+
+
+@pytest.mark.parametrize("case, extra", INIT_METRICS)
+def test_init_metrics_shared_over_two_ranks_give_the_single_process_run(case, extra, eval_file, tmp_path):
+    """The init metrics split over the ranks (3 init batches over 2 ranks: 2 and 1; SLEB's and Layerwise-PPL's
+    candidate layers dealt out) give one process's init metric, bias-compensation means, scores, masks and results,
+    bit for bit (Taylor too: its float64 sum of two ranks' float32 gradients rounds as the float32 sum does)."""
+    extra = [*extra, "--num-mask-samples", "3", "--init-batches", "3", "--layer-init-batches", "3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = single(flags(eval_file, 3, *extra, "--out", str(one)))
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    r2 = torchrun(flags(eval_file, 3, *extra, "--out", str(two)))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert_same_run(one, two)
+    ca, cb = checkpoint(one), checkpoint(two)
+    assert ca["init_metric"].keys() == cb["init_metric"].keys()
+    assert all(torch.equal(ca["init_metric"][u], cb["init_metric"][u]) for u in ca["init_metric"])
+    assert (ca["input_means"] is None) == ("--bias-compensation" not in extra)
+    for u in ca["input_means"] or {}:
+        assert all(torch.equal(x, y) for x, y in zip(ca["input_means"][u], cb["input_means"][u]))
+
+
+def test_the_metric_cache_under_two_ranks(eval_file, tmp_path):
+    """$PG_PRUNE_METRIC_CACHE on 2 ranks: rank 0 alone writes what the ranks computed together, then reads it and
+    sends it to the other rank; both runs are the single process's (without a cache), bit for bit."""
+    extra = ["--units", "layers,heads,channels", "--layer-init", "sleb", "--init", "wanda-sp", "--num-mask-samples", "2",
+             "--init-batches", "3", "--layer-init-batches", "3"]
+    cache, ref = tmp_path / "cache", tmp_path / "ref"
+    assert single(flags(eval_file, 2, *extra, "--out", str(ref))).returncode == 0
+    for name in ("computed", "cached"):
+        r = torchrun(flags(eval_file, 2, *extra, "--out", str(tmp_path / name)), PG_PRUNE_METRIC_CACHE=str(cache))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == ["sleb", "wanda"]  # (no scratch files)
+        assert r.stderr.count("taken from the metric cache") == (2 if name == "cached" else 0), r.stderr[-2000:]
+        assert_same_run(ref, tmp_path / name)
 
 
 def test_a_killed_rank_ends_the_run_with_one_line_and_resumes_on_one(eval_file, tmp_path):

@@ -5,40 +5,61 @@ from __future__ import annotations
 import torch
 
 from ..arch import ModelAdapter
+from ..distributed import World
 from ..evaluate import decoder_forward
 from ..unit_types import layer_unit_types
 
+Sums = dict[tuple[str, int], torch.Tensor]
+
 
 @torch.no_grad()
-def column_sums(adapter: ModelAdapter, batches: list[torch.Tensor], stat) -> tuple[dict[tuple[str, int], torch.Tensor], int]:
-    """Sum over calibration tokens of stat(x) for every input column x of each unit type's output
-    projection, keyed (unit type, layer), and the token count."""
-    sums: dict[tuple[str, int], torch.Tensor] = {}
+def sums_per_batch(adapter: ModelAdapter, batches: list[torch.Tensor], stat) -> list[Sums]:
+    """For each batch, the sum over its tokens of stat(x) for every input column x of each unit type's output
+    projection, keyed (unit type, layer)."""
+    parts: list[Sums] = []
     handles = []
 
     def recorder(key):
         def hook(module, args):
-            s = stat(args[0].detach().float().reshape(-1, args[0].shape[-1])).sum(0)
-            sums[key] = s if key not in sums else sums[key] + s
+            s, part = stat(args[0].detach().float().reshape(-1, args[0].shape[-1])).sum(0), parts[-1]
+            part[key] = s if key not in part else part[key] + s
 
         return hook
 
     for t in layer_unit_types():
         for i in range(adapter.num_layers):
             handles.append(t.output_proj(adapter, i).register_forward_pre_hook(recorder((t.name, i))))
-    tokens = 0
     try:
         for batch in batches:
+            parts.append({})
             decoder_forward(adapter.model, batch)
-            tokens += batch.numel()
     finally:
         for h in handles:
             h.remove()
-    return sums, tokens
+    return parts
 
 
-def input_means(adapter: ModelAdapter, batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+def add_in_order(parts: list[Sums]) -> Sums:
+    """The batches' sums added up in batch order (the same bits wherever each batch's sum was computed)."""
+    total: Sums = {}
+    for part in parts:
+        for key, s in part.items():
+            total[key] = s if key not in total else total[key] + s
+    return total
+
+
+@torch.no_grad()
+def column_sums(adapter: ModelAdapter, batches: list[torch.Tensor], stat, world: World = World(),
+                what: str = "the activation statistics") -> tuple[Sums, int]:
+    """Sum over calibration tokens of stat(x) for every input column x of each unit type's output
+    projection, keyed (unit type, layer), and the token count. Under torchrun each rank runs its share of the
+    batches and every rank adds up every batch's sums in batch order: one process's sums, bit for bit."""
+    parts = world.map_shares(batches, lambda mine: sums_per_batch(adapter, mine, stat), what)
+    return add_in_order(parts), sum(b.numel() for b in batches)
+
+
+def input_means(adapter: ModelAdapter, batches: list[torch.Tensor], world: World = World()) -> dict[str, list[torch.Tensor]]:
     """Per layer, the mean over calibration tokens of every input column of each unit type's output
     projection, on the unmasked model (FLAP's bias compensation uses the dense means)."""
-    sums, tokens = column_sums(adapter, batches, lambda x: x)
+    sums, tokens = column_sums(adapter, batches, lambda x: x, world, "the mean inputs (bias compensation)")
     return {t.name: [(sums[(t.name, i)] / tokens).cpu() for i in range(adapter.num_layers)] for t in layer_unit_types()}

@@ -42,7 +42,8 @@ def flap(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Tens
     """FLAP's fluctuation metric: var(X_j) ||W[:, j]||^2 of every output-projection input column, standardized
     per layer and module, averaged over a unit's columns (comparable across layers and unit types)."""
     a = ctx.adapter
-    sums, tokens = column_sums(a, ctx.batches, lambda x: torch.cat([x, x * x], dim=-1))
+    sums, tokens = column_sums(a, ctx.batches, lambda x: torch.cat([x, x * x], dim=-1), ctx.world,
+                                 "flap's statistics")
     out = {}
     for u in unit_types:
         t = UNIT_TYPES[u]

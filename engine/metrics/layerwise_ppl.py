@@ -5,6 +5,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from ..arch import ModelAdapter
+from ..distributed import dealt
 from ..evaluate import batch_loss, decoder_forward
 from ..masking import MaskHooks
 from ..unit_types import whole_layer_type
@@ -70,11 +71,22 @@ def losses_without_each(adapter: ModelAdapter, batches: list[torch.Tensor], remo
     return {i: float(torch.cat(x).double().mean()) for i, x in losses.items()}
 
 
+def shared_losses_without_each(ctx: MetricContext, removed: list[int], candidates: list[int], tick=lambda: None,
+                               what: str = "the candidate layers' losses") -> dict[int, float]:
+    """losses_without_each on ctx's batches, the candidates dealt out over the ranks (every K-th: an early
+    candidate costs more) and every candidate's loss gathered on every rank: one process's dict, bit for bit (a
+    candidate's loss is the same computation on any rank). One process: losses_without_each itself."""
+    losses = ctx.world.map_shares(
+        candidates, lambda mine: list(losses_without_each(ctx.adapter, ctx.batches, removed, mine, tick).values()),
+        what, split=dealt)
+    return dict(zip(candidates, losses))
+
+
 @register_metric("layerwise-ppl", scores="layers", needs_data=True)
 def layerwise_ppl(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Tensor]]:
     """Layerwise-PPL (Shortened-LLaMA): the calibration log-perplexity with layer i removed alone
     (a layer whose removal hurts more is more important)."""
     a = ctx.adapter
-    with ctx.progress_bar("layerwise-ppl", a.num_layers * len(ctx.batches)) as tick:
-        loss = losses_without_each(a, ctx.batches, [], list(range(a.num_layers)), tick)
+    with ctx.progress_bar("layerwise-ppl", len(ctx.world.mine(a.num_layers, dealt)) * len(ctx.batches)) as tick:
+        loss = shared_losses_without_each(ctx, [], list(range(a.num_layers)), tick, "layerwise-ppl's losses")
     return {u: [torch.tensor([loss[i]]) for i in range(a.num_layers)] for u in unit_types}

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..arch import ModelAdapter
+from ..distributed import World
 from ..units import UnitLayout
 from ..registry import add_entry
 
@@ -26,6 +27,9 @@ class MetricContext:
     seed: int = 0
     progress: bool = False  # a tqdm bar on stderr for the metrics that run the model many times
     log: Callable[[str], None] | None = None  # else their progress as log lines (the app shows the last one)
+    # this torchrun rank (engine/distributed.py): the metrics that run the model share their batches or candidate
+    # layers out over the ranks through it (World.map_shares, World.add_up); World() is one process
+    world: World = World()
 
     @contextmanager
     def progress_bar(self, name: str, forwards: int, every_seconds: float = 5.0) -> Iterator[Callable[[], None]]:

@@ -14,7 +14,9 @@ def taylor(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Te
     A KV group owns its query/key/value rows and output columns, a channel its gate/up rows and down
     column; the gradient of the calibration loss is accumulated over the batches. This is the one
     place that back-propagates through the model (one backward pass per batch); the policy-gradient
-    optimisation itself stays forward-only.
+    optimisation itself stays forward-only. Under torchrun each rank back-propagates its share of the batches
+    and the ranks' gradient sums are added up (World.add_up, in float64): one process's gradient to within
+    float rounding (bit for bit on 2 ranks when rank 1 has one batch).
     """
     a = ctx.adapter
     owned = {u: [UNIT_TYPES[u].owned_weights(a, i) for i in range(a.num_layers)] for u in unit_types}
@@ -24,8 +26,11 @@ def taylor(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Te
         m.weight.grad = None
     try:
         with torch.enable_grad():
-            for batch in ctx.batches:
-                token_loss(a.model, batch).mean().backward()
+            for j in ctx.world.mine(len(ctx.batches)):
+                token_loss(a.model, ctx.batches[j]).mean().backward()
+        for m in linears.values():  # (one process: the gradient as it is)
+            grad = m.weight.grad if m.weight.grad is not None else torch.zeros_like(m.weight)
+            m.weight.grad = ctx.world.add_up(grad, "taylor's gradients")
         out: dict[str, list[torch.Tensor]] = {}
         for u, layers in owned.items():
             out[u] = []

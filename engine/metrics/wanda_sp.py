@@ -13,7 +13,7 @@ def wanda_sp(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.
     """Wanda-sp (FLAP's structured Wanda): column j of an output projection W (out x in) with input
     activations X scores mean_rows |W[:, j]| * sqrt(mean_tokens X_j^2), summed over the unit's columns."""
     a = ctx.adapter
-    sq_sums, tokens = column_sums(a, ctx.batches, lambda x: x * x)
+    sq_sums, tokens = column_sums(a, ctx.batches, lambda x: x * x, ctx.world, "wanda-sp's statistics")
     out = {}
     for u in unit_types:
         t = UNIT_TYPES[u]
