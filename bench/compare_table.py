@@ -85,7 +85,9 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
 ]
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
 SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
-                   "Joint one-shot (SLEB + FLAP, compensated, mix on 8 batches)")
+                   "Joint one-shot (SLEB + FLAP, compensated, mix on 8 batches)",
+                   "FLAP (one-shot, with its bias compensation)", "FLAP, 64 init batches",
+                   "Taylor (LLM-Pruner's metric, global ranking)", "Taylor, 64 init batches")
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
              "PG heads + channels (global)", "Wanda-sp (uniform)", "FLAP (one-shot, with its bias compensation)")
 
