@@ -317,8 +317,11 @@ def test_keyboard_interrupt_checkpoints_the_last_finished_step(tiny, eval_file, 
 
 # 4. two processes on one --out: the lock
 def popen(args: list[str]) -> subprocess.Popen:
+    # SIGINT at its default in the child, whatever an earlier test left in this process: a child that inherits
+    # SIG_IGN never gets Python's KeyboardInterrupt handler, and a Ctrl-C test would then see a finished run
     return subprocess.Popen([sys.executable, "-m", "engine", *args], cwd=REPO, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> None:
