@@ -244,12 +244,19 @@ def _resume_config(args, out: Path) -> PruneConfig:
 def cmd_prune(args) -> int:
     """One process, or under torchrun one rank of a data-parallel run (engine/distributed.py): rank 0 is the run
     as in one process and alone writes the run folder; the other ranks follow it from a scratch folder."""
-    from .distributed import join_world
+    from .distributed import RankLost, join_world
 
     world = join_world(args.device)
-    status = (_prune_writer if world.writes else _prune_follower)(args, world)
-    world.leave()
-    return status
+    try:
+        return (_prune_writer if world.writes else _prune_follower)(args, world)
+    except RankLost:
+        raise
+    except BaseException:  # a refusal or an interrupt: the group is whole, so leave it (gloo aborts at exit otherwise)
+        world.leave()
+        raise
+    finally:
+        if sys.exc_info()[1] is None:
+            world.leave()
 
 
 # the run files a rank other than 0 needs to resume: rank 0 sends them (the ranks may not share a filesystem)

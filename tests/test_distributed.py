@@ -123,7 +123,7 @@ assert w.map_shares([5], lambda items: [x + 1 for x in items], "one item") == [6
 a, b = torch.tensor([1.0, 2.0 ** -30], dtype=torch.float32), torch.tensor([2.0 ** -24, 1.0])
 total = w.add_up(a if w.rank == 0 else b, "a sum")
 assert total.dtype == torch.float32 and torch.equal(total, a + b), (total, a + b)  # as one float32 addition rounds
-sys.stdout.write(f"ok {w.rank} {w.size}\n")  # one write: the ranks share the pipe
+sys.stdout.write(f"ok {w.rank} {w.size}\\n")  # one write: the ranks share the pipe
 sys.stdout.flush()
 w.leave()
 """
