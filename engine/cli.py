@@ -247,16 +247,14 @@ def cmd_prune(args) -> int:
     from .distributed import RankLost, join_world
 
     world = join_world(args.device)
+    clean = True  # (after a refusal or an interrupt the group is whole and is left: gloo aborts at exit otherwise)
     try:
         return (_prune_writer if world.writes else _prune_follower)(args, world)
     except RankLost:
-        raise
-    except BaseException:  # a refusal or an interrupt: the group is whole, so leave it (gloo aborts at exit otherwise)
-        world.leave()
+        clean = False
         raise
     finally:
-        if sys.exc_info()[1] is None:
-            world.leave()
+        world.leave(clean)
 
 
 # the run files a rank other than 0 needs to resume: rank 0 sends them (the ranks may not share a filesystem)

@@ -222,6 +222,18 @@ def assert_same_run(a: Path, b: Path, also: tuple[str, ...] = ()) -> None:
     assert {k: v for k, v in ra.items() if k not in varies} == {k: v for k, v in rb.items() if k not in varies}
 
 
+def one_and_two_ranks(eval_file, tmp_path, steps: int, extra: list[str]):
+    """The same run in one process (tmp_path/one) and on 2 ranks (tmp_path/two), checked equal bit for bit:
+    (one, two, the 2-rank process)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = single(flags(eval_file, steps, *extra, "--out", str(one)))
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    r2 = torchrun(flags(eval_file, steps, *extra, "--out", str(two)))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert_same_run(one, two)
+    return one, two, r2
+
+
 @pytest.mark.parametrize("case, extra", [
     ("moving-average", ["--num-mask-samples", "3", "--baseline", "moving-average"]),
     ("leave-one-out+control-variate", ["--num-mask-samples", "3", "--baseline", "leave-one-out",
@@ -229,12 +241,7 @@ def assert_same_run(a: Path, b: Path, also: tuple[str, ...] = ()) -> None:
     ("antithetic", ["--num-mask-samples", "4", "--mask-sampling", "antithetic", "--sample-forward", "sequential"]),
 ])
 def test_two_ranks_give_the_single_process_run_bit_for_bit(case, extra, eval_file, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    r1 = single(flags(eval_file, 4, *extra, "--out", str(one)))
-    assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = torchrun(flags(eval_file, 4, *extra, "--out", str(two)))
-    assert r2.returncode == 0, r2.stderr[-3000:]
-    assert_same_run(one, two)
+    one, two, r2 = one_and_two_ranks(eval_file, tmp_path, 4, extra)
     res = json.loads((two / "results.json").read_text())
     n = int(extra[1])
     assert res["world_size"] == 2 and res["worlds"] == [{"from_step": 0, "world_size": 2}]
@@ -259,12 +266,7 @@ def test_init_metrics_shared_over_two_ranks_give_the_single_process_run(case, ex
     candidate layers dealt out) give one process's init metric, bias-compensation means, scores, masks and results,
     bit for bit (Taylor too: its float64 sum of two ranks' float32 gradients rounds as the float32 sum does)."""
     extra = [*extra, "--num-mask-samples", "3", "--init-batches", "3", "--layer-init-batches", "3"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    r1 = single(flags(eval_file, 3, *extra, "--out", str(one)))
-    assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = torchrun(flags(eval_file, 3, *extra, "--out", str(two)))
-    assert r2.returncode == 0, r2.stderr[-3000:]
-    assert_same_run(one, two)
+    one, two, _ = one_and_two_ranks(eval_file, tmp_path, 3, extra)
     ca, cb = checkpoint(one), checkpoint(two)
     assert ca["init_metric"].keys() == cb["init_metric"].keys()
     assert all(torch.equal(ca["init_metric"][u], cb["init_metric"][u]) for u in ca["init_metric"])
