@@ -82,6 +82,11 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     # sigmoid-norm map (the setting in which PG improves on its init for widths alone)
     ("PG joint from SLEB + FLAP, fixed layers (mix on 8 batches)", {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb",
                                                                     "bias_compensation": True, "layer_score_const": 1.0}, True),
+    # PG from FLAP's compensated init on 64 init batches: FLAP's one-shot mask from 64 batches is the best width row,
+    # and PG's init from 16 batches starts above it (258.3 against 221.2 on seed 0); 64 batches cost about 1.5 CPU
+    # minutes more. Does PG improve on the best width init, at the same init data as the one-shot row?
+    ("PG from FLAP, compensated, 64 init batches", {**HC, "method": "pg", "scope": "global", "init": "flap",
+                                                    "bias_compensation": True, "init_batches": 64}, True),
 ]
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
 SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",

@@ -67,7 +67,7 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
     for name in dict.fromkeys(wanted.values()):
         units = [u for u, m in wanted.items() if m == name]
         ctx = MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
-                            seed=c.seed + 2, progress=run.progress, log=run.log, world=run.world)
+                            seed=c.seed + 2, progress=run.progress, log=run.log, world=run.world, memo=run.stats_memo)
         run.log(f"computing the {name} metric for {', '.join(units)}")
         raw.update(cached_metric(run, name, units, ctx))
     return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])
@@ -99,6 +99,7 @@ def fresh_state(run: "PruneRun") -> RunState:
                      init_metric=z, init_mix=mix, init_mask_scores=run.budget.init_mask_scores(scores))
     for hook in run.hooks:
         hook.on_init(state, batches)
+    run.stats_memo.clear()  # (the model is masked from here on: no statistic of the dense model is reused)
     state.ppl_dense = run.masks.dense_perplexity()
     state.ppl_init = run.masked_perplexity(run.hard_masks(state.init_mask_scores or z), "init")
     return state

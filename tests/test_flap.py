@@ -114,3 +114,34 @@ def test_method_flap_is_metric_flap_with_compensation(tiny, tiny_path, small_eva
     saved = PruneConfig.load(tmp_path / "r" / "config.json")
     assert saved.bias_compensation and saved.init == "flap"
     assert abs(results["removed_of_decoder"] - 0.3) < 0.02
+
+
+def test_a_compensated_flap_start_forwards_its_init_batches_once(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """FLAP's fluctuation and the compensation's means come from one pass over the init batches (the run's memo
+    of column moments), and the means equal the plain mean of each output-projection input column."""
+    from engine.metrics import activations
+    from test_methods import run_tiny
+
+    passes = []
+    real = activations.sums_per_batch
+    monkeypatch.setattr(activations, "sums_per_batch", lambda a, b, stat: passes.append(len(b)) or real(a, b, stat))
+    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap")
+    assert len(passes) == 1  # the metric's pass; the compensation read it from the memo
+
+    model = build_model("llama")
+    a = ModelAdapter.for_model(model)
+    batches = [batch(model, rows=2, seqlen=9, seed=s) for s in (3, 4)]
+    memo: dict = {}
+    means = input_means(a, batches, memo=memo)
+    assert input_means(a, batches, memo=memo) is not None and len(passes) == 2  # the second call: no forward
+    for u in ("heads", "channels"):
+        t = UNIT_TYPES[u]
+        for i in range(a.num_layers):
+            seen = []
+            h = t.output_proj(a, i).register_forward_pre_hook(
+                lambda m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+            with torch.no_grad():
+                for b in batches:
+                    model(input_ids=b)
+            h.remove()
+            torch.testing.assert_close(means[u][i], torch.cat(seen).mean(0), rtol=1e-5, atol=1e-6)

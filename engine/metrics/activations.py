@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from ..arch import ModelAdapter
@@ -58,8 +60,39 @@ def column_sums(adapter: ModelAdapter, batches: list[torch.Tensor], stat, world:
     return add_in_order(parts), sum(b.numel() for b in batches)
 
 
-def input_means(adapter: ModelAdapter, batches: list[torch.Tensor], world: World = World()) -> dict[str, list[torch.Tensor]]:
+def batches_digest(batches: list[torch.Tensor]) -> str:
+    """A key for a list of token batches (their shapes and ids)."""
+    h = hashlib.sha1()
+    for b in batches:
+        h.update(str(tuple(b.shape)).encode())
+        h.update(b.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def column_moments(adapter: ModelAdapter, batches: list[torch.Tensor], world: World = World(),
+                   memo: dict | None = None, what: str = "the activation statistics") -> tuple[Sums, Sums, int]:
+    """(sums of x, sums of x^2, tokens) for every input column x of each unit type's output projection, keyed
+    (unit type, layer): one pass over the batches serves FLAP's fluctuation, Wanda-sp's norms and the bias
+    compensation's means. `memo` (a dict the caller owns, e.g. a run's during its start, when the model is dense
+    and unmasked and its weights do not change) keeps the result for the same batches, so a compensated FLAP
+    run forwards its init batches once, not twice."""
+    key = ("moments", batches_digest(batches))
+    if memo is not None and key in memo:
+        return memo[key]
+    sums, tokens = column_sums(adapter, batches, lambda x: torch.cat([x, x * x], dim=-1), world, what)
+    first, second = {}, {}
+    for k, s in sums.items():
+        n = s.numel() // 2
+        first[k], second[k] = s[:n], s[n:]
+    out = (first, second, tokens)
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def input_means(adapter: ModelAdapter, batches: list[torch.Tensor], world: World = World(),
+                memo: dict | None = None) -> dict[str, list[torch.Tensor]]:
     """Per layer, the mean over calibration tokens of every input column of each unit type's output
     projection, on the unmasked model (FLAP's bias compensation uses the dense means)."""
-    sums, tokens = column_sums(adapter, batches, lambda x: x, world, "the mean inputs (bias compensation)")
+    sums, _, tokens = column_moments(adapter, batches, world, memo, "the mean inputs (bias compensation)")
     return {t.name: [(sums[(t.name, i)] / tokens).cpu() for i in range(adapter.num_layers)] for t in layer_unit_types()}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..unit_types import UNIT_TYPES
-from .activations import column_sums
+from .activations import column_moments
 from .registry import MetricContext, register_metric
 
 
@@ -42,15 +42,14 @@ def flap(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Tens
     """FLAP's fluctuation metric: var(X_j) ||W[:, j]||^2 of every output-projection input column, standardized
     per layer and module, averaged over a unit's columns (comparable across layers and unit types)."""
     a = ctx.adapter
-    sums, tokens = column_sums(a, ctx.batches, lambda x: torch.cat([x, x * x], dim=-1), ctx.world,
-                                 "flap's statistics")
+    sum_x, sum_x2, tokens = column_moments(a, ctx.batches, ctx.world, ctx.memo, "flap's statistics")
     out = {}
     for u in unit_types:
         t = UNIT_TYPES[u]
         per_layer = []
         for i in range(a.num_layers):
-            s, w = sums[(u, i)].double().cpu(), t.output_proj(a, i).weight.detach().cpu()
-            n = s.numel() // 2
-            per_layer.append(standardized_units(fluctuation(s[:n], s[n:], tokens, w.double()), t.column_width(a)))
+            w = t.output_proj(a, i).weight.detach().cpu()
+            s1, s2 = sum_x[(u, i)].double().cpu(), sum_x2[(u, i)].double().cpu()
+            per_layer.append(standardized_units(fluctuation(s1, s2, tokens, w.double()), t.column_width(a)))
         out[u] = per_layer
     return out

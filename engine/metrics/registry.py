@@ -30,6 +30,9 @@ class MetricContext:
     # this torchrun rank (engine/distributed.py): the metrics that run the model share their batches or candidate
     # layers out over the ranks through it (World.map_shares, World.add_up); World() is one process
     world: World = World()
+    # the run's memo of activation statistics (activations.column_moments): a metric and the bias compensation
+    # that read the same batches share one pass over them
+    memo: dict | None = None
 
     @contextmanager
     def progress_bar(self, name: str, forwards: int, every_seconds: float = 5.0) -> Iterator[Callable[[], None]]:

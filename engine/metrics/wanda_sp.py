@@ -4,7 +4,7 @@ import torch
 
 from ..unit_types import UNIT_TYPES
 from .registry import MetricContext, register_metric
-from .activations import column_sums
+from .activations import column_moments
 
 
 @register_metric("wanda-sp", scores="units", needs_data=True)
@@ -13,7 +13,7 @@ def wanda_sp(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.
     """Wanda-sp (FLAP's structured Wanda): column j of an output projection W (out x in) with input
     activations X scores mean_rows |W[:, j]| * sqrt(mean_tokens X_j^2), summed over the unit's columns."""
     a = ctx.adapter
-    sq_sums, tokens = column_sums(a, ctx.batches, lambda x: x * x, ctx.world, "wanda-sp's statistics")
+    _, sq_sums, tokens = column_moments(a, ctx.batches, ctx.world, ctx.memo, "wanda-sp's statistics")
     out = {}
     for u in unit_types:
         t = UNIT_TYPES[u]
