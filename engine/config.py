@@ -60,6 +60,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("budget", "units")  # every run from before the parameter budget counted units
     data.setdefault("early_stop", 0)  # nor did any stop early
     data.setdefault("mix_batches", 4)  # the joint mix was chosen on 4 batches
+    data.setdefault("bias_compensation", False)  # nor compensated (the default until FLAP's init became it)
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -108,13 +109,13 @@ class PruneConfig:
                                "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, "
                                "Layerwise-PPL, SLEB); flap: FLAP one-shot (= metric with --init flap and "
                                "--bias-compensation)")
-    init: str = setting("taylor", choices=_INITS, label="Initial scores",
-                        help="initial scores of KV groups and channels. taylor (LLM-Pruner's first-order importance) "
-                             "needs one backward pass per init batch; flap (FLAP's fluctuation metric, forward passes "
-                             "only: the best one-shot width metric measured, with --bias-compensation, docs/results.md; "
-                             "not yet the default: PG from it is measured on one seed); wanda-sp needs forward passes "
-                             "only; random-progressive starts random at --progressive-increment pruning and raises the "
-                             "rate by that much per stage")
+    init: str = setting("flap", choices=_INITS, label="Initial scores",
+                        help="initial scores of KV groups and channels. flap (FLAP's fluctuation metric, forward "
+                             "passes only, with --bias-compensation: the best one-shot width metric measured, and PG "
+                             "from it beats PG from taylor on every seed measured, docs/results.md); taylor "
+                             "(LLM-Pruner's first-order importance) needs one backward pass per init batch; wanda-sp "
+                             "needs forward passes only; random-progressive starts random at --progressive-increment "
+                             "pruning and raises the rate by that much per stage")
     layer_init: str = setting("sleb", choices=layer_metrics, label="Initial scores of layers",
                               help="initial scores of whole layers: sleb = greedy removal order (the best measured); "
                                    "layerwise-ppl = calibration loss with each layer removed alone (n model runs "
@@ -157,9 +158,11 @@ class PruneConfig:
                                        "mask per copy, one forward), sliced (one forward per mask computing only its "
                                        "kept units), auto (sliced on the CPU, batched on a GPU, sequential under "
                                        "--device auto)")
-    bias_compensation: bool = setting(False, label="Bias compensation",
+    bias_compensation: bool = setting(True, label="Bias compensation",
                                       help="FLAP's bias compensation: removed units' inputs replaced by their calibration "
-                                           "mean, in the optimisation, the evaluation and the export (as output-projection biases)")
+                                           "mean, in the optimisation, the evaluation and the export (as output-projection "
+                                           "biases); on by default (FLAP's metric assumes it), --no-bias-compensation for "
+                                           "plain zeroed units")
     within_layer_ranking: str = setting("scores", choices=WITHIN_LAYER_RANKINGS, label="Within-layer ranking",
                                         help="final mask: per-layer counts from the scores; units inside a layer ranked by "
                                              "the scores or by the init metric")

@@ -67,7 +67,8 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
     for name in dict.fromkeys(wanted.values()):
         units = [u for u, m in wanted.items() if m == name]
         ctx = MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
-                            seed=c.seed + 2, progress=run.progress, log=run.log, world=run.world, memo=run.stats_memo)
+                            seed=c.seed + 2, progress=run.progress, log=run.log, world=run.world,
+                            memo=getattr(run, "stats_memo", None))
         run.log(f"computing the {name} metric for {', '.join(units)}")
         raw.update(cached_metric(run, name, units, ctx))
     return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])
@@ -77,6 +78,7 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
 def fresh_state(run: "PruneRun") -> RunState:
     """Scores from the init metric (each hook's on_init runs on them), then the dense and init perplexities."""
     c, names = run.config, metric_names(run)
+    run.stats_memo = {}  # activation statistics the metric and the hooks share (metrics.activations.column_moments)
     run.log(f"initialising scores ({', '.join(dict.fromkeys(names.values()))}, {c.prob_map})")
     needs_data = any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())
     n = max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
@@ -99,7 +101,7 @@ def fresh_state(run: "PruneRun") -> RunState:
                      init_metric=z, init_mix=mix, init_mask_scores=run.budget.init_mask_scores(scores))
     for hook in run.hooks:
         hook.on_init(state, batches)
-    run.stats_memo.clear()  # (the model is masked from here on: no statistic of the dense model is reused)
+    run.stats_memo = None  # (the model is masked from here on: no statistic of the dense model is reused)
     state.ppl_dense = run.masks.dense_perplexity()
     state.ppl_init = run.masked_perplexity(run.hard_masks(state.init_mask_scores or z), "init")
     return state

@@ -95,6 +95,7 @@ class RemovalPlan:
     tolerance: int  # the run may remove up to this many more (one unit: the budget is never exceeded)
     split_learned: bool  # the split between unit types is learned during the run
     exact: bool  # the total is known before the run (False: layers and widths under --budget units overlap)
+    split_from_metric: bool = False  # the init metric ranks the unit types together (FLAP) and so sets the split
 
     @property
     def removed_of_decoder(self) -> float:
@@ -121,9 +122,12 @@ def _start_scores(budget, layout, unit_types: list[str], keep: float) -> dict:
 
 
 def plan_removal(skeleton: Skeleton, units: list[str], prune_ratio: float, budget: str = "params",
-                 scope: str = "global") -> RemovalPlan:
+                 scope: str = "global", init: str | None = None) -> RemovalPlan:
     """The parameters a run with these settings removes, counted by engine/budget.py's accounting. Bad settings
-    are UserErrors with the run's own messages (the budget's checks run here too)."""
+    are UserErrors with the run's own messages (the budget's checks run here too). by_type gives each width type
+    the same share of its parameters; an init metric whose scores compare across unit types (FLAP's adaptive
+    structure) splits them by its ranking instead, which the data decide (split_from_metric)."""
+    from .metrics import METRICS
     from .budget import BUDGETS, removal_report, unit_weights
     from .policy import keep_count
     from .unit_types import UNIT_TYPES, unit_sizes
@@ -154,6 +158,8 @@ def plan_removal(skeleton: Skeleton, units: list[str], prune_ratio: float, budge
                        params_total=skeleton.params_total, by_type=report["params_removed_by_unit_type"],
                        layers_removed=layers_removed, tolerance=tolerance,
                        split_learned=budget == "params" and len(units) > 1 and scope == "global",
+                       split_from_metric=bool(budget == "params" and len(widths) > 1 and init in METRICS
+                                              and METRICS[init].comparable),
                        exact=not (budget == "units" and whole and widths))
 
 

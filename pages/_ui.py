@@ -402,10 +402,10 @@ def hidden_options(method: str) -> tuple[str, ...]:
 
 # --- the plan of a run, before it starts ------------------------------------------------------------------
 @st.cache_resource(max_entries=64, show_spinner="Reading the model's config…")
-def _removal(model: str, units: tuple, ratio: float, budget: str, scope: str):
+def _removal(model: str, units: tuple, ratio: float, budget: str, scope: str, init: str):
     from engine.plan import model_skeleton, plan_removal
 
-    return plan_removal(model_skeleton(model), list(units), ratio, budget, scope)
+    return plan_removal(model_skeleton(model), list(units), ratio, budget, scope, init)
 
 
 def _rate(config, skeleton) -> tuple[float, str, bool]:
@@ -438,7 +438,8 @@ def plan_panel(config, problem: str | None) -> float | None:
         return None
     try:
         skeleton = model_skeleton(config.model)
-        removal = _removal(config.model, tuple(config.units), float(config.prune_ratio), config.budget, config.scope)
+        removal = _removal(config.model, tuple(config.units), float(config.prune_ratio), config.budget, config.scope,
+                           config.init)
     except UserError as e:
         box.error(f"error: {e}")
         return None
@@ -462,7 +463,9 @@ def plan_panel(config, problem: str | None) -> float | None:
               help="Dense over pruned matrix parameters a token multiplies (decoder and LM head); attention over "
                    "the context left out. llama.cpp measured 1.40× for 30 % of SmolLM2 (docs/gguf.md).")
     split = ", ".join(f"{UNIT_TYPES[u].title if u in UNIT_TYPES else u} {n:,}" for u, n in removal.by_type.items())
-    how = ("the split between unit types is where the run starts: the method learns it" if removal.split_learned
+    how = ("the split between unit types comes from the init metric's one ranking of them (its data decide it; "
+           "shown: the same share of each)" if removal.split_from_metric
+           else "the split between unit types is where the run starts: the method learns it" if removal.split_learned
            else "per unit type")
     box.markdown(f"Will remove **{removal.params_removed:,}** parameters"
                  f"{'' if removal.exact else ' (about)'}: {removal.removed_of_decoder:.1%} of the decoder layers, "

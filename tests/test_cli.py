@@ -66,7 +66,7 @@ def test_prune_cli_end_to_end(cli_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     results = json.loads((out / "results.json").read_text())
-    m = re.search(r"dense ([\d.]+) \| init \(taylor\) ([\d.]+) \| pruned ([\d.]+)", proc.stdout)
+    m = re.search(r"dense ([\d.]+) \| init \(flap\) ([\d.]+) \| pruned ([\d.]+)", proc.stdout)
     assert m, proc.stdout
     assert m.groups() == tuple(f"{results[k]:.2f}" for k in ("ppl_dense", "ppl_init", "ppl_pruned"))
     assert f"{results['params_dense']:,} -> {results['params_pruned']:,}" in proc.stdout

@@ -255,7 +255,8 @@ def test_two_ranks_give_the_single_process_run_bit_for_bit(case, extra, eval_fil
 INIT_METRICS = [
     ("wanda-sp+bias-compensation", ["--init", "wanda-sp", "--bias-compensation"]),
     ("flap", ["--init", "flap"]),
-    ("layers-sleb+taylor", ["--units", "layers,heads,channels", "--layer-init", "sleb", "--init", "taylor"]),
+    ("layers-sleb+taylor", ["--units", "layers,heads,channels", "--layer-init", "sleb", "--init", "taylor",
+                            "--no-bias-compensation"]),
     ("layers-layerwise-ppl", ["--units", "layers", "--layer-init", "layerwise-ppl", "--prune-ratio", "0.5"]),
 ]
 
@@ -270,7 +271,9 @@ def test_init_metrics_shared_over_two_ranks_give_the_single_process_run(case, ex
     ca, cb = checkpoint(one), checkpoint(two)
     assert ca["init_metric"].keys() == cb["init_metric"].keys()
     assert all(torch.equal(ca["init_metric"][u], cb["init_metric"][u]) for u in ca["init_metric"])
-    assert (ca["input_means"] is None) == ("--bias-compensation" not in extra)
+    units = extra[extra.index("--units") + 1].split(",") if "--units" in extra else ["heads", "channels"]
+    compensated = "--no-bias-compensation" not in extra and units != ["layers"]  # (on by default; layers have no widths)
+    assert (ca["input_means"] is None) == (not compensated)
     for u in ca["input_means"] or {}:
         assert all(torch.equal(x, y) for x, y in zip(ca["input_means"][u], cb["input_means"][u]))
 

@@ -48,16 +48,16 @@ def test_the_plan_removes_what_the_run_removes(tmp_path, tiny_path, skeleton, un
     under the budget."""
     from engine.pruner import PruneRun
 
-    plan = plan_removal(skeleton, units, rate, budget, scope)
     config = PruneConfig(model=str(tiny_path), units=units, prune_ratio=rate, budget=budget, scope=scope, steps=2,
                          max_windows=2, init_batches=1, batch_size=2, seqlen=32, eval_seqlen=32, num_mask_samples=2,
                          val_batches=1, calib=str(SMALL_CALIB), layer_init="layerwise-ppl", layer_init_batches=1)
+    plan = plan_removal(skeleton, units, rate, budget, scope, config.init)
     result = PruneRun(config, tmp_path / "run", log=lambda m: None).run(progress=False)
     assert result["params_decoder"] == plan.params_decoder and result["params_dense"] == plan.params_total
     assert abs(result["params_removed"] - plan.params_removed) <= max(plan.tolerance, 1), (result["params_removed"], plan)
     if budget == "params":
         assert plan.params_removed >= rate * plan.params_decoder - 1e-6
-    if not plan.split_learned:
+    if not (plan.split_learned or plan.split_from_metric):
         assert result["params_removed_by_unit_type"] == plan.by_type
 
 
@@ -82,8 +82,8 @@ def test_speedup_grows_with_what_is_removed(skeleton):
 
 
 def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
-    base = PruneConfig(model=str(tiny_path), steps=10, max_windows=4)
-    more = PruneConfig(model=str(tiny_path), steps=20, max_windows=4)
+    base = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor")
+    more = PruneConfig(model=str(tiny_path), steps=20, max_windows=4, init="taylor")
     t1, t2 = (plan_time(c, skeleton, 1e-4, "test") for c in (base, more))
     assert t2.phases["steps"] == pytest.approx(2 * t1.phases["steps"])
     assert t1.phases["steps"] == pytest.approx(10 * base.num_mask_samples * base.batch_size * base.seqlen * 1e-4)
@@ -123,6 +123,16 @@ def test_form_values_round_trip_a_config(tiny_path):
     assert again.to_dict() == config.to_dict()
     changed = S.form_config({**values, "steps": 9}, config.to_dict()).validate()
     assert [d[0] for d in S.config_differences(config.to_dict(), changed.to_dict())] == ["Steps"]
+
+
+def test_a_fresh_form_is_the_command_lines_default_run():
+    """The Prune page's first values describe the run `python -m engine prune` makes with no flags (its windows
+    aside): today's defaults, not an old config's reading of the fields the form does not show (early stop, the
+    joint mix's batches, the bias compensation)."""
+    app, cli = S.form_config(S.default_values()).validate().to_dict(), PruneConfig().validate().to_dict()
+    assert app.pop("max_windows") == S.APP_MAX_WINDOWS and cli.pop("max_windows") is None
+    assert app == cli
+    assert app["bias_compensation"] and app["init"] == "flap" and app["early_stop"] == PruneConfig.early_stop
 
 
 def test_form_config_refuses_a_missing_path():

@@ -4,6 +4,7 @@ init batches, in the optimisation, the evaluations and the export (as output-pro
 from __future__ import annotations
 
 from ..metrics.activations import input_means
+from ..unit_types import UNIT_TYPES
 from .base import RunHook, register_hook
 
 
@@ -19,12 +20,12 @@ class BiasCompensation(RunHook):
     needs_data = True
 
     @staticmethod
-    def applies(config) -> bool:
-        return config.bias_compensation
+    def applies(config) -> bool:  # (whole layers alone have no widths to compensate)
+        return config.bias_compensation and any(not UNIT_TYPES[u].whole_layer for u in config.units)
 
     def before_scores(self, batches) -> None:  # (so that the joint method's candidate losses are compensated)
         self.run.log("measuring mean inputs of the output projections (bias compensation)")
-        self.means = input_means(self.run.adapter, batches, self.run.world, self.run.stats_memo)
+        self.means = input_means(self.run.adapter, batches, self.run.world, getattr(self.run, "stats_memo", None))
         self.run.ctx.fill = compensation_fill(self.means, self.run.layout.unit_types)
 
     def on_init(self, state, batches) -> None:

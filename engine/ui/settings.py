@@ -19,7 +19,7 @@ from ..loading import DEFAULT_MODEL
 
 # the run settings under "Hyperparameters": widgets made from their declarations in PruneConfig (key = field)
 HYPERPARAMETERS = ("lr", "lr_schedule", "num_mask_samples", "batch_size", "seqlen", "prob_map", "eval_seqlen",
-                   "init_batches", "seed", "val_every", "checkpoint_every")
+                   "init_batches", "bias_compensation", "seed", "val_every", "checkpoint_every")
 # widget key -> PruneConfig field, for the widgets that show one field as it is
 DIRECT = {"units": "units", "rate": "prune_ratio", "budget": "budget", "scope": "scope", "init": "init",
           "steps": "steps", "time_budget": "time_budget", "method": "method", "layer_init": "layer_init",
@@ -55,8 +55,9 @@ def form_values(config: dict | PruneConfig) -> dict:
 
 def form_config(values: dict, base: dict | None = None) -> PruneConfig:
     """The PruneConfig the form's values describe, on top of `base` (a config dict: the settings the form does
-    not show; the defaults when None). Not validated (PruneConfig.validate says what is wrong)."""
-    data = dict(base or {})
+    not show; today's defaults when None, as the command line's: not an old config's, which
+    PruneConfig.from_dict would read into missing fields). Not validated (PruneConfig.validate says what is wrong)."""
+    data = dict(base) if base else PruneConfig().to_dict()
     data.pop("method_options", None)
     for key, field in DIRECT.items():
         if key in values:
