@@ -29,6 +29,17 @@ def flap_scores(model, batches, units=("heads", "channels")):
     return a, layout, {u: torch.cat(raw[u]) for u in units}, raw
 
 
+def recorded_inputs(model, proj, batches) -> torch.Tensor:
+    """The inputs of module `proj` over the batches' tokens (tokens x columns), recorded by a hook on the dense model."""
+    seen = []
+    h = proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        for b in batches:
+            model(input_ids=b)
+    h.remove()
+    return torch.cat(seen)
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_the_fluctuation_metric_equals_a_hand_computation(arch):
     """var over the calibration tokens of each output-projection input column (n - 1), times the column's
@@ -39,13 +50,8 @@ def test_the_fluctuation_metric_equals_a_hand_computation(arch):
     for u in ("heads", "channels"):
         t = UNIT_TYPES[u]
         for i in range(a.num_layers):
-            proj, seen = t.output_proj(a, i), []
-            h = proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
-            with torch.no_grad():
-                for b in batches:
-                    model(input_ids=b)
-            h.remove()
-            x = torch.cat(seen).double()
+            proj = t.output_proj(a, i)
+            x = recorded_inputs(model, proj, batches).double()
             score = x.var(0, unbiased=True) * proj.weight.detach().double().pow(2).sum(0)
             z = (score - score.mean()) / score.std()
             want = z.view(-1, t.column_width(a)).mean(1)
@@ -137,11 +143,5 @@ def test_a_compensated_flap_start_forwards_its_init_batches_once(tiny, tiny_path
     for u in ("heads", "channels"):
         t = UNIT_TYPES[u]
         for i in range(a.num_layers):
-            seen = []
-            h = t.output_proj(a, i).register_forward_pre_hook(
-                lambda m, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
-            with torch.no_grad():
-                for b in batches:
-                    model(input_ids=b)
-            h.remove()
-            torch.testing.assert_close(means[u][i], torch.cat(seen).mean(0), rtol=1e-5, atol=1e-6)
+            x = recorded_inputs(model, t.output_proj(a, i), batches)
+            torch.testing.assert_close(means[u][i], x.mean(0), rtol=1e-5, atol=1e-6)
