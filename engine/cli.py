@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         f.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(F, name), help="(default %(default)s)")
     f.add_argument("--calib", default=None, help="training text: C4-style JSON lines file or folder (default: the local C4 sample)")
     f.add_argument("--eval-data", default=None, help="WikiText-2 raw test for perplexity before/after (default: the data dir)")
-    f.add_argument("--max-windows", type=int, default=None, help="perplexity on the first N windows (default: all)")
+    f.add_argument("--max-windows", type=int, default=F.max_windows, help="perplexity on the first N windows (0: all; default %(default)s)")
     f.add_argument("--skip-eval", action="store_true", help="no perplexity before and after")
     f.add_argument("--dtype", default=F.dtype, choices=list(DTYPES))
     f.add_argument("--device", default=F.device)
@@ -412,8 +412,8 @@ def cmd_eval(args) -> int:
         raise UserError(f"eval seqlen must be at least 2 tokens, got {args.eval_seqlen}")
     if args.eval_batch_size < 1:
         raise UserError("eval batch size must be at least 1")
-    if args.max_windows is not None and args.max_windows < 1:
-        raise UserError("max windows must be at least 1")
+    if args.max_windows is not None and args.max_windows < 0:
+        raise UserError(f"max windows must be 0 (all) or more, got {args.max_windows}")
     source = resolve_model(args.model)
     model, tok = load_model(source, args.dtype, args.device)
     check_positions(model.config, {"eval seqlen": args.eval_seqlen})

@@ -184,11 +184,15 @@ def load_eval_text(path: str | None = None) -> tuple[str, str]:
     return text, str(p)
 
 
+DEFAULT_EVAL_WINDOWS = 256  # the results tables' protocol (32,768 tokens of 128); 0 or None: all of them
+
+
 def eval_windows(tokenizer, text: str, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
-    """Non-overlapping seqlen-token windows of the tokenized text: (n_windows, seqlen)."""
+    """Non-overlapping seqlen-token windows of the tokenized text, the first `max_windows` of them (0 or None:
+    all): (n_windows, seqlen)."""
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     n = ids.numel() // seqlen
-    if max_windows is not None:
+    if max_windows:
         n = min(n, max_windows)
     if n == 0:
         raise UserError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")

@@ -113,7 +113,7 @@ def test_training_segments_are_disjoint_and_capped(tiny):
     (["--model", "/no/such/model"], "model not found"),
     (["--samples", "0"], "samples must be at least 1"),
     (["--lora-dropout", "1.5"], "LoRA dropout"),
-    (["--max-windows", "0"], "max windows"),
+    (["--max-windows", "-1"], "max windows"),
 ])
 def test_bad_input_is_one_error_line(args, message, pruned_export, tmp_path, capfd):
     argv = ["finetune", "--model", str(pruned_export), "--out", str(tmp_path / "o"), *args]

@@ -8,6 +8,7 @@ import torch
 
 from engine.budget import removal_report
 from engine.config import PRESETS, PruneConfig
+from engine.data import DEFAULT_EVAL_WINDOWS
 from engine.errors import UserError
 from engine.plan import (model_skeleton, phase_tokens, plan_memory, plan_removal, plan_time, probe_seconds_per_token,
                          rate_from_runs, skeleton_of, speedup)
@@ -130,7 +131,7 @@ def test_a_fresh_form_is_the_command_lines_default_run():
     aside): today's defaults, not an old config's reading of the fields the form does not show (early stop, the
     joint mix's batches, the bias compensation)."""
     app, cli = S.form_config(S.default_values()).validate().to_dict(), PruneConfig().validate().to_dict()
-    assert app.pop("max_windows") == S.APP_MAX_WINDOWS and cli.pop("max_windows") is None
+    assert app.pop("max_windows") == S.APP_MAX_WINDOWS and cli.pop("max_windows") == DEFAULT_EVAL_WINDOWS
     assert app == cli
     assert app["bias_compensation"] and app["init"] == "flap" and app["early_stop"] == PruneConfig.early_stop
 
@@ -187,3 +188,24 @@ def test_removed_layers_count_their_units_as_removed():
     assert grey.z[1] == [1, 1] and grey.z[0] == [None, None] and heat.data[0].z[1] == [None, None]
     bars = figures.channels_figure([0.5, 0.5], [0.5, 1.0], removed=[1])
     assert list(bars.data[0].y) == [0.5, 0.0] and any(t.name == "removed layer" for t in bars.data)
+
+
+def test_the_default_evaluation_is_the_tables_protocol_and_old_configs_keep_every_window():
+    """A run evaluates the first 256 windows unless told otherwise (0: all); a config saved before that default
+    evaluated every window, and still reads so."""
+    from engine.data import eval_windows
+
+    assert PruneConfig().max_windows == DEFAULT_EVAL_WINDOWS == 256
+    old = PruneConfig().to_dict()
+    del old["max_windows"]
+    assert PruneConfig.from_dict(old).max_windows is None
+
+    class Chars:  # a tokenizer of one id per character
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    text = "x" * 1000  # 31 windows of 32
+    assert eval_windows(Chars(), text, 32, 0).shape == eval_windows(Chars(), text, 32, None).shape == (31, 32)
+    assert eval_windows(Chars(), text, 32, 5).shape == (5, 32)
+    with pytest.raises(UserError, match="max windows"):
+        PruneConfig(max_windows=-1).validate()

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..data import DEFAULT_EVAL_WINDOWS
 from ..errors import UserError
 from ..outdir import OutputKind, output_folder
 
@@ -52,7 +53,7 @@ class FinetuneConfig:
     seed: int = 0
     eval_data: str | None = None  # WikiText-2 raw test for perplexity before/after (default: the data dir)
     eval_seqlen: int = 128
-    max_windows: int | None = None  # perplexity on the first N windows (None: all)
+    max_windows: int | None = DEFAULT_EVAL_WINDOWS  # perplexity on the first N windows (0 or None: all)
     skip_eval: bool = False  # no perplexity before/after
     loss_probe_segments: int = 16  # training segments whose mean loss is recorded before and after
     dtype: str = "float32"
@@ -69,8 +70,8 @@ class FinetuneConfig:
         for name in ("samples", "seqlen", "epochs", "batch_size", "grad_accum", "lora_r", "eval_seqlen", "loss_probe_segments"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
-        if self.max_windows is not None and self.max_windows < 1:
-            raise UserError(f"max windows must be at least 1, got {self.max_windows}")
+        if self.max_windows is not None and self.max_windows < 0:
+            raise UserError(f"max windows must be 0 (all) or more, got {self.max_windows}")
         if self.lr <= 0 or self.lora_alpha <= 0:
             raise UserError("learning rate and LoRA alpha must be positive")
         if not 0.0 <= self.lora_dropout < 1.0:
