@@ -19,7 +19,7 @@ from engine.pruner import PruneRun
 from engine.units import UnitLayout
 
 from test_adapters_export import build_model
-from engine.unit_types import unit_sizes
+from engine.unit_types import UNIT_TYPES, unit_sizes
 
 ARCHS = ("llama", "mistral", "qwen2")
 
@@ -226,3 +226,54 @@ def test_row_losses_equal_the_shifted_cross_entropy():
     before = ids.clone()
     _row_losses(logits, ids)
     assert ids.equal(before)  # the ids are not changed in place
+
+
+def test_aligned_padding_is_the_fewest_units_that_align_every_width():
+    from engine.slicing import aligned_padding
+
+    assert aligned_padding(1075, [1]) == 5 and aligned_padding(1080, [1]) == 0
+    assert aligned_padding(3, [64, 64, 64, 192]) == 0  # whole KV groups of 64-wide heads are aligned already
+    assert aligned_padding(1, [60, 20]) == 1  # 3 query heads of 20 per group: an even group count
+    for kept in range(1, 40):
+        for widths in ([1], [20, 60], [12, 36], [3]):
+            pad = aligned_padding(kept, widths)
+            assert all((kept + pad) * w % 8 == 0 for w in widths)
+            assert not any(all((kept + q) * w % 8 == 0 for w in widths) for q in range(pad))  # none fewer
+
+
+@pytest.mark.parametrize("arch", ARCHS + ("qwen3",))
+def test_sliced_forwards_multiply_aligned_widths_and_equal_the_masked_model(arch):
+    """The sliced executor pads each layer's gathered units to widths that are multiples of 8 (odd widths take
+    MKL's slow path); the padding units repeat a kept one and their output columns are zero, so the forward
+    still equals the hook-masked model's, with bias compensation too."""
+    from engine.slicing import SlicedLayers
+
+    model = build_model(arch)
+    a = ModelAdapter.for_model(model)
+    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
+    g = torch.Generator().manual_seed(3)
+    masks = {u: [(torch.rand(n, generator=g) < 0.6).float() for n in layout.sizes[u]] for u in layout.unit_types}
+    masks["channels"][0][:] = 1
+    masks["channels"][0][:3] = 0  # 197 of 200 channels: 3 padding units
+    masks["heads"][1][:] = 0
+    masks["heads"][1][0] = 1  # one KV group of 20-wide heads (llama, mistral): one padding group
+    fill, ids = random_fill(model, 4), batch(model)
+    with MaskHooks(a) as hooks:
+        hooks.set(masks, fill)
+        ref = batch_loss(model, ids)
+    widths = []
+    watched = [lin for i in range(a.num_layers) for u in layout.unit_types
+               for lin, _, _ in UNIT_TYPES[u].owned_weights(a, i)]
+    handles = [lin.register_forward_pre_hook(lambda m, args: widths.append(tuple(m.weight.shape))) for lin in watched]
+    try:
+        with SlicedLayers(a, masks, fill):
+            got = batch_loss(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    dense = {tuple(lin.weight.shape) for lin in watched}
+    assert len(widths) == len(watched)
+    assert all(rows % 8 == 0 and cols % 8 == 0 or (rows, cols) in dense for rows, cols in widths), widths  # (a dense
+    # width is never padded beyond: hidden 96 is aligned, so only a layer keeping every unit of an odd width is not)
+    assert (200, 96) in widths  # layer 0's gate/up rows: 197 kept, padded to 200
