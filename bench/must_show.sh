@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The must-show commands of issues 24 and 28, as a user types them, on the default model, timed (wall clock,
+# loading and evaluations included) on whatever cores are idle. Each run's folder, log and `time -v` report go to
+# bench/results/must_show/; a run with a results.json is not run again.
+#
+#   bash bench/must_show.sh flap           # issue 24: python -m engine prune --method flap --prune-ratio 0.3
+#   bash bench/must_show.sh budget 0 1 2   # issue 28: python -m engine prune --prune-ratio 0.3 --time-budget 10, per seed
+#   bash bench/must_show.sh default        # issue 25: the default run (python -m engine prune --prune-ratio 0.3), whose
+#                                          # duration bench/plan_check.py compares with the app's estimate
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=bench/results/must_show
+mkdir -p "$OUT"
+run() {  # name, then the prune flags
+  local name=$1; shift
+  if [[ -f "$OUT/$name/results.json" ]]; then echo "$name: done"; return; fi
+  echo "[$(date +%T)] $name: python -m engine prune $* --out $OUT/$name --overwrite"
+  /usr/bin/time -v -o "$OUT/$name.time.txt" python -m engine prune "$@" --out "$OUT/$name" --overwrite > "$OUT/$name.log" 2>&1
+  grep -E "Elapsed \(wall|Maximum resident" "$OUT/$name.time.txt"
+  tail -n 4 "$OUT/$name.log"
+}
+what=$1; shift
+case $what in
+  flap) run flap30 --method flap --prune-ratio 0.3 ;;
+  default) run default30 --prune-ratio 0.3 ;;
+  budget) for seed in "$@"; do run "tb10-s$seed" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
+  *) echo "usage: bash bench/must_show.sh flap | default | budget SEED..." >&2; exit 2 ;;
+esac
