@@ -28,7 +28,7 @@ def wall_seconds(run_dir: Path) -> float:
     return seconds
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--wall", type=float, default=None, help="the run's wall seconds (default: RUN.time.txt)")
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     config = PruneConfig.from_dict(json.loads((args.run_dir / "config.json").read_text()))
     results = json.loads((args.run_dir / "results.json").read_text())
     log = args.run_dir.parent / f"{args.run_dir.name}.log"
-    dense_cached = log.exists() and "dense perplexity" in log.read_text() and "(cached" in log.read_text()
+    text = log.read_text() if log.exists() else ""
+    dense_cached = "dense perplexity" in text and "(cached" in text
     if results.get("steps") is not None:  # a time budget or an early stop: the steps the run took
         config.steps = int(results["steps"])
     skeleton = model_skeleton(config.model)
@@ -54,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     for phase, seconds in plan.phases.items():
         print(f"  {phase:<18} {seconds:8.1f} s")
     print(f"estimate {plan.total:.0f} s, measured {wall:.0f} s wall: estimate / measured = {plan.total / wall:.2f}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
         units = [u for u, m in wanted.items() if m == name]
         ctx = MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
                             seed=c.seed + 2, progress=run.progress, log=run.log, world=run.world,
-                            memo=getattr(run, "stats_memo", None))
+                            memo=run.stats_memo)
         run.log(f"computing the {name} metric for {', '.join(units)}")
         raw.update(cached_metric(run, name, units, ctx))
     return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])

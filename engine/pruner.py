@@ -73,6 +73,7 @@ class PruneRun:
                  started: float | None = None, world: World = World()):  # started: time.monotonic() the --time-budget counts from
         self.started, self.config, c = time.monotonic() if started is None else started, config.validate(), config
         self.out, self.log, self.progress, self.world = Path(out_dir), log, True, world  # tqdm bars; this torchrun rank
+        self.stats_memo: dict | None = None  # activation statistics the start's metric and hooks share (fresh_state)
         self.source, self.from_disk = resolve_model(c.model), model is None  # (only a model read from its files is cached)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)

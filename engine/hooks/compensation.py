@@ -25,7 +25,7 @@ class BiasCompensation(RunHook):
 
     def before_scores(self, batches) -> None:  # (so that the joint method's candidate losses are compensated)
         self.run.log("measuring mean inputs of the output projections (bias compensation)")
-        self.means = input_means(self.run.adapter, batches, self.run.world, getattr(self.run, "stats_memo", None))
+        self.means = input_means(self.run.adapter, batches, self.run.world, self.run.stats_memo)
         self.run.ctx.fill = compensation_fill(self.means, self.run.layout.unit_types)
 
     def on_init(self, state, batches) -> None:
