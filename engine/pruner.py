@@ -73,7 +73,6 @@ class PruneRun:
                  started: float | None = None, world: World = World()):  # started: time.monotonic() the --time-budget counts from
         self.started, self.config, c = time.monotonic() if started is None else started, config.validate(), config
         self.out, self.log, self.progress, self.world = Path(out_dir), log, True, world  # tqdm bars; this torchrun rank
-        self.stats_memo: dict | None = None  # activation statistics the start's metric and hooks share (fresh_state)
         self.source, self.from_disk = resolve_model(c.model), model is None  # (only a model read from its files is cached)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
@@ -89,7 +88,7 @@ class PruneRun:
         self.sample_losses = self.world.share_executor(EXECUTORS[resolve_executor(c.sample_forward, c.device)])
         self.ctx = StepContext(model, self.adapter, self.layout, self.sample_losses, self.mask_rng, c.num_mask_samples, c.steps)
         self.method = METHODS[c.method](self.ctx, method_options(c.method, c.method_options, c))
-        self.stages, self.unit_metric = [(0, c.prune_ratio)], c.init  # a hook may replace them (progressive)
+        self.stages, self.unit_metric, self.stats_memo = [(0, c.prune_ratio)], c.init, None  # (stages: progressive)
         self.hooks = [h(self) for h in RUN_HOOKS if h.applies(c)]
         for hook in self.hooks:
             hook.on_setup()
