@@ -225,9 +225,22 @@ def phase_tokens(config, skeleton: Skeleton) -> dict[str, float]:
 
 def load_seconds(skeleton: Skeleton, dtype: str = "float32") -> float:
     """Loading the weights: a GGUF is dequantised by transformers (about 25 s for SmolLM2-135M's 135 M
-    parameters on this machine's cores); a safetensors folder reads at disk speed."""
-    per_param = 1.9e-7 if skeleton.source_kind == "gguf" else 1e-8
+    parameters on this machine's cores) unless the cache holds its de-quantised copy (engine/model_cache.py);
+    a safetensors folder reads at disk speed."""
+    per_param = 1.9e-7 if skeleton.source_kind == "gguf" and not gguf_copied(skeleton.name, dtype) else 1e-8
     return 1.0 + skeleton.params_total * per_param
+
+
+def gguf_copied(model: str, dtype: str) -> bool:
+    """Does the cache hold the de-quantised copy of this GGUF model in this dtype?"""
+    from . import model_cache
+    from .loading import resolve_model
+
+    try:
+        source = resolve_model(model)
+    except UserError:
+        return False
+    return bool(source.gguf_file) and model_cache.has_copy(model_cache.copy_folder(source.path, source.gguf_file, dtype))
 
 
 def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source: str,

@@ -132,3 +132,16 @@ def test_the_default_models_copy_is_the_default_model(tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(first(ids).logits, second(ids).logits)
     assert tok1.chat_template == tok2.chat_template and tok1.eos_token == tok2.eos_token
+
+
+def test_the_plan_counts_the_copy_once_it_exists(tmp_path, monkeypatch):
+    """The app's time plan: a GGUF's load is its de-quantisation until the cache holds the copy."""
+    from engine.plan import load_seconds, model_skeleton
+
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "m.gguf")
+    skeleton = model_skeleton(str(tmp_path / "m.gguf"))
+    before = load_seconds(skeleton)
+    load_model(resolve_model(str(tmp_path / "m.gguf")))
+    after = load_seconds(skeleton)
+    assert after < before and load_seconds(skeleton, "bfloat16") == before  # (a copy per dtype)
