@@ -251,9 +251,9 @@ def svg(out: Path, width: int = 720, height: int = 420) -> str:
              f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
              f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="black"/>',
              f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="black"/>',
-             f'<text x="{(L + width - R) / 2}" y="{height - 8}" text-anchor="middle">CPU minutes (one core)</text>',
+             f'<text x="{(L + width - R) / 2}" y="{height - 8}" text-anchor="middle">CPU minutes of the run (one core), its final evaluation and export included</text>',
              f'<text x="14" y="{(T + height - B) / 2}" transform="rotate(-90 14 {(T + height - B) / 2})" '
-             f'text-anchor="middle">WikiText-2 perplexity (256 windows)</text>']
+             f'text-anchor="middle">WikiText-2 perplexity, mean over seeds (256 windows)</text>']
     for k in range(6):
         x, y = x0 + k * (x1 - x0) / 5, y0 + k * (y1 - y0) / 5
         parts.append(f'<text x="{sx(x):.0f}" y="{height - B + 14}" text-anchor="middle">{x:.0f}</text>')
@@ -267,6 +267,7 @@ def svg(out: Path, width: int = 720, height: int = 420) -> str:
             d.append(f"{'M' if prev is None else 'L'}{sx(x):.1f},{sy(y):.1f}")
             prev = y
         parts.append(f'<path d="{" ".join(d)}" fill="none" stroke="{colour}" stroke-width="1.8"/>')
+        parts.append(f'<circle cx="{sx(pts[-1][0]):.1f}" cy="{sy(pts[-1][1]):.1f}" r="3" fill="{colour}"/>')  # the end
         parts.append(f'<text x="{width - R + 8}" y="{T + 14 + 16 * i}" fill="{colour}">{v} ({n} seed{"s" * (n > 1)})</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
