@@ -294,6 +294,12 @@ def test_browser_end_to_end(server, browser):
     wait(lambda: "Prune" in d.find_element(By.TAG_NAME, "h1").text, timeout=90 * SLOW, what="the Prune page")
     wait(lambda: "No run yet" in page_text(d), what="the empty run panel")  # (a fragment: drawn after the form)
 
+    # The plan panel on first load: what the default settings will remove, and how long they will take.
+    plan = wait(lambda: [e for e in d.find_elements(By.XPATH, "//*[contains(text(), 'Will remove')]") if e.is_displayed()],
+                timeout=60 * SLOW, what="the plan panel")[0]
+    d.execute_script("arguments[0].scrollIntoView({block: 'center'});", plan)
+    shot(d, "prune-plan")
+
     # The rate slider: 0.30 -> 0.50 with the keyboard, on its thumb.
     rate = by_label(d, "Pruning rate")  # the range input inside the slider's thumb
     assert rate.get_attribute("value") == "0.3"
