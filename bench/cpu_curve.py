@@ -43,7 +43,7 @@ from pathlib import Path
 STARTED = time.monotonic()
 
 from cli_common import ROOT, csv_list, positive, run  # noqa: E402
-from paper_tables import claim  # noqa: E402
+from paper_tables import claim, fmt  # noqa: E402
 
 from engine.hooks.base import RunHook  # noqa: E402
 
@@ -90,7 +90,8 @@ class Trace(RunHook):
         if not mask_file.exists():
             import torch
 
-            masks = self.run.final_masks(state.best_scores, state.init_metric)
+            scores = state.best_scores if state.best_scores is not None else state.scores
+            masks = self.run.final_masks(scores, state.init_metric)
             mask_file.parent.mkdir(exist_ok=True)
             torch.save({u: m.bool() for u, m in masks.items()}, mask_file.with_suffix(".tmp"))
             os.replace(mask_file.with_suffix(".tmp"), mask_file)
@@ -105,7 +106,6 @@ class Trace(RunHook):
 
     def on_step(self, state, report) -> None:
         self.point(state, report.val_ppl)
-
 
 
 def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | None) -> None:
@@ -200,12 +200,6 @@ def ppl_at(curve: list[dict], cpu: float) -> float | None:
     return got
 
 
-def mean_sd(xs: list[float]) -> str:
-    if not xs:
-        return "–"
-    return f"{statistics.mean(xs):.1f} ± {statistics.stdev(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
-
-
 def report(out: Path, marks: list[float]) -> str:
     found = load_cells(out)
     lines = ["| variant | seeds | steps | s/step | CPU min to the first step | "
@@ -215,13 +209,13 @@ def report(out: Path, marks: list[float]) -> str:
         cells = found.get(v, [])
         if not cells:
             continue
-        at = [mean_sd([x for c in cells if (x := ppl_at(c["curve"], 60 * m)) is not None]) for m in marks]
+        at = [fmt([x for c in cells if (x := ppl_at(c["curve"], 60 * m)) is not None]) for m in marks]
         finals = [c["ppl_final"] for c in cells if c["ppl_final"] is not None]
         cpu = statistics.mean(c["cpu_total"] for c in cells) / 60
         lines.append(f"| {v} | {','.join(str(c['seed']) for c in cells)} | {'/'.join(str(c['steps']) for c in cells)} | "
                      f"{statistics.mean(c['seconds_per_step'] for c in cells):.1f} | "
                      f"{statistics.mean(c['cpu_start'] for c in cells) / 60:.1f} | " + " | ".join(at)
-                     + f" | **{mean_sd(finals)}** ({cpu:.1f}) |")
+                     + f" | **{fmt(finals)}** ({cpu:.1f}) |")
     return "\n".join(lines) + "\n"
 
 

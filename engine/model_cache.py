@@ -44,11 +44,11 @@ def write_copy(folder: Path, model, tokenizer, source_name: str) -> bool:
     """Save model and tokenizer as the copy in `folder`; False (nothing left behind) when it is too large,
     the disk too full, or the folder not writable."""
     size = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         if size > MAX_BYTES or shutil.disk_usage(folder.parent).free < 2 * size:
             return False
-        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         drop(tmp)
         save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
@@ -58,7 +58,7 @@ def write_copy(folder: Path, model, tokenizer, source_name: str) -> bool:
         os.replace(tmp, folder)
         return True
     except (OSError, ValueError, RuntimeError, TypeError):  # (a cache that cannot be written never stops a load)
-        drop(folder.with_name(f"{folder.name}.tmp{os.getpid()}"))
+        drop(tmp)
         return False
 
 

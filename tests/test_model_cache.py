@@ -52,11 +52,17 @@ def forbid_gguf(monkeypatch) -> None:
     monkeypatch.setattr(loading, "_from_pretrained", refuse)
 
 
-def test_the_second_load_reads_the_copy_and_it_is_the_same_model(tmp_path, monkeypatch):
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    """(the cache folder, the ModelSource of a tiny GGUF), the cache this test's own."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("PG_PRUNE_CACHE", str(cache))
     write_tiny_gguf(tmp_path / "m.gguf")
-    source = resolve_model(str(tmp_path / "m.gguf"))
+    return cache, resolve_model(str(tmp_path / "m.gguf"))
+
+
+def test_the_second_load_reads_the_copy_and_it_is_the_same_model(tiny_gguf, monkeypatch):
+    cache, source = tiny_gguf
     first, tok1 = load_model(source)
     assert len(copies(cache)) == 1 and not any(".tmp" in n for n in copies(cache))
     forbid_gguf(monkeypatch)
@@ -81,11 +87,8 @@ def test_a_changed_gguf_is_loaded_again_not_read_from_the_old_copy(tmp_path, mon
     assert len(copies(tmp_path / "cache")) == 2
 
 
-def test_a_damaged_copy_is_dropped_and_the_gguf_loaded_again(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("PG_PRUNE_CACHE", str(cache))
-    write_tiny_gguf(tmp_path / "m.gguf")
-    source = resolve_model(str(tmp_path / "m.gguf"))
+def test_a_damaged_copy_is_dropped_and_the_gguf_loaded_again(tiny_gguf, monkeypatch):
+    cache, source = tiny_gguf
     want, _ = load_model(source)
     weights = cache / "models" / copies(cache)[0] / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
