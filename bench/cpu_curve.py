@@ -49,7 +49,7 @@ from engine.hooks.base import RunHook  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "cpu_curve"
 PROTOCOL = dict(units=["heads", "channels"], prune_ratio=0.3, budget="params", scope="global", method="pg",
-                init="flap", bias_compensation=True)
+                init="flap", bias_compensation=True, init_batches=16, best_val_margin=0.0)  # (the defaults it measured)
 EVAL_WINDOWS = 256
 VARIANTS: dict[str, tuple[str, dict]] = {  # name -> (what it changes, PruneConfig overrides of the protocol)
     "default": ("the defaults: N_s 8, leave-one-out, 8 x 128 tokens, 16 init batches, 256 eval windows", {}),
@@ -61,8 +61,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {  # name -> (what it changes, PruneConf
     "init4": ("4 init batches", {"init_batches": 4}),
     "init64": ("64 init batches", {"init_batches": 64}),
     "eval64": ("the run's evaluations on 64 windows", {"max_windows": 64}),
+    "cut10lr10": ("sigmoid-cut init, T 0.1, lr 0.1", {"prob_map": "sigmoid-cut", "prob_temperature": 0.1, "lr": 0.1}),
+    "cut03lr10": ("sigmoid-cut init, T 0.03, lr 0.1", {"prob_map": "sigmoid-cut", "prob_temperature": 0.03, "lr": 0.1}),
 }
-COLOURS = ["#000000", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+COLOURS = ["#000000", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+           "#7f7f7f"]
 
 
 def cell_config(variant: str, seed: int, minutes: float, model: str | None = None):

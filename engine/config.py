@@ -63,6 +63,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("mix_batches", 4)  # the joint mix was chosen on 4 batches
     data.setdefault("bias_compensation", False)  # nor compensated (the default until FLAP's init became it)
     data.setdefault("max_windows", None)  # and evaluated every window unless told otherwise
+    data.setdefault("best_val_margin", 0.0)  # best-val took any gain
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -133,11 +134,16 @@ class PruneConfig:
     layer_score_const: float | None = setting(None, label="score-const c (layers)",
                                               help="score-const c of whole layers (default: --score-const); 1 fixes the "
                                                    "init's layers (the joint method then learns the kept layers' widths)")
+    prob_temperature: float = setting(0.1, minimum=0.0, exclusive=True, label="sigmoid-cut temperature", help=(
+        "sigmoid-cut: s = sigmoid((x - cut) / T), x the metric's ranks as normal scores; a sample flips about T / 2 "
+        "of the units at 30 %"))
     mix_batches: int = setting(8, minimum=1, label="Joint mix batches",
                                help="joint method: calibration batches the starting mix of layers and widths is chosen "
                                     "on (held-out first, then init batches; a forward pass per candidate and batch)")
-    init_batches: int = setting(16, minimum=1, label="Init batches (metric)",
-                                help="calibration batches for the init metric of KV groups and channels (Wanda-sp, Taylor)")
+    init_batches: int = setting(64, minimum=1, label="Init batches (metric)",
+                                help="calibration batches for the init metric of KV groups and channels (FLAP, Wanda-sp, "
+                                     "Taylor); FLAP's init from 16 moves by 7 % with the seed's draw of batches, from "
+                                     "64 by 1 % (docs/results.md, quality per CPU minute)")
     layer_init_batches: int = setting(2, minimum=1, label="Init batches (layer metric)",
                                       help="calibration batches for the layer metric: Layerwise-PPL runs the model once "
                                            "per layer and batch, SLEB once per layer, removal and batch")
@@ -197,8 +203,11 @@ class PruneConfig:
     val_batches: int = setting(4, minimum=1, label="Validation batches", help="held-out batches per check")
     early_stop: int = setting(10, minimum=0, label="Stop early after N still steps (0 = off)",
                               help="methods that optimise: stop when the hard mask has not changed for N steps, the "
-                                   "scores are saturated (at most 1 %% of them between 0.01 and 0.99) and, with "
+                                   "scores are saturated (at most 1 % of them between 0.01 and 0.99) and, with "
                                    "validation, no check improved on the best in those N steps (0: off)")
+    best_val_margin: float = setting(0.01, minimum=0.0, maximum=1.0, label="Best-val margin", help=(
+        "a later mask replaces the best validated so far only when its held-out perplexity is lower by more than "
+        "this fraction (0: any gain)"))
     final_mask: str = setting("best-val", choices=FINAL_MASKS, label="Final mask",
                               help="best-val: from the step whose hard mask validated best, the init mask (step 0) "
                                    "included (needs --val-every), so a run never ends worse on held-out data than "
@@ -217,9 +226,11 @@ class PruneConfig:
     def fixed_layers(self) -> bool:  # whole layers start at probability 0 or 1 and stay there
         return self.layer_prob_map == "score-const" and self.layer_score_const == 1.0
 
-    def prob_map_for(self, unit_type: str) -> str:
-        """The metric -> probability map of a unit type: --layer-prob-map for whole layers, --prob-map otherwise."""
-        return self.layer_prob_map if UNIT_TYPES[unit_type].whole_layer else self.prob_map
+    def map_for(self, unit_type: str) -> tuple[str, float, float]:
+        """(map, score-const c, temperature) of a unit type, initial_scores' arguments after the keep ratio; the map
+        is --layer-prob-map for whole layers, --prob-map otherwise."""
+        whole = UNIT_TYPES[unit_type].whole_layer
+        return self.layer_prob_map if whole else self.prob_map, self.score_const_for(unit_type), self.prob_temperature
 
     @property
     def validates(self) -> bool:

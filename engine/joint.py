@@ -36,7 +36,7 @@ def candidate_scores(budget, z: dict[str, torch.Tensor], layout, k: int, keep: f
     more than one width type's metric is `comparable`, each type the share one ranking of the kept layers'
     units gives it (FLAP's adaptive structure, budget.ranked_split)."""
     L, n = budget.layer_type, len(budget.layer_params)
-    out = {L: initial_scores(z[L], layout, L, "global", (n - k) / n, config.prob_map_for(L), config.score_const_for(L))}
+    out = {L: initial_scores(z[L], layout, L, "global", (n - k) / n, *config.map_for(L))}
     kept = torch.ones(n, dtype=torch.bool)
     kept[torch.argsort(z[L].double(), stable=True)[:k]] = False
     widths_kept = sum(float(budget.weights[u][kept[budget.width_layer[u]]].sum()) for u in budget.widths)
@@ -47,7 +47,7 @@ def candidate_scores(budget, z: dict[str, torch.Tensor], layout, k: int, keep: f
         split = ranked_split({u: z[u][in_kept[u]] for u in budget.widths},
                              {u: budget.weights[u][in_kept[u]] for u in budget.widths}, keep_w * widths_kept)
         keeps = {u: min(1.0, max(1e-3, split[u])) for u in budget.widths}
-    out.update({u: initial_scores(z[u], layout, u, "global", keeps[u], config.prob_map_for(u), config.score_const_for(u))
+    out.update({u: initial_scores(z[u], layout, u, "global", keeps[u], *config.map_for(u))
                 for u in budget.widths})
     return budget.initial(out, keep)
 

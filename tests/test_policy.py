@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.metrics.probability import initial_scores, score_const, sigmoid_norm, standardize, standardize_per_layer
+from engine.metrics.probability import (initial_scores, normal_scores, score_const, sigmoid_cut, sigmoid_norm,
+                                        standardize, standardize_per_layer)
 from engine.policy import (
     cosine_lr,
     fit_control_coefficients,
@@ -439,7 +440,47 @@ def test_score_const():
     assert score_const(kept, 0.6).tolist() == pytest.approx([0.6, 0.4, 0.4, 0.6])
 
 
-@pytest.mark.parametrize("prob_map", ["sigmoid-norm", "score-const"])
+def test_normal_scores_keep_the_order_and_drop_the_scale():
+    z = torch.tensor([5.0, -1.0, 1e6, 0.5, 0.5])  # an outlier, and a tie (ranked in index order)
+    x = normal_scores(z)
+    assert torch.equal(torch.argsort(x), torch.argsort(z, stable=True))
+    assert float(x.mean()) == pytest.approx(0.0, abs=1e-12) and float(x[2]) == pytest.approx(-float(x[1]))
+    assert torch.allclose(normal_scores(z * 1e-3 + 7), x)
+
+
+def test_sigmoid_cut_sits_at_the_metrics_cut_and_narrows_with_the_temperature():
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(2000, generator=g) * 0.05 + 3
+    z[:20] = 1e4  # heavy tails do not squeeze the rest together (the ranks are what counts)
+    kept = top_k_mask(z, keep_count(0.7, 2000))
+    uncertain = []
+    for t in (1.0, 0.1, 0.01):
+        s = sigmoid_cut(z, 0.7, t)
+        assert float(s.double().mean()) == pytest.approx(0.7, abs=1e-5)
+        order = torch.argsort(z, stable=True)
+        assert torch.all(s[order][1:] >= s[order][:-1])  # monotone in the metric
+        assert torch.equal(top_k_mask(s, keep_count(0.7, 2000)), kept)  # its hard mask is the metric's
+        uncertain.append(int(((s > 0.05) & (s < 0.95)).sum()))
+        flips = float(torch.minimum(s, 1 - s).double().mean())  # a sample's expected share of units off the mask
+        if t < 1:  # about 1.4 T phi(cut), as documented: 0.5 T at a keep ratio of 0.7
+            assert flips == pytest.approx(2 * math.log(2) * t * math.exp(-0.5 * 0.5244 ** 2) / math.sqrt(2 * math.pi),
+                                          rel=0.1)
+    assert uncertain[0] > 4 * uncertain[1] > 0 and uncertain[1] > 4 * uncertain[2]
+
+
+def test_sigmoid_cut_per_pool_and_on_the_budget():
+    g = torch.Generator().manual_seed(5)
+    layout = UnitLayout({"channels": [40, 60, 50]})
+    z = standardize("channels", [torch.rand(n, generator=g) * 10 ** i for i, n in enumerate(layout.sizes["channels"])])
+    for scope in ("global", "uniform"):
+        s = initial_scores(z, layout, "channels", scope, 0.6, "sigmoid-cut", 0.8, 0.2)
+        for sl in layout.pools("channels", scope):
+            assert float(s[sl].sum()) == pytest.approx(0.6 * (sl.stop - sl.start), abs=1e-3)
+    assert torch.equal(initial_scores(z, layout, "channels", "global", 0.6, "sigmoid-cut", 0.8, 0.2),
+                       initial_scores(z, layout, "channels", "global", 0.6, "sigmoid-cut", 0.5, 0.2))  # c is not its
+
+
+@pytest.mark.parametrize("prob_map", ["sigmoid-norm", "score-const", "sigmoid-cut"])
 @pytest.mark.parametrize("scope", ["global", "uniform"])
 @pytest.mark.parametrize("keep", [0.3, 0.7])
 def test_initial_scores_feasible(prob_map, scope, keep):

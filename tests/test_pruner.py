@@ -284,6 +284,44 @@ def test_best_val_final_mask(tiny, tiny_path, small_eval_file, tmp_path):
     assert float(torch.exp(loss)) == pytest.approx(best, rel=1e-9)
 
 
+def test_best_val_margin_rule():
+    from engine.hooks.validation import improves
+
+    assert improves(100.0, None, 0.5)  # the first check (the init mask) is always the best so far
+    assert improves(99.9, 100.0, 0.0) and not improves(100.0, 100.0, 0.0)
+    assert not improves(99.5, 100.0, 0.01) and improves(98.9, 100.0, 0.01) and not improves(1.0, 100.0, 1.0)
+
+
+@pytest.mark.parametrize("margin, best_step", [(0.0, 4), (0.01, 3), (0.1, 0)])
+def test_best_val_margin_keeps_the_best_mask_against_small_gains(margin, best_step, tiny, tiny_path, small_eval_file,
+                                                                  tmp_path, monkeypatch):
+    """Held-out checks of perplexity 100 (the init mask), 99.8, 99.5, 95, 94.9 (synthetic): with no margin the last
+    wins; with 1 % the init mask stays until the 5 % gain of step 3, which 94.9 does not beat by 1 %; with 10 %
+    the init mask is kept. The run exports the mask of that step."""
+    import engine.hooks.validation as validation
+
+    sequence, calls = iter([100.0, 99.8, 99.5, 95.0, 94.9]), []
+    real = validation.Validation.validate
+
+    def validate(self, state):  # one value of the sequence per check (each check reads several batches)
+        ppl = next(sequence)
+        calls.append(ppl)
+        monkeypatch.setattr(validation, "batch_loss", lambda model, b: torch.full((b.shape[0],), math.log(ppl),
+                                                                                  dtype=torch.float64))
+        return real(self, state)
+
+    monkeypatch.setattr(validation.Validation, "validate", validate)
+    config = small_config(tiny_path, small_eval_file, steps=4, val_every=1, val_batches=2, final_mask="best-val",
+                          best_val_margin=margin, early_stop=0)
+    run = PruneRun(config, tmp_path / "M", model=tiny[0], tokenizer=tiny[1], log=quiet)
+    results = run.run(progress=False)
+    assert calls == [100.0, 99.8, 99.5, 95.0, 94.9]
+    assert results["mask_step"] == best_step and results["best_val_ppl"] == pytest.approx(calls[best_step])
+    _, masks, scores = load_mask_artifact(tmp_path / "M")
+    best_scores = torch.load(tmp_path / "M" / "checkpoint.pt", weights_only=False)["best_scores"]
+    assert all(torch.equal(scores[u], best_scores[u]) for u in scores)
+
+
 def test_best_val_keeps_the_init_mask_when_the_steps_make_it_worse(tiny, tiny_path, small_eval_file, tmp_path):
     """Steps that push every score against the init metric end on its worst units; best-val then returns the
     init mask itself (step 0): its perplexity is the init's."""

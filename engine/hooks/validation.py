@@ -1,6 +1,8 @@
 """`--val-every N`: the held-out perplexity of the current hard mask every N steps and at the last step, and of
 the init mask at step 0 (every 10th calibration document is held out); the best step and its scores are kept
-in the state, for --final-mask best-val."""
+in the state, for --final-mask best-val. A later mask becomes the best only when it beats the best so far by more
+than --best-val-margin (relative perplexity), so that a gain within the noise of a few held-out batches does not
+trade a measured mask for an unmeasured one."""
 
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ import torch
 from ..evaluate import batch_loss
 from ..runstate import check_finite
 from .base import RunHook, register_hook
+
+
+def improves(ppl: float, best: float | None, margin: float) -> bool:
+    """Whether a held-out perplexity takes the place of the best so far: lower by more than the margin (relative)."""
+    return best is None or ppl < best * (1.0 - margin)
 
 
 @register_hook
@@ -22,7 +29,7 @@ class Validation(RunHook):
         with run.ctx.masked(run.hard_masks(state.scores)):
             loss = torch.cat([batch_loss(run.model, b) for b in run.val_batches]).double().mean()
         ppl = float(torch.exp(loss))
-        if state.best_val_ppl is None or ppl < state.best_val_ppl:
+        if improves(ppl, state.best_val_ppl, run.config.best_val_margin):
             state.best_val_ppl, state.best_step = ppl, state.step
             state.best_scores = {u: s.clone() for u, s in state.scores.items()}
         return ppl

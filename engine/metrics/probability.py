@@ -40,23 +40,62 @@ def sigmoid_norm(z: torch.Tensor, keep_ratio: float) -> torch.Tensor:
     return s - s.mean() + keep_ratio
 
 
+def normal_scores(z: torch.Tensor) -> torch.Tensor:
+    """The metric's ranks as standard-normal quantiles, Phi^-1((rank + 1/2) / n): its order, none of its scale
+    (a metric's tails, such as FLAP's few channels of huge fluctuation, would squeeze a z-score's bulk together).
+    Ties are ranked in index order."""
+    n = z.numel()
+    ranks = torch.empty(n, dtype=torch.float64)
+    ranks[torch.argsort(z.double(), stable=True)] = torch.arange(n, dtype=torch.float64)
+    return torch.special.ndtri((ranks + 0.5) / n)
+
+
+def sigmoid_cut(z: torch.Tensor, keep_ratio: float, temperature: float, iters: int = 100) -> torch.Tensor:
+    """sigmoid((x - theta) / T), x the metric's normal scores over the pool (`normal_scores`: its order, so T is
+    in the same units for any metric and unit type), theta found by bisection so that the mean is the keep
+    ratio. The cut sits where the metric's top units end, and only the units within a few T of it are uncertain:
+    a sample flips about 1.4 T phi(theta) of the units (0.5 T at a keep ratio of 0.7). A small T keeps the
+    sampled masks near the metric's own mask, so the few samples a CPU budget affords compare swaps at the
+    margin instead of masks that differ in a third of their units; T -> 0 is the metric's mask, never flipped."""
+    if z.numel() == 0:
+        return z.float()
+    x = normal_scores(z)
+    lo, hi = float(x.min()) - 40 * temperature, float(x.max()) + 40 * temperature
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if float(torch.sigmoid((x - mid) / temperature).mean()) > keep_ratio:
+            lo = mid
+        else:
+            hi = mid
+    return torch.sigmoid((x - 0.5 * (lo + hi)) / temperature).float()
+
+
 def score_const(kept: torch.Tensor, c: float) -> torch.Tensor:
     """c for units the metric keeps, 1 - c for the others."""
     return torch.where(kept > 0, torch.full_like(kept, c), torch.full_like(kept, 1.0 - c))
 
 
-# name -> (standardized metric, layout, unit type, scope, keep ratio, score const) -> probabilities
-ProbMap = Callable[[torch.Tensor, UnitLayout, str, str, float, float], torch.Tensor]
+def _per_pool(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, pools: list[slice]) -> torch.Tensor:
+    out = torch.empty_like(z)
+    for sl in pools:
+        out[sl] = fn(z[sl])
+    return out
+
+
+# name -> (standardized metric, layout, unit type, scope, keep ratio, score const, temperature) -> probabilities
+ProbMap = Callable[[torch.Tensor, UnitLayout, str, str, float, float, float], torch.Tensor]
 PROB_MAPS: dict[str, ProbMap] = {
-    "sigmoid-norm": lambda z, layout, u, scope, keep, c: sigmoid_norm(z, keep),
-    "score-const": lambda z, layout, u, scope, keep, c: score_const(layout.hard_mask(u, z, scope, keep), c),
+    "sigmoid-norm": lambda z, layout, u, scope, keep, c, t: sigmoid_norm(z, keep),
+    "score-const": lambda z, layout, u, scope, keep, c, t: score_const(layout.hard_mask(u, z, scope, keep), c),
+    "sigmoid-cut": lambda z, layout, u, scope, keep, c, t: _per_pool(lambda x: sigmoid_cut(x, keep, t), z,
+                                                                     layout.pools(u, scope)),
 }
 
 
 def initial_scores(z: torch.Tensor, layout: UnitLayout, unit_type: str, scope: str, keep_ratio: float,
-                   prob_map: str, c: float) -> torch.Tensor:
+                   prob_map: str, c: float, temperature: float = 1.0) -> torch.Tensor:
     """A standardized metric (flat, see `standardize`) -> feasible keep probabilities for one unit type."""
     if prob_map not in PROB_MAPS:
         raise ValueError(f"unknown probability map {prob_map!r}; known: {', '.join(PROB_MAPS)}")
-    s = PROB_MAPS[prob_map](z, layout, unit_type, scope, keep_ratio, c)
+    s = PROB_MAPS[prob_map](z, layout, unit_type, scope, keep_ratio, c, temperature)
     return layout.project(unit_type, s, scope, keep_ratio)
