@@ -51,8 +51,10 @@ OUT = ROOT / "bench" / "results" / "cpu_curve"
 PROTOCOL = dict(units=["heads", "channels"], prune_ratio=0.3, budget="params", scope="global", method="pg",
                 init="flap", bias_compensation=True, init_batches=16, best_val_margin=0.0)  # (the defaults it measured)
 EVAL_WINDOWS = 256
+MARGIN = 0.01  # the report's last column: the mask best-val would have exported with this --best-val-margin
 VARIANTS: dict[str, tuple[str, dict]] = {  # name -> (what it changes, PruneConfig overrides of the protocol)
-    "default": ("the defaults: N_s 8, leave-one-out, 8 x 128 tokens, 16 init batches, 256 eval windows", {}),
+    "default": ("the defaults it measured: N_s 8, leave-one-out, 8 x 128 tokens, 16 init batches, 256 eval windows, "
+                "best-val without a margin", {}),
     "ns4": ("N_s 4", {"num_mask_samples": 4}),
     "ns2": ("N_s 2", {"num_mask_samples": 2}),
     "ma8": ("moving-average baseline (T 5)", {"method_options": {"baseline": "moving-average"}}),
@@ -190,8 +192,25 @@ def load_cells(out: Path) -> dict[str, list[dict]]:
     found: dict[str, list[dict]] = {}
     for f in sorted(out.glob("cells/*/cell.json")):
         c = json.loads(f.read_text())
+        c["ppl_margin"] = with_margin(f.parent, c, MARGIN)
         found.setdefault(c["variant"], []).append(c)
     return found
+
+
+def with_margin(cell_dir: Path, cell: dict, margin: float) -> float | None:
+    """The perplexity of the mask best-val would have exported with --best-val-margin `margin`: the same checks
+    (the run's steps do not depend on it), kept by engine.hooks.validation.improves; None when that mask was never
+    the exported one at some step (so never evaluated)."""
+    from engine.hooks.validation import improves
+
+    run = json.loads((cell_dir / "run" / "results.json").read_text())
+    checks = [(run["val_ppl_init"], 0)] + [(t["val_ppl"], t["step"]) for t in map(json.loads, (cell_dir / "trace.jsonl")
+                                                                                .read_text().splitlines()) if t["val_ppl"]]
+    best, step = None, 0
+    for ppl, at in checks:
+        if improves(ppl, best, margin):
+            best, step = ppl, at
+    return next((p["ppl"] for p in cell["curve"] if p["best_step"] == step), None)
 
 
 def ppl_at(curve: list[dict], cpu: float) -> float | None:
@@ -206,8 +225,8 @@ def ppl_at(curve: list[dict], cpu: float) -> float | None:
 def report(out: Path, marks: list[float]) -> str:
     found = load_cells(out)
     lines = ["| variant | seeds | steps | s/step | CPU min to the first step | "
-             + " | ".join(f"at {m:g} CPU min" for m in marks) + " | final (CPU min) |",
-             "|---|---|---|---|---|" + "---|" * len(marks) + "---|"]
+             + " | ".join(f"at {m:g} CPU min" for m in marks) + f" | final (CPU min) | final, margin {MARGIN:.0%} |",
+             "|---|---|---|---|---|" + "---|" * len(marks) + "---|---|"]
     for v in VARIANTS:
         cells = found.get(v, [])
         if not cells:
@@ -218,7 +237,7 @@ def report(out: Path, marks: list[float]) -> str:
         lines.append(f"| {v} | {','.join(str(c['seed']) for c in cells)} | {'/'.join(str(c['steps']) for c in cells)} | "
                      f"{statistics.mean(c['seconds_per_step'] for c in cells):.1f} | "
                      f"{statistics.mean(c['cpu_start'] for c in cells) / 60:.1f} | " + " | ".join(at)
-                     + f" | **{fmt(finals)}** ({cpu:.1f}) |")
+                     + f" | **{fmt(finals)}** ({cpu:.1f}) | {fmt([c['ppl_margin'] for c in cells if c['ppl_margin']])} |")
     return "\n".join(lines) + "\n"
 
 
