@@ -14,6 +14,29 @@ from ..unit_types import layer_unit_types
 Sums = dict[tuple[str, int], torch.Tensor]
 
 
+def release_freed_memory() -> None:
+    """Hand the memory freed by the last forward back to the OS (glibc's malloc_trim; nothing elsewhere). glibc
+    serves a forward's activation-sized temporaries from its heap once one was freed, and the heap does not shrink
+    while small tensors kept between batches pin it: over 64 init batches of the default model the process grew
+    to 14-18 GB, of which about 0.5 GB was live tensors; trimmed after each batch it stays under 1.4 GB."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
 @torch.no_grad()
 def sums_per_batch(adapter: ModelAdapter, batches: list[torch.Tensor], stat) -> list[Sums]:
     """For each batch, the sum over its tokens of stat(x) for every input column x of each unit type's output
@@ -35,6 +58,7 @@ def sums_per_batch(adapter: ModelAdapter, batches: list[torch.Tensor], stat) -> 
         for batch in batches:
             parts.append({})
             decoder_forward(adapter.model, batch)
+            release_freed_memory()
     finally:
         for h in handles:
             h.remove()
