@@ -47,7 +47,8 @@ def masks_for(pr, metric: str, batches: list) -> tuple[dict, float]:
     comparable = METRICS[metric].comparable
     z = {u: torch.cat(raw[u]).float() if comparable else standardize(u, raw[u]) for u in units}
     keeps = pr.budget.type_keeps(keep, z if comparable and len(units) > 1 else None)
-    scores = pr.budget.initial({u: initial_scores(z[u], pr.layout, u, c.scope, keeps.get(u, keep), *c.map_for(u)) for u in units}, keep)
+    scores = pr.budget.initial({u: initial_scores(z[u], pr.layout, u, c.scope, keeps.get(u, keep), *c.map_for(u))
+                                for u in units}, keep)
     return pr.hard_masks(pr.budget.init_mask_scores(scores) or z), cpu
 
 

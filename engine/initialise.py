@@ -94,7 +94,8 @@ def fresh_state(run: "PruneRun") -> RunState:
         scores, mix = choose_mix(run, z, mix_on, keep0, comparable=frozenset(comparable))
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
         keeps = run.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)
-        scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), *c.map_for(u)) for u in run.layout.unit_types}, keep0)
+        scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), *c.map_for(u))
+                                     for u in run.layout.unit_types}, keep0)
     state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=run.mask_rng.get_state(),
                      ppl_dense=float("nan"), ppl_init=float("nan"), init_scores={u: s.clone() for u, s in scores.items()},
                      init_metric=z, init_mix=mix, init_mask_scores=run.budget.init_mask_scores(scores))

@@ -6,8 +6,21 @@ Everything here works on 1-D float tensors of unit scores s in [0, 1] and has no
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
+
+
+def bisect_down(f: Callable[[float], float], target: float, lo: float, hi: float, iters: int = 100) -> float:
+    """For f non-increasing on [lo, hi] with f(lo) > target >= f(hi): the v where f crosses the target, from
+    above (f(v) <= target), to within (hi - lo) / 2^iters."""
+    for _ in range(iters):
+        v = 0.5 * (lo + hi)
+        if f(v) > target:
+            lo = v
+        else:
+            hi = v
+    return hi
 
 
 def project_capped_simplex(z: torch.Tensor, budget: float, iters: int = 100) -> torch.Tensor:
@@ -22,14 +35,8 @@ def project_capped_simplex(z: torch.Tensor, budget: float, iters: int = 100) -> 
     s = z.clamp(0.0, 1.0)
     if s.sum() <= budget:
         return s
-    lo, hi = 0.0, float(z.max())  # at v = max(z) every entry clamps to 0
-    for _ in range(iters):
-        v = 0.5 * (lo + hi)
-        if (z - v).clamp(0.0, 1.0).sum() > budget:
-            lo = v
-        else:
-            hi = v
-    return (z - hi).clamp(0.0, 1.0)
+    v = bisect_down(lambda v: (z - v).clamp(0.0, 1.0).sum(), budget, 0.0, float(z.max()), iters)  # (all 0 at max z)
+    return (z - v).clamp(0.0, 1.0)
 
 
 def project_weighted_capped_simplex(z: torch.Tensor, weights: torch.Tensor, budget: float, iters: int = 100) -> torch.Tensor:
@@ -48,14 +55,8 @@ def project_weighted_capped_simplex(z: torch.Tensor, weights: torch.Tensor, budg
     s = z.clamp(0.0, 1.0)
     if (w * s).sum() <= budget:
         return s
-    lo, hi = 0.0, float((z / w).max())
-    for _ in range(iters):
-        v = 0.5 * (lo + hi)
-        if (w * (z - v * w).clamp(0.0, 1.0)).sum() > budget:
-            lo = v
-        else:
-            hi = v
-    return (z - hi * w).clamp(0.0, 1.0)
+    v = bisect_down(lambda v: (w * (z - v * w).clamp(0.0, 1.0)).sum(), budget, 0.0, float((z / w).max()), iters)
+    return (z - v * w).clamp(0.0, 1.0)
 
 
 def policy_gradient(

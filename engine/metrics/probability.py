@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from ..policy import bisect_down
 from ..unit_types import UNIT_TYPES
 from ..units import UnitLayout
 
@@ -60,14 +61,9 @@ def sigmoid_cut(z: torch.Tensor, keep_ratio: float, temperature: float, iters: i
     if z.numel() == 0:
         return z.float()
     x = normal_scores(z)
-    lo, hi = float(x.min()) - 40 * temperature, float(x.max()) + 40 * temperature
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        if float(torch.sigmoid((x - mid) / temperature).mean()) > keep_ratio:
-            lo = mid
-        else:
-            hi = mid
-    return torch.sigmoid((x - 0.5 * (lo + hi)) / temperature).float()
+    theta = bisect_down(lambda v: float(torch.sigmoid((x - v) / temperature).mean()), keep_ratio,
+                        float(x.min()) - 40 * temperature, float(x.max()) + 40 * temperature, iters)
+    return torch.sigmoid((x - theta) / temperature).float()
 
 
 def score_const(kept: torch.Tensor, c: float) -> torch.Tensor:
