@@ -87,12 +87,20 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     # minutes more. Does PG improve on the best width init, at the same init data as the one-shot row?
     ("PG from FLAP, compensated, 64 init batches", {**HC, "method": "pg", "scope": "global", "init": "flap",
                                                     "bias_compensation": True, "init_batches": 64}, True),
+    # the joint rows on the tool's defaults today: FLAP's widths from 64 init batches (the width row's best), SLEB's
+    # layers (2 batches, the same as above: the batches come first from the seed's stream), the mix on 8 batches
+    ("Joint one-shot (SLEB + FLAP, compensated, 64 init batches)", {**JOINT8, "method": "flap", "init": "flap",
+                                                                    "layer_init": "sleb", "init_batches": 64}, False),
+    ("PG joint from SLEB + FLAP, fixed layers, 64 init batches", {**JOINT8, "method": "pg", "init": "flap",
+                                                                  "layer_init": "sleb", "bias_compensation": True,
+                                                                  "layer_score_const": 1.0, "init_batches": 64}, True),
 ]
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
 SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
                    "Joint one-shot (SLEB + FLAP, compensated, mix on 8 batches)",
                    "FLAP (one-shot, with its bias compensation)", "FLAP, 64 init batches",
-                   "Taylor (LLM-Pruner's metric, global ranking)", "Taylor, 64 init batches")
+                   "Taylor (LLM-Pruner's metric, global ranking)", "Taylor, 64 init batches",
+                   "Joint one-shot (SLEB + FLAP, compensated, 64 init batches)")
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
              "PG heads + channels (global)", "Wanda-sp (uniform)", "FLAP (one-shot, with its bias compensation)")
 

@@ -67,6 +67,17 @@ def fmt_seconds(s: float | None) -> str:
     return f"{s // 3600} h {(s % 3600) // 60:02d} min"
 
 
+def fmt_duration(s: float) -> str:
+    """A duration for a metric card (a narrow column): seconds under a minute, then whole minutes, then hours."""
+    s = int(round(s))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600 - 30:
+        return f"{round(s / 60)} min"
+    m = round(s / 60)
+    return f"{m // 60} h {m % 60:02d}"
+
+
 def fmt_params(n: int | None) -> str:
     if n is None:
         return "—"
@@ -453,11 +464,12 @@ def plan_panel(config, problem: str | None) -> float | None:
     peaks = [r.results["peak_rss_mb"] for r in runs() if r.results and r.results.get("peak_rss_mb")
              and r.config.get("model") == config.model]
     c1, c2, c3, c4 = box.columns(4)
-    c1.metric("Parameters removed", fmt_params(removal.params_removed),
-              help="What the run's budget removes (engine/budget.py's accounting), within one unit.")
-    c2.metric("Estimated time", ("≈ " if not config.time_budget else "") + fmt_seconds(total),
-              help=f"Seconds per token from {source}.")
-    c3.metric("Peak memory (est.)", f"{memory.total / 1e9:.1f} GB",
+    # (short labels and values: four cards share the form's width, and a longer one is cut off at 1400 px)
+    c1.metric("Removes", fmt_params(removal.params_removed),
+              help="Parameters the run's budget removes (engine/budget.py's accounting), within one unit.")
+    c2.metric("Time (est.)", ("≈ " if not config.time_budget else "") + fmt_duration(total),
+              help=f"The whole run, {fmt_seconds(total)}: seconds per token from {source}; the phases are below.")
+    c3.metric("Memory (est.)", f"{memory.total / 1e9:.1f} GB",
               help=", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in memory.parts.items()))
     c4.metric("Speed-up (est.)", f"{speedup(skeleton, removal.params_removed):.2f}×",
               help="Dense over pruned matrix parameters a token multiplies (decoder and LM head); attention over "

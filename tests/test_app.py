@@ -477,7 +477,7 @@ def test_the_plan_matches_what_the_run_removes_and_settings_persist(runs_dir):
     at = fill_prune_form(app(), steps=3, rate=0.4)
     at.run()
     planned = plan_count(at)
-    assert {m.label for m in at.metric} >= {"Parameters removed", "Estimated time", "Peak memory (est.)", "Speed-up (est.)"}
+    assert {m.label for m in at.metric} >= {"Removes", "Time (est.)", "Memory (est.)", "Speed-up (est.)"}
     # another page and back: the form keeps the tiny model and its steps
     at.switch_page("pages/runs.py").run()
     at.switch_page("pages/prune.py").run()
@@ -563,7 +563,7 @@ def test_a_removed_layer_is_drawn_removed(runs_dir):
 def test_a_run_over_10_minutes_asks_first(runs_dir):
     at = fill_prune_form(app(), steps=6)
     at.number_input(key="time_budget").set_value(20.0).run()  # a 20-minute time budget: the plan says 20 min
-    assert any(m.label == "Estimated time" and "20 min" in m.value for m in at.metric), [m.value for m in at.metric]
+    assert any(m.label == "Time (est.)" and m.value == "20 min" for m in at.metric), [m.value for m in at.metric]
     start_button(at).click().run()
     assert any("Start it anyway?" in w.value for w in at.warning) and "Running" not in status(at)
     next(b for b in at.button if b.label == "No").click().run()
@@ -580,3 +580,11 @@ def test_estimated_speedup_of_a_run(runs_dir):
     x = estimated_speedup(config, results)
     assert x == pytest.approx(speedup(model_skeleton(config["model"]), results["params_removed"])) and x > 1
     assert estimated_speedup(config, None) is None and estimated_speedup({"model": "/no/such/model"}, results) is None
+
+
+def test_a_metric_cards_duration_is_short():
+    """The plan's time card: seconds, then whole minutes, then hours and minutes (a longer value is cut off)."""
+    from pages._ui import fmt_duration
+
+    assert [fmt_duration(s) for s in (0.4, 59.4, 60, 89, 91, 1098, 3569, 3571, 3600, 3931, 36000)] == [
+        "0 s", "59 s", "1 min", "1 min", "2 min", "18 min", "59 min", "1 h 00", "1 h 00", "1 h 06", "10 h 00"]
