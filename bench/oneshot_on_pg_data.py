@@ -4,6 +4,8 @@ differs: PG from FLAP (compensated) started at 258.3 on seed 0 where FLAP one-sh
 one-shot cell's config once more with the PG run's calibration stream (the same held-out split and seed) and
 prints its init perplexity, to put beside the PG cell's `ppl_init`: equal means the two differ by their data
 alone, so PG's gain over its own init is its gain over the one-shot method on the same data (a paired figure).
+(PG runs with --init-data all, the default since 2026-11-26, start from the one-shot mask itself: this is for the
+cells that ran before, with --init-data training.)
 
     OMP_NUM_THREADS=1 python bench/oneshot_on_pg_data.py CELL_DIR [--out bench/results/oneshot_on_pg_data]
 
@@ -40,7 +42,7 @@ def main() -> None:
         r = PruneRun(config, tmp)
         texts, _ = load_calibration_texts(config.calib)
         kept, _ = split_holdout(texts)  # what a PG run (validation on) draws its calibration batches from
-        r.sampler = CalibrationSampler(r.tokenizer, kept, config.seqlen, config.batch_size, config.seed)
+        r.sampler = r.init_sampler = CalibrationSampler(r.tokenizer, kept, config.seqlen, config.batch_size, config.seed)
         state = r.fresh_state()
     own = json.loads((args.cell / "results.json").read_text()) if (args.cell / "results.json").exists() else {}
     out = {"cell": args.cell.name, "method": config.method, "init": config.init, "seed": config.seed,

@@ -27,6 +27,7 @@ LR_SCHEDULES = tuple(LR_SCHEDULE_FNS)
 FINAL_MASKS = ("last", "best-val")
 SAMPLE_FORWARDS = ("auto", *EXECUTORS)
 WITHIN_LAYER_RANKINGS = ("scores", "init-metric")
+INIT_DATA = ("all", "training")
 # named settings a run can start from (`--preset NAME`; explicit flags override them)
 PRESETS: dict[str, dict] = {
     # the paper's optimiser: lr 2e-3 cosine, N_s 2 masks per step, moving-average baseline over T = 5 steps
@@ -64,6 +65,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("bias_compensation", False)  # nor compensated (the default until FLAP's init became it)
     data.setdefault("max_windows", None)  # and evaluated every window unless told otherwise
     data.setdefault("best_val_margin", 0.0)  # best-val took any gain
+    data.setdefault("init_data", "training")  # and the init read the calibration documents the steps read
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -139,7 +141,8 @@ class PruneConfig:
         "of the units at 30 %"))
     mix_batches: int = setting(8, minimum=1, label="Joint mix batches",
                                help="joint method: calibration batches the starting mix of layers and widths is chosen "
-                                    "on (held-out first, then init batches; a forward pass per candidate and batch)")
+                                    "on (the first init batches; with --init-data training, the held-out ones first; a forward pass per "
+                                    "candidate and batch)")
     init_batches: int = setting(64, minimum=1, label="Init batches (metric)",
                                 help="calibration batches for the init metric of KV groups and channels (FLAP, Wanda-sp, "
                                      "Taylor); FLAP's init from 16 moves by 7 % with the seed's draw of batches, from "
@@ -147,6 +150,9 @@ class PruneConfig:
     layer_init_batches: int = setting(2, minimum=1, label="Init batches (layer metric)",
                                       help="calibration batches for the layer metric: Layerwise-PPL runs the model once "
                                            "per layer and batch, SLEB once per layer, removal and batch")
+    init_data: str = setting("all", choices=INIT_DATA, label="Init data", help=(
+        "calibration documents the init metric and the joint mix read: all (as a one-shot run of the seed reads "
+        "them, so a run starts from that run's mask), or training (without the documents held out for validation)"))
     # the defaults: the best quality per CPU minute measured on the default model (docs/pg-optimizer.md); the
     # paper's settings are the preset "paper"
     steps: int = setting(50, minimum=1, label="Steps", help="optimisation steps (with --time-budget: the plan until the first step is timed)")

@@ -104,8 +104,8 @@ def _hub_texts(name, config, split, data_files=None) -> list[str]:
     return [t for t in ds["text"]]
 
 
-def split_holdout(texts: list[str], every: int = 10) -> tuple[list[str], list[str]]:
-    """(calibration, held-out): every `every`-th document is held out, deterministically."""
+def split_holdout(texts: list, every: int = 10) -> tuple[list, list]:
+    """(calibration, held-out): every `every`-th document (a text, or its tokens) is held out, deterministically."""
     return ([t for i, t in enumerate(texts) if i % every != every - 1],
             [t for i, t in enumerate(texts) if i % every == every - 1])
 
@@ -117,9 +117,10 @@ class CalibrationSampler:
     the same batches as an uninterrupted one.
     """
 
-    def __init__(self, tokenizer, texts: list[str], seqlen: int, batch_size: int, seed: int):
+    def __init__(self, tokenizer, texts: list[str] | None, seqlen: int, batch_size: int, seed: int,
+                 ids: list[list[int]] | None = None):  # ids: the texts already tokenized
         self.seqlen, self.batch_size = seqlen, batch_size
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if ids is None else ids
         self.docs = [torch.tensor(d, dtype=torch.long) for d in ids if len(d) > seqlen]
         if not self.docs:
             raise UserError(f"no calibration document is longer than seqlen={seqlen} tokens")

@@ -82,15 +82,16 @@ def fresh_state(run: "PruneRun") -> RunState:
     run.log(f"initialising scores ({', '.join(dict.fromkeys(names.values()))}, {c.prob_map})")
     needs_data = any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())
     n = max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
-    batches = [run.sampler.next_batch() for _ in range(n)] if needs_data else []
+    batches = [run.init_sampler.next_batch() for _ in range(n)] if needs_data else []
     z = initial_metric(run, batches)
     keep0, mix = run.keep_ratio_at(0), None
     for hook in run.hooks:
         hook.before_scores(batches)
     comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
     if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
-        mix_on = (list(run.val_batches or []) + batches)[:c.mix_batches]
-        mix_on += [run.sampler.next_batch() for _ in range(c.mix_batches - len(mix_on))]  # (metrics without data)
+        first = [] if c.init_data == "all" else list(run.val_batches or [])  # (all: as a one-shot run chooses it)
+        mix_on = (first + batches)[:c.mix_batches]
+        mix_on += [run.init_sampler.next_batch() for _ in range(c.mix_batches - len(mix_on))]  # (metrics without data)
         scores, mix = choose_mix(run, z, mix_on, keep0, comparable=frozenset(comparable))
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
         keeps = run.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)

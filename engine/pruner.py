@@ -48,22 +48,29 @@ Observer = Callable[[StepReport], None]
 
 
 def _run_data(tokenizer, config: PruneConfig):
-    """(calibration sampler, held-out validation batches, evaluation windows, calibration source, evaluation
-    source). With validation on, every 10th calibration document is held out."""
+    """(calibration sampler, init sampler, held-out validation batches, evaluation windows, where the data came
+    from {"calib_data", "eval_data"}). With validation on, every 10th calibration document is held out from the
+    steps; the init metric (and the joint mix) read every document with --init-data all, as a one-shot run of the
+    seed does, so that the run starts from that run's mask; the init sampler is the calibration sampler otherwise."""
     texts, calib_source = load_calibration_texts(config.calib)
-    val_batches = []
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]  # (once: the samplers below share documents)
+    val_batches, init_sampler = [], None
     if config.validates:
-        texts, held_out = split_holdout(texts)
+        kept, held_out = split_holdout(ids)
         if not held_out:
-            CalibrationSampler(tokenizer, texts, config.seqlen, config.batch_size, config.seed)  # (its error first)
+            CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)  # (its error first)
             raise UserError("held-out validation (--val-every, on by default for --final-mask best-val) needs at least "
                             "10 calibration documents (every 10th is held out); give more, or --val-every 0 "
                             "--final-mask last")
-        sampler = CalibrationSampler(tokenizer, held_out, config.seqlen, config.batch_size, config.seed + 3)
+        sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed + 3, held_out)
         val_batches = [sampler.next_batch() for _ in range(config.val_batches)]
+        if config.init_data == "all":
+            init_sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
+        ids = kept
     text, eval_source = load_eval_text(config.eval_data)
-    return (CalibrationSampler(tokenizer, texts, config.seqlen, config.batch_size, config.seed), val_batches,
-            eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows), calib_source, eval_source)
+    sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
+    windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
+    return sampler, init_sampler or sampler, val_batches, windows, {"calib_data": calib_source, "eval_data": eval_source}
 
 
 class PruneRun:
@@ -83,7 +90,7 @@ class PruneRun:
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
         self.budget.fixed_layers = c.fixed_layers
-        self.sampler, self.val_batches, self.windows, self.calib_source, self.eval_source = _run_data(tokenizer, c)
+        self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources = _run_data(tokenizer, c)
         self.mask_rng = torch.Generator().manual_seed(c.seed + 1)
         self.sample_losses = self.world.share_executor(EXECUTORS[resolve_executor(c.sample_forward, c.device)])
         self.ctx = StepContext(model, self.adapter, self.layout, self.sample_losses, self.mask_rng, c.num_mask_samples, c.steps)

@@ -174,3 +174,37 @@ def test_a_joint_run_with_fixed_layers_learns_the_widths_only(tiny, tiny_path, s
     assert set(init["layers"].tolist()) <= {0.0, 1.0} and torch.equal(now["layers"], init["layers"])
     assert any(not torch.equal(now[u], init[u]) for u in ("heads", "channels"))
     assert results["steps"] == 3 and results["kept_per_layer"]["layers"] == [int(p) for p in init["layers"].tolist()]
+
+
+@pytest.mark.parametrize("units", [["heads", "channels"], ["layers", "heads", "channels"]], ids=["widths", "joint"])
+def test_a_pg_run_starts_from_the_one_shot_mask_of_its_seed(units, tiny, tiny_path, small_eval_file, tmp_path):
+    """--init-data all (the default): with validation on, the steps never see the held-out documents, but the init
+    metric and the joint mix read what a one-shot run of the seed reads, so PG's init mask (exported here: no later
+    mask can beat it by a margin of 100 %) is the one-shot run's mask; --init-data training reads other batches."""
+    from engine.export import load_mask_artifact
+    from engine.rundir import CHECKPOINT_FILE
+    from test_methods import run_tiny
+
+    common = dict(units=units, init="flap", layer_init="sleb", prune_ratio=0.5, budget="params", init_batches=3,
+                  layer_init_batches=2, mix_batches=2, bias_compensation=True)
+    one_shot = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "one", method="flap", init_data="all", **common)
+    runs = {d: run_tiny(tiny, tiny_path, small_eval_file, tmp_path / d, method="pg", steps=2, num_mask_samples=2,
+                        val_every=1, val_batches=1, best_val_margin=1.0, init_data=d, **common) for d in ("all", "training")}
+    _, want, _ = load_mask_artifact(tmp_path / "one")
+    _, got, _ = load_mask_artifact(tmp_path / "all")
+    assert runs["all"]["mask_step"] == 0 and want.keys() == got.keys()
+    assert all(torch.equal(want[u], got[u]) for u in want)
+    assert runs["all"]["ppl_init"] == one_shot["ppl_pruned"] != runs["training"]["ppl_init"]
+    z = {d: torch.load(tmp_path / d / CHECKPOINT_FILE, weights_only=False)["init_metric"] for d in ("all", "training")}
+    assert not torch.equal(z["all"]["channels"], z["training"]["channels"])  # (the held-out documents' batches differ)
+
+
+def test_init_data_defaults_to_all_and_old_configs_read_training():
+    """A run reads its init from every calibration document unless told otherwise; a config saved before that
+    default read the training documents (the held-out ones removed), and resumes so."""
+    assert PruneConfig().init_data == "all"
+    old = PruneConfig().to_dict()
+    del old["init_data"]
+    assert PruneConfig.from_dict(old).init_data == "training" and PruneConfig.of().init_data == "training"
+    with pytest.raises(Exception, match="init"):
+        PruneConfig(init_data="everything").validate()
