@@ -87,17 +87,18 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     # minutes more. Does PG improve on the best width init, at the same init data as the one-shot row?
     # (--init-data all: the init reads what the one-shot row reads, so PG starts from that row's mask, seed by seed)
     ("PG from FLAP, compensated, 64 init batches", {**HC, "method": "pg", "scope": "global", "init": "flap",
-                                                    "bias_compensation": True, "init_batches": 64, "init_data": "all"},
-     True),
+                                                    "bias_compensation": True, "init_batches": 64, "init_data": "all",
+                                                    "best_val_margin": 0.01}, True),
     # the joint rows on the tool's defaults today: FLAP's widths from 64 init batches (the width row's best), SLEB's
     # layers (2 batches, the same as above: the batches come first from the seed's stream), the mix on 8 batches;
-    # PG's init reads the one-shot row's batches (--init-data all), so it starts from that row's mask
+    # PG's init reads the one-shot row's batches (--init-data all), so it starts from that row's mask; best-val with
+    # today's 1 % margin (the two 64-batch PG rows)
     ("Joint one-shot (SLEB + FLAP, compensated, 64 init batches)", {**JOINT8, "method": "flap", "init": "flap",
                                                                     "layer_init": "sleb", "init_batches": 64}, False),
     ("PG joint from SLEB + FLAP, fixed layers, 64 init batches", {**JOINT8, "method": "pg", "init": "flap",
                                                                   "layer_init": "sleb", "bias_compensation": True,
                                                                   "layer_score_const": 1.0, "init_batches": 64,
-                                                                  "init_data": "all"}, True),
+                                                                  "init_data": "all", "best_val_margin": 0.01}, True),
 ]
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
 SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
