@@ -236,8 +236,11 @@ def planned_removal(d, steps: int) -> tuple[int, int] | None:
 
     if by_label(d, "Steps").get_attribute("value") != str(steps):
         return None
-    m = re.search(r"Will remove ([\d,]+) parameters.*?(?:up to ([\d,]+) more)?", page_text(d))
-    return (int(m.group(1).replace(",", "")), int((m.group(2) or "0").replace(",", ""))) if m else None
+    m = re.search(r"Will remove ([\d,]+) parameters([^\n]*)", page_text(d))
+    if not m:
+        return None
+    more = re.search(r"up to ([\d,]+) more", m.group(2))  # (the sentence's tolerance; none when the plan is exact)
+    return int(m.group(1).replace(",", "")), int(more.group(1).replace(",", "")) if more else 0
 
 
 def newest_run(runs: Path) -> Path:
