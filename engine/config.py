@@ -141,8 +141,8 @@ class PruneConfig:
         "of the units at 30 %"))
     mix_batches: int = setting(8, minimum=1, label="Joint mix batches",
                                help="joint method: calibration batches the starting mix of layers and widths is chosen "
-                                    "on (the first init batches; with --init-data training, the held-out ones first; a forward pass per "
-                                    "candidate and batch)")
+                                    "on (the first init batches; with --init-data training, the held-out ones first; "
+                                    "a forward pass per candidate and batch)")
     init_batches: int = setting(64, minimum=1, label="Init batches (metric)",
                                 help="calibration batches for the init metric of KV groups and channels (FLAP, Wanda-sp, "
                                      "Taylor); FLAP's init from 16 moves by 7 % with the seed's draw of batches, from "
