@@ -5,6 +5,7 @@
 #
 #   bash bench/must_show.sh flap           # issue 24: python -m engine prune --method flap --prune-ratio 0.3
 #   bash bench/must_show.sh flap-again     # the same, into a folder named after the commit
+#   bash bench/must_show.sh flap16         # the same on 16 init batches (the default is 64)
 #   bash bench/must_show.sh budget 0 1 2   # issue 28: python -m engine prune --prune-ratio 0.3 --time-budget 10, per seed
 #   bash bench/must_show.sh budget-again 0 # the same, into a folder named after the commit (to compare engines)
 #   bash bench/must_show.sh default        # issue 25: the default run (python -m engine prune --prune-ratio 0.3), whose
@@ -25,8 +26,9 @@ what=$1; shift
 case $what in
   flap) run flap30 --method flap --prune-ratio 0.3 ;;
   flap-again) run "flap30-$(git rev-parse --short HEAD)" --method flap --prune-ratio 0.3 ;;
+  flap16) run "flap30-b16-$(git rev-parse --short HEAD)" --method flap --prune-ratio 0.3 --init-batches 16 ;;
   default) run default30 --prune-ratio 0.3 ;;
   budget) for seed in "$@"; do run "tb10-s$seed" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
   budget-again) for seed in "$@"; do run "tb10-s$seed-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
-  *) echo "usage: bash bench/must_show.sh flap | flap-again | default | budget SEED... | budget-again SEED..." >&2; exit 2 ;;
+  *) echo "usage: bash bench/must_show.sh flap | flap-again | flap16 | default | budget SEED... | budget-again SEED..." >&2; exit 2 ;;
 esac
