@@ -62,6 +62,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("budget", "units")  # every run from before the parameter budget counted units
     data.setdefault("early_stop", 0)  # nor did any stop early
     data.setdefault("mix_batches", 4)  # the joint mix was chosen on 4 batches
+    data.setdefault("mix_refine_batches", 0)  # and not refined
     data.setdefault("bias_compensation", False)  # nor compensated (the default until FLAP's init became it)
     data.setdefault("max_windows", None)  # and evaluated every window unless told otherwise
     data.setdefault("best_val_margin", 0.0)  # best-val took any gain
@@ -143,6 +144,9 @@ class PruneConfig:
                                help="joint method: calibration batches the starting mix of layers and widths is chosen "
                                     "on (the first init batches; with --init-data training, the held-out ones first; "
                                     "a forward pass per candidate and batch)")
+    mix_refine_batches: int = setting(0, minimum=0, label="Joint mix refine batches",
+                                      help="joint method: more calibration batches (the next init batches) the 3 mixes "
+                                           "that lose least on the mix batches are compared on again; 0: off")
     init_batches: int = setting(64, minimum=1, label="Init batches (metric)",
                                 help="calibration batches for the init metric of KV groups and channels (FLAP, Wanda-sp, "
                                      "Taylor); FLAP's init from 16 moves by 7 % with the seed's draw of batches, from "

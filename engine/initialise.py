@@ -90,9 +90,11 @@ def fresh_state(run: "PruneRun") -> RunState:
     comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
     if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
         first = [] if c.init_data == "all" else list(run.val_batches or [])  # (all: as a one-shot run chooses it)
-        mix_on = (first + batches)[:c.mix_batches]
-        mix_on += [run.init_sampler.next_batch() for _ in range(c.mix_batches - len(mix_on))]  # (metrics without data)
-        scores, mix = choose_mix(run, z, mix_on, keep0, comparable=frozenset(comparable))
+        wanted = c.mix_batches + c.mix_refine_batches
+        mix_on = (first + batches)[:wanted]
+        mix_on += [run.init_sampler.next_batch() for _ in range(wanted - len(mix_on))]  # (metrics without data)
+        scores, mix = choose_mix(run, z, mix_on[:c.mix_batches], keep0, comparable=frozenset(comparable),
+                                 more=mix_on[c.mix_batches:])
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
         keeps = run.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)
         scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), *c.map_for(u))

@@ -52,15 +52,21 @@ def candidate_scores(budget, z: dict[str, torch.Tensor], layout, k: int, keep: f
     return budget.initial(out, keep)
 
 
+MIX_FINALISTS = 3  # the mixes the refinement compares again
+
+
 def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.Tensor], keep: float,
                loss: Callable[[dict[str, torch.Tensor], torch.Tensor], float] | None = None,
-               comparable: frozenset[str] = frozenset()) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """(the initial scores of the mix whose hard mask loses least on `batches`, one line per candidate)."""
+               comparable: frozenset[str] = frozenset(), more: list[torch.Tensor] = ()
+               ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """(the initial scores of the mix whose hard mask loses least on `batches`, one line per candidate). With
+    `more` batches, the MIX_FINALISTS mixes that lose least on `batches` are compared again on every batch, and
+    the one with the lowest mean over `batches` + `more` is chosen (its line gets "loss_refined")."""
     c, budget = run.config, run.budget
     if loss is None:
         def loss(masks, batch):
             return float(run.ctx.losses({u: m[None] for u, m in masks.items()}, batch)[0])
-    best, lines = None, []
+    candidates, lines = [], []
     for k in layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)):
         scores = candidate_scores(budget, z, run.layout, k, keep, c, comparable)
         masks = run.hard_masks(scores, keep)
@@ -68,6 +74,15 @@ def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.
         removed = int((masks[budget.layer_type] <= 0.5).sum())
         lines.append({"layers_removed": removed, "loss": value})
         run.log(f"joint mix: {removed} layers removed, the widths of the others cut to the budget: calibration loss {value:.4f}")
-        if best is None or value < best[0]:
-            best = (value, scores)
-    return best[1], lines
+        candidates.append((value, len(lines) - 1, scores, masks))
+    candidates.sort(key=lambda cand: (cand[0], cand[1]))
+    if more:
+        refined = []
+        for value, i, scores, masks in candidates[:MIX_FINALISTS]:
+            mean = (value * len(batches) + sum(loss(masks, b) for b in more)) / (len(batches) + len(more))
+            lines[i]["loss_refined"] = mean
+            run.log(f"joint mix: {lines[i]['layers_removed']} layers removed: calibration loss {mean:.4f} on "
+                    f"{len(batches) + len(more)} batches")
+            refined.append((mean, i, scores, masks))
+        candidates = sorted(refined, key=lambda cand: (cand[0], cand[1]))
+    return candidates[0][2], lines

@@ -51,6 +51,64 @@ def test_the_mix_that_loses_least_is_chosen(best_layers):
     assert len(logs) == len(lines) and all("joint mix" in m for m in logs)
 
 
+def test_refining_compares_the_best_mixes_again_on_more_batches(monkeypatch):
+    """On the mix batches 1 layer out loses least, 0 next and 2 third; on the further batches 0 layers out does
+    better than 1, and 2 best of all. With refinement the mean over every batch decides among the finalists: 2
+    of the 3 when there are 3 finalists; 0 when only 2 are (then 2 is never run on the further batches)."""
+    import engine.joint as joint
+
+    run, z, adapter, logs = fake_run(keep=0.3)
+    keep = 0.3
+    assert layer_counts(run.budget.layer_params, run.budget.decoder - run.budget.kept_target(keep)) == [0, 1, 2]
+    first, more = [torch.tensor(0.0)] * 2, [torch.tensor(1.0)] * 6
+    calls = []
+
+    def loss(masks, batch):
+        k = int((masks["layers"] <= 0.5).sum())
+        calls.append((k, float(batch)))
+        return {0: 1.1, 1: 1.0, 2: 1.2}[k] if float(batch) == 0.0 else {0: 0.5, 1: 1.0, 2: -5.0}[k]
+
+    def chosen(scores):
+        return int((run.budget.hard_masks(scores, keep)["layers"] <= 0.5).sum())
+
+    scores, plain = choose_mix(run, z, first, keep, loss=loss)
+    assert chosen(scores) == 1 and all("loss_refined" not in line for line in plain)
+    calls.clear()
+    scores, lines = choose_mix(run, z, first, keep, loss=loss, more=more)
+    assert chosen(scores) == 2
+    refined = {line["layers_removed"]: line["loss_refined"] for line in lines if "loss_refined" in line}
+    assert refined == pytest.approx({0: (1.1 * 2 + 0.5 * 6) / 8, 1: 1.0, 2: (1.2 * 2 - 5.0 * 6) / 8})
+    assert run.budget.expected_kept(scores) <= run.budget.kept_target(keep) * (1 + 1e-6)
+    monkeypatch.setattr(joint, "MIX_FINALISTS", 2)
+    calls.clear()
+    scores, lines = choose_mix(run, z, first, keep, loss=loss, more=more)
+    assert chosen(scores) == 0 and sorted({k for k, b in calls if b == 1.0}) == [0, 1]
+
+
+def test_a_joint_run_refines_its_mix_on_the_next_init_batches(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """--mix-refine-batches N: the finalists are compared on the N init batches after the mix's (the batches
+    the metric read: with --init-data all, what a one-shot run of the seed reads), and the plan counts them."""
+    import engine.initialise as initialise
+    from engine.plan import model_skeleton, phase_tokens
+    from test_methods import run_tiny
+
+    seen = []
+    real = initialise.choose_mix
+
+    def spy(run, z, batches, keep, **kw):
+        seen.append((len(batches), len(kw["more"])))
+        return real(run, z, batches, keep, **kw)
+
+    monkeypatch.setattr(initialise, "choose_mix", spy)
+    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", units=["layers", "heads", "channels"],
+             layer_init="sleb", prune_ratio=0.5, budget="params", mix_batches=2, mix_refine_batches=3, init_batches=4)
+    assert seen == [(2, 3)]
+    skeleton = model_skeleton(str(tiny_path))
+    base = dict(model=str(tiny_path), units=["layers", "heads", "channels"], prune_ratio=0.5, mix_batches=2)
+    plain, refined = (phase_tokens(PruneConfig(**base, mix_refine_batches=n), skeleton)["joint mix"] for n in (0, 3))
+    assert refined > plain
+
+
 def test_a_candidate_removes_the_least_important_layers_and_cuts_width_to_the_rest():
     run, z, adapter, _ = fake_run()
     keep = 1 - run.config.prune_ratio
