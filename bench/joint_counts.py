@@ -67,8 +67,8 @@ def main() -> None:
         seen["batches"] = batches
         return real_metric(run_, batches)
 
-    def mix(run_, z, mix_on, keep, loss=None, comparable=frozenset()):
-        scores, lines = real_mix(run_, z, mix_on, keep, comparable=comparable)
+    def mix(run_, z, mix_on, keep, comparable=frozenset(), **kw):
+        scores, lines = real_mix(run_, z, mix_on, keep, comparable=comparable, **kw)
         more = seen["batches"][len(mix_on):len(mix_on) + args.more]
         allowed = layer_counts(run_.budget.layer_params, run_.budget.decoder - run_.budget.kept_target(keep))
         for k in args.counts:
