@@ -45,7 +45,7 @@ def main() -> None:
     import engine.initialise as initialise
     from engine.config import PruneConfig
     from engine.errors import UserError
-    from engine.joint import candidate_scores, layer_counts
+    from engine.joint import candidate_scores, hard_mask_loss, layer_counts
     from engine.pruner import PruneRun
 
     if not (args.cell / "config.json").is_file():
@@ -77,7 +77,7 @@ def main() -> None:
             t0, cpu0 = time.monotonic(), time.process_time()
             cand = candidate_scores(run_.budget, z, run_.layout, k, keep, run_.config, comparable)
             masks = run_.hard_masks(cand, keep)
-            losses = [float(run_.ctx.losses({u: m[None] for u, m in masks.items()}, b)[0]) for b in mix_on + more]
+            losses = [hard_mask_loss(run_, masks, b) for b in mix_on + more]
             removed = int((masks[run_.budget.layer_type] <= 0.5).sum())
             ppl = run_.masked_perplexity(masks, f"{removed} layers out")
             done["counts"][str(k)] = {

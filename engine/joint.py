@@ -55,6 +55,11 @@ def candidate_scores(budget, z: dict[str, torch.Tensor], layout, k: int, keep: f
 MIX_FINALISTS = 3  # the mixes the refinement compares again
 
 
+def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor) -> float:
+    """The calibration loss of the run's model under one hard mask (with the run's compensation, if any)."""
+    return float(run.ctx.losses({u: m[None] for u, m in masks.items()}, batch)[0])
+
+
 def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.Tensor], keep: float,
                loss: Callable[[dict[str, torch.Tensor], torch.Tensor], float] | None = None,
                comparable: frozenset[str] = frozenset(), more: list[torch.Tensor] = ()
@@ -65,7 +70,7 @@ def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.
     c, budget = run.config, run.budget
     if loss is None:
         def loss(masks, batch):
-            return float(run.ctx.losses({u: m[None] for u, m in masks.items()}, batch)[0])
+            return hard_mask_loss(run, masks, batch)
     candidates, lines = [], []
     for k in layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)):
         scores = candidate_scores(budget, z, run.layout, k, keep, c, comparable)

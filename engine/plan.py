@@ -197,6 +197,7 @@ class TimePlan:
 
 def phase_tokens(config, skeleton: Skeleton) -> dict[str, float]:
     """Tokens put through the model (forward-equivalent) by each phase of a run with this PruneConfig."""
+    from .joint import MIX_FINALISTS
     from .methods import METHODS
     from .policy import keep_count
 
@@ -212,7 +213,7 @@ def phase_tokens(config, skeleton: Skeleton) -> dict[str, float]:
         out["layer metric"] = layer_cost(config.layer_init_batches, n, removals) * batch
         if len(config.units) > 1:
             out["joint mix"] = config.mix_batches * (removals + 1) * batch
-            out["joint mix"] += config.mix_refine_batches * min(3, removals + 1) * batch
+            out["joint mix"] += config.mix_refine_batches * min(MIX_FINALISTS, removals + 1) * batch
     out["dense perplexity"] = evaluation
     out["init perplexity"] = evaluation
     optimises = METHODS[config.method].optimises if config.method in METHODS else True
