@@ -112,6 +112,15 @@ SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
                    "Taylor (LLM-Pruner's metric, global ranking)", "Taylor, 64 init batches",
                    "Joint one-shot (SLEB + FLAP, compensated, 64 init batches)",
                    "Joint one-shot (SLEB + FLAP, compensated, 64 init batches, mix refined on 24)")
+# the variants measured on the way to the rows above them (maps, mix batches, init batches, step sizes): the report
+# puts them in a second table, so that the first reads as the comparison
+EXPLORED = ("Joint one-shot (Layerwise-PPL + Taylor, best mix)", "PG joint (layers + heads + channels)",
+            "PG from FLAP", "PG from FLAP, compensated", "PG joint, SLEB layer order (the defaults)",
+            "Joint one-shot (SLEB + FLAP, compensated, best mix)", "PG joint from SLEB + FLAP (compensated)",
+            "PG joint from SLEB + FLAP, sharp init (score-const 0.95)", "PG joint from SLEB + FLAP, sharp init, lr 0.2",
+            "Joint one-shot (SLEB + FLAP, compensated, mix on 8 batches)", "Taylor, 64 init batches",
+            "PG joint from SLEB + FLAP, fixed layers (mix on 8 batches)",
+            "Joint one-shot (SLEB + FLAP, compensated, 64 init batches, mix refined on 24)")
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
              "PG heads + channels (global)", "Wanda-sp (uniform)", "FLAP (one-shot, with its bias compensation)")
 
@@ -169,7 +178,12 @@ def report(todo: list[Cell], args, cells_dir: Path) -> str:
              "CPU minutes per run (one thread).", "",
              "| method | " + " | ".join(f"{r:.0%}" for r in rates) + " |", "|---" * (len(rates) + 1) + "|",
              "| dense | " + " | ".join(f"{first['ppl_dense']:.2f}" for _ in rates) + " |"]
-    for row in dict.fromkeys(c.row for c in todo):
+    names = list(dict.fromkeys(c.row for c in todo))
+    explored = [r for r in names if r in EXPLORED]
+    for row in [r for r in names if r not in EXPLORED] + explored:
+        if explored and row == explored[0]:
+            lines += ["", "Variants measured on the way (same protocol):", "",
+                      "| variant | " + " | ".join(f"{r:.0%}" for r in rates) + " |", "|---" * (len(rates) + 1) + "|"]
         cols = []
         for r in rates:
             done = [(c, *got[cell_key(c, args)]) for c in todo if c.row == row and c.rate == r and cell_key(c, args) in got]

@@ -11,7 +11,11 @@ one-shot cell's config and, for each candidate count k, measures:
 so that a selection rule (more batches, a margin, ...) can be read off the figures before it goes into the
 engine. It selects nothing on the test windows: the perplexities are the diagnostic, not the rule.
 
-    OMP_NUM_THREADS=1 python bench/joint_counts.py CELL_DIR [--counts 2,3,4,5,6,7] [--more 24]
+`--sequential` measures the widths after the layers: FLAP's statistics and the compensation's means are read
+from the model with the count's k layers already removed (the layers after a removed one see other inputs than
+in the dense model), not from the dense model as the engine does today. Results go to `<cell>-seq.json`.
+
+    OMP_NUM_THREADS=1 python bench/joint_counts.py CELL_DIR [--counts 2,3,4,5,6,7] [--more 24] [--sequential]
 
 CELL_DIR: a joint one-shot cell of bench/compare_table.py (its config.json). One JSON per cell in
 `--out` (default bench/results/joint_counts/<cell>.json), rewritten after each count: a rerun skips the counts
@@ -37,6 +41,8 @@ def main() -> None:
                    default=[2, 3, 4, 5, 6, 7], help="the numbers of removed layers to measure")
     p.add_argument("--more", type=positive(int), default=24,
                    help="init batches after the mix's to measure each count's calibration loss on")
+    p.add_argument("--sequential", action="store_true",
+                   help="width statistics and compensation means measured with the k layers removed")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "joint_counts")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -47,6 +53,7 @@ def main() -> None:
     from engine.errors import UserError
     from engine.joint import candidate_scores, hard_mask_loss, layer_counts
     from engine.pruner import PruneRun
+    from widths_after_layers import widths_after_layers
 
     if not (args.cell / "config.json").is_file():
         raise UserError(f"{args.cell} holds no config.json (a cell of bench/compare_table.py)")
@@ -54,7 +61,7 @@ def main() -> None:
     if "layers" not in config.units or len(config.units) < 2:
         raise UserError(f"{args.cell} is not a joint cell (units {','.join(config.units)})")
     args.out.mkdir(parents=True, exist_ok=True)
-    dest = args.out / f"{args.cell.name}.json"
+    dest = args.out / f"{args.cell.name}{'-seq' if args.sequential else ''}.json"
     done = json.loads(dest.read_text()) if dest.exists() else {"cell": args.cell.name, "seed": config.seed,
                                                                   "prune_ratio": config.prune_ratio, "counts": {}}
     own = json.loads((args.cell / "results.json").read_text()) if (args.cell / "results.json").exists() else {}
@@ -76,10 +83,14 @@ def main() -> None:
                 continue
             t0, cpu0 = time.monotonic(), time.process_time()
             cand = candidate_scores(run_.budget, z, run_.layout, k, keep, run_.config, comparable)
-            masks = run_.hard_masks(cand, keep)
-            losses = [hard_mask_loss(run_, masks, b) for b in mix_on + more]
+            masks, fill = run_.hard_masks(cand, keep), ...
+            if args.sequential:
+                z_k, fill = widths_after_layers(run_, masks[run_.budget.layer_type], seen["batches"], z)
+                cand = candidate_scores(run_.budget, z_k, run_.layout, k, keep, run_.config, comparable)
+                masks = run_.hard_masks(cand, keep)
+            losses = [hard_mask_loss(run_, masks, b, fill) for b in mix_on + more]
             removed = int((masks[run_.budget.layer_type] <= 0.5).sum())
-            ppl = run_.masked_perplexity(masks, f"{removed} layers out")
+            ppl = run_.masked_perplexity(masks, f"{removed} layers out", fill)
             done["counts"][str(k)] = {
                 "layers_removed": removed, "loss_mix": sum(losses[:len(mix_on)]) / len(mix_on),
                 "loss_more": sum(losses[len(mix_on):]) / max(len(more), 1), "mix_batches": len(mix_on),

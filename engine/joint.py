@@ -55,9 +55,10 @@ def candidate_scores(budget, z: dict[str, torch.Tensor], layout, k: int, keep: f
 MIX_FINALISTS = 3  # the mixes the refinement compares again
 
 
-def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor) -> float:
-    """The calibration loss of the run's model under one hard mask (with the run's compensation, if any)."""
-    return float(run.ctx.losses({u: m[None] for u, m in masks.items()}, batch)[0])
+def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> float:
+    """The calibration loss of the run's model under one hard mask (with the run's compensation, if any, or
+    with `fill`'s means)."""
+    return float(run.ctx.losses({u: m[None] for u, m in masks.items()}, batch, fill)[0])
 
 
 def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.Tensor], keep: float,

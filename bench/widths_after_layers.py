@@ -1,0 +1,48 @@
+"""The width metric and the bias compensation's means measured on a model whose removed layers are already
+skipped (bench/joint_counts.py --sequential): the engine measures both on the dense model, where the layers after
+a removed one see other inputs than they will once it is gone."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def widths_after_layers(run, layer_mask: torch.Tensor, batches: list[torch.Tensor], z: dict[str, torch.Tensor]):
+    """(z with the width types' standardized metric re-measured on `batches` under the hard `layer_mask`, the
+    compensation means measured likewise, as a run's fill). A removed layer's columns get zero statistics (its
+    units are removed with it)."""
+    from engine.hooks.compensation import compensation_fill
+    from engine.initialise import metric_batches, metric_names
+    from engine.masking import MaskHooks
+    from engine.metrics import METRICS, MetricContext
+    from engine.metrics.activations import batches_digest, column_moments, input_means
+    from engine.metrics.probability import standardize
+    from engine.unit_types import layer_unit_types
+
+    a, c, layer_type = run.adapter, run.config, run.budget.layer_type
+    widths = [u for u in run.layout.unit_types if u != layer_type]
+    names = metric_names(run)
+    memo: dict = {}
+    parts = [batches[:metric_batches(c, widths)]]
+    parts += [batches] if len(batches) != len(parts[0]) else []  # (the compensation's means read every batch)
+    for part in parts:
+        with MaskHooks(a) as hooks:
+            hooks.set({layer_type: run.layout.split(layer_type, layer_mask)})
+            first, second, tokens = column_moments(a, part, run.world, None, "statistics after the layers")
+        for t in layer_unit_types():
+            for i in range(a.num_layers):
+                if (t.name, i) not in first:
+                    n = t.output_proj(a, i).weight.shape[1]
+                    first[(t.name, i)], second[(t.name, i)] = torch.zeros(n), torch.zeros(n)
+        memo[("moments", batches_digest(part))] = (first, second, tokens)
+    out = dict(z)
+    for name in dict.fromkeys(names[u] for u in widths):
+        units = [u for u in widths if names[u] == name]
+        ctx = MetricContext(a, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
+                            seed=c.seed + 2, world=run.world, memo=memo)
+        raw = METRICS[name].fn(ctx, units)
+        out.update({u: torch.cat(raw[u]).float() if METRICS[name].comparable else standardize(u, raw[u])
+                    for u in units})
+    means = input_means(a, batches, run.world, memo) if c.bias_compensation else None
+    return out, compensation_fill(means, run.layout.unit_types)
