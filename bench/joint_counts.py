@@ -25,6 +25,7 @@ done (it recomputes the metric statistics first: a few minutes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -43,6 +44,9 @@ def main() -> None:
                    help="init batches after the mix's to measure each count's calibration loss on")
     p.add_argument("--sequential", action="store_true",
                    help="width statistics and compensation means measured with the k layers removed")
+    p.add_argument("--layer-compensation", action="store_true",
+                   help="a removed layer adds its mean residual update on the init batches (measured dense)")
+    p.add_argument("--skip-first", action="store_true", help="--layer-compensation's means without position 0")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "joint_counts")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -53,7 +57,7 @@ def main() -> None:
     from engine.errors import UserError
     from engine.joint import candidate_scores, hard_mask_loss, layer_counts
     from engine.pruner import PruneRun
-    from widths_after_layers import widths_after_layers
+    from widths_after_layers import layer_compensation, layer_mean_deltas, widths_after_layers
 
     if not (args.cell / "config.json").is_file():
         raise UserError(f"{args.cell} holds no config.json (a cell of bench/compare_table.py)")
@@ -61,7 +65,7 @@ def main() -> None:
     if "layers" not in config.units or len(config.units) < 2:
         raise UserError(f"{args.cell} is not a joint cell (units {','.join(config.units)})")
     args.out.mkdir(parents=True, exist_ok=True)
-    dest = args.out / f"{args.cell.name}{'-seq' if args.sequential else ''}.json"
+    dest = args.out / f"{args.cell.name}{'-seq' if args.sequential else ''}{'-lc' if args.layer_compensation else ''}{'-sf' if args.skip_first else ''}.json"
     done = json.loads(dest.read_text()) if dest.exists() else {"cell": args.cell.name, "seed": config.seed,
                                                                   "prune_ratio": config.prune_ratio, "counts": {}}
     own = json.loads((args.cell / "results.json").read_text()) if (args.cell / "results.json").exists() else {}
@@ -75,7 +79,11 @@ def main() -> None:
         return real_metric(run_, batches)
 
     def mix(run_, z, mix_on, keep, comparable=frozenset(), **kw):
-        scores, lines = real_mix(run_, z, mix_on, keep, comparable=comparable, **kw)
+        if done.get("cell_mix"):  # (the cell's own lines: the mix is not run again)
+            scores, lines = None, done["cell_mix"]
+        else:
+            scores, lines = real_mix(run_, z, mix_on, keep, comparable=comparable, **kw)
+        deltas = layer_mean_deltas(run_, seen["batches"][:16], args.skip_first) if args.layer_compensation else None
         more = seen["batches"][len(mix_on):len(mix_on) + args.more]
         allowed = layer_counts(run_.budget.layer_params, run_.budget.decoder - run_.budget.kept_target(keep))
         for k in args.counts:
@@ -88,9 +96,10 @@ def main() -> None:
                 z_k, fill = widths_after_layers(run_, masks[run_.budget.layer_type], seen["batches"], z)
                 cand = candidate_scores(run_.budget, z_k, run_.layout, k, keep, run_.config, comparable)
                 masks = run_.hard_masks(cand, keep)
-            losses = [hard_mask_loss(run_, masks, b, fill) for b in mix_on + more]
-            removed = int((masks[run_.budget.layer_type] <= 0.5).sum())
-            ppl = run_.masked_perplexity(masks, f"{removed} layers out", fill)
+            with layer_compensation(deltas) if deltas else contextlib.nullcontext():
+                losses = [hard_mask_loss(run_, masks, b, fill) for b in mix_on + more]
+                removed = int((masks[run_.budget.layer_type] <= 0.5).sum())
+                ppl = run_.masked_perplexity(masks, f"{removed} layers out", fill)
             done["counts"][str(k)] = {
                 "layers_removed": removed, "loss_mix": sum(losses[:len(mix_on)]) / len(mix_on),
                 "loss_more": sum(losses[len(mix_on):]) / max(len(more), 1), "mix_batches": len(mix_on),

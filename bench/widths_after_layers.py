@@ -46,3 +46,66 @@ def widths_after_layers(run, layer_mask: torch.Tensor, batches: list[torch.Tenso
                     for u in units})
     means = input_means(a, batches, run.world, memo) if c.bias_compensation else None
     return out, compensation_fill(means, run.layout.unit_types)
+
+
+@torch.no_grad()
+def layer_mean_deltas(run, batches: list[torch.Tensor], skip_first: bool = False) -> dict[int, torch.Tensor]:
+    """Per decoder layer, the mean over the batches' tokens of what it adds to the residual stream (its output
+    minus its input), on the dense model: a removed layer's constant part (bench/joint_counts.py
+    --layer-compensation), as FLAP's compensation keeps a removed channel's mean. skip_first: without each
+    sequence's first position, whose updates in some layers are orders of magnitude larger (the attention sink)."""
+    from engine.evaluate import decoder_forward
+
+    sums: dict[int, torch.Tensor] = {}
+    tokens = [0]
+    handles = []
+
+    def recorder(i):
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = output[0] if isinstance(output, tuple) else output
+            d = (y - x).detach().float()[:, 1 if skip_first else 0:]  # (skip_first: not the attention sink)
+            d = d.reshape(-1, x.shape[-1]).sum(0)
+            sums[i] = d if i not in sums else sums[i] + d
+            if i == 0:
+                tokens[0] += x.shape[0] * (x.shape[1] - (1 if skip_first else 0))
+        return hook
+
+    for i, layer in enumerate(run.adapter.layers):
+        handles.append(layer.register_forward_hook(recorder(i), with_kwargs=True))
+    try:
+        for b in batches:
+            decoder_forward(run.adapter.model, b)
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: s / tokens[0] for i, s in sums.items()}
+
+
+class layer_compensation:
+    """While active, a layer that a hard mask removes adds its mean delta (layer_mean_deltas) to the residual
+    stream in place of nothing."""
+
+    def __init__(self, deltas: dict[int, torch.Tensor]):
+        self.deltas = deltas
+
+    def __enter__(self):
+        from engine import masking
+
+        self.original = original = masking._LayerGate.forward
+        deltas = self.deltas
+
+        def forward(gate, hidden_states, *args, **kwargs):
+            out = original(gate, hidden_states, *args, **kwargs)
+            hooks = gate._hooks[0]
+            if hooks._columns.get("layers") is not None and hooks._layer_decisions[gate.index] == 0.0:
+                return out + deltas[gate.index].to(out.dtype)
+            return out
+
+        masking._LayerGate.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        from engine import masking
+
+        masking._LayerGate.forward = self.original
