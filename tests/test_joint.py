@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import PruneConfig
-from engine.joint import candidate_scores, choose_mix, layer_counts
+from engine.joint import candidate_scores, choose_mix, hard_mask_loss, layer_counts
 
 from test_budget import param_budget
 
@@ -169,14 +169,21 @@ def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_ev
     seen = []
     real = initialise.choose_mix
 
-    def spy(run, *a, **kw):
+    losses = []
+
+    def spy(run, z, batches, keep, **kw):
         seen.append(run.ctx.fill)
-        return real(run, *a, **kw)
+        scores, lines = real(run, z, batches, keep, **kw)
+        masks = run.hard_masks(scores, keep)  # (hard_mask_loss: the run's means, other means, or none)
+        losses.append([hard_mask_loss(run, masks, batches[0], fill) for fill in (..., run.ctx.fill, None)])
+        return scores, lines
 
     monkeypatch.setattr(initialise, "choose_mix", spy)
     run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", units=["layers", "heads", "channels"],
              layer_init="sleb", prune_ratio=0.5, budget="params")
     assert len(seen) == 1 and seen[0] is not None and set(seen[0]) == {"heads", "channels"}
+    own, given, uncompensated = losses[0]
+    assert own == given and own != uncompensated
 
 
 def test_fixed_layers_keep_their_probabilities_and_the_widths_take_the_budget():
