@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .metrics import METRICS, MetricContext
+from .metrics.registry import removal_order
 from .joint import choose_mix
 from .metrics.probability import initial_scores, standardize
 from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, write_run_marker
@@ -37,26 +38,52 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     """METRICS[name] on ctx, or its earlier result from the folder $PG_PRUNE_METRIC_CACHE when one is set (a
     bench's cells share SLEB's 30 CPU minutes this way): keyed by the metric, the unit types, the model, the
     keep ratio, the seed and the calibration batches themselves, so a cached value is the same computation's.
+    A greedy metric's (SLEB's) entry holds its removal order instead, keyed without the keep ratio: a run to any
+    ratio takes the removals cached and makes only those beyond them (the order to 40 % starts with the order to
+    30 %, removal for removal), then stores the longer order.
     Under torchrun rank 0's folder counts: rank 0 alone reads and writes it and sends a cached value to the others
     (the ranks need not share a filesystem); a value not cached is computed by every rank together."""
-    world = run.world
+    world, metric = run.world, METRICS[name]
     folder = world.from_writer(os.environ.get("PG_PRUNE_METRIC_CACHE"), "the metric cache's folder")
     if not folder:
-        return METRICS[name].fn(ctx, units)
-    h = hashlib.sha1(json.dumps([name, units, run.source.path, run.source.gguf_file, ctx.keep_ratio, ctx.seed,
-                                 run.config.dtype]).encode())
-    for b in ctx.batches:
-        h.update(b.numpy().tobytes())
-    path = Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
-    if world.from_writer(path.is_file() if world.writes else None, "the metric cache's answer"):
-        run.log(f"{name}: taken from the metric cache {path}")
-        return world.from_writer(torch.load(path) if world.writes else None, f"the cached {name} metric")
-    out = METRICS[name].fn(ctx, units)
-    if world.writes:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(out, tmp)
-        os.replace(tmp, path)
+        return metric.fn(ctx, units)
+
+    def path(keep) -> Path:
+        h = hashlib.sha1(json.dumps([name, units, run.source.path, run.source.gguf_file, keep, ctx.seed,
+                                     run.config.dtype]).encode())
+        for b in ctx.batches:
+            h.update(b.numpy().tobytes())
+        return Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
+
+    def read(found: Path | None):
+        return world.from_writer(torch.load(found) if world.writes and found else None, f"the cached {name} metric")
+
+    def write(dest: Path, value) -> None:
+        if world.writes:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_suffix(f".tmp{os.getpid()}")
+            torch.save(value, tmp)
+            os.replace(tmp, dest)
+
+    if metric.greedy:
+        order_file, before = path("greedy order"), path(ctx.keep_ratio)  # (before: a cache from before orders)
+        found = world.from_writer(next((str(f) for f in (order_file, before) if f.is_file()), None) if world.writes
+                                  else None, "the metric cache's answer")
+        cached = read(Path(found) if found else None)
+        ctx.prefix = cached["order"] if isinstance(cached, dict) and "order" in cached else (
+            removal_order(cached) if cached else [])
+        if ctx.prefix:
+            run.log(f"{name}: {len(ctx.prefix)} removals taken from the metric cache {found}")
+        out = metric.fn(ctx, units)
+        if found != str(order_file) or len(removal_order(out)) > len(ctx.prefix):  # (a new or a longer order)
+            write(order_file, {"order": removal_order(out)})
+        return out
+    dest = path(ctx.keep_ratio)
+    if world.from_writer(dest.is_file() if world.writes else None, "the metric cache's answer"):
+        run.log(f"{name}: taken from the metric cache {dest}")
+        return read(dest)
+    out = metric.fn(ctx, units)
+    write(dest, out)
     return out
 
 

@@ -273,3 +273,82 @@ def test_init_data_defaults_to_all_and_old_configs_read_training():
     assert PruneConfig.from_dict(old).init_data == "training" and PruneConfig.of().init_data == "training"
     with pytest.raises(Exception, match="init"):
         PruneConfig(init_data="everything").validate()
+
+
+def test_sleb_continues_a_cached_order_and_a_run_to_a_lower_ratio_takes_its_prefix(tiny, tiny_path, small_eval_file,
+                                                                                   tmp_path, monkeypatch):
+    """SLEB's greedy order to a lower keep ratio starts with the order to a higher one: from the metric cache a run
+    makes only the removals beyond those cached (none when the cache went further), and ends where a run without
+    the cache ends."""
+    from engine.arch import ModelAdapter
+    from engine.metrics import METRICS, MetricContext
+    from engine.metrics.registry import removal_order
+    from engine.unit_types import unit_sizes
+    from test_methods import _Layout, build_model
+
+    a = ModelAdapter.for_model(build_model("llama"))  # 3 layers
+    batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+
+    def sleb(keep, prefix=()):
+        lines = []
+        ctx = MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=keep, log=lines.append, prefix=list(prefix))
+        return METRICS["sleb"].fn(ctx, ["layers"]), lines
+
+    full, lines = sleb(0.34)  # 2 of 3 layers out: 3 + 2 model runs a batch
+    assert lines[-1] == "sleb: 10/10 model runs"
+    order = removal_order(full)
+    assert len(order) == 2 and removal_order(sleb(0.67)[0]) == order[:1]
+    rest, lines = sleb(0.34, order[:1])  # the second removal only: 2 model runs a batch
+    assert lines[-1] == "sleb: 4/4 model runs" and [float(t) for t in rest["layers"]] == [float(t) for t in full["layers"]]
+    fewer, lines = sleb(0.67, order)  # the cache went further: no model run
+    assert lines == [] and removal_order(fewer) == order[:1]
+
+
+def test_the_metric_cache_keeps_sleb_s_order_across_ratios(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """One cache entry per batches for SLEB, whatever the ratio: a run to a higher ratio extends it, one to a lower
+    ratio reads it (and makes no SLEB model run), and each ends on the mask a run without the cache ends on."""
+    from test_methods import run_tiny
+
+    kw = dict(method="metric", units=["layers", "heads", "channels"], layer_init="sleb", init="wanda-sp",
+              budget="params")
+    plain = {r: run_tiny(tiny, tiny_path, small_eval_file, tmp_path / f"plain{r}", prune_ratio=r, **kw)
+             for r in (0.3, 0.6)}
+    monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(tmp_path / "cache"))
+    for r in (0.3, 0.6, 0.3):
+        got = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / f"c{r}", prune_ratio=r, **kw)
+        assert got["kept_per_layer"] == plain[r]["kept_per_layer"]
+        assert len([f for f in (tmp_path / "cache").iterdir() if f.name.startswith("sleb-")]) == 1
+
+
+def test_the_metric_cache_extends_sleb_s_order(tmp_path, monkeypatch):
+    """cached_metric on a 3-layer model: a run to 1 layer out stores an order of 1; a run to 2 out takes it and
+    makes the second removal only, then stores the order of 2; a run to 1 out then makes no model run."""
+    from engine.arch import ModelAdapter
+    from engine.distributed import World
+    from engine.initialise import cached_metric
+    from engine.metrics import MetricContext
+    from engine.unit_types import unit_sizes
+    from test_methods import _Layout, build_model
+
+    monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(tmp_path))
+    a = ModelAdapter.for_model(build_model("llama"))
+    batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    logged: list[str] = []
+    run = SimpleNamespace(world=World(), source=SimpleNamespace(path="m", gguf_file=None),
+                          config=SimpleNamespace(dtype="float32"), log=logged.append)
+
+    def sleb(keep):
+        logged.clear()
+        ctx = MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=keep, log=logged.append)
+        return cached_metric(run, "sleb", ["layers"], ctx)["layers"], [line for line in logged if "model runs" in line]
+
+    def stored():
+        (f,) = tmp_path.iterdir()
+        return torch.load(f)["order"]
+
+    one, runs = sleb(0.67)
+    assert runs[-1] == "sleb: 6/6 model runs" and len(stored()) == 1
+    two, runs = sleb(0.34)
+    assert runs[-1] == "sleb: 4/4 model runs" and stored()[:1] == [int(torch.cat(one).argmin())] and len(stored()) == 2
+    again, runs = sleb(0.67)
+    assert runs == [] and [float(t) for t in again] == [float(t) for t in one]

@@ -33,6 +33,9 @@ class MetricContext:
     # the run's memo of activation statistics (activations.column_moments): a metric and the bias compensation
     # that read the same batches share one pass over them
     memo: dict | None = None
+    # a greedy metric's removals already made on these batches, in order (the metric cache's, from a run that went
+    # further or not as far): it continues from them instead of repeating them (Metric.greedy)
+    prefix: list[int] = field(default_factory=list)
 
     @contextmanager
     def progress_bar(self, name: str, forwards: int, every_seconds: float = 5.0) -> Iterator[Callable[[], None]]:
@@ -74,6 +77,10 @@ class Metric:
     # its scores are already standardized so that they compare across layers and unit types (FLAP's): they are
     # not standardized again, and under --budget params they split the budget between the unit types
     comparable: bool = False
+    # its scores are the rounds of a greedy removal (SLEB's: 0 = removed first; never removed = the highest): the
+    # removals to a lower keep ratio extend those to a higher one, so the metric cache keeps one order per batches
+    # and a metric run continues it (MetricContext.prefix)
+    greedy: bool = False
 
     def scores_units(self) -> bool:
         return self.scores in ("units", "any")
@@ -85,16 +92,23 @@ class Metric:
 METRICS: dict[str, Metric] = {}
 
 
-def register_metric(name: str, scores: str, needs_data: bool, comparable: bool = False):
+def register_metric(name: str, scores: str, needs_data: bool, comparable: bool = False, greedy: bool = False):
     if scores not in ("units", "layers", "any"):
         raise ValueError(f"scores must be units, layers or any, got {scores!r}")
 
     def add(fn: MetricFn) -> MetricFn:
-        add_entry(METRICS, name, Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0], comparable),
-                  "metric")
+        add_entry(METRICS, name, Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0], comparable,
+                                        greedy), "metric")
         return fn
 
     return add
+
+
+def removal_order(scores: dict[str, list[torch.Tensor]]) -> list[int]:
+    """A greedy metric's removals in order, from its scores (the round of each; never removed = the highest)."""
+    values = torch.cat(next(iter(scores.values()))).double()
+    top = float(values.max()) if values.numel() else 0.0
+    return [int(i) for i in torch.argsort(values, stable=True) if float(values[i]) < top]
 
 
 def unit_metrics() -> tuple[str, ...]:
