@@ -74,8 +74,17 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
             removal_order(cached) if cached else [])
         if ctx.prefix:
             run.log(f"{name}: {len(ctx.prefix)} removals taken from the metric cache {found}")
+        longest = len(ctx.prefix)
+
+        def store(order: list[int]) -> None:  # (after each removal, so that a stopped run keeps what it made)
+            nonlocal longest
+            if len(order) > longest:
+                write(order_file, {"order": order})
+                longest = len(order)
+
+        ctx.on_removal = store
         out = metric.fn(ctx, units)
-        if found != str(order_file) or len(removal_order(out)) > len(ctx.prefix):  # (a new or a longer order)
+        if found != str(order_file):  # (an order cached by ratio, or none: stored in the order's entry)
             write(order_file, {"order": removal_order(out)})
         return out
     dest = path(ctx.keep_ratio)

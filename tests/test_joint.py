@@ -352,3 +352,42 @@ def test_the_metric_cache_extends_sleb_s_order(tmp_path, monkeypatch):
     assert runs[-1] == "sleb: 4/4 model runs" and stored()[:1] == [int(torch.cat(one).argmin())] and len(stored()) == 2
     again, runs = sleb(0.67)
     assert runs == [] and [float(t) for t in again] == [float(t) for t in one]
+
+
+def test_sleb_stores_its_order_after_each_removal(tmp_path, monkeypatch):
+    """A run stopped during SLEB keeps the removals it made: the cache holds the order after each one, and the next
+    run continues from there."""
+    import engine.metrics.layerwise_ppl as layerwise_ppl
+    from engine.arch import ModelAdapter
+    from engine.distributed import World
+    from engine.initialise import cached_metric
+    from engine.metrics import MetricContext
+    from engine.unit_types import unit_sizes
+    from test_methods import _Layout, build_model
+
+    monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(tmp_path))
+    a = ModelAdapter.for_model(build_model("llama"))
+    batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    run = SimpleNamespace(world=World(), source=SimpleNamespace(path="m", gguf_file=None),
+                          config=SimpleNamespace(dtype="float32"), log=lambda line: None)
+    ctx = lambda: MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=0.34)  # noqa: E731 (2 removals)
+    reference = cached_metric(run, "sleb", ["layers"], ctx())
+    (entry,) = tmp_path.iterdir()
+    order = torch.load(entry)["order"]
+    entry.unlink()
+    real, rounds = layerwise_ppl.shared_losses_without_each, []
+
+    def stopped_in_the_second_round(*args, **kwargs):
+        rounds.append(1)
+        if len(rounds) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("engine.metrics.sleb.shared_losses_without_each", stopped_in_the_second_round)
+    with pytest.raises(KeyboardInterrupt):
+        cached_metric(run, "sleb", ["layers"], ctx())
+    assert torch.load(entry)["order"] == order[:1]
+    monkeypatch.setattr("engine.metrics.sleb.shared_losses_without_each", real)
+    assert [float(t) for t in cached_metric(run, "sleb", ["layers"], ctx())["layers"]] == \
+        [float(t) for t in reference["layers"]]
+    assert torch.load(entry)["order"] == order

@@ -36,6 +36,9 @@ class MetricContext:
     # a greedy metric's removals already made on these batches, in order (the metric cache's, from a run that went
     # further or not as far): it continues from them instead of repeating them (Metric.greedy)
     prefix: list[int] = field(default_factory=list)
+    # called with the order so far after each greedy removal (the metric cache stores it: a run stopped during
+    # SLEB's hour loses one removal's work, not the removals made)
+    on_removal: Callable[[list[int]], None] | None = None
 
     @contextmanager
     def progress_bar(self, name: str, forwards: int, every_seconds: float = 5.0) -> Iterator[Callable[[], None]]:

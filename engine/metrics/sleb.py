@@ -26,5 +26,7 @@ def sleb(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Tens
             losses = shared_losses_without_each(ctx, removed, [i for i in range(n) if i not in removed], tick,
                                                 f"sleb's losses (removal {k + 1}/{to_remove})")
             removed.append(min(losses, key=losses.get))
+            if ctx.on_removal:
+                ctx.on_removal(list(removed))
     score = {i: float(k) for k, i in enumerate(removed)}
     return {u: [torch.tensor([score.get(i, float(to_remove))]) for i in range(n)] for u in unit_types}
