@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from .metrics.registry import removal_order
 from .joint import choose_mix
 from .metrics.probability import initial_scores, standardize
 from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, write_run_marker
+from .runfiles import INIT_PROGRESS_DIR
 from .runstate import RunState, check_finite
 from .unit_types import UNIT_TYPES
 
@@ -42,9 +44,12 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     ratio takes the removals cached and makes only those beyond them (the order to 40 % starts with the order to
     30 %, removal for removal), then stores the longer order.
     Under torchrun rank 0's folder counts: rank 0 alone reads and writes it and sends a cached value to the others
-    (the ranks need not share a filesystem); a value not cached is computed by every rank together."""
+    (the ranks need not share a filesystem); a value not cached is computed by every rank together.
+    Without a cache folder a greedy metric keeps its order in the run's own folder (INIT_PROGRESS_DIR) until the
+    run's first checkpoint, so that --resume after a stop during SLEB continues its removals."""
     world, metric = run.world, METRICS[name]
-    folder = world.from_writer(os.environ.get("PG_PRUNE_METRIC_CACHE"), "the metric cache's folder")
+    folder = world.from_writer(os.environ.get("PG_PRUNE_METRIC_CACHE") or (
+        str(run.out / INIT_PROGRESS_DIR) if metric.greedy else None), "the metric cache's folder")
     if not folder:
         return metric.fn(ctx, units)
 
@@ -73,7 +78,8 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
         ctx.prefix = cached["order"] if isinstance(cached, dict) and "order" in cached else (
             removal_order(cached) if cached else [])
         if ctx.prefix:
-            run.log(f"{name}: {len(ctx.prefix)} removals taken from the metric cache {found}")
+            where = "the metric cache" if os.environ.get("PG_PRUNE_METRIC_CACHE") else "the run's stopped start:"
+            run.log(f"{name}: {len(ctx.prefix)} removals taken from {where} {found}")
         longest = len(ctx.prefix)
 
         def store(order: list[int]) -> None:  # (after each removal, so that a stopped run keeps what it made)
@@ -158,5 +164,7 @@ def start_state(run: "PruneRun", resume: bool) -> RunState:
     state = run.fresh_state()
     check_finite("the initial scores", state.scores, {"dense perplexity": state.ppl_dense, "init perplexity": state.ppl_init})
     run.checkpoints.save(state)
+    if run.world.writes:
+        shutil.rmtree(run.out / INIT_PROGRESS_DIR, ignore_errors=True)  # (the checkpoint holds the init from here on)
     (run.out / METRICS_FILE).write_text("")
     return state

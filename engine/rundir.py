@@ -19,7 +19,7 @@ from .errors import UserError
 from .io import atomic_write_text
 from .outdir import check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401  (the CLI's)
 from .runfiles import (CHECKPOINT_FILE, CONFIG_FILE, GGUF_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE,  # noqa: F401
-                       RUN_FILES, RUN_FORMAT_VERSION, RUN_MARKER)
+                       RUN_FILES, RUN_FORMAT_VERSION, RUN_MARKER, INIT_PROGRESS_DIR)
 
 _MARKER_TEXT = "pg-prune run, format version {}\n"
 _MARKER_RE = re.compile(r"pg-prune run, format version (\d+)")
@@ -79,13 +79,14 @@ def remove_leftovers(out: Path) -> None:
 
 
 def remove_run_files(out: Path) -> None:
-    """Remove what a run wrote (RUN_FILES, model/, leftovers of interrupted atomic writes, the marker);
+    """Remove what a run wrote (RUN_FILES, model/, init_progress/, leftovers of interrupted atomic writes, the marker);
     anything else in the folder stays. Refused, before anything is deleted, when model/ holds anything a
     model export does not write (a user's copy, notes)."""
     check_removable(out, (MODEL_DIR,))
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
+    shutil.rmtree(out / INIT_PROGRESS_DIR, ignore_errors=True)
     remove_leftovers(out)
     (out / RUN_MARKER).unlink(missing_ok=True)
 

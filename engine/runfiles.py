@@ -9,6 +9,8 @@ from pathlib import Path
 CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE = "config.json", "metrics.jsonl", "checkpoint.pt", "results.json"
 MASKS_FILE, MASKS_META_FILE = "masks.safetensors", "masks.json"
 MODEL_DIR = "model"
+# a greedy init metric's removals so far (SLEB's), while the run has no checkpoint yet: --resume continues them
+INIT_PROGRESS_DIR = "init_progress"
 GGUF_FILE = "model.gguf"  # prune --export-gguf
 # the app's GGUF downloads of another weight type than model.gguf's, exported on demand (engine/ui/deploy.py)
 GGUF_CACHE_FILES = ("model.f16.gguf", "model.q8_0.gguf", "model.f32.gguf")

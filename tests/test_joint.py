@@ -391,3 +391,42 @@ def test_sleb_stores_its_order_after_each_removal(tmp_path, monkeypatch):
     assert [float(t) for t in cached_metric(run, "sleb", ["layers"], ctx())["layers"]] == \
         [float(t) for t in reference["layers"]]
     assert torch.load(entry)["order"] == order
+
+
+def test_without_a_cache_sleb_keeps_its_order_in_the_run_folder_until_the_first_checkpoint(
+        tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """No $PG_PRUNE_METRIC_CACHE: SLEB's removals so far go to the run's init_progress/ (so that --resume after a
+    stop during SLEB continues them), which the run removes once its first checkpoint holds the init."""
+    import engine.initialise as initialise
+    from engine.arch import ModelAdapter
+    from engine.distributed import World
+    from engine.metrics import MetricContext
+    from engine.runfiles import INIT_PROGRESS_DIR
+    from engine.unit_types import unit_sizes
+    from test_methods import _Layout, build_model, run_tiny
+
+    monkeypatch.delenv("PG_PRUNE_METRIC_CACHE", raising=False)
+    a = ModelAdapter.for_model(build_model("llama"))
+    batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    logged: list[str] = []
+    run = SimpleNamespace(world=World(), source=SimpleNamespace(path="m", gguf_file=None), out=tmp_path / "run",
+                          config=SimpleNamespace(dtype="float32"), log=logged.append)
+    ctx = lambda keep: MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=keep)  # noqa: E731
+    first = initialise.cached_metric(run, "sleb", ["layers"], ctx(0.67))
+    (entry,) = (tmp_path / "run" / INIT_PROGRESS_DIR).iterdir()
+    assert len(torch.load(entry)["order"]) == 1
+    initialise.cached_metric(run, "sleb", ["layers"], ctx(0.34))  # (as --resume would: one removal taken)
+    assert any("1 removals taken from the run's stopped start" in line for line in logged)
+    assert len(torch.load(entry)["order"]) == 2 and first  # (and a real run clears the folder:)
+    out, seen, real = tmp_path / "r", [], initialise.cached_metric
+
+    def spy(*args, **kwargs):
+        value = real(*args, **kwargs)
+        seen.append(sorted(p.name.split("-")[0] for p in (out / INIT_PROGRESS_DIR).iterdir()))
+        return value
+
+    monkeypatch.setattr(initialise, "cached_metric", spy)
+    run_tiny(tiny, tiny_path, small_eval_file, out, method="metric", units=["layers"], layer_init="sleb",
+             prune_ratio=0.5)
+    assert seen == [["sleb"]]  # (during the init)
+    assert (out / "results.json").exists() and not (out / INIT_PROGRESS_DIR).exists()
