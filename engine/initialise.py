@@ -48,8 +48,8 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     Without a cache folder a greedy metric keeps its order in the run's own folder (INIT_PROGRESS_DIR) until the
     run's first checkpoint, so that --resume after a stop during SLEB continues its removals."""
     world, metric = run.world, METRICS[name]
-    folder = world.from_writer(os.environ.get("PG_PRUNE_METRIC_CACHE") or (
-        str(run.out / INIT_PROGRESS_DIR) if metric.greedy else None), "the metric cache's folder")
+    shared = world.from_writer(os.environ.get("PG_PRUNE_METRIC_CACHE"), "the metric cache's folder")
+    folder = shared or (str(run.out / INIT_PROGRESS_DIR) if metric.greedy else None)
     if not folder:
         return metric.fn(ctx, units)
 
@@ -78,7 +78,7 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
         ctx.prefix = cached["order"] if isinstance(cached, dict) and "order" in cached else (
             removal_order(cached) if cached else [])
         if ctx.prefix:
-            where = "the metric cache" if os.environ.get("PG_PRUNE_METRIC_CACHE") else "the run's stopped start:"
+            where = "the metric cache" if shared else "the run's stopped start:"
             run.log(f"{name}: {len(ctx.prefix)} removals taken from {where} {found}")
         longest = len(ctx.prefix)
 

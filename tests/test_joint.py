@@ -305,8 +305,9 @@ def test_sleb_continues_a_cached_order_and_a_run_to_a_lower_ratio_takes_its_pref
 
 
 def test_the_metric_cache_keeps_sleb_s_order_across_ratios(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
-    """One cache entry per batches for SLEB, whatever the ratio: a run to a higher ratio extends it, one to a lower
-    ratio reads it (and makes no SLEB model run), and each ends on the mask a run without the cache ends on."""
+    """One cache entry per batches for SLEB, whatever the ratio, and each run ends on the mask a run without the
+    cache ends on (on this 2-layer model both ratios remove one layer: the extension of an order is
+    test_the_metric_cache_extends_sleb_s_order's, on 3 layers)."""
     from test_methods import run_tiny
 
     kw = dict(method="metric", units=["layers", "heads", "channels"], layer_init="sleb", init="wanda-sp",
