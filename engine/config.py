@@ -88,6 +88,15 @@ _METHODS = lambda: tuple(METHODS)  # noqa: E731  (the registries as they are whe
 _INITS = lambda: (*unit_metrics(), "random-progressive")  # noqa: E731
 
 
+def check_layer_settings(config, bad) -> None:
+    """The settings of whole layers' scores: --layer-score-const and --sleb-finalists."""
+    if config.layer_score_const is not None and not 0.5 < config.layer_score_const <= 1.0:
+        bad(f"layer score-const c must be in (0.5, 1], got {config.layer_score_const}")
+    if config.sleb_finalists and (config.layer_init != "sleb" or not any(UNIT_TYPES[u].whole_layer for u in config.units)):
+        bad("SLEB finalists apply to whole layers scored by SLEB: add layers to the units and use layer init sleb, "
+            "or set SLEB finalists to 0")
+
+
 @dataclass
 class PruneConfig:
     """A run's settings. Each is declared once, here: its CLI flag (--FIELD-NAME), help, choices and bounds,
@@ -154,6 +163,8 @@ class PruneConfig:
     layer_init_batches: int = setting(2, minimum=1, label="Init batches (layer metric)",
                                       help="calibration batches for the layer metric: Layerwise-PPL runs the model once "
                                            "per layer and batch, SLEB once per layer, removal and batch")
+    sleb_finalists: int = setting(0, minimum=0, label="SLEB finalists", help=(
+        "SLEB: each round runs every layer left on a quarter of the layer batches, the K best there on all; 0: off"))
     init_data: str = setting("all", choices=INIT_DATA, label="Init data", help=(
         "calibration documents the init metric and the joint mix read: all (as a one-shot run of the seed reads "
         "them, so a run starts from that run's mask), or training (without the documents held out for validation)"))
@@ -268,8 +279,7 @@ class PruneConfig:
             bad(f"learning rate must be positive, got {self.lr}")
         if not 0.5 < self.score_const < 1.0:
             bad(f"score-const c must be in (0.5, 1), got {self.score_const}")
-        if self.layer_score_const is not None and not 0.5 < self.layer_score_const <= 1.0:
-            bad(f"layer score-const c must be in (0.5, 1], got {self.layer_score_const}")
+        check_layer_settings(self, bad)
         if self.init == "random-progressive" and not 0.0 < self.progressive_increment <= self.prune_ratio:
             bad(f"progressive increment must be in (0, prune ratio], got {self.progressive_increment}")
         for unit, n in self.unit_multiple.items():

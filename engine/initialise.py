@@ -54,8 +54,10 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
         return metric.fn(ctx, units)
 
     def path(keep) -> Path:
-        h = hashlib.sha1(json.dumps([name, units, run.source.path, run.source.gguf_file, keep, ctx.seed,
-                                     run.config.dtype]).encode())
+        key = [name, units, run.source.path, run.source.gguf_file, keep, ctx.seed, run.config.dtype]
+        if metric.greedy and ctx.finalists:  # (another order than SLEB's own; entries without finalists keep their key)
+            key.append({"finalists": ctx.finalists})
+        h = hashlib.sha1(json.dumps(key).encode())
         for b in ctx.batches:
             h.update(b.numpy().tobytes())
         return Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
@@ -110,7 +112,7 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
         units = [u for u, m in wanted.items() if m == name]
         ctx = MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
                             seed=c.seed + 2, progress=run.progress, log=run.log, world=run.world,
-                            memo=run.stats_memo)
+                            memo=run.stats_memo, finalists=c.sleb_finalists)
         run.log(f"computing the {name} metric for {', '.join(units)}")
         raw.update(cached_metric(run, name, units, ctx))
     return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])

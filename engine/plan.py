@@ -173,14 +173,21 @@ def speedup(skeleton: Skeleton, params_removed: int) -> float:
 
 
 # --- time ---------------------------------------------------------------------------------------------------
-# forward passes of a (batch x seqlen) calibration batch an init metric costs: (batches, layers, layers removed)
+# forward passes of a (batch x seqlen) calibration batch an init metric costs: (batches, layers, layers removed,
+# the run's config)
 _METRIC_FORWARDS = {
-    "taylor": lambda b, n, m: 3 * b,  # a forward and a backward (about two forwards) per batch
-    "wanda-sp": lambda b, n, m: b, "flap": lambda b, n, m: b,
-    "magnitude-sp": lambda b, n, m: 0, "random": lambda b, n, m: 0, "random-progressive": lambda b, n, m: 0,
-    "layerwise-ppl": lambda b, n, m: n * b,  # the model once per layer removed alone
-    "sleb": lambda b, n, m: sum(n - k for k in range(m)) * b,  # per removal, once per layer left
+    "taylor": lambda b, n, m, c: 3 * b,  # a forward and a backward (about two forwards) per batch
+    "wanda-sp": lambda b, n, m, c: b, "flap": lambda b, n, m, c: b,
+    "magnitude-sp": lambda b, n, m, c: 0, "random": lambda b, n, m, c: 0, "random-progressive": lambda b, n, m, c: 0,
+    "layerwise-ppl": lambda b, n, m, c: n * b,  # the model once per layer removed alone
+    "sleb": lambda b, n, m, c: _sleb_forwards(b, n, m, c),  # per removal, once per layer left (or finalist)
 }
+
+
+def _sleb_forwards(b: int, n: int, m: int, config) -> int:
+    from .metrics.sleb import sleb_runs
+
+    return sleb_runs(n, b, 0, m, config.sleb_finalists)
 
 
 @dataclass
@@ -206,11 +213,11 @@ def phase_tokens(config, skeleton: Skeleton) -> dict[str, float]:
     removals = n - keep_count(keep, n)
     windows = config.max_windows or WIKITEXT2_TEST_TOKENS // config.eval_seqlen
     evaluation = windows * config.eval_seqlen
-    cost = _METRIC_FORWARDS.get(config.init, lambda b, n, m: b)
-    out = {"init metric": cost(config.init_batches, n, removals) * batch}
+    cost = _METRIC_FORWARDS.get(config.init, lambda b, n, m, c: b)
+    out = {"init metric": cost(config.init_batches, n, removals, config) * batch}
     if "layers" in config.units:
-        layer_cost = _METRIC_FORWARDS.get(config.layer_init, lambda b, n, m: n * b)
-        out["layer metric"] = layer_cost(config.layer_init_batches, n, removals) * batch
+        layer_cost = _METRIC_FORWARDS.get(config.layer_init, lambda b, n, m, c: n * b)
+        out["layer metric"] = layer_cost(config.layer_init_batches, n, removals, config) * batch
         if len(config.units) > 1:
             out["joint mix"] = config.mix_batches * (removals + 1) * batch
             out["joint mix"] += config.mix_refine_batches * min(MIX_FINALISTS, removals + 1) * batch

@@ -259,6 +259,8 @@ INIT_METRICS = [  # every width and layer metric that reads data, and the compen
     ("flap", ["--init", "flap"]),
     ("layers-sleb+taylor", ["--units", "layers,heads,channels", "--layer-init", "sleb", "--init", "taylor",
                             "--no-bias-compensation"]),
+    # SLEB with a finalist: every candidate on the first batch, the finalist on the other 2 (dealt out too)
+    ("layers-sleb-finalists", ["--units", "layers", "--layer-init", "sleb", "--sleb-finalists", "1", "--prune-ratio", "0.5"]),
 ]
 
 

@@ -321,6 +321,29 @@ def test_the_metric_cache_keeps_sleb_s_order_across_ratios(tiny, tiny_path, smal
         assert len([f for f in (tmp_path / "cache").iterdir() if f.name.startswith("sleb-")]) == 1
 
 
+def test_an_order_made_with_sleb_finalists_is_cached_apart(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """SLEB with finalists can remove other layers than SLEB: its order gets its own metric-cache entry, which a
+    later run with the same finalists reads (and SLEB's own entry stays SLEB's)."""
+    from test_methods import run_tiny
+
+    kw = dict(method="metric", units=["layers", "heads", "channels"], layer_init="sleb", init="wanda-sp",
+              budget="params", prune_ratio=0.3, layer_init_batches=4)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(cache))
+
+    def entries():
+        return sorted((f.name, f.stat().st_mtime_ns) for f in cache.iterdir() if f.name.startswith("sleb-"))
+
+    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "exact", **kw)
+    assert len(entries()) == 1
+    short = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "short", sleb_finalists=1, **kw)
+    two = entries()
+    assert len(two) == 2
+    again = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "again", sleb_finalists=1, **kw)
+    assert entries() == two  # read, not written again
+    assert again["kept_per_layer"] == short["kept_per_layer"]
+
+
 def test_the_metric_cache_extends_sleb_s_order(tmp_path, monkeypatch):
     """cached_metric on a 3-layer model: a run to 1 layer out stores an order of 1; a run to 2 out takes it and
     makes the second removal only, then stores the order of 2; a run to 1 out then makes no model run."""

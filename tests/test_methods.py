@@ -248,6 +248,70 @@ def test_layerwise_ppl_and_sleb(ids):
     assert sorted(order) == [0.0, 1.0, 2.0]
 
 
+def test_sleb_s_model_runs_with_and_without_finalists():
+    from engine.metrics.sleb import round_runs, sleb_runs
+
+    assert round_runs(5, 4) == round_runs(5, 4, 0) == 20  # every candidate on every batch
+    assert round_runs(5, 4, 2) == 5 * 1 + 2 * 3  # all on the first quarter, 2 finalists on the other 3
+    assert round_runs(5, 8, 2) == 5 * 2 + 2 * 6
+    assert round_runs(2, 4, 2) == round_runs(2, 4, 5) == 8  # as many finalists as candidates: every one everywhere
+    assert round_runs(5, 1, 2) == 5  # one batch: nothing to shortlist on
+    assert round_runs(5, 4, 2, mine=lambda m: (m + 1) // 2) == 3 * 1 + 1 * 3  # this rank's share of each
+    assert sleb_runs(5, 4, 0, 3, 2) == 11 + 10 + 9 and sleb_runs(5, 4, 1, 3, 2) == 10 + 9
+    assert sleb_runs(5, 4, 0, 3) == 4 * (5 + 4 + 3)
+
+
+def _five_layer_llama():
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+    return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+
+
+def test_sleb_with_finalists_removes_the_finalist_that_loses_least_on_every_batch():
+    """--sleb-finalists 2 on 4 batches: each round every candidate runs on the first batch, the 2 that lose least
+    there run on the other 3, and the removal is the one of those 2 with the lower loss over all 4 (recomputed here
+    with full forwards); the progress counts those runs. As many finalists as layers is SLEB as published."""
+    from engine.metrics.layerwise_ppl import loss_without
+    from engine.metrics.registry import removal_order
+
+    a = ModelAdapter.for_model(_five_layer_llama())
+    batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+    def sleb(finalists):
+        lines = []
+        ctx = MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=0.4, log=lines.append, finalists=finalists)
+        return METRICS["sleb"].fn(ctx, ["layers"]), lines
+
+    short, lines = sleb(2)  # 3 of 5 layers out
+    assert lines[-1] == "sleb: 30/30 model runs"  # (5 + 2 x 3) + (4 + 2 x 3) + (3 + 2 x 3)
+    removed: list[int] = []
+    for layer in removal_order(short):
+        left = [i for i in range(5) if i not in removed]
+        first = {i: loss_without(a, batches[:1], removed + [i]) for i in left}
+        finalists = sorted(left, key=lambda i: (first[i], i))[:2]
+        full = {i: loss_without(a, batches, removed + [i]) for i in finalists}
+        assert layer in finalists and full[layer] <= min(full.values()) + 1e-9
+        removed.append(layer)
+    assert len(removed) == 3
+    exact, exact_lines = sleb(0)
+    wide, wide_lines = sleb(5)
+    assert [float(t) for t in wide["layers"]] == [float(t) for t in exact["layers"]]
+    assert wide_lines[-1] == exact_lines[-1] == "sleb: 48/48 model runs"
+
+
+def test_sleb_finalists_validate():
+    assert PruneConfig().sleb_finalists == 0
+    PruneConfig(units=["layers", "heads"], sleb_finalists=3).validate()
+    for bad in (dict(sleb_finalists=3), dict(units=["layers"], layer_init="layerwise-ppl", sleb_finalists=3)):
+        with pytest.raises(UserError, match="SLEB finalists apply to whole layers scored by SLEB"):
+            PruneConfig(**bad).validate()
+    with pytest.raises(UserError, match="finalists"):
+        PruneConfig(units=["layers"], sleb_finalists=-1).validate()
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("removed", [[], [1], [0, 2]])
 def test_losses_without_each_layer_equal_full_forwards_without_it(arch, removed):

@@ -91,6 +91,15 @@ def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
     assert "steps" not in phase_tokens(PruneConfig(model=str(tiny_path), method="metric", init="wanda-sp"), skeleton)
     sleb = phase_tokens(PruneConfig(model=str(tiny_path), units=["layers"], layer_init="sleb"), skeleton)
     assert sleb["layer metric"] > 0
+    from engine.metrics.sleb import sleb_runs
+    from engine.policy import keep_count
+
+    n = skeleton.num_layers
+    removals = n - keep_count(0.7, n)
+    eight, shortlist = (phase_tokens(PruneConfig(model=str(tiny_path), units=["layers"], layer_init="sleb",
+                                                 layer_init_batches=8, sleb_finalists=k), skeleton) for k in (0, 1))
+    assert removals > 0 and shortlist["layer metric"] / eight["layer metric"] == pytest.approx(
+        sleb_runs(n, 8, 0, removals, 1) / sleb_runs(n, 8, 0, removals)) and shortlist["layer metric"] < eight["layer metric"]
     taylor = plan_memory(base, skeleton)
     wanda = plan_memory(PruneConfig(model=str(tiny_path), init="wanda-sp"), skeleton)
     assert taylor.total - wanda.total == pytest.approx(taylor.parts["gradients (Taylor init)"])

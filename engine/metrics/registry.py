@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -39,6 +39,13 @@ class MetricContext:
     # called with the order so far after each greedy removal (the metric cache stores it: a run stopped during
     # SLEB's hour loses one removal's work, not the removals made)
     on_removal: Callable[[list[int]], None] | None = None
+    # SLEB's finalists (--sleb-finalists): each round, only the K candidates that lose least on the first quarter of
+    # the batches run on the rest (0: every candidate on every batch)
+    finalists: int = 0
+
+    def with_batches(self, batches: list[torch.Tensor]) -> "MetricContext":
+        """This context on other batches (a part of its own)."""
+        return replace(self, batches=batches)
 
     @contextmanager
     def progress_bar(self, name: str, forwards: int, every_seconds: float = 5.0) -> Iterator[Callable[[], None]]:
