@@ -331,6 +331,20 @@ def test_losses_without_each_layer_equal_full_forwards_without_it(arch, removed)
     assert len({round(v, 6) for v in got.values()}) == len(got)
 
 
+def test_no_progress_bar_when_a_metric_makes_no_model_run(capsys):
+    """SLEB with its whole order cached makes no model run: no empty bar ("sleb: 0forward") on stderr; a bar
+    with runs to count does show."""
+    a = ModelAdapter.for_model(build_model("llama"))
+    ctx = MetricContext(a, _Layout(unit_sizes(a)), [], progress=True)
+    with ctx.progress_bar("sleb", 0):
+        pass
+    assert capsys.readouterr().err == ""
+    with ctx.progress_bar("sleb", 2) as tick:
+        tick()
+        tick()
+    assert "sleb" in capsys.readouterr().err
+
+
 def test_layer_metric_progress_reaches_the_log_without_a_bar():
     """Without a tqdm bar (the app's runs), SLEB reports its model runs as log lines, the last one complete."""
     a = ModelAdapter.for_model(build_model("llama"))

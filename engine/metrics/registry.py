@@ -51,7 +51,7 @@ class MetricContext:
     def progress_bar(self, name: str, forwards: int, every_seconds: float = 5.0) -> Iterator[Callable[[], None]]:
         """Progress over a metric's `forwards` model runs (SLEB's take hours on a CPU); yields the tick to call
         after each. A tqdm bar, or a log line at most every `every_seconds` and after the last run."""
-        if self.progress:
+        if self.progress and forwards > 0:  # (no bar for no model runs: a cached order's "0forward")
             from tqdm.auto import tqdm
 
             with tqdm(total=forwards, desc=name, unit="forward", leave=False) as bar:
