@@ -173,6 +173,13 @@ def speedup(skeleton: Skeleton, params_removed: int) -> float:
 
 
 # --- time ---------------------------------------------------------------------------------------------------
+def _sleb_forwards(b: int, n: int, m: int, config) -> int:
+    """Per removal, once per layer left (or, with --sleb-finalists, per finalist on most batches)."""
+    from .metrics.sleb import sleb_runs
+
+    return sleb_runs(n, b, 0, m, config.sleb_finalists)
+
+
 # forward passes of a (batch x seqlen) calibration batch an init metric costs: (batches, layers, layers removed,
 # the run's config)
 _METRIC_FORWARDS = {
@@ -180,14 +187,8 @@ _METRIC_FORWARDS = {
     "wanda-sp": lambda b, n, m, c: b, "flap": lambda b, n, m, c: b,
     "magnitude-sp": lambda b, n, m, c: 0, "random": lambda b, n, m, c: 0, "random-progressive": lambda b, n, m, c: 0,
     "layerwise-ppl": lambda b, n, m, c: n * b,  # the model once per layer removed alone
-    "sleb": lambda b, n, m, c: _sleb_forwards(b, n, m, c),  # per removal, once per layer left (or finalist)
+    "sleb": _sleb_forwards,
 }
-
-
-def _sleb_forwards(b: int, n: int, m: int, config) -> int:
-    from .metrics.sleb import sleb_runs
-
-    return sleb_runs(n, b, 0, m, config.sleb_finalists)
 
 
 @dataclass

@@ -13,13 +13,19 @@ def first_round_batches(batches: int) -> int:
     return max(1, batches // 4)
 
 
+def shortlists(candidates: int, batches: int, finalists: int) -> bool:
+    """Does a round with these counts run finalists? Only with fewer finalists than candidates and more batches
+    than the first quarter (else every candidate runs on every batch)."""
+    return 0 < finalists < candidates and first_round_batches(batches) < batches
+
+
 def round_runs(candidates: int, batches: int, finalists: int = 0, mine=lambda m: m) -> int:
-    """Model runs of one SLEB removal round: every candidate on every batch, or with `finalists` K (fewer than the
-    candidates, and fewer round batches than batches): every candidate on the first quarter of the batches and
-    the K finalists on the rest. mine(m): this rank's share of m candidates (one process: m)."""
-    first = first_round_batches(batches)
-    if not 0 < finalists < candidates or first >= batches:
+    """Model runs of one SLEB removal round: every candidate on every batch, or with `finalists` K (shortlists):
+    every candidate on the first quarter of the batches and the K finalists on the rest. mine(m): this rank's
+    share of m candidates (one process: m)."""
+    if not shortlists(candidates, batches, finalists):
         return mine(candidates) * batches
+    first = first_round_batches(batches)
     return mine(candidates) * first + mine(finalists) * (batches - first)
 
 
@@ -33,9 +39,9 @@ def round_losses(ctx: MetricContext, removed: list[int], candidates: list[int], 
     than the candidates) only the K candidates that lose least on the first quarter of the batches are measured on
     the rest, and only theirs are returned (the mean over all batches, each batch weighing its rows)."""
     k, batches = ctx.finalists, ctx.batches
-    first = first_round_batches(len(batches))
-    if not 0 < k < len(candidates) or first >= len(batches):
+    if not shortlists(len(candidates), len(batches), k):
         return shared_losses_without_each(ctx, removed, candidates, tick, what)
+    first = first_round_batches(len(batches))
     head, tail = ctx.with_batches(batches[:first]), ctx.with_batches(batches[first:])
     early = shared_losses_without_each(head, removed, candidates, tick, f"{what}, first {first} batches")
     chosen = sorted(candidates, key=lambda i: (early[i], i))[:k]
