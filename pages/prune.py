@@ -76,6 +76,13 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
     if "layers" in units:  # (whole layers only: the layer metric does not apply otherwise)
         c5.selectbox(_ui.label_of(PruneConfig, "layer_init"), list(_ui.choices(PruneConfig, "layer_init")),
                      help=_ui.help_of(PruneConfig, "layer_init"), key="layer_init")
+        c5.checkbox("Fixed layers (the steps learn the kept layers' widths)", key="fixed_layers",
+                    help="--layer-score-const 1: the layers the init removes stay removed; " + _ui.help_of(PruneConfig, "layer_score_const"))
+    c4.button("The joint preset: layers and widths, the best mask per CPU minute measured", key="preset-joint",
+              on_click=_ui.apply_preset, args=("joint",), icon=":material/layers:",
+              help="engine/config.py's preset 'joint', as `--preset joint` on the command line: "
+                   f"{', '.join(f'{k} {v}' for k, v in PRESETS['joint'].items())}. With a time budget of 10 minutes on 2 "
+                   "cores it beat the defaults' 10-minute run on every seed measured (docs/results.md)")
     with st.expander("Hyperparameters: the fast preset (lr 0.02, N_s 8, leave-one-out); the paper's are one click away"):
         p1, p2, _ = st.columns([1, 1, 3])
         p1.button("The paper's (lr 0.002, N_s 2, moving average)", key="preset-paper", on_click=_ui.apply_preset,

@@ -356,6 +356,19 @@ def test_config_file_starts_a_run_and_flags_override_it(tmp_path):
     assert (args.gumbel_temperature, args.gumbel_straight_through, args.gumbel_final_temperature) == (2.0, True, 0.1)  # the saved options, written out whole
 
 
+def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():
+    from engine.cli import _config_from_args, parse_args
+    from engine.config import PRESETS, PruneConfig
+
+    config = _config_from_args(parse_args(["prune", "--preset", "joint", "--time-budget", "10", "--out", "x"])).validate()
+    for field, value in PRESETS["joint"].items():
+        assert getattr(config, field) == value, field
+    assert config.fixed_layers and config.time_budget == 10.0 and config.lr == PruneConfig().lr
+    narrowed = _config_from_args(parse_args(["prune", "--preset", "joint", "--units", "heads,layers", "--init-batches",
+                                             "4", "--out", "x"])).validate()
+    assert (narrowed.units, narrowed.init_batches, narrowed.layer_init) == (["heads", "layers"], 4, "layerwise-ppl")
+
+
 # --- an existing run in --out ------------------------------------------------------------------------
 @pytest.fixture
 def run_copy(cli_run, tmp_path) -> Path:

@@ -157,6 +157,18 @@ def test_presets_fill_the_widgets_they_name():
     assert config.lr == PRESETS["paper"]["lr"] and config.method_options["baseline"] == PRESETS["paper"]["baseline"]
 
 
+def test_joint_preset_fills_the_form_and_the_fixed_layers_box_round_trips():
+    joint = S.preset_values("joint")
+    assert joint["units"] == PRESETS["joint"]["units"] and joint["fixed_layers"] is True
+    config = S.form_config({**S.default_values(), **joint}).validate()
+    assert config.layer_score_const == 1.0 and config.fixed_layers and config.layer_init == "layerwise-ppl"
+    assert S.form_values(config)["fixed_layers"] is True and S.default_values()["fixed_layers"] is False
+    sharp = PruneConfig(units=["layers", "heads"], layer_score_const=0.95).to_dict()
+    kept = S.form_config({**S.form_values(sharp), "fixed_layers": False}, base=sharp)
+    assert kept.layer_score_const == 0.95  # unticked, a run's own c stays
+    assert S.form_config({**S.form_values(config), "fixed_layers": False}, base=config.to_dict()).layer_score_const is None
+
+
 def test_settings_saved_and_loaded_beside_the_runs(tmp_path):
     values = {**S.default_values(), "steps": 3, "scope": "uniform"}
     S.save_settings(tmp_path, values, {"steps": 3}, "run-x")

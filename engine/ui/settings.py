@@ -44,6 +44,7 @@ def form_values(config: dict | PruneConfig) -> dict:
     values["model_path"] = "" if c.model == DEFAULT_MODEL else c.model
     values["max_windows"] = c.max_windows or 0
     values["channel_multiple"] = int(c.unit_multiple.get("channels", 1))
+    values["fixed_layers"] = c.layer_score_const == 1.0
     cls = METHODS[c.method].Options if c.method in METHODS else None
     if cls is not None:
         options = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -81,6 +82,9 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
     if n > 1 and "channels" in data["units"]:
         multiple["channels"] = n
     data["unit_multiple"] = multiple
+    if "fixed_layers" in values:  # the checkbox: c = 1 fixes the layers; unticked, a run's other c is kept
+        fixed = data.get("layer_score_const") == 1.0
+        data["layer_score_const"] = 1.0 if values["fixed_layers"] else (None if fixed else data.get("layer_score_const"))
     method = data.get("method", PruneConfig.method)
     prefix = option_key(method, "")
     options = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
@@ -101,7 +105,9 @@ def preset_values(name: str, method: str = "pg") -> dict:
     options = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
     keys = {f: k for k, f in DIRECT.items()}
     for field, value in preset.items():
-        if field in fields and field in keys:
+        if field == "layer_score_const":  # shown as the checkbox "fixed layers" (c = 1)
+            out["fixed_layers"] = value == 1.0
+        elif field in fields and field in keys:
             out[keys[field]] = value
         elif field in options:
             out[option_key(method, field)] = value
