@@ -130,6 +130,21 @@ def test_prune_page_defaults(runs_dir):
     assert any("No run yet" in i.value for i in at.info)
 
 
+def test_joint_preset_button_sets_layers_widths_and_fixed_layers(runs_dir):
+    from engine.config import PRESETS, PruneConfig
+
+    at = app()
+    assert at.multiselect(key="units").value == PruneConfig().units
+    next(b for b in at.button if b.key == "preset-joint").click().run()
+    assert not at.exception, at.exception
+    joint = PRESETS["joint"]
+    assert at.multiselect(key="units").value == joint["units"] and at.selectbox(key="layer_init").value == joint["layer_init"]
+    assert at.checkbox(key="fixed_layers").value is True and at.number_input(key="init_batches").value == joint["init_batches"]
+    assert not [e for e in at.error], [e.value for e in at.error]  # the form's config validates
+    at.checkbox(key="fixed_layers").uncheck().run()
+    assert at.checkbox(key="fixed_layers").value is False and not at.exception
+
+
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_rate_0_or_1_is_an_error_not_a_traceback(runs_dir, rate):
     at = fill_prune_form(app(), rate=rate)
