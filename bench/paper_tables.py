@@ -147,6 +147,18 @@ def cell_config(c: Cell, args, model: str):
     return PruneConfig.of(model=model, **values)
 
 
+KEPT_IN_GIT = ("config.json", "metrics.jsonl", "masks.json")  # what a cell's folder keeps in the repository
+
+
+def clear_started(out: Path) -> None:
+    """A cell started in another clone comes back from git as its kept files alone, with no checkpoint to resume
+    and no run marker, and `engine prune --overwrite` refuses a folder that holds no run: those files go (the
+    cell runs again from its start). Anything else in the folder is left alone, and the engine's refusal stands."""
+    if out.is_dir() and all(p.name in KEPT_IN_GIT for p in out.iterdir()):
+        for p in list(out.iterdir()):
+            p.unlink()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -200,6 +212,7 @@ def run_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
         if resume:
             cmd += ["--resume"]
         else:
+            clear_started(out)
             config_file = cells_dir / f"{key}.config.json"
             cell_config(c, args, str(model_dir)).validate().save(config_file)
             cmd += ["--config", str(config_file), "--overwrite"]

@@ -151,3 +151,19 @@ def test_the_comparison_tables_cells_are_valid_runs_and_its_docs_block_is_replac
     doc.write_text("head\n<!-- compare_table -->\nold table\n<!-- /compare_table -->\ntail\n")
     ct.write_docs("protocol\n\n| a | b |\n\nRemoved (parameters, % of the decoder) per cell:\n- x\n", doc)
     assert doc.read_text() == "head\n<!-- compare_table -->\nprotocol\n\n| a | b |\n<!-- /compare_table -->\ntail\n"
+
+
+def test_a_cell_started_in_another_clone_is_cleared_and_anything_else_is_kept(tmp_path):
+    started = tmp_path / "cell"  # what git brings back of a started cell: its kept files, no checkpoint, no marker
+    started.mkdir()
+    for name in pt.KEPT_IN_GIT:
+        (started / name).write_text("{}")
+    pt.clear_started(started)
+    assert started.is_dir() and not list(started.iterdir())
+    other = tmp_path / "other"  # a folder with anything more (a user's file, a run's marker) is not touched
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "notes.txt").write_text("mine")
+    pt.clear_started(other)
+    assert sorted(p.name for p in other.iterdir()) == ["config.json", "notes.txt"]
+    pt.clear_started(tmp_path / "missing")  # a cell never started: nothing to do
