@@ -103,6 +103,16 @@ class UnitBudget:
         return {u: self.layout.hard_mask(u, s, self.scope, keep) for u, s in scores.items()}
 
 
+def scope_problem(unit_types: list[str], scope: str) -> str | None:
+    """Why --budget params cannot take this scope for these unit types (None: it can): uniform removes the same
+    fraction of every layer, and a layer is removed whole, so whole layers and widths together take global."""
+    whole = any(UNIT_TYPES[u].whole_layer for u in unit_types)
+    if whole and any(not UNIT_TYPES[u].whole_layer for u in unit_types) and scope != "global":
+        return ("--budget params with whole layers and widths takes --scope global (uniform removes the same fraction "
+                "of every layer, and layers are removed whole)")
+    return None
+
+
 class ParamBudget:
     """--budget params: the fraction r of the decoder layers' parameters is removed (embeddings and LM head never
     are), each unit weighing its parameters. Global scope: one pool over every selected unit type and layer (the
@@ -115,9 +125,8 @@ class ParamBudget:
         whole = [u for u in self.types if UNIT_TYPES[u].whole_layer]
         self.layer_type = whole[0] if whole else None
         self.widths = [u for u in self.types if not UNIT_TYPES[u].whole_layer]
-        if self.layer_type and self.widths and scope != "global":
-            raise UserError(f"--budget params with whole layers and widths takes --scope global (uniform removes the "
-                            f"same fraction of every layer, and layers are removed whole)")
+        if (problem := scope_problem(self.types, scope)) is not None:
+            raise UserError(problem)
         self.weights = unit_weights(adapter, layout)
         self.layer_params = layer_params(adapter)
         self.decoder = sum(self.layer_params)

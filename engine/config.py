@@ -8,7 +8,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from .budget import BUDGETS
+from .budget import BUDGETS, scope_problem
 from .data import DEFAULT_EVAL_WINDOWS
 from .errors import UserError
 from .executors import EXECUTORS
@@ -95,7 +95,10 @@ _INITS = lambda: (*unit_metrics(), "random-progressive")  # noqa: E731
 
 
 def check_layer_settings(config, bad) -> None:
-    """The settings of whole layers' scores: --layer-score-const and --sleb-finalists."""
+    """The settings of whole layers: their scope under the parameter budget, --layer-score-const and
+    --sleb-finalists."""
+    if config.budget == "params" and (problem := scope_problem(config.units, config.scope)) is not None:
+        bad(problem)
     if config.layer_score_const is not None and not 0.5 < config.layer_score_const <= 1.0:
         bad(f"layer score-const c must be in (0.5, 1], got {config.layer_score_const}")
     if config.sleb_finalists and (config.layer_init != "sleb" or not any(UNIT_TYPES[u].whole_layer for u in config.units)):

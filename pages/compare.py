@@ -130,7 +130,7 @@ elif b is None or b.config.get("scope") == a.config.get("scope") or not same_pla
                  help="Removes the same share of the decoder's parameters as run A (under --budget params; a run A "
                       "made under --budget units is matched by the share it actually removed)."):
         try:
-            config = PruneConfig.from_dict(matching_config(a.config, a.results, other))
+            config = PruneConfig.from_dict(matching_config(a.config, a.results, other)).validate()  # (a joint run has no uniform match)
             out = _ui.runs_dir() / new_run_name(config)
             jobs.start(config, out)
             _ui.select_run(out)

@@ -130,9 +130,10 @@ def test_prune_page_defaults(runs_dir):
     assert any("No run yet" in i.value for i in at.info)
 
 
-def test_joint_preset_button_sets_layers_widths_and_fixed_layers(runs_dir):
+def test_joint_preset_button_sets_layers_widths_and_fixed_layers(runs_dir, tmp_path, monkeypatch):
     from engine.config import PRESETS, PruneConfig
 
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))  # (the form's settings persist beside the runs)
     at = app()
     assert at.multiselect(key="units").value == PruneConfig().units
     next(b for b in at.button if b.key == "preset-joint").click().run()
@@ -479,6 +480,26 @@ def test_compare_two_layer_runs_and_warns_when_the_parameters_differ(tmp_path, m
     assert any("removed different numbers of parameters" in w.value for w in at.warning), [w.value for w in at.warning]
     titles = [s["layout"]["title"]["text"] for s in charts(at)]
     assert any("Sparsity per layer" in t for t in titles)
+
+
+def test_compare_says_why_a_joint_run_has_no_uniform_match(tmp_path, monkeypatch):
+    """A joint run (layers and widths on one parameter budget) exists only in global scope: Compare's button for
+    the matching uniform run says so in one error line and starts nothing (it once started a run that failed)."""
+    from engine.config import PruneConfig
+    from engine.pruner import PruneRun
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
+    calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
+    config = PruneConfig(model=str(TINY), units=["layers", "heads", "channels"], prune_ratio=0.5, steps=2, **FAST,
+                         calib=calib, mix_batches=1)
+    PruneRun(config, runs / "joint", log=lambda m: None).run(progress=False)
+    at = app()
+    at.switch_page("pages/compare.py").run()
+    next(b for b in at.button if "Start the matching uniform run" in b.label).click().run()
+    assert not at.exception, at.exception
+    assert any(e.value.startswith("Cannot start:") and "--scope global" in e.value for e in at.error), [e.value for e in at.error]
+    assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == ["joint"]
 
 
 # --- issue 25: the plan, settings that persist, re-run, removed layers, Compare's differences -------------

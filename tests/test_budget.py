@@ -86,12 +86,16 @@ def test_param_budget_projection_and_hard_mask(units, scope, arch):
     """The projection keeps E[kept parameters] at the budget (on it when the scores were over it), and the hard
     mask lands within one unit's weight below it, for every unit-type combination (layers nested over widths
     included) under global and uniform scope."""
+    from engine.config import PruneConfig
     from engine.errors import UserError
 
     if "layers" in units and len(units) > 1 and scope == "uniform":
         with pytest.raises(UserError, match="--scope global"):
             param_budget(arch, units, scope)
+        with pytest.raises(UserError, match="--scope global"):  # and the config says so before a model is loaded
+            PruneConfig(units=list(units), scope=scope, budget="params").validate()
         return
+    PruneConfig(units=list(units), scope=scope, budget="params").validate()
     budget, adapter, layout = param_budget(arch, units, scope)
     g = torch.Generator().manual_seed(0)
     tried = 0
