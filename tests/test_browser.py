@@ -332,7 +332,7 @@ def test_browser_end_to_end(server, browser):
     shot(d, "prune-running", plots=3)
     button(d, "Stop").click()
     wait(lambda: "Stopped" in status_line(d), timeout=60 * SLOW, what="the run to stop")
-    assert "Resume" in page_text(d)
+    wait(lambda: "Resume" in page_text(d), timeout=30 * SLOW, what="the Resume button")  # (it may draw after the status)
 
     # A short run to the end.
     open_expander(d, "Run settings")
