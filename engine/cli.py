@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 
 from . import IMPORTED
-from .config import PRESETS, PruneConfig
+from .config import PRESETS, PruneConfig, preset_text
 from .fields import choices_of
 from .methods import METHODS
 from .errors import UserError
@@ -87,11 +87,6 @@ def _method_options(args) -> dict:
     return options
 
 
-def _shown(value) -> str:
-    """A preset's value as its flag takes it (a list as a comma list)."""
-    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-
-
 def _as_flag_defaults(values: dict, method: str) -> dict:
     """Preset values as the parser's defaults: a run-level field by its name, an option of the run's method
     (a preset names policy gradient's as their flags do: baseline, baseline_window) by its flag's
@@ -145,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from a saved run config (a run's config.json, or one a script wrote); flags given override it")
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="start from named settings, flags given override them: " + "; ".join(
-                       f"{name}: " + ", ".join(f"{k} {_shown(v)}" for k, v in s.items()) for name, s in PRESETS.items()))
+                       f"{name}: {preset_text(name)}" for name in PRESETS))
     _setting_args(p, PruneConfig)  # every run setting, from its declaration
     _method_option_args(p)
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")

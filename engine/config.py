@@ -44,6 +44,14 @@ PRESETS: dict[str, dict] = {
     "joint": dict(units=["layers", "heads", "channels"], layer_init="layerwise-ppl", layer_score_const=1.0,
                   init_batches=16),
 }
+
+
+def preset_text(name: str) -> str:
+    """A preset's settings as its help texts show them ("steps 50, lr 0.02, ..."; a list as its flag takes it)."""
+    shown = lambda v: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)  # noqa: E731
+    return ", ".join(f"{k} {shown(v)}" for k, v in PRESETS[name].items())
+
+
 SEED_MAX = 2**32 - 1  # torch's generators take 64 bits; the run adds small offsets to the seed
 # settings that moved out of PruneConfig into a method's options: old field -> (method, option)
 _MOVED_TO_METHOD_OPTIONS = {

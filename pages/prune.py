@@ -10,7 +10,7 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402  (also puts the repository root on sys.path)
 import streamlit as st  # noqa: E402
 
-from engine.config import PRESETS, PruneConfig
+from engine.config import PruneConfig, preset_text
 from engine.methods import METHODS
 from engine.plan import LONG_RUN_SECONDS
 from engine.ui import settings as S
@@ -81,15 +81,15 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
     c4.button("The joint preset: layers and widths, the best mask per CPU minute measured", key="preset-joint",
               on_click=_ui.apply_preset, args=("joint",), icon=":material/layers:",
               help="engine/config.py's preset 'joint', as `--preset joint` on the command line: "
-                   f"{', '.join(f'{k} {v}' for k, v in PRESETS['joint'].items())}. With a time budget of 10 minutes on 2 "
+                   f"{preset_text('joint')}. With a time budget of 10 minutes on 2 "
                    "cores it beat the defaults' 10-minute run on every seed measured (docs/results.md)")
     with st.expander("Hyperparameters: the fast preset (lr 0.02, N_s 8, leave-one-out); the paper's are one click away"):
         p1, p2, _ = st.columns([1, 1, 3])
         p1.button("The paper's (lr 0.002, N_s 2, moving average)", key="preset-paper", on_click=_ui.apply_preset,
                   args=("paper",), help="engine/config.py's preset 'paper', as `--preset paper` on the command line: "
-                                        f"{', '.join(f'{k} {v}' for k, v in PRESETS['paper'].items())}")
+                                        f"{preset_text('paper')}")
         p2.button("The fast preset (the defaults)", key="preset-fast", on_click=_ui.apply_preset, args=("fast",),
-                  help=f"{', '.join(f'{k} {v}' for k, v in PRESETS['fast'].items())}")
+                  help=f"{preset_text('fast')}")
         hyper = _ui.option_widgets(PruneConfig, key=None, names=HYPERPARAMETERS)
         h1, h2, h3 = st.columns(3)
         h1.number_input("Evaluation windows (0 = all)", step=1,
