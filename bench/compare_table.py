@@ -123,6 +123,16 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     ("Joint one-shot (SLEB on 8 batches, 5 finalists + FLAP, compensated, 64 init batches)",
      {**JOINT8, "method": "flap", "init": "flap", "layer_init": "sleb", "init_batches": 64, "layer_init_batches": 8,
       "sleb_finalists": 5}, False),
+    # PG's channels learned in blocks (--unit-block B: B neighbours in FLAP's ranking within a layer share one keep
+    # probability): a channel alone moves the loss by far less than the spread of the sampled losses, so 50 steps of
+    # 8 samples never rank 46,080 of them; 720 blocks of 64 (or 180 of 256) each move it B times more
+    *[(f"PG joint from SLEB + FLAP, fixed layers, 64 init batches, channel blocks of {b}",
+       {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb", "bias_compensation": True,
+        "layer_score_const": 1.0, "init_batches": 64, "init_data": "all", "best_val_margin": 0.01, "method_options": {"unit_block": b}}, True)
+      for b in (64, 256)],
+    ("PG from FLAP, compensated, 64 init batches, channel blocks of 64",
+     {**HC, "method": "pg", "scope": "global", "init": "flap", "bias_compensation": True, "init_batches": 64,
+      "init_data": "all", "best_val_margin": 0.01, "method_options": {"unit_block": 64}}, True),
 ]
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
 SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
@@ -147,7 +157,10 @@ EXPLORED = ("Joint one-shot (Layerwise-PPL + Taylor, best mix)", "PG joint (laye
             "Joint one-shot (SLEB on 8 batches + FLAP, compensated, 64 init batches)",
             "Joint one-shot (Layerwise-PPL + FLAP, compensated, 64 init batches)", "SLEB, 5 finalists",
             "Joint one-shot (Layerwise-PPL + FLAP, compensated, mix on 8 batches)",
-            "Joint one-shot (SLEB on 8 batches, 5 finalists + FLAP, compensated, 64 init batches)")
+            "Joint one-shot (SLEB on 8 batches, 5 finalists + FLAP, compensated, 64 init batches)",
+            "PG joint from SLEB + FLAP, fixed layers, 64 init batches, channel blocks of 64",
+            "PG joint from SLEB + FLAP, fixed layers, 64 init batches, channel blocks of 256",
+            "PG from FLAP, compensated, 64 init batches, channel blocks of 64")
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
              "PG heads + channels (global)", "Wanda-sp (uniform)", "FLAP (one-shot, with its bias compensation)")
 

@@ -29,6 +29,7 @@ class StepContext:
     num_samples: int  # N_s masks per step
     steps: int  # the steps of the whole run (schedules inside a method, e.g. Gumbel's temperature)
     fill: dict[str, list[torch.Tensor]] | None = None  # bias compensation's means, once the run measured them
+    hard_masks: Callable | None = None  # {unit type: scores} -> the run's hard masks of them at its budget
 
     def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> torch.Tensor:
         """fill: the compensation means to use instead of the run's (None: none)."""

@@ -205,3 +205,32 @@ def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
 def keep_count(keep_ratio: float, size: int) -> int:
     """Units kept out of `size` at `keep_ratio`, at least one."""
     return max(1, min(size, round(keep_ratio * size)))
+
+
+def rank_blocks(scores: torch.Tensor, kept: torch.Tensor, sizes: list[int], block: int) -> torch.Tensor:
+    """(n,) block ids: within each layer, the kept units (kept > 0.5) ranked by score and cut into blocks of `block`
+    from the cut upwards, the dropped ones from the cut downwards (a short block sits at either end, never at the
+    cut), so that a block is all kept or all dropped and holds neighbours in the ranking. A layer with fewer than
+    2 * block units is one block per unit. Ids run 0.. over the layers in order."""
+    ids, start, nxt = torch.empty(scores.numel(), dtype=torch.long), 0, 0
+    for n in sizes:
+        s, k = scores[start:start + n], kept[start:start + n] > 0.5
+        if n < 2 * block:
+            ids[start:start + n] = torch.arange(nxt, nxt + n)
+            nxt, start = nxt + n, start + n
+            continue
+        for side, descending in ((k, False), (~k, True)):  # kept: lowest score first; dropped: highest first
+            idx = torch.nonzero(side).flatten()
+            order = idx[torch.sort(s[idx], descending=descending, stable=True).indices]  # nearest the cut first
+            for j in range(0, order.numel(), block):
+                ids[start + order[j:j + block]] = nxt
+                nxt += 1
+        start += n
+    return ids
+
+
+def block_means(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(blocks,) the mean of `values` over each block id."""
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    total = torch.zeros(n, dtype=values.dtype).index_add_(0, ids, values)
+    return total / torch.bincount(ids, minlength=n).to(values.dtype)

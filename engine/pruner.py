@@ -101,6 +101,7 @@ class PruneRun:
             hook.on_setup()
         self.checkpoints, self.masks = Checkpoints(self), RunMasks(self)
         self.keep_ratio_at, self.lr_at, self.hard_masks = self.masks.keep_ratio_at, self.masks.lr_at, self.masks.hard_masks
+        self.ctx.hard_masks = self.hard_masks
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
         self.masked_perplexity = self.masks.masked_perplexity
         self.load_checkpoint, self.write_checkpoint = self.checkpoints.load, self.checkpoints.write

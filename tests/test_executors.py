@@ -3,6 +3,8 @@ Qwen2 models (and one real tiny run)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -188,6 +190,8 @@ def quiet(_msg: str) -> None:
     dict(sample_forward="batched", num_mask_samples=4, baseline="leave-one-out", control_variate="init-metric"),
     dict(bias_compensation=True, within_layer_ranking="init-metric", units=["heads", "channels", "layers"],
          prune_ratio=0.25),
+    dict(method_options=dict(unit_block=16), num_mask_samples=4),
+    dict(method_options=dict(unit_block=16), num_mask_samples=4, units=["heads", "channels", "layers"], layer_score_const=1.0),
 ])
 def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_path):
     model, tok = tiny
@@ -209,6 +213,25 @@ def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_pat
         assert state.input_means is not None and run.fill is not None
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", trust_remote_code=True)
         assert exported.config.output_bias is True
+    if config.method_options["unit_block"] > 1:  # the channels moved in blocks; the heads (4 a layer) alone
+        blocks, b = state.method_state["blocks"], config.method_options["unit_block"]
+        assert list(blocks) == ["channels"]
+        ids, s = blocks["channels"], state.scores["channels"].double()
+        final = run.final_masks(state.scores, state.init_metric)["channels"]
+        split = 0
+        for k in range(int(ids.max()) + 1):
+            members = ids == k
+            assert 1 <= int(members.sum()) <= b
+            assert len({i // run.layout.sizes["channels"][0] for i in torch.nonzero(members).flatten().tolist()}) == 1
+            assert float(s[members].max() - s[members].min()) <= 1e-4 + 1e-6  # one probability a block
+            split += 0 < float(final[members].sum()) < int(members.sum())
+        assert split <= 1  # the final mask keeps or drops whole blocks, but for the one the budget cuts
+        start = copy.copy(state)  # the blocks made from the init: the same hard mask as the init's
+        start.scores, start.method_state = dict(state.init_scores), {}
+        run.method._blocks(start)
+        assert torch.equal(start.method_state["blocks"]["channels"], ids)
+        for u, m in run.hard_masks(state.init_scores).items():
+            assert torch.equal(run.hard_masks(start.scores)[u], m), u
     if config.method_options["control_variate"] == "init-metric":
         assert state.method_state.get("control_moments") is not None and state.method_state.get("control_moments")["count"] == 3
 

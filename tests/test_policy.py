@@ -565,3 +565,34 @@ def test_weighted_projection_with_unit_weights_is_the_plain_one():
                               project_capped_simplex(z, budget), atol=1e-9)
     with pytest.raises(ValueError, match="positive"):
         project_weighted_capped_simplex(z, torch.zeros_like(z), 1.0)
+
+
+def test_rank_blocks_keep_kept_and_dropped_apart_and_neighbours_together():
+    from engine.policy import block_means, rank_blocks
+
+    g = torch.Generator().manual_seed(0)
+    for n_layers, width, block in ((3, 20, 4), (2, 7, 3), (4, 5, 3)):
+        s = torch.rand(n_layers * width, generator=g, dtype=torch.float64)
+        kept = torch.zeros_like(s)
+        for i in range(n_layers):  # each layer keeps its top k
+            k = int(torch.randint(0, width + 1, (1,), generator=g))
+            kept[i * width + torch.sort(s[i * width:(i + 1) * width], descending=True).indices[:k]] = 1.0
+        ids = rank_blocks(s, kept, [width] * n_layers, block)
+        assert sorted(set(ids.tolist())) == list(range(int(ids.max()) + 1))
+        for k in range(int(ids.max()) + 1):
+            members = torch.nonzero(ids == k).flatten()
+            assert len({int(i) // width for i in members}) == 1  # one layer
+            assert len(set(kept[members].tolist())) == 1  # all kept or all dropped
+            if width < 2 * block:
+                assert members.numel() == 1
+                continue
+            assert 1 <= members.numel() <= block
+            layer = slice(int(members[0]) // width * width, int(members[0]) // width * width + width)
+            same = (kept[layer] == kept[members[0]]).nonzero().flatten() + layer.start
+            inside = s[members]  # neighbours: no unit of the same side between the block's lowest and highest
+            between = ((s[same] > inside.min()) & (s[same] < inside.max())).sum()
+            assert int(between) == members.numel() - 2 if members.numel() >= 2 else int(between) == 0
+            if members.numel() < block:  # a short block sits at the end away from the cut
+                side = s[same]
+                assert inside.max() == side.max() if kept[members[0]] > 0 else inside.min() == side.min()
+        torch.testing.assert_close(block_means(s, ids)[ids[0]], s[ids == ids[0]].mean())

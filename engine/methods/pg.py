@@ -12,7 +12,9 @@ import torch
 
 from ..errors import UserError
 from ..fields import setting
-from ..policy import fit_control_coefficients, leave_one_out_baselines, metric_feature, policy_gradient, sample_masks, update_baseline
+from ..policy import (block_means, fit_control_coefficients, leave_one_out_baselines, metric_feature, policy_gradient,
+                      rank_blocks, sample_masks, update_baseline)
+from ..unit_types import UNIT_TYPES
 from .registry import register_method
 from .base import Method, StepGradient
 
@@ -53,6 +55,10 @@ class PGOptions:
     control_variate: str = setting("none", choices=CONTROL_VARIATES, flag="--control-variate", label="Control variate",
                                    help="init-metric: subtract a linear loss model of the init metric, fitted online, "
                                         "from the losses and add its exact gradient back (unbiased)")
+    unit_block: int = setting(1, minimum=1, flag="--unit-block", label="Unit block", help=(
+        "B > 1: the units of a type with at least 2B per layer (MLP channels) are sampled and learned in blocks of B "
+        "neighbours in the init's ranking within their layer (kept and dropped apart), one keep probability a block: "
+        "fewer, larger units for the estimate; 1: every unit alone"))
 
     def validate(self, config=None) -> None:
         n = getattr(config, "num_mask_samples", None)
@@ -64,6 +70,8 @@ class PGOptions:
             raise UserError("the sqrt estimator needs at least 2 mask samples per step")
         if self.baseline == "leave-one-out" and n < 2:
             raise UserError("the leave-one-out baseline needs at least 2 mask samples per step")
+        if self.unit_block > 1 and self.control_variate != "none":
+            raise UserError("the init-metric control variate works on single units: use --unit-block 1 with it")
         if self.mask_sampling == "antithetic" and n % 2:
             raise UserError(f"antithetic mask sampling draws pairs: num mask samples must be even, got {n}")
 
@@ -75,7 +83,10 @@ class PolicyGradient(Method):
     def gradient(self, state, batch):
         ctx, c = self.ctx, self.options
         antithetic = c.mask_sampling == "antithetic"
-        samples = {u: sample_masks(s, ctx.num_samples, ctx.rng, antithetic) for u, s in state.scores.items()}
+        blocks = self._blocks(state)  # unit type -> (units,) block ids, for the types sampled in blocks
+        policy = {u: block_means(s.double(), blocks[u]).to(s.dtype) if u in blocks else s for u, s in state.scores.items()}
+        drawn = {u: sample_masks(s, ctx.num_samples, ctx.rng, antithetic) for u, s in policy.items()}
+        samples = {u: m[:, blocks[u]] if u in blocks else m for u, m in drawn.items()}
         losses = ctx.losses(samples, batch)
 
         beta, features = None, None
@@ -88,13 +99,38 @@ class PolicyGradient(Method):
 
         baseline, shown = BASELINE_FNS[c.baseline](state, target, c)
 
-        grads = {u: policy_gradient(s.double(), samples[u].double(), target, baseline, c.estimator, c.estimator_clamp)
-                 for u, s in state.scores.items()}
+        grads = {u: policy_gradient(s.double(), drawn[u].double(), target, baseline, c.estimator, c.estimator_clamp)
+                 for u, s in policy.items()}
+        grads = {u: g[blocks[u]] if u in blocks else g for u, g in grads.items()}  # a block's estimate, to each unit
         if beta is not None:
             for k, u in enumerate(state.scores):  # + beta dE[h]/ds, h(m) = -sum z m: keeps the estimate unbiased
                 grads[u] = grads[u] - beta[k] * state.init_metric[u].double()
             self._update_control_moments(state, features, losses)
         return StepGradient(losses, grads, shown)
+
+    def _blocks(self, state) -> dict[str, torch.Tensor]:
+        """--unit-block B: each wide unit type's blocks (engine.policy.rank_blocks), made at the first step from the
+        scores and hard mask it starts from, when every unit's score becomes its block's mean (the projection moves
+        a block's units together from then on) plus a spread of 1e-4 in the init's order inside the block, which
+        only breaks the final mask's ties. Kept in the run state (checkpointed)."""
+        if self.options.unit_block <= 1:
+            return {}
+        if "blocks" not in state.method_state:
+            layout, b = self.ctx.layout, self.options.unit_block
+            wide = [u for u in state.scores if not UNIT_TYPES[u].whole_layer and max(layout.sizes[u]) >= 2 * b]
+            hard, blocks = self.ctx.hard_masks(state.scores), {}
+            for u in wide:
+                s = state.scores[u].double()
+                ids = rank_blocks(s, hard[u], layout.sizes[u], b)
+                rank = torch.empty_like(s)  # each unit's place in its block, from -0.5 (lowest score) to 0.5
+                for k in range(int(ids.max()) + 1):
+                    members = torch.nonzero(ids == k).flatten()
+                    order = members[torch.sort(s[members], stable=True).indices]
+                    rank[order] = torch.linspace(-0.5, 0.5, order.numel(), dtype=s.dtype) if order.numel() > 1 else 0.0
+                state.scores[u] = (block_means(s, ids)[ids] + 1e-4 * rank).clamp(0.0, 1.0).to(state.scores[u].dtype)
+                blocks[u] = ids
+            state.method_state["blocks"] = blocks
+        return state.method_state["blocks"]
 
     # --- the control variate's running moments (kept in the checkpoint with the run state) ---------
     def _control_coefficients(self, state) -> torch.Tensor:
