@@ -130,6 +130,13 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
        {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb", "bias_compensation": True,
         "layer_score_const": 1.0, "init_batches": 64, "init_data": "all", "best_val_margin": 0.01, "method_options": {"unit_block": b}}, True)
       for b in (64, 256)],
+    # ... with the samples near the init mask (sigmoid-cut T 0.1: a sample flips about 5 % of the blocks, those at
+    # FLAP's cut), and a step size for a block's effect (about 0.004 nats for 64 channels at the cut: at lr 0.02 the
+    # signal moves a block's probability by 0.004 in 50 steps; at lr 1.0 by about 0.2)
+    *[(f"PG joint from SLEB + FLAP, fixed layers, 64 init batches, sigmoid-cut, channel blocks of {b}, lr 1.0",
+       {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb", "bias_compensation": True,
+        "layer_score_const": 1.0, "init_batches": 64, "init_data": "all", "best_val_margin": 0.01,
+        "prob_map": "sigmoid-cut", "method_options": {"unit_block": b}}, True, 50.0) for b in (64, 256)],
     ("PG from FLAP, compensated, 64 init batches, channel blocks of 64",
      {**HC, "method": "pg", "scope": "global", "init": "flap", "bias_compensation": True, "init_batches": 64,
       "init_data": "all", "best_val_margin": 0.01, "method_options": {"unit_block": 64}}, True),
@@ -160,7 +167,9 @@ EXPLORED = ("Joint one-shot (Layerwise-PPL + Taylor, best mix)", "PG joint (laye
             "Joint one-shot (SLEB on 8 batches, 5 finalists + FLAP, compensated, 64 init batches)",
             "PG joint from SLEB + FLAP, fixed layers, 64 init batches, channel blocks of 64",
             "PG joint from SLEB + FLAP, fixed layers, 64 init batches, channel blocks of 256",
-            "PG from FLAP, compensated, 64 init batches, channel blocks of 64")
+            "PG from FLAP, compensated, 64 init batches, channel blocks of 64",
+            *[f"PG joint from SLEB + FLAP, fixed layers, 64 init batches, sigmoid-cut, channel blocks of {b}, lr 1.0"
+              for b in (64, 256)])
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
              "PG heads + channels (global)", "Wanda-sp (uniform)", "FLAP (one-shot, with its bias compensation)")
 
