@@ -137,9 +137,6 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
        {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb", "bias_compensation": True,
         "layer_score_const": 1.0, "init_batches": 64, "init_data": "all", "best_val_margin": 0.01,
         "prob_map": "sigmoid-cut", "method_options": {"unit_block": b}}, True, 50.0) for b in (64, 256)],
-    ("PG from FLAP, compensated, 64 init batches, channel blocks of 64",
-     {**HC, "method": "pg", "scope": "global", "init": "flap", "bias_compensation": True, "init_batches": 64,
-      "init_data": "all", "best_val_margin": 0.01, "method_options": {"unit_block": 64}}, True),
 ]
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
 SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
@@ -167,7 +164,6 @@ EXPLORED = ("Joint one-shot (Layerwise-PPL + Taylor, best mix)", "PG joint (laye
             "Joint one-shot (SLEB on 8 batches, 5 finalists + FLAP, compensated, 64 init batches)",
             "PG joint from SLEB + FLAP, fixed layers, 64 init batches, channel blocks of 64",
             "PG joint from SLEB + FLAP, fixed layers, 64 init batches, channel blocks of 256",
-            "PG from FLAP, compensated, 64 init batches, channel blocks of 64",
             *[f"PG joint from SLEB + FLAP, fixed layers, 64 init batches, sigmoid-cut, channel blocks of {b}, lr 1.0"
               for b in (64, 256)])
 RUN_FIRST = ("Taylor (LLM-Pruner's metric, global ranking)", "PG joint (layers + heads + channels)",
