@@ -228,6 +228,22 @@ def test_crash_resumes_from_last_checkpoint(tiny, tiny_path, small_eval_file, tm
     assert_same_run(a, c, results_a, results_c)
 
 
+def test_unit_blocks_resume_as_an_uninterrupted_run(tiny, tiny_path, small_eval_file, tmp_path):
+    """--unit-block's blocks live in the run state: a run stopped after step 3 and resumed ends as one that was not."""
+    config = small_config(tiny_path, small_eval_file, method_options={"unit_block": 32})
+    a, b = tmp_path / "A", tmp_path / "B"
+    results_a = PruneRun(config, a, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    stop = threading.Event()
+    PruneRun(config, b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 3 else None)
+    blocks = torch.load(b / "checkpoint.pt", weights_only=False)["method_state"]["blocks"]
+    assert set(blocks) == {"channels"}  # (4 KV groups a layer: fewer than 2 blocks' worth, alone)
+    assert 2 * 12 <= int(blocks["channels"].max()) + 1 <= 2 * 13  # 384 channels a layer: 12 blocks, 13 if its cut splits one
+    results_b = PruneRun(PruneConfig.load(b / "config.json"), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        resume=True, progress=False)
+    assert_same_run(a, b, results_a, results_b)
+
+
 # --- other settings ----------------------------------------------------------------------------------
 def test_uniform_scope_keeps_equal_counts_per_layer(tiny, tiny_path, small_eval_file, tmp_path):
     config = small_config(tiny_path, small_eval_file, steps=2, scope="uniform", prune_ratio=0.5)
