@@ -100,12 +100,11 @@ class PruneRun:
         for hook in self.hooks:
             hook.on_setup()
         self.checkpoints, self.masks = Checkpoints(self), RunMasks(self)
-        self.keep_ratio_at, self.lr_at, self.hard_masks = self.masks.keep_ratio_at, self.masks.lr_at, self.masks.hard_masks
-        self.ctx.hard_masks = self.hard_masks
+        self.keep_ratio_at, self.lr_at = self.masks.keep_ratio_at, self.masks.lr_at
+        self.hard_masks = self.ctx.hard_masks = self.masks.hard_masks  # (a method may cut its scores, as --unit-block)
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
-        self.masked_perplexity = self.masks.masked_perplexity
-        self.load_checkpoint, self.write_checkpoint = self.checkpoints.load, self.checkpoints.write
-        self.restore_metrics = self.checkpoints.restore_metrics
+        self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
+        self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics
 
     fill = property(lambda self: self.ctx.fill, doc="Bias compensation's means, once measured (None without it)")
 
