@@ -37,6 +37,10 @@ LAYERS = {"units": "layers", "budget": "params", "scope": "global"}
 JOINT = {"units": "layers,heads,channels", "budget": "params", "scope": "global"}
 JOINT4 = {**JOINT, "mix_batches": 4}  # the rows measured before the mix took 8 batches (the config's old default)
 JOINT8 = {**JOINT, "mix_batches": 8}  # (PruneConfig.of reads a config without the field as an old one: 4)
+# PG on the widths of the layers the joint one-shot keeps (SLEB's layers fixed, FLAP's compensated widths on 64 init
+# batches, the init read as the one-shot row reads it, best-val's 1 % margin): the row of that name and its variants
+FIXED64 = {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb", "bias_compensation": True,
+           "layer_score_const": 1.0, "init_batches": 64, "init_data": "all", "best_val_margin": 0.01}
 # SLEB runs the model once per layer and removal: about 30 CPU minutes per cell at 30 % here. The joint rows
 # take Layerwise-PPL's layer order (n model runs) so that a PG cell fits in about 35 minutes on one core.
 ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
@@ -95,10 +99,7 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     # today's 1 % margin (the two 64-batch PG rows)
     ("Joint one-shot (SLEB + FLAP, compensated, 64 init batches)", {**JOINT8, "method": "flap", "init": "flap",
                                                                     "layer_init": "sleb", "init_batches": 64}, False),
-    ("PG joint from SLEB + FLAP, fixed layers, 64 init batches", {**JOINT8, "method": "pg", "init": "flap",
-                                                                  "layer_init": "sleb", "bias_compensation": True,
-                                                                  "layer_score_const": 1.0, "init_batches": 64,
-                                                                  "init_data": "all", "best_val_margin": 0.01}, True),
+    ("PG joint from SLEB + FLAP, fixed layers, 64 init batches", FIXED64, True),
     # the mix refined: the 3 layer counts that lose least on the 8 mix batches compared again on the next 24 init
     # batches (bench/joint_counts.py: on seed 0 the loss on those 24 batches ranks the counts 2-6 as WikiText does)
     ("Joint one-shot (SLEB + FLAP, compensated, 64 init batches, mix refined on 24)",
@@ -127,16 +128,12 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     # probability): a channel alone moves the loss by far less than the spread of the sampled losses, so 50 steps of
     # 8 samples never rank 46,080 of them; 720 blocks of 64 (or 180 of 256) each move it B times more
     *[(f"PG joint from SLEB + FLAP, fixed layers, 64 init batches, channel blocks of {b}",
-       {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb", "bias_compensation": True,
-        "layer_score_const": 1.0, "init_batches": 64, "init_data": "all", "best_val_margin": 0.01, "method_options": {"unit_block": b}}, True)
-      for b in (64, 256)],
+       {**FIXED64, "method_options": {"unit_block": b}}, True) for b in (64, 256)],
     # ... with the samples near the init mask (sigmoid-cut T 0.1: a sample flips about 5 % of the blocks, those at
     # FLAP's cut), and a step size for a block's effect (about 0.004 nats for 64 channels at the cut: at lr 0.02 the
     # signal moves a block's probability by 0.004 in 50 steps; at lr 1.0 by about 0.2)
     *[(f"PG joint from SLEB + FLAP, fixed layers, 64 init batches, sigmoid-cut, channel blocks of {b}, lr 1.0",
-       {**JOINT8, "method": "pg", "init": "flap", "layer_init": "sleb", "bias_compensation": True,
-        "layer_score_const": 1.0, "init_batches": 64, "init_data": "all", "best_val_margin": 0.01,
-        "prob_map": "sigmoid-cut", "method_options": {"unit_block": b}}, True, 50.0) for b in (64, 256)],
+       {**FIXED64, "prob_map": "sigmoid-cut", "method_options": {"unit_block": b}}, True, 50.0) for b in (64, 256)],
 ]
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
 SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
