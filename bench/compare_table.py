@@ -134,7 +134,21 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
     # signal moves a block's probability by 0.004 in 50 steps; at lr 1.0 by about 0.2)
     *[(f"PG joint from SLEB + FLAP, fixed layers, 64 init batches, sigmoid-cut, channel blocks of {b}, lr 1.0",
        {**FIXED64, "prob_map": "sigmoid-cut", "method_options": {"unit_block": b}}, True, 50.0) for b in (64, 256)],
+    # --reconstruct: the final mask's kept columns refit by least squares to the dense projections' outputs (16
+    # batches of their own, ridge 0.1); the masks are the rows' above, each row against its own mask unrefit. SLEB
+    # removes whole layers only: nothing to refit. Taylor's row with the intercept (the compensation's means)
+    *[(f"{row} + least-squares reconstruction", {**settings, "reconstruct": True}, pg) for row, settings, pg in (
+        ("FLAP (one-shot, with its bias compensation)", {**HC, "method": "flap", "scope": "global", "init": "flap"}, False),
+        ("Taylor (LLM-Pruner's metric, global ranking)", {**HC, "method": "metric", "scope": "global", "init": "taylor",
+                                                          "bias_compensation": True}, False),
+        ("PG heads + channels (global)", {**HC, "method": "pg", "scope": "global", "init": "taylor"}, True),
+        ("Joint one-shot (SLEB + FLAP, compensated, 64 init batches)", {**JOINT8, "method": "flap", "init": "flap",
+                                                                        "layer_init": "sleb", "init_batches": 64}, False),
+        ("Joint one-shot (Layerwise-PPL + FLAP, compensated, mix on 8 batches)",
+         {**JOINT8, "method": "flap", "init": "flap", "layer_init": "layerwise-ppl", "init_batches": 16}, False),
+        ("PG joint from SLEB + FLAP, fixed layers, 64 init batches", FIXED64, True))],
 ]
+RECONSTRUCTED = tuple(row for row, settings, *_ in ROWS if settings.get("reconstruct"))
 # one-shot rows whose seeds (their calibration batches) are all run at the first rate, as the PG rows'
 SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
                    "Joint one-shot (SLEB + FLAP, compensated, mix on 8 batches)",
@@ -145,7 +159,8 @@ SEEDED_ONE_SHOT = ("Joint one-shot (SLEB + FLAP, compensated, best mix)",
                    "Joint one-shot (SLEB on 8 batches + FLAP, compensated, 64 init batches)",
                    "Joint one-shot (Layerwise-PPL + FLAP, compensated, 64 init batches)", "SLEB", "SLEB, 5 finalists",
                    "Joint one-shot (Layerwise-PPL + FLAP, compensated, mix on 8 batches)",
-                   "Joint one-shot (SLEB on 8 batches, 5 finalists + FLAP, compensated, 64 init batches)")
+                   "Joint one-shot (SLEB on 8 batches, 5 finalists + FLAP, compensated, 64 init batches)",
+                   *(r for r in RECONSTRUCTED if "one-shot" in r or r.startswith(("FLAP", "Taylor"))))
 # the variants measured on the way to the rows above them (maps, mix batches, init batches, step sizes): the report
 # puts them in a second table, so that the first reads as the issue's comparison
 EXPLORED = ("Joint one-shot (Layerwise-PPL + Taylor, best mix)", "PG joint (layers + heads + channels)",

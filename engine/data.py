@@ -7,6 +7,8 @@ Where the data come from when no path is given: the folder named by $PG_PRUNE_DA
 
 from __future__ import annotations
 
+import copy
+
 import gzip
 import json
 import os
@@ -133,6 +135,12 @@ class CalibrationSampler:
             start = int(torch.randint(len(doc) - self.seqlen, (1,), generator=self.generator))
             rows.append(doc[start : start + self.seqlen])
         return torch.stack(rows)
+
+    def reseeded(self, seed: int) -> "CalibrationSampler":
+        """A sampler over the same documents with a stream of its own."""
+        other = copy.copy(self)
+        other.generator = torch.Generator().manual_seed(seed)
+        return other
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import TYPE_CHECKING
 
@@ -69,12 +70,18 @@ def finish(run: "PruneRun", state: RunState) -> dict:
     for hook in run.hooks:
         scores = hook.final_scores(state, scores)
     masks = run.final_masks(scores, state.init_metric)
-    ppl_pruned = run.masked_perplexity(masks, "pruned")  # (every rank: a data-parallel run shares its forwards)
-    if not run.world.writes:  # rank 0 alone writes the masks, the export and results.json
-        return {"status": "done", "rank": run.world.rank, "ppl_pruned": ppl_pruned}
-    save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores)
-    run.log(f"exporting the sliced model to {run.out / MODEL_DIR}")
-    export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill)
+    with contextlib.ExitStack() as weights:  # the model as the hooks finish it (--reconstruct refits the kept columns)
+        fill = ...  # (the run's compensation)
+        for hook in run.hooks:
+            fill = weights.enter_context(hook.final_weights(masks, fill))
+        ppl_pruned = run.masked_perplexity(masks, "pruned", fill)  # (every rank: a data-parallel run shares its forwards)
+        if not run.world.writes:  # rank 0 alone writes the masks, the export and results.json
+            return {"status": "done", "rank": run.world.rank, "ppl_pruned": ppl_pruned}
+        save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores)
+        run.log(f"exporting the sliced model to {run.out / MODEL_DIR}")
+        export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill if fill is ... else fill)
     results = run_results(run, state, scores, masks, ppl_pruned, export["params"])
+    for hook in run.hooks:
+        results.update(hook.results())
     atomic_write_text(run.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results

@@ -13,11 +13,12 @@ calls every joined hook in RUN_HOOKS' order and never branches on an option's na
                    so it sees the latest check)
     best_val       --final-mask best-val: the best-validated step's scores are the final ones
     ranking        --within-layer-ranking init-metric: per-layer counts from the scores, units by the metric
+    reconstruction --reconstruct: the final mask's kept columns refit by least squares for the evaluation and export
 """
 
 from __future__ import annotations
 
 from .base import RUN_HOOKS, RunHook, register_hook
-from . import ranks, progressive, compensation, multiples, time_budget, validation, early_stop, best_val, ranking  # noqa: E402,F401  (in this order)
+from . import ranks, progressive, compensation, multiples, time_budget, validation, early_stop, best_val, ranking, reconstruction  # noqa: E402,F401  (in this order)
 
 __all__ = ["RUN_HOOKS", "RunHook", "register_hook"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -22,6 +23,7 @@ def register_hook(cls: type["RunHook"]) -> type["RunHook"]:
 
 class RunHook:
     needs_data: ClassVar[bool] = False  # needs the init batches even when no init metric does
+    final_evaluations: ClassVar[int] = 0  # evaluations it adds at the end (--time-budget keeps time for them)
 
     def __init__(self, run: "PruneRun"):
         self.run = run
@@ -61,3 +63,13 @@ class RunHook:
     def final_masks(self, masks: dict[str, torch.Tensor], metric: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The final masks, before the evaluation and the export."""
         return masks
+
+    @contextmanager
+    def final_weights(self, masks: dict[str, torch.Tensor], fill):
+        """Around the final evaluation and the export: the model as they should see it, and the compensation
+        fill to use (`fill` as given: ... for the run's own)."""
+        yield fill
+
+    def results(self) -> dict:
+        """What this hook adds to results.json."""
+        return {}

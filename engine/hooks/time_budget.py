@@ -4,10 +4,10 @@ evaluation and export, for which a reserve is kept.
 
 After every step the plan is made again from what this session measured: the wall time per step, the larger
 of its mean since the first step (validations and checkpoints included, spread over the steps) and its mean
-over the last 5 (a slowdown shows there first), and the reserve for the end (the
-longest evaluation this run measured, 15 % more, plus 5 s for the export). The planned count is the run's step
-count (`run.ctx.steps`), so the learning-rate schedule and a method's own schedules (Gumbel's temperature,
-Bonsai's rounds) stretch to it. A resumed run counts the minutes its earlier sessions used (kept in the
+over the last 5 (a slowdown shows there first), and the reserve for the end (the longest evaluation this
+run measured, 15 % more, for each final evaluation, plus 5 s for the export). The planned count is the run's
+step count (`run.ctx.steps`), so the learning-rate schedule and a method's own schedules (Gumbel's
+temperature, Bonsai's rounds) stretch to it. A resumed run counts the minutes its earlier sessions used (kept in the
 checkpoint) and plans what is left."""
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class TimeBudget(RunHook):
     def plan(self, state, per_step: float) -> None:
         """The run's step count from here (ctx.steps), and what a checkpoint keeps of the time used."""
         self.eval_seconds = max(self.eval_seconds, self.run.masks.longest_eval)
-        reserve = RESERVE_FACTOR * self.eval_seconds + EXPORT_SECONDS
+        evaluations = 1 + sum(h.final_evaluations for h in self.run.hooks)  # (--reconstruct: the mask before its refit)
+        reserve = RESERVE_FACTOR * evaluations * self.eval_seconds + EXPORT_SECONDS
         planned = planned_steps(state.step, self.elapsed(), self.limit, per_step, reserve)
         self.run.ctx.steps = self.run.world.from_writer(planned, "the time budget's step count")  # (rank 0's clock)
         state.time_used = {"seconds": self.elapsed(), "eval_seconds": self.eval_seconds, "per_step": per_step,

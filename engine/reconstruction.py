@@ -1,0 +1,138 @@
+"""Least-squares reconstruction (`--reconstruct`): after the final mask is cut, each output projection's kept
+input columns are refit so that the pruned layer reproduces the dense projection's output on calibration data.
+
+A projection computes W x = W_k x_k + W_r x_r over its kept (k) and removed (r) input columns. Removing r, the
+best a linear function of what is left can do (least squares over calibration tokens) is to replace x_r by its
+linear regression on x_k: x_r ~ A x_k + f, with A = C_rk (C_kk + lam I)^-1 over the centred second moments C
+and f = mu_r - A mu_k. Then W' = W_k + W_r A on the kept columns and W_r f joins the projection's bias. The
+minimiser of E||W x - W' x_k - b||^2 is this whatever W_r is, so one regression per projection serves all of its
+outputs. FLAP's bias compensation is the case A = 0 (x_r replaced by its mean); without compensation
+(--no-bias-compensation) the regression has no intercept: raw second moments and f = 0.
+
+The statistics are the dense model's (one pass over the batches), as the compensation's means are. In the run
+the refit is a weight edit held for the final evaluation and the export (`reconstructed`), with the offsets f as
+the masked columns' fill, so the hooks, the sliced forwards and the export need nothing new: the masked model
+computes W'_k x_k + W_r f and the export folds W_r f into the bias as it does the compensation's means.
+
+lam (`ridge`) is relative to the mean variance of the kept columns: columns that the calibration data barely
+moves, or that are nearly collinear, do not get large weights from noise."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .arch import ModelAdapter
+from .evaluate import decoder_forward
+from .export import kept_indices
+from .metrics.activations import release_freed_memory
+from .unit_types import UNIT_TYPES, layer_unit_types
+from .units import UnitLayout
+
+Moments = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, int]]  # (sum x x^T, sum x, tokens), float64
+
+
+def regression(second: torch.Tensor, mean: torch.Tensor, kept: torch.Tensor, ridge: float,
+               centered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, f): the least-squares x_r ~ A x_k + f of the removed columns on the kept ones (`kept`: the kept
+    columns' indices), from the second moments E[x x^T] (`second`) and means E[x] of all columns. centered:
+    with an intercept (the centred moments); otherwise through the origin (f = 0). ridge: lam relative to the
+    mean of the kept columns' variances (their second moments, not centred)."""
+    n = second.shape[0]
+    removed = torch.ones(n, dtype=torch.bool)
+    removed[kept] = False
+    m = second - torch.outer(mean, mean) if centered else second
+    mkk, mrk = m[kept][:, kept], m[removed][:, kept]
+    scale = float(mkk.diagonal().mean()) if len(kept) else 0.0
+    lam = ridge * scale if scale > 0 else 1e-12
+    a = torch.linalg.solve(mkk + lam * torch.eye(len(kept), dtype=m.dtype), mrk.T).T if len(kept) else mrk
+    f = mean[removed] - a @ mean[kept] if centered else torch.zeros(int(removed.sum()), dtype=m.dtype)
+    return a, f
+
+
+def _groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Consecutive positions packed so that each group's sizes add up to at most max_bytes (one each at least)."""
+    out, total = [[]], 0
+    for i, s in enumerate(sizes):
+        if out[-1] and total + s > max_bytes:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += s
+    return out
+
+
+@torch.no_grad()
+def input_moments(adapter: ModelAdapter, batches: list[torch.Tensor], unit_types: list[str],
+                  max_bytes: int = 2 << 30, log=lambda s: None) -> Moments:
+    """(sum of x x^T, sum of x, tokens) of the inputs of `unit_types`' output projections, per (unit type, layer),
+    on the model as it is (dense, unmasked). The float64 sums of all layers at once may exceed `max_bytes`: then
+    the batches are run once per group of layers that fits."""
+    types = [t for t in layer_unit_types() if t.name in unit_types]
+    keys = [(t, i) for i in range(adapter.num_layers) for t in types]
+    sizes = [8 * t.output_proj(adapter, i).in_features ** 2 for t, i in keys]
+    out: Moments = {}
+    groups = _groups(sizes, max_bytes)
+    for g, group in enumerate(groups):
+        if len(groups) > 1:
+            log(f"reconstruction statistics: pass {g + 1} of {len(groups)} (layers that fit {max_bytes >> 20} MiB)")
+        acc: dict = {}
+
+        def recorder(key):
+            def hook(module, args):
+                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+                gram, total = (x.T @ x).double(), x.sum(0).double()
+                if key in acc:
+                    acc[key][0].add_(gram)
+                    acc[key][1].add_(total)
+                else:
+                    acc[key] = [gram, total]
+
+            return hook
+
+        handles = [keys[j][0].output_proj(adapter, keys[j][1]).register_forward_pre_hook(recorder((keys[j][0].name, keys[j][1])))
+                   for j in group]
+        try:
+            for batch in batches:
+                decoder_forward(adapter.model, batch)
+                release_freed_memory()
+        finally:
+            for h in handles:
+                h.remove()
+        tokens = sum(b.numel() for b in batches)
+        out.update({k: (v[0].cpu(), v[1].cpu(), tokens) for k, v in acc.items()})
+    return out
+
+
+@contextmanager
+def reconstructed(adapter: ModelAdapter, layout: UnitLayout, masks: dict[str, torch.Tensor], moments: Moments,
+                  ridge: float, centered: bool = True):
+    """While active, the kept columns of every pruned output projection of the kept layers carry W_k + W_r A
+    (see the module's docstring); yields the fill that goes with it (unit type -> per layer, f at the removed
+    columns; None when not centred: no offsets). The weights are restored on leaving."""
+    saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    fill = {t.name: [torch.zeros(t.output_proj(adapter, i).in_features) for i in range(adapter.num_layers)]
+            for t in layer_unit_types() if t.name in masks}
+    try:
+        for i, kept in kept_indices(layout, masks, adapter):
+            for t in layer_unit_types():
+                if t.name not in masks or UNIT_TYPES[t.name].whole_layer:
+                    continue
+                w = t.output_proj(adapter, i).weight
+                cols = t.column_index(adapter, kept[t.name])
+                if len(cols) == w.shape[1]:
+                    continue
+                second, total, tokens = moments[(t.name, i)]
+                a, f = regression(second / tokens, total / tokens, cols, ridge, centered)
+                removed = torch.ones(w.shape[1], dtype=torch.bool)
+                removed[cols] = False
+                wd = w.detach()
+                saved.append((w, cols, wd[:, cols.to(w.device)].clone()))
+                edit = wd[:, removed.to(w.device)].double().cpu() @ a
+                wd[:, cols.to(w.device)] += edit.to(w)
+                fill[t.name][i][removed] = f.float()
+        yield fill if centered else None
+    finally:
+        for w, cols, original in reversed(saved):
+            w.detach()[:, cols.to(w.device)] = original

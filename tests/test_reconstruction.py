@@ -1,0 +1,179 @@
+"""--reconstruct: the least-squares refit of the kept columns (engine/reconstruction.py) against a direct
+least-squares solve, its statistics against the ones the engine already takes, the refit projection's error
+against the compensation's, and the run: its export equals its masked evaluation, it resumes as an
+uninterrupted run, old configs load without it."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.arch import ModelAdapter
+from engine.config import PruneConfig
+from engine.errors import UserError
+from engine.masking import MaskHooks
+from engine.metrics.activations import column_moments
+from engine.pruner import PruneRun
+from engine.reconstruction import _groups, input_moments, reconstructed, regression
+from engine.unit_types import UNIT_TYPES, unit_sizes
+from engine.units import UnitLayout
+
+from test_adapters_export import build_model
+from test_executors import batch
+from test_pruner import assert_same_run, quiet, small_config
+
+
+def moments_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.T @ x / len(x), x.mean(0)
+
+
+@pytest.mark.parametrize("centered", [True, False])
+def test_the_regression_is_the_least_squares_solution(centered):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 9, generator=g, dtype=torch.float64) @ torch.randn(9, 9, generator=g, dtype=torch.float64) + 2.0
+    kept = torch.tensor([0, 2, 3, 7])
+    removed = torch.tensor([1, 4, 5, 6, 8])
+    a, f = regression(*moments_of(x), kept, ridge=0.0, centered=centered)
+    design = torch.cat([x[:, kept], torch.ones(len(x), 1, dtype=x.dtype)], 1) if centered else x[:, kept]
+    want = torch.linalg.lstsq(design, x[:, removed]).solution
+    torch.testing.assert_close(a, want[:len(kept)].T, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(f, want[len(kept)] if centered else torch.zeros(len(removed), dtype=x.dtype),
+                               rtol=1e-8, atol=1e-8)
+
+
+def test_a_large_ridge_leaves_the_means_the_compensation_fills_in():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 6, generator=g, dtype=torch.float64) + torch.arange(6.0, dtype=torch.float64)
+    kept = torch.tensor([1, 4])
+    a, f = regression(*moments_of(x), kept, ridge=1e9)
+    assert a.abs().max() < 1e-6
+    torch.testing.assert_close(f, x.mean(0)[[0, 2, 3, 5]], rtol=1e-5, atol=1e-5)
+
+
+def test_layer_groups_fit_the_memory_cap_in_order():
+    sizes = [5, 3, 4, 9, 1, 1, 2]
+    groups = _groups(sizes, 8)
+    assert [i for grp in groups for i in grp] == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in grp) <= 8 or len(grp) == 1 for grp in groups)
+    assert groups == [[0, 1], [2], [3], [4, 5, 6]]
+
+
+def test_the_statistics_agree_with_the_engines_column_moments_in_one_pass_or_several():
+    model = build_model("llama")
+    a = ModelAdapter.for_model(model)
+    batches = [batch(model, rows=2, seqlen=13, seed=s) for s in (1, 2)]
+    one = input_moments(a, batches, ["heads", "channels"])
+    several = input_moments(a, batches, ["heads", "channels"], max_bytes=1)  # one projection a pass
+    sums, squares, tokens = column_moments(a, batches)
+    for key, (second, total, n) in one.items():
+        assert n == tokens
+        torch.testing.assert_close(total.float(), sums[key], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(second.diagonal().float(), squares[key], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(several[key][0], second, rtol=0, atol=0)
+
+
+def _recorded(model, proj, ids):
+    got = []
+    h = proj.register_forward_hook(lambda m, args, out: got.append(out.detach().reshape(-1, out.shape[-1])))
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    return got[0].double()
+
+
+@pytest.mark.parametrize("unit", ["heads", "channels"])
+def test_the_refit_projection_matches_the_dense_one_best_and_the_weights_come_back(unit):
+    """One layer pruned (the projection's input is then the dense model's): on the statistics' own tokens the
+    refit output is the least-squares fit of the dense output, no worse than the compensation's mean fill, and
+    equal to a direct least-squares solve; leaving the context restores every weight bit for bit."""
+    model = build_model("mistral")
+    a = ModelAdapter.for_model(model)
+    layout = UnitLayout({unit: unit_sizes(a)[unit]})
+    ids = batch(model, rows=6, seqlen=31, seed=3)
+    moments = input_moments(a, [ids], [unit])
+    n = layout.sizes[unit][0]
+    mask = torch.ones(layout.total(unit))
+    mask[: n // 3] = 0.0  # layer 0 loses its first third
+    masks = {unit: mask}
+    t = UNIT_TYPES[unit]
+    proj = t.output_proj(a, 0)
+    dense_out = _recorded(model, proj, ids)
+    inputs = []
+    h = proj.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    x = inputs[0].double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    second, total, tokens = moments[(unit, 0)]
+    mean_fill = {unit: [total.float() / tokens if i == 0 else torch.zeros_like(total.float()) for i in range(a.num_layers)]}
+
+    def masked_out(fill):
+        with MaskHooks(a) as hooks:
+            hooks.set({unit: layout.split(unit, mask)}, fill)
+            return _recorded(model, proj, ids)
+
+    err_mean = (masked_out(mean_fill) - dense_out).pow(2).sum()
+    with reconstructed(a, layout, masks, moments, ridge=0.0) as fill:
+        refit = masked_out(fill)
+    err_ls = (refit - dense_out).pow(2).sum()
+    assert err_ls < err_mean
+    cols = t.column_index(a, torch.nonzero(layout.split(unit, mask)[0]).flatten())
+    design = torch.cat([x[:, cols], torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    bias = proj.bias.double() if proj.bias is not None else 0.0
+    solution = torch.linalg.lstsq(design, dense_out - bias).solution
+    torch.testing.assert_close(refit, design @ solution + bias, rtol=1e-4, atol=1e-4)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+# --- runs on the tiny real model -------------------------------------------------------------------------
+def _run(tiny, tiny_path, small_eval_file, out, **kw):
+    config = small_config(tiny_path, small_eval_file, reconstruct_batches=2, **kw)
+    return PruneRun(config, out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+
+
+@pytest.mark.parametrize("compensation", [True, False], ids=["with-intercept", "through-origin"])
+def test_a_reconstructed_run_exports_what_it_evaluated(compensation, tiny, tiny_path, small_eval_file, tmp_path):
+    plain = _run(tiny, tiny_path, small_eval_file, tmp_path / "plain", method="metric", bias_compensation=compensation)
+    before = {k: v.clone() for k, v in tiny[0].state_dict().items()}
+    results = _run(tiny, tiny_path, small_eval_file, tmp_path / "r", method="metric", reconstruct=True,
+                   bias_compensation=compensation)
+    for k, v in tiny[0].state_dict().items():  # the run's model is left as it was given
+        assert torch.equal(v, before[k]), k
+    r = results["reconstruction"]
+    assert r["ppl_before"] == pytest.approx(plain["ppl_pruned"]) and r["intercept"] == compensation
+    assert results["ppl_pruned"] != pytest.approx(plain["ppl_pruned"])  # the refit changed the model
+    assert results["kept_per_layer"] == plain["kept_per_layer"] and results["params_pruned"] == plain["params_pruned"]
+    from engine.evaluate import perplexity
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "model", trust_remote_code=True).eval()
+    run = PruneRun(PruneConfig.load(tmp_path / "r" / "config.json"), tmp_path / "x", model=tiny[0], tokenizer=tiny[1], log=quiet)
+    assert perplexity(exported, run.windows) == pytest.approx(results["ppl_pruned"], rel=1e-4)
+    assert json.loads((tmp_path / "r" / "results.json").read_text())["reconstruction"] == r
+
+
+def test_a_reconstructed_run_resumes_as_an_uninterrupted_one(tiny, tiny_path, small_eval_file, tmp_path):
+    a, b = tmp_path / "A", tmp_path / "B"
+    results_a = _run(tiny, tiny_path, small_eval_file, a, reconstruct=True)
+    stop = threading.Event()
+    config = small_config(tiny_path, small_eval_file, reconstruct_batches=2, reconstruct=True)
+    PruneRun(config, b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 3 else None)
+    results_b = PruneRun(PruneConfig.load(b / "config.json"), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        resume=True, progress=False)
+    assert_same_run(a, b, results_a, results_b)
+    assert results_b["reconstruction"] == results_a["reconstruction"]
+
+
+def test_old_configs_load_without_it_and_layers_alone_are_refused(tiny_path, small_eval_file):
+    old = small_config(tiny_path, small_eval_file).to_dict()
+    for key in ("reconstruct", "reconstruct_batches", "reconstruct_ridge"):
+        old.pop(key)
+    assert PruneConfig.from_dict(old).reconstruct is False
+    with pytest.raises(UserError, match="whole layers alone have none"):
+        small_config(tiny_path, small_eval_file, units=["layers"], reconstruct=True, layer_init="layerwise-ppl").validate()
