@@ -6,8 +6,8 @@ z-score compares a layer with a channel. The scale used instead is the calibrati
 mix (k = 0, 1, ... up to the most layers the budget can remove), each a one-shot mask from the two metrics (the
 k least important layers, the widths of the others cut to what the budget leaves: the same share of each width
 type, or with a metric that compares across types, such as FLAP's, one ranking of the kept layers' units), is
-run on held-out batches (with the bias compensation when the run has it), and the run starts from the mix that
-loses least. A candidate costs a forward pass per batch, so all of them are tried. PG then learns the mix from there (the projection trades a
+run on held-out batches (with the bias compensation when the run has it, and refit when it reconstructs), and the
+run starts from the mix that loses least. A candidate costs a forward pass per batch, so all of them are tried. PG then learns the mix from there (the projection trades a
 layer's probability against its widths' through one multiplier, engine/budget.ParamBudget)."""
 
 from __future__ import annotations
@@ -69,14 +69,18 @@ def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.
     `more` batches, the MIX_FINALISTS mixes that lose least on `batches` are compared again on every batch, and
     the one with the lowest mean over `batches` + `more` is chosen (its line gets "loss_refined")."""
     c, budget = run.config, run.budget
-    if loss is None:
-        def loss(masks, batch):
-            return hard_mask_loss(run, masks, batch)
+
+    def mean_loss(masks, on: list[torch.Tensor]) -> float:
+        if loss is not None:
+            return sum(loss(masks, b) for b in on) / len(on)
+        with run.masks.weights(masks) as fill:  # (the model the run would export with this mask: --reconstruct)
+            return sum(hard_mask_loss(run, masks, b, fill) for b in on) / len(on)
+
     candidates, lines = [], []
     for k in layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)):
         scores = candidate_scores(budget, z, run.layout, k, keep, c, comparable)
         masks = run.hard_masks(scores, keep)
-        value = sum(loss(masks, b) for b in batches) / len(batches)
+        value = mean_loss(masks, batches)
         removed = int((masks[budget.layer_type] <= 0.5).sum())
         lines.append({"layers_removed": removed, "loss": value})
         run.log(f"joint mix: {removed} layers removed, the widths of the others cut to the budget: calibration loss {value:.4f}")
@@ -85,7 +89,7 @@ def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.
     if more:
         refined = []
         for value, i, scores, masks in candidates[:MIX_FINALISTS]:
-            mean = (value * len(batches) + sum(loss(masks, b) for b in more)) / (len(batches) + len(more))
+            mean = (value * len(batches) + mean_loss(masks, more) * len(more)) / (len(batches) + len(more))
             lines[i]["loss_refined"] = mean
             run.log(f"joint mix: {lines[i]['layers_removed']} layers removed: calibration loss {mean:.4f} on "
                     f"{len(batches) + len(more)} batches")

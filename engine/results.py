@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import TYPE_CHECKING
 
@@ -70,10 +69,7 @@ def finish(run: "PruneRun", state: RunState) -> dict:
     for hook in run.hooks:
         scores = hook.final_scores(state, scores)
     masks = run.final_masks(scores, state.init_metric)
-    with contextlib.ExitStack() as weights:  # the model as the hooks finish it (--reconstruct refits the kept columns)
-        fill = ...  # (the run's compensation)
-        for hook in run.hooks:
-            fill = weights.enter_context(hook.final_weights(masks, fill))
+    with run.masks.weights(masks) as fill:  # the model as the hooks finish it (--reconstruct refits the kept columns)
         ppl_pruned = run.masked_perplexity(masks, "pruned", fill)  # (every rank: a data-parallel run shares its forwards)
         if not run.world.writes:  # rank 0 alone writes the masks, the export and results.json
             return {"status": "done", "rank": run.world.rank, "ppl_pruned": ppl_pruned}

@@ -4,6 +4,7 @@ mask costs in perplexity."""
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,16 @@ class RunMasks:
         for hook in self.run.hooks:
             masks = hook.final_masks(masks, metric)
         return masks
+
+    @contextmanager
+    def weights(self, masks: dict[str, torch.Tensor]):
+        """The model as the run evaluates and exports this hard mask (every hook's weights_for: --reconstruct refits
+        its kept columns), and the compensation fill that goes with it (... for the run's own)."""
+        with ExitStack() as stack:
+            fill = ...
+            for hook in self.run.hooks:
+                fill = stack.enter_context(hook.weights_for(masks, fill))
+            yield fill
 
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         return {u: self.run.layout.split(u, m) for u, m in flat.items()}

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from engine.arch import ModelAdapter
 from engine.config import PruneConfig
 from engine.errors import UserError
+from engine.export import kept_indices
 from engine.masking import MaskHooks
 from engine.metrics.activations import column_moments
 from engine.pruner import PruneRun
@@ -177,3 +178,29 @@ def test_old_configs_load_without_it_and_layers_alone_are_refused(tiny_path, sma
     assert PruneConfig.from_dict(old).reconstruct is False
     with pytest.raises(UserError, match="whole layers alone have none"):
         small_config(tiny_path, small_eval_file, units=["layers"], reconstruct=True, layer_init="layerwise-ppl").validate()
+
+
+def test_the_joint_mix_is_chosen_on_refit_candidates(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """With --reconstruct every joint-mix candidate is scored with its own kept columns refit (the weights differ
+    from the dense ones while its losses are taken exactly when a kept layer lost width, with the refit's fill),
+    and the weights come back after."""
+    import engine.joint as joint
+
+    dense = {k: v.clone() for k, v in tiny[0].state_dict().items()}
+    seen = []
+    real = joint.hard_mask_loss
+
+    def spy(run, masks, batch, fill=...):
+        changed = any(not torch.equal(v, dense[k]) for k, v in run.model.state_dict().items())
+        cut = any(len(kept[u]) < run.layout.sizes[u][i] for i, kept in kept_indices(run.layout, masks, run.adapter)
+                  for u in ("heads", "channels"))  # (a kept layer lost width: something to refit)
+        seen.append((changed == cut, isinstance(fill, dict)))
+        return real(run, masks, batch, fill)
+
+    monkeypatch.setattr(joint, "hard_mask_loss", spy)
+    results = _run(tiny, tiny_path, small_eval_file, tmp_path / "j", method="flap", units=["layers", "heads", "channels"],
+                   layer_init="layerwise-ppl", reconstruct=True, mix_batches=2, budget="params", prune_ratio=0.5)
+    assert seen and all(changed and has_fill for changed, has_fill in seen)
+    assert results["init_mix"] and "reconstruction" in results
+    for k, v in tiny[0].state_dict().items():
+        assert torch.equal(v, dense[k]), k

@@ -65,9 +65,10 @@ class RunHook:
         return masks
 
     @contextmanager
-    def final_weights(self, masks: dict[str, torch.Tensor], fill):
-        """Around the final evaluation and the export: the model as they should see it, and the compensation
-        fill to use (`fill` as given: ... for the run's own)."""
+    def weights_for(self, masks: dict[str, torch.Tensor], fill):
+        """Around an evaluation of one hard mask whose model the run would export (the joint mix's candidates, the
+        final mask, its export): the model as it should be for that mask, and the compensation fill to use (`fill`
+        as given; ... is the run's own)."""
         yield fill
 
     def results(self) -> dict:

@@ -1,6 +1,8 @@
-"""`--reconstruct`: the final mask's kept columns refit by least squares (engine/reconstruction.py) for the final
-evaluation and the export. The statistics are taken once the run starts (a fresh run after its init, a resumed
-one again, from the same stream), so --time-budget counts them before it plans the steps."""
+"""`--reconstruct`: a hard mask's kept columns refit by least squares (engine/reconstruction.py) wherever the run
+evaluates a mask it would export: the joint mix's candidates (so the mix is the one that loses least once refit),
+the final mask's evaluation and its export; the final mask is also evaluated without the refit, for results.json.
+The statistics are the dense model's, from a calibration stream of their own (seed + 5), taken once a run
+(a resumed one takes them again, from the same stream)."""
 
 from __future__ import annotations
 
@@ -21,26 +23,39 @@ class Reconstruction(RunHook):
     def applies(config) -> bool:
         return config.reconstruct and any(not UNIT_TYPES[u].whole_layer for u in config.units)
 
+    def statistics(self):
+        """The moments of the output projections' inputs on the dense model, taken at the first need (the joint
+        mix's candidates, or the start of the steps, so that --time-budget counts them before it plans)."""
+        if getattr(self, "moments", None) is None:
+            r, c = self.run, self.run.config
+            sampler = r.sampler.reseeded(c.seed + STREAM)
+            batches = [sampler.next_batch() for _ in range(c.reconstruct_batches)]
+            r.log(f"reconstruction: input statistics of the output projections on {len(batches)} calibration batches")
+            self.moments = input_moments(r.adapter, batches, r.layout.unit_types, log=r.log)
+        return self.moments
+
+    def before_scores(self, batches) -> None:
+        self.statistics()  # (on the dense model: before anything is masked)
+
     def on_start(self, state) -> None:
-        r, c = self.run, self.run.config
-        sampler = r.sampler.reseeded(c.seed + STREAM)
-        batches = [sampler.next_batch() for _ in range(c.reconstruct_batches)]
-        r.log(f"reconstruction: input statistics of the output projections on {len(batches)} calibration batches")
-        self.moments = input_moments(r.adapter, batches, r.layout.unit_types, log=r.log)
-        self.report: dict = {}
+        self.statistics()
+
+    def final_masks(self, masks, metric):
+        self.before = self.run.masked_perplexity(masks, "pruned, before reconstruction")
+        return masks
 
     @contextmanager
-    def final_weights(self, masks, fill):
+    def weights_for(self, masks, fill):
         r, c = self.run, self.run.config
-        before = r.masked_perplexity(masks, "pruned, before reconstruction", fill)
         try:
-            with reconstructed(r.adapter, r.layout, masks, self.moments, c.reconstruct_ridge, c.bias_compensation) as refit:
+            with reconstructed(r.adapter, r.layout, masks, self.statistics(), c.reconstruct_ridge,
+                               c.bias_compensation) as refit:
                 r.masks.measured.clear()  # (perplexities measured before are of other weights)
-                self.report = {"reconstruction": {"ppl_before": before, "batches": c.reconstruct_batches,
-                                                  "ridge": c.reconstruct_ridge, "intercept": c.bias_compensation}}
                 yield refit
         finally:
             r.masks.measured.clear()
 
     def results(self) -> dict:
-        return self.report
+        c = self.run.config
+        return {"reconstruction": {"ppl_before": self.before, "batches": c.reconstruct_batches,
+                                   "ridge": c.reconstruct_ridge, "intercept": c.bias_compensation}}
