@@ -78,7 +78,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("mix_batches", 4)  # the joint mix was chosen on 4 batches
     data.setdefault("mix_refine_batches", 0)  # and not refined
     data.setdefault("bias_compensation", False)  # nor compensated (the default until FLAP's init became it)
-    data.setdefault("reconstruct", False)  # nor refit by least squares
+    data.setdefault("reconstruct", False)  # nor refit by least squares (the default since --reconstruct came)
     data.setdefault("max_windows", None)  # and evaluated every window unless told otherwise
     data.setdefault("best_val_margin", 0.0)  # best-val took any gain
     data.setdefault("init_data", "training")  # and the init read the calibration documents the steps read
@@ -104,8 +104,8 @@ _INITS = lambda: (*unit_metrics(), "random-progressive")  # noqa: E731
 
 
 def check_layer_settings(config, bad) -> None:
-    """The settings of whole layers: their scope under the parameter budget, --layer-score-const,
-    --sleb-finalists, and --reconstruct (which refits widths: whole layers alone have none)."""
+    """The settings of whole layers: their scope under the parameter budget, --layer-score-const and
+    --sleb-finalists."""
     if config.budget == "params" and (problem := scope_problem(config.units, config.scope)) is not None:
         bad(problem)
     if config.layer_score_const is not None and not 0.5 < config.layer_score_const <= 1.0:
@@ -113,9 +113,6 @@ def check_layer_settings(config, bad) -> None:
     if config.sleb_finalists and (config.layer_init != "sleb" or not any(UNIT_TYPES[u].whole_layer for u in config.units)):
         bad("SLEB finalists apply to whole layers scored by SLEB: add layers to the units and use layer init sleb, "
             "or set SLEB finalists to 0")
-    if config.reconstruct and all(UNIT_TYPES[u].whole_layer for u in config.units):
-        bad("reconstruct refits the kept columns of pruned KV groups or MLP channels; whole layers alone have none "
-            "(add heads or channels to the units, or leave reconstruct off)")
 
 
 @dataclass
@@ -213,12 +210,13 @@ class PruneConfig:
                                            "mean, in the optimisation, the evaluation and the export (as output-projection "
                                            "biases); on by default (FLAP's metric assumes it), --no-bias-compensation for "
                                            "plain zeroed units")
-    reconstruct: bool = setting(False, label="Least-squares reconstruction",
-                                help="after the final mask is cut, refit the kept input columns of every pruned output "
-                                     "projection by least squares to the dense projection's output on calibration "
-                                     "batches (the removed inputs replaced by their linear regression on the kept ones; "
-                                     "the bias compensation is its constant term); the evaluation and the export carry "
-                                     "the refit weights, results.json the perplexity before it")
+    reconstruct: bool = setting(True, label="Least-squares reconstruction",
+                                help="refit the kept input columns of every pruned output projection by least squares "
+                                     "to the dense projection's output on calibration batches (the removed inputs "
+                                     "replaced by their linear regression on the kept ones; the bias compensation is "
+                                     "its constant term), for the joint mix's candidates, the final evaluation and the "
+                                     "export; results.json keeps the perplexity before it. On by default; whole layers "
+                                     "alone have nothing to refit")
     reconstruct_batches: int = setting(16, minimum=1, label="Reconstruction batches",
                                        help="calibration batches of the reconstruction's statistics (a stream of their own)")
     reconstruct_ridge: float = setting(0.1, minimum=0.0, label="Reconstruction ridge",

@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 
 from engine.arch import ModelAdapter
 from engine.config import PruneConfig
-from engine.errors import UserError
 from engine.export import kept_indices
 from engine.masking import MaskHooks
 from engine.metrics.activations import column_moments
@@ -171,13 +170,16 @@ def test_a_reconstructed_run_resumes_as_an_uninterrupted_one(tiny, tiny_path, sm
     assert results_b["reconstruction"] == results_a["reconstruction"]
 
 
-def test_old_configs_load_without_it_and_layers_alone_are_refused(tiny_path, small_eval_file):
+def test_old_configs_load_without_it_new_ones_with_it_and_layers_alone_have_nothing_to_refit(
+        tiny, tiny_path, small_eval_file, tmp_path):
     old = small_config(tiny_path, small_eval_file).to_dict()
     for key in ("reconstruct", "reconstruct_batches", "reconstruct_ridge"):
         old.pop(key)
-    assert PruneConfig.from_dict(old).reconstruct is False
-    with pytest.raises(UserError, match="whole layers alone have none"):
-        small_config(tiny_path, small_eval_file, units=["layers"], reconstruct=True, layer_init="layerwise-ppl").validate()
+    assert PruneConfig.from_dict(old).reconstruct is False  # a run from before it, resumed or shown, as it ran
+    assert PruneConfig().reconstruct is True  # the CLI's and the App's default
+    results = _run(tiny, tiny_path, small_eval_file, tmp_path / "L", units=["layers"], layer_init="layerwise-ppl",
+                   method="metric", reconstruct=True, budget="params")
+    assert "reconstruction" not in results
 
 
 def test_the_joint_mix_is_chosen_on_refit_candidates(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
