@@ -259,7 +259,8 @@ def report(todo: list[Cell], args, cells_dir: Path) -> str:
         k = cell_key(c, args)
         if k in got:
             res = got[k][0]
-            lines.append(f"- {c.row}, {c.rate:.0%}, seed {c.seed}: {res['ppl_pruned']:,.1f} (init {res['ppl_init']:,.1f}); "
+            alone = f", the final mask unrefit {r['ppl_before']:,.1f}" if (r := res.get("reconstruction")) else ""
+            lines.append(f"- {c.row}, {c.rate:.0%}, seed {c.seed}: {res['ppl_pruned']:,.1f} (init {res['ppl_init']:,.1f}{alone}); "
                          f"{res.get('params_removed', 0):,} removed ({res.get('removed_of_decoder', 0):.1%}); `{k}`")
     return "\n".join(lines) + "\n"
 
