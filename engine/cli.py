@@ -377,7 +377,8 @@ def _prune_writer(args, world) -> int:
             print(f"perplexity ({results['eval_windows']} windows x {results['seqlen']} tokens): "
                   f"dense {results['ppl_dense']:.2f} | init ({config.init}) {results['ppl_init']:.2f} | "
                   f"pruned {results['ppl_pruned']:.2f}"
-                  + (f" (least-squares reconstruction; {r['ppl_before']:.2f} before it)" if (r := results.get("reconstruction")) else ""))
+                  + (f" (least-squares reconstruction; {r['ppl_before']:.2f} before it)" if "ppl_before" in (r := results.get("reconstruction") or {})
+                     else f" (reconstruction skipped: {r['skipped']})" if r else ""))
             print(f"parameters: {results['params_dense']:,} -> {results['params_pruned']:,}; "
                   f"{results['seconds_per_step']:.2f} s/step; results in {out}")
             shares = ", ".join(f"{u} {n:,}" for u, n in results["params_removed_by_unit_type"].items())

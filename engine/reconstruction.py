@@ -30,7 +30,25 @@ from .metrics.activations import release_freed_memory
 from .unit_types import UNIT_TYPES, layer_unit_types
 from .units import UnitLayout
 
-Moments = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, int]]  # (sum x x^T, sum x, tokens), float64
+Moments = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, int]]  # (sum x x^T in float32, sum x, tokens)
+
+
+def moments_bytes(adapter: ModelAdapter, unit_types: list[str]) -> int:
+    """What `input_moments` keeps: a float32 n x n matrix per output projection of the unit types."""
+    return sum(4 * t.output_proj(adapter, i).in_features ** 2 for t in layer_unit_types() if t.name in unit_types
+               for i in range(adapter.num_layers))
+
+
+def available_memory() -> int | None:
+    """The memory the OS can still give this process (Linux's MemAvailable), in bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def regression(second: torch.Tensor, mean: torch.Tensor, kept: torch.Tensor, ridge: float,
@@ -39,6 +57,7 @@ def regression(second: torch.Tensor, mean: torch.Tensor, kept: torch.Tensor, rid
     columns' indices), from the second moments E[x x^T] (`second`) and means E[x] of all columns. centered:
     with an intercept (the centred moments); otherwise through the origin (f = 0). ridge: lam relative to the
     mean of the kept columns' variances (their second moments, not centred)."""
+    second, mean = second.double(), mean.double()
     n = second.shape[0]
     removed = torch.ones(n, dtype=torch.bool)
     removed[kept] = False
@@ -67,8 +86,8 @@ def _groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
 def input_moments(adapter: ModelAdapter, batches: list[torch.Tensor], unit_types: list[str],
                   max_bytes: int = 2 << 30, log=lambda s: None) -> Moments:
     """(sum of x x^T, sum of x, tokens) of the inputs of `unit_types`' output projections, per (unit type, layer),
-    on the model as it is (dense, unmasked). The float64 sums of all layers at once may exceed `max_bytes`: then
-    the batches are run once per group of layers that fits."""
+    on the model as it is (dense, unmasked); summed in float64, kept in float32. The float64 sums of all layers
+    at once may exceed `max_bytes`: then the batches are run once per group of layers that fits."""
     types = [t for t in layer_unit_types() if t.name in unit_types]
     keys = [(t, i) for i in range(adapter.num_layers) for t in types]
     sizes = [8 * t.output_proj(adapter, i).in_features ** 2 for t, i in keys]
@@ -101,7 +120,7 @@ def input_moments(adapter: ModelAdapter, batches: list[torch.Tensor], unit_types
             for h in handles:
                 h.remove()
         tokens = sum(b.numel() for b in batches)
-        out.update({k: (v[0].cpu(), v[1].cpu(), tokens) for k, v in acc.items()})
+        out.update({k: (v[0].float().cpu(), v[1].cpu(), tokens) for k, v in acc.items()})  # (float32 kept: half the memory)
     return out
 
 

@@ -133,7 +133,9 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
                   delta=f"{results['params_pruned'] / results['params_dense'] - 1:+.1%}", delta_color="off")
         if removal_text(results):
             st.caption(removal_text(results))
-        if refit := results.get("reconstruction"):
+        if (refit := results.get("reconstruction") or {}).get("skipped"):
+            st.caption(f"Least-squares reconstruction skipped: {refit['skipped']}")
+        elif refit:
             st.caption(f"Least-squares reconstruction: {refit['ppl_before']:.2f} with the mask alone, "
                        f"{results['ppl_pruned']:.2f} with the kept columns refit ({refit['batches']} batches)")
         if run_dir is not None:

@@ -206,3 +206,14 @@ def test_the_joint_mix_is_chosen_on_refit_candidates(tiny, tiny_path, small_eval
     assert results["init_mix"] and "reconstruction" in results
     for k, v in tiny[0].state_dict().items():
         assert torch.equal(v, dense[k]), k
+
+
+def test_a_model_whose_statistics_would_not_fit_skips_the_refit_and_says_so(tiny, tiny_path, small_eval_file, tmp_path,
+                                                                           monkeypatch):
+    import engine.hooks.reconstruction as hook
+
+    monkeypatch.setattr(hook, "available_memory", lambda: 1000)  # bytes: less than twice the tiny model's statistics
+    plain = _run(tiny, tiny_path, small_eval_file, tmp_path / "plain", method="flap", reconstruct=False)
+    results = _run(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", reconstruct=True)
+    assert "GiB available" in results["reconstruction"]["skipped"]
+    assert results["ppl_pruned"] == plain["ppl_pruned"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ..reconstruction import input_moments, reconstructed
+from ..reconstruction import available_memory, input_moments, moments_bytes, reconstructed
 from ..unit_types import UNIT_TYPES
 from .base import RunHook, register_hook
 
@@ -23,10 +23,19 @@ class Reconstruction(RunHook):
     def applies(config) -> bool:
         return config.reconstruct and any(not UNIT_TYPES[u].whole_layer for u in config.units)
 
+    def on_setup(self) -> None:
+        r = self.run
+        need, free = moments_bytes(r.adapter, r.layout.unit_types), available_memory()
+        self.moments, self.skipped = None, None
+        if free is not None and need > free // 2:  # (a 7B model's MLP moments alone are about 15 GiB)
+            self.skipped = (f"its input statistics need {need / 2**30:.1f} GiB, more than half of the "
+                            f"{free / 2**30:.1f} GiB available")
+            r.log(f"reconstruction skipped: {self.skipped} (--no-reconstruct silences this)")
+
     def statistics(self):
         """The moments of the output projections' inputs on the dense model, taken at the first need (the joint
         mix's candidates, or the start of the steps, so that --time-budget counts them before it plans)."""
-        if getattr(self, "moments", None) is None:
+        if self.moments is None and self.skipped is None:
             r, c = self.run, self.run.config
             sampler = r.sampler.reseeded(c.seed + STREAM)
             batches = [sampler.next_batch() for _ in range(c.reconstruct_batches)]
@@ -41,12 +50,16 @@ class Reconstruction(RunHook):
         self.statistics()
 
     def final_masks(self, masks, metric):
-        self.before = self.run.masked_perplexity(masks, "pruned, before reconstruction")
+        if self.skipped is None:
+            self.before = self.run.masked_perplexity(masks, "pruned, before reconstruction")
         return masks
 
     @contextmanager
     def weights_for(self, masks, fill):
         r, c = self.run, self.run.config
+        if self.skipped is not None:
+            yield fill
+            return
         try:
             with reconstructed(r.adapter, r.layout, masks, self.statistics(), c.reconstruct_ridge,
                                c.bias_compensation) as refit:
@@ -57,5 +70,7 @@ class Reconstruction(RunHook):
 
     def results(self) -> dict:
         c = self.run.config
+        if self.skipped is not None:
+            return {"reconstruction": {"skipped": self.skipped}}
         return {"reconstruction": {"ppl_before": self.before, "batches": c.reconstruct_batches,
                                    "ridge": c.reconstruct_ridge, "intercept": c.bias_compensation}}
