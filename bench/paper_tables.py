@@ -144,6 +144,7 @@ def cell_config(c: Cell, args, model: str):
 
     values = cell_values(c, args)
     values["units"] = values["units"].split(",")
+    values.setdefault("reconstruct_batches", 16)  # (what the refit rows ran with before 64 became the default; not hashed)
     return PruneConfig.of(model=model, **values)
 
 

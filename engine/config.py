@@ -217,8 +217,10 @@ class PruneConfig:
                                      "its constant term), for the joint mix's candidates, the final evaluation and the "
                                      "export; results.json keeps the perplexity before it. On by default; whole layers "
                                      "alone have nothing to refit")
-    reconstruct_batches: int = setting(16, minimum=1, label="Reconstruction batches",
-                                       help="calibration batches of the reconstruction's statistics (a stream of their own)")
+    reconstruct_batches: int = setting(64, minimum=1, label="Reconstruction batches",
+                                       help="calibration batches of the reconstruction's statistics (a stream of their own; "
+                                            "64 refit 3 seeds' masks 3-7 % better than 16, at about 3 more CPU minutes on "
+                                            "the default model)")
     reconstruct_ridge: float = setting(0.1, minimum=0.0, label="Reconstruction ridge",
                                        help="the regression's ridge, relative to the kept inputs' mean second moment")
     within_layer_ranking: str = setting("scores", choices=WITHIN_LAYER_RANKINGS, label="Within-layer ranking",
