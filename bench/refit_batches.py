@@ -1,0 +1,70 @@
+"""How many calibration batches the least-squares refit needs (`--reconstruct-batches`): a finished run's final
+mask refit on N batches' statistics and evaluated on the run's own protocol, for each N, in one process per cell.
+
+    OMP_NUM_THREADS=1 python bench/refit_batches.py CELL [CELL ...] [--batches 16,64] [--out bench/results/refit_batches]
+
+CELL is a run folder with masks.safetensors (a compare_table cell run in this checkout: the repository keeps
+only masks.json). The refit is the engine's own (RunMasks.weights around the run's masked perplexity), with the
+cell's config and --reconstruct-batches N, so N equal to the cell's reproduces its perplexity. A run made with N
+would also score its joint mix on that refit: these are the same masks, not the same runs. One JSON line per
+(cell, N) is appended to OUT/results.jsonl (a rerun skips the pairs it has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from cli_common import ROOT, csv_list
+
+
+def refit_perplexity(cell: Path, batches: int) -> dict:
+    import torch
+
+    from engine.config import PruneConfig
+    from engine.export import load_mask_artifact
+    from engine.pruner import PruneRun
+
+    torch.set_num_threads(1)
+    values = json.loads((cell / "config.json").read_text())
+    values["reconstruct_batches"] = batches
+    values["reconstruct"] = True
+    with tempfile.TemporaryDirectory() as tmp:
+        run = PruneRun(PruneConfig.from_dict(values), tmp, log=lambda _: None)
+        run.progress = False
+        _, masks, _ = load_mask_artifact(cell)
+        t0 = time.process_time()
+        with run.masks.weights(masks) as fill:
+            ppl = run.masked_perplexity(masks, "refit", fill)
+    return {"cell": cell.name, "batches": batches, "ppl": ppl, "cpu_seconds": time.process_time() - t0,
+            "cell_ppl": json.loads((cell / "results.json").read_text())["ppl_pruned"],
+            "cell_batches": json.loads((cell / "config.json").read_text()).get("reconstruct_batches")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cells", nargs="+", type=Path)
+    p.add_argument("--batches", type=csv_list(int, lambda n: n >= 1, "batch counts (integers >= 1)"), default=[16, 64])
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "refit_batches")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "results.jsonl"
+    done = {(r["cell"], r["batches"]) for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
+    for cell in args.cells:
+        if not (cell / "masks.safetensors").exists():
+            raise SystemExit(f"refit_batches.py: error: {cell} has no masks.safetensors (run the cell in this checkout)")
+        for n in args.batches:
+            if (cell.name, n) in done:
+                continue
+            r = refit_perplexity(cell, n)
+            with open(log, "a") as f:
+                f.write(json.dumps(r) + "\n")
+            print(f"{cell.name}: {n} batches -> {r['ppl']:.2f} (the cell, {r['cell_batches']}: {r['cell_ppl']:.2f}); "
+                  f"{r['cpu_seconds']:.0f} CPU s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
