@@ -217,3 +217,19 @@ def test_a_model_whose_statistics_would_not_fit_skips_the_refit_and_says_so(tiny
     results = _run(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", reconstruct=True)
     assert "GiB available" in results["reconstruction"]["skipped"]
     assert results["ppl_pruned"] == plain["ppl_pruned"]
+
+
+def test_an_offloaded_model_is_not_refit_and_says_why():
+    """accelerate's offload (--device auto) leaves weights on `meta`: nothing to edit in place, so the hook skips."""
+    from types import SimpleNamespace
+
+    from engine.hooks.reconstruction import Reconstruction
+
+    model = build_model("llama").to("meta")
+    a = ModelAdapter.for_model(model)
+    logs: list[str] = []
+    run = SimpleNamespace(adapter=a, layout=UnitLayout({"heads": unit_sizes(a)["heads"]}), log=logs.append, config=None)
+    hook = Reconstruction(run)
+    hook.on_setup()
+    assert "offloaded" in hook.skipped and any("reconstruction skipped" in m for m in logs)
+    assert hook.results() == {"reconstruction": {"skipped": hook.skipped}}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from ..reconstruction import available_memory, input_moments, moments_bytes, reconstructed
-from ..unit_types import UNIT_TYPES
+from ..unit_types import UNIT_TYPES, layer_unit_types
 from .base import RunHook, register_hook
 
 STREAM = 5  # the statistics' batches: the calibration documents, seeded seed + STREAM
@@ -27,9 +27,14 @@ class Reconstruction(RunHook):
         r = self.run
         need, free = moments_bytes(r.adapter, r.layout.unit_types), available_memory()
         self.moments, self.skipped = None, None
-        if free is not None and need > free // 2:  # (a 7B model's MLP moments alone are about 15 GiB)
+        offloaded = any(t.output_proj(r.adapter, i).weight.device.type == "meta" for t in layer_unit_types()
+                        for i in range(r.adapter.num_layers))
+        if offloaded:  # (accelerate's offload: the weights live elsewhere and cannot be edited in place)
+            self.skipped = "the model is offloaded (--device auto), and its weights cannot be refit in place"
+        elif free is not None and need > free // 2:  # (a 7B model's MLP moments alone are about 15 GiB)
             self.skipped = (f"its input statistics need {need / 2**30:.1f} GiB, more than half of the "
                             f"{free / 2**30:.1f} GiB available")
+        if self.skipped:
             r.log(f"reconstruction skipped: {self.skipped} (--no-reconstruct silences this)")
 
     def statistics(self):
