@@ -29,8 +29,8 @@ def refit_perplexity(cell: Path, batches: int) -> dict:
     from engine.pruner import PruneRun
 
     torch.set_num_threads(1)
-    values = json.loads((cell / "config.json").read_text())
-    values["reconstruct_batches"] = batches
+    saved = json.loads((cell / "config.json").read_text())
+    values = {**saved, "reconstruct_batches": batches}
     values["reconstruct"] = True
     with tempfile.TemporaryDirectory() as tmp:
         run = PruneRun(PruneConfig.from_dict(values), tmp, log=lambda _: None)
@@ -41,7 +41,7 @@ def refit_perplexity(cell: Path, batches: int) -> dict:
             ppl = run.masked_perplexity(masks, "refit", fill)
     return {"cell": cell.name, "batches": batches, "ppl": ppl, "cpu_seconds": time.process_time() - t0,
             "cell_ppl": json.loads((cell / "results.json").read_text())["ppl_pruned"],
-            "cell_batches": json.loads((cell / "config.json").read_text()).get("reconstruct_batches")}
+            "cell_batches": saved.get("reconstruct_batches")}
 
 
 def main() -> None:

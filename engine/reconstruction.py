@@ -27,7 +27,7 @@ from .arch import ModelAdapter
 from .evaluate import decoder_forward
 from .export import kept_indices
 from .metrics.activations import release_freed_memory
-from .unit_types import UNIT_TYPES, layer_unit_types
+from .unit_types import layer_unit_types
 from .units import UnitLayout
 
 Moments = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, int]]  # (sum x x^T in float32, sum x, tokens)
@@ -136,7 +136,7 @@ def reconstructed(adapter: ModelAdapter, layout: UnitLayout, masks: dict[str, to
     try:
         for i, kept in kept_indices(layout, masks, adapter):
             for t in layer_unit_types():
-                if t.name not in masks or UNIT_TYPES[t.name].whole_layer:
+                if t.name not in masks:  # (layer_unit_types: the types inside layers, never whole layers)
                     continue
                 w = t.output_proj(adapter, i).weight
                 cols = t.column_index(adapter, kept[t.name])
