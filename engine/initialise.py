@@ -127,7 +127,8 @@ def fresh_state(run: "PruneRun") -> RunState:
     needs_data = any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())
     n = max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
     batches = [run.init_sampler.next_batch() for _ in range(n)] if needs_data else []
-    z = initial_metric(run, batches)
+    with run.phases("init metric"):
+        z = initial_metric(run, batches)
     keep0, mix = run.keep_ratio_at(0), None
     for hook in run.hooks:
         hook.before_scores(batches)
@@ -137,8 +138,9 @@ def fresh_state(run: "PruneRun") -> RunState:
         wanted = c.mix_batches + c.mix_refine_batches
         mix_on = (first + batches)[:wanted]
         mix_on += [run.init_sampler.next_batch() for _ in range(wanted - len(mix_on))]  # (metrics without data)
-        scores, mix = choose_mix(run, z, mix_on[:c.mix_batches], keep0, comparable=frozenset(comparable),
-                                 more=mix_on[c.mix_batches:])
+        with run.phases("joint mix"):
+            scores, mix = choose_mix(run, z, mix_on[:c.mix_batches], keep0, comparable=frozenset(comparable),
+                                     more=mix_on[c.mix_batches:])
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
         keeps = run.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)
         scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), *c.map_for(u))

@@ -36,6 +36,7 @@ from .initialise import fresh_state, start_state
 from .loading import check_positions, load_model, resolve_model
 from .methods import METHODS, method_options
 from .outdir import folder_lock
+from .phases import PhaseClock
 from .results import finish
 from .runmasks import RunMasks
 from .rundir import METRICS_FILE
@@ -83,8 +84,7 @@ class PruneRun:
         self.source, self.from_disk = resolve_model(c.model), model is None  # (only a model read from its files is cached)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
-        self.model, self.tokenizer = model, tokenizer
-        self.adapter = ModelAdapter.for_model(model)
+        self.model, self.tokenizer, self.adapter = model, tokenizer, ModelAdapter.for_model(model)
         check_positions(model.config, {"seqlen": c.seqlen, "eval seqlen": c.eval_seqlen})
         sizes = unit_sizes(self.adapter)
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
@@ -99,7 +99,7 @@ class PruneRun:
         self.hooks = [h(self) for h in RUN_HOOKS if h.applies(c)]
         for hook in self.hooks:
             hook.on_setup()
-        self.checkpoints, self.masks = Checkpoints(self), RunMasks(self)
+        self.checkpoints, self.masks, self.phases = Checkpoints(self), RunMasks(self), PhaseClock(self.started)
         self.keep_ratio_at, self.lr_at = self.masks.keep_ratio_at, self.masks.lr_at
         self.hard_masks = self.ctx.hard_masks = self.masks.hard_masks  # (a method may cut its scores, as --unit-block)
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
@@ -158,7 +158,8 @@ class PruneRun:
         for hook in self.hooks:
             hook.on_start(state)
         try:
-            with open(self.out / METRICS_FILE, "a") as metrics, contextlib.closing(bar) if bar else contextlib.nullcontext():
+            with open(self.out / METRICS_FILE, "a") as metrics, self.phases("steps"), (  # (the loop: checkpoints too)
+                    contextlib.closing(bar) if bar else contextlib.nullcontext()):
                 while self.method.optimises and state.step < self.ctx.steps:  # (--time-budget re-plans ctx.steps)
                     if stop is not None and stop.is_set():
                         return True

@@ -20,6 +20,7 @@ moves, or that are nearly collinear, do not get large weights from noise."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -84,10 +85,12 @@ def _groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
 
 @torch.no_grad()
 def input_moments(adapter: ModelAdapter, batches: list[torch.Tensor], unit_types: list[str],
-                  max_bytes: int = 2 << 30, log=lambda s: None) -> Moments:
+                  max_bytes: int = 2 << 30, log=lambda s: None, stop: Callable[[int], bool] | None = None) -> Moments:
     """(sum of x x^T, sum of x, tokens) of the inputs of `unit_types`' output projections, per (unit type, layer),
     on the model as it is (dense, unmasked); summed in float64, kept in float32. The float64 sums of all layers
-    at once may exceed `max_bytes`: then the batches are run once per group of layers that fits."""
+    at once may exceed `max_bytes`: then the batches are run once per group of layers that fits. stop(done),
+    asked after each batch of the first group, ends the statistics there (the batches left are not run; the
+    other groups run as many): --time-budget's share of the time left."""
     types = [t for t in layer_unit_types() if t.name in unit_types]
     keys = [(t, i) for i in range(adapter.num_layers) for t in types]
     sizes = [8 * t.output_proj(adapter, i).in_features ** 2 for t, i in keys]
@@ -113,9 +116,13 @@ def input_moments(adapter: ModelAdapter, batches: list[torch.Tensor], unit_types
         handles = [keys[j][0].output_proj(adapter, keys[j][1]).register_forward_pre_hook(recorder((keys[j][0].name, keys[j][1])))
                    for j in group]
         try:
-            for batch in batches:
+            for done, batch in enumerate(batches, 1):
                 decoder_forward(adapter.model, batch)
                 release_freed_memory()
+                if g == 0 and stop is not None and done < len(batches) and stop(done):
+                    log(f"reconstruction statistics: stopped at {done} of {len(batches)} batches (the time budget's share)")
+                    batches = batches[:done]
+                    break
         finally:
             for h in handles:
                 h.remove()

@@ -9,6 +9,7 @@ from .budget import removal_report
 from .distributed import shares
 from .io import atomic_write_text
 from .loading import count_parameters
+from .phases import phase_line
 from .rundir import MODEL_DIR, RESULTS_FILE
 from .runstate import RunState, peak_rss_mb
 from .unit_types import UNIT_TYPES
@@ -75,9 +76,12 @@ def finish(run: "PruneRun", state: RunState) -> dict:
             return {"status": "done", "rank": run.world.rank, "ppl_pruned": ppl_pruned}
         save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores)
         run.log(f"exporting the sliced model to {run.out / MODEL_DIR}")
-        export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill if fill is ... else fill)
+        with run.phases("export"):
+            export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill if fill is ... else fill)
     results = run_results(run, state, scores, masks, ppl_pruned, export["params"])
     for hook in run.hooks:
         results.update(hook.results())
+    results["seconds_by_phase"] = run.phases.report()  # (this session's; a resumed run's earlier ones are in time_used)
+    run.log(phase_line(results["seconds_by_phase"]))
     atomic_write_text(run.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results

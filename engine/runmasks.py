@@ -99,8 +99,9 @@ class RunMasks:
             return self.run.ctx.losses({u: m[None] for u, m in flat_masks.items()}, batch, fill).expand(batch.shape[0])
 
         t0 = time.monotonic()
-        ppl = perplexity(self.run.model, self.run.windows, self.run.config.eval_batch_size, self.run.progress,
-                         batch_loss if flat_masks is None else masked_loss)
+        with self.run.phases("evaluations"):
+            ppl = perplexity(self.run.model, self.run.windows, self.run.config.eval_batch_size, self.run.progress,
+                             batch_loss if flat_masks is None else masked_loss)
         self.longest_eval = max(self.longest_eval, time.monotonic() - t0)
         self.run.log(f"{what} perplexity: {ppl:.3f}")
         self.measured[key] = ppl

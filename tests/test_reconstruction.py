@@ -76,6 +76,24 @@ def test_the_statistics_agree_with_the_engines_column_moments_in_one_pass_or_sev
         torch.testing.assert_close(several[key][0], second, rtol=0, atol=0)
 
 
+
+def test_a_stop_rule_ends_the_statistics_early_in_every_pass():
+    model = build_model("llama")
+    a = ModelAdapter.for_model(model)
+    batches = [batch(model, rows=2, seqlen=13, seed=s) for s in (1, 2, 3, 4)]
+    asked = []
+    stop = lambda done: asked.append(done) or done >= 2  # noqa: E731
+    for max_bytes in (2 << 30, 1):  # one pass, or one pass per projection (the later passes run as many)
+        asked.clear()
+        early = input_moments(a, batches, ["heads", "channels"], max_bytes=max_bytes, stop=stop)
+        first_two = input_moments(a, batches[:2], ["heads", "channels"], max_bytes=max_bytes)
+        assert asked == [1, 2]
+        for key, (second, total, n) in early.items():
+            assert n == first_two[key][2] == sum(b.numel() for b in batches[:2])
+            torch.testing.assert_close(second, first_two[key][0], rtol=0, atol=0)
+            torch.testing.assert_close(total, first_two[key][1], rtol=0, atol=0)
+
+
 def _recorded(model, proj, ids):
     got = []
     h = proj.register_forward_hook(lambda m, args, out: got.append(out.detach().reshape(-1, out.shape[-1])))

@@ -100,3 +100,29 @@ def test_time_budget_is_checked(tiny_path, small_eval_file):
             small_config(tiny_path, small_eval_file, time_budget=bad).validate()
     with pytest.raises(UserError, match="random-progressive"):
         small_config(tiny_path, small_eval_file, time_budget=1.0, init="random-progressive").validate()
+
+
+def test_work_in_batches_takes_its_share_of_the_time_left_and_never_fewer_than_the_minimum():
+    from types import SimpleNamespace
+
+    from engine.hooks.time_budget import share_of_time_left
+
+    assert share_of_time_left(SimpleNamespace(hooks=[]), 1 / 3, 8) is None  # no budget: the work runs to its end
+    clock = FakeClock()
+    hook = TimeBudget(SimpleNamespace(started=0.0))
+    hook.limit, hook.before, hook.clock = 600.0, 0.0, clock
+    clock.t = 100.0  # 500 s left: a third is 166.7 s
+
+    def batches_done(minimum, cost=20.0):
+        clock.t = 100.0
+        stop = share_of_time_left(SimpleNamespace(hooks=[hook]), 1 / 3, minimum)
+        done = 0
+        while True:
+            clock.t += cost
+            done += 1
+            if stop(done):
+                return done, clock.t - 100.0
+
+    done, spent = batches_done(minimum=2)
+    assert (done, spent) == (8, 160.0)  # a 9th batch would pass 166.7 s
+    assert batches_done(minimum=12) == (12, 240.0)  # the minimum wins over the share

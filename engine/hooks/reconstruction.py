@@ -2,17 +2,21 @@
 evaluates a mask it would export: the joint mix's candidates (so the mix is the one that loses least once refit),
 the final mask's evaluation and its export; the final mask is also evaluated without the refit, for results.json.
 The statistics are the dense model's, from a calibration stream of their own (seed + 5), taken once a run
-(a resumed one takes them again, from the same stream)."""
+(a resumed one takes them again, from the same stream); under --time-budget they stop at a third of the time
+left when they start (at least 8 batches), and results.json records the batches used."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from ..reconstruction import available_memory, input_moments, moments_bytes, reconstructed
 from ..unit_types import UNIT_TYPES, layer_unit_types
 from .base import RunHook, register_hook
+from .time_budget import share_of_time_left
 
 STREAM = 5  # the statistics' batches: the calibration documents, seeded seed + STREAM
+STATISTICS_SHARE = 1 / 3  # --time-budget: the statistics take at most this share of the time left when they start
+MIN_BATCHES = 8  # ... and never fewer batches than this (or --reconstruct-batches, if fewer)
 
 
 @register_hook
@@ -26,7 +30,7 @@ class Reconstruction(RunHook):
     def on_setup(self) -> None:
         r = self.run
         need, free = moments_bytes(r.adapter, r.layout.unit_types), available_memory()
-        self.moments, self.skipped = None, None
+        self.moments, self.skipped, self.batches = None, None, 0
         offloaded = any(t.output_proj(r.adapter, i).weight.device.type == "meta" for t in layer_unit_types()
                         for i in range(r.adapter.num_layers))
         if offloaded:  # (accelerate's offload: the weights live elsewhere and cannot be edited in place)
@@ -38,21 +42,25 @@ class Reconstruction(RunHook):
             r.log(f"reconstruction skipped: {self.skipped} (--no-reconstruct silences this)")
 
     def statistics(self):
-        """The moments of the output projections' inputs on the dense model, taken at the first need (the joint
-        mix's candidates, or the start of the steps, so that --time-budget counts them before it plans)."""
+        """The moments of the output projections' inputs on the dense model, taken before the init scores (the
+        joint mix's candidates are refit) or, resuming, before the steps (--time-budget's step times must not
+        include them); under --time-budget they take at most STATISTICS_SHARE of the time left."""
         if self.moments is None and self.skipped is None:
             r, c = self.run, self.run.config
             sampler = r.sampler.reseeded(c.seed + STREAM)
             batches = [sampler.next_batch() for _ in range(c.reconstruct_batches)]
             r.log(f"reconstruction: input statistics of the output projections on {len(batches)} calibration batches")
-            self.moments = input_moments(r.adapter, batches, r.layout.unit_types, log=r.log)
+            stop = share_of_time_left(r, STATISTICS_SHARE, min(MIN_BATCHES, len(batches)))
+            with r.phases("refit statistics"):
+                self.moments = input_moments(r.adapter, batches, r.layout.unit_types, log=r.log, stop=stop)
+            self.batches = next(iter(self.moments.values()))[2] // batches[0].numel() if self.moments else 0
         return self.moments
 
     def before_scores(self, batches) -> None:
         self.statistics()  # (on the dense model: before anything is masked)
 
-    def on_start(self, state) -> None:
-        self.statistics()
+    def on_resume(self, state) -> None:
+        self.statistics()  # (before the steps: --time-budget's step times must not include them)
 
     def final_masks(self, masks, metric):
         if self.skipped is None:
@@ -66,8 +74,11 @@ class Reconstruction(RunHook):
             yield fill
             return
         try:
-            with reconstructed(r.adapter, r.layout, masks, self.statistics(), c.reconstruct_ridge,
-                               c.bias_compensation) as refit:
+            with ExitStack() as stack:
+                moments = self.statistics()
+                with r.phases("refit"):  # (the solves; the weights are restored on leaving)
+                    refit = stack.enter_context(reconstructed(r.adapter, r.layout, masks, moments, c.reconstruct_ridge,
+                                                              c.bias_compensation))
                 r.masks.measured.clear()  # (perplexities measured before are of other weights)
                 yield refit
         finally:
@@ -77,5 +88,5 @@ class Reconstruction(RunHook):
         c = self.run.config
         if self.skipped is not None:
             return {"reconstruction": {"skipped": self.skipped}}
-        return {"reconstruction": {"ppl_before": self.before, "batches": c.reconstruct_batches,
+        return {"reconstruction": {"ppl_before": self.before, "batches": self.batches,
                                    "ridge": c.reconstruct_ridge, "intercept": c.bias_compensation}}

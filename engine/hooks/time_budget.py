@@ -76,3 +76,19 @@ class TimeBudget(RunHook):
         self.run.ctx.steps = self.run.world.from_writer(planned, "the time budget's step count")  # (rank 0's clock)
         state.time_used = {"seconds": self.elapsed(), "eval_seconds": self.eval_seconds, "per_step": per_step,
                            "limit": self.limit}
+
+
+def share_of_time_left(run, share: float, minimum: int):
+    """Under --time-budget, a stop rule for work done in units (batches) that may take `share` of the time left
+    when it starts: stop(done) is true once `minimum` units are done and one more (at their mean cost) would pass
+    that share. None without a time budget (the work runs to its end)."""
+    budget = next((h for h in run.hooks if isinstance(h, TimeBudget)), None)
+    if budget is None:
+        return None
+    start, allowed = budget.clock(), share * max(budget.limit - budget.elapsed(), 0.0)
+
+    def stop(done: int) -> bool:
+        spent = budget.clock() - start
+        return done >= minimum and spent + spent / done > allowed
+
+    return stop

@@ -26,7 +26,7 @@ class Validation(RunHook):
 
     def validate(self, state) -> float:
         run = self.run
-        with run.ctx.masked(run.hard_masks(state.scores)):
+        with run.phases("validation"), run.ctx.masked(run.hard_masks(state.scores)):
             loss = torch.cat([batch_loss(run.model, b) for b in run.val_batches]).double().mean()
         ppl = float(torch.exp(loss))
         if improves(ppl, state.best_val_ppl, run.config.best_val_margin):

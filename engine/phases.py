@@ -1,0 +1,49 @@
+"""Where a run's wall time goes: seconds per phase (loading, the init metric, the refit's statistics, the joint
+mix, evaluations, steps, the export), this session's, for results.json and the log. A phase inside another is
+counted once, in the inner one (an evaluation during the steps is an evaluation); what no phase claims is
+"other" (checkpoints, the hooks' small work)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+
+class PhaseClock:
+    def __init__(self, started: float, clock: Callable[[], float] = time.monotonic):
+        """started: the clock's reading when the session began; everything until now is "load"."""
+        self.clock, self.started = clock, started
+        self.seconds: dict[str, float] = {"load": clock() - started}
+        self.stack: list[list] = []  # [name, since] of the open phases, innermost last
+
+    @contextmanager
+    def __call__(self, name: str):
+        now = self.clock()
+        if self.stack:  # the outer phase pauses
+            self._credit(self.stack[-1], now)
+        self.stack.append([name, now])
+        try:
+            yield
+        finally:
+            now = self.clock()
+            self._credit(self.stack.pop(), now)
+            if self.stack:
+                self.stack[-1][1] = now  # the outer phase resumes
+
+    def _credit(self, entry: list, now: float) -> None:
+        self.seconds[entry[0]] = self.seconds.get(entry[0], 0.0) + now - entry[1]
+
+    def report(self) -> dict[str, float]:
+        """Seconds per phase in the order first entered, "other" for the rest, and "total" since `started`."""
+        total = self.clock() - self.started
+        out = {k: round(v, 1) for k, v in self.seconds.items()}
+        out["other"] = round(max(total - sum(self.seconds.values()), 0.0), 1)
+        out["total"] = round(total, 1)
+        return out
+
+
+def phase_line(report: dict[str, float]) -> str:
+    """The log's one-line summary: "wall time 535 s: load 13, init metric 87, ..." (phases under a second left out)."""
+    parts = [f"{k} {v:.0f}" for k, v in report.items() if k != "total" and v >= 1]
+    return f"wall time {report['total']:.0f} s: " + ", ".join(parts)

@@ -1,0 +1,58 @@
+"""Where a run's wall time goes (engine/phases.py): nested phases counted once, in the inner one; the rest is
+"other"; a run's results.json carries its phases."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.phases import PhaseClock, phase_line
+from engine.pruner import PruneRun
+
+from test_pruner import small_config
+
+
+class Clock:
+    def __init__(self, t=0.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_nested_phases_count_once_and_the_rest_is_other():
+    clock = Clock(5.0)
+    phases = PhaseClock(started=0.0, clock=clock)  # 5 s of loading before the clock was made
+    with phases("steps"):
+        clock.t += 10
+        with phases("evaluations"):  # the outer phase pauses
+            clock.t += 3
+        clock.t += 2  # ... and resumes
+    clock.t += 4  # in no phase
+    with phases("evaluations"):
+        clock.t += 1
+    report = phases.report()
+    assert report == {"load": 5.0, "steps": 12.0, "evaluations": 4.0, "other": 4.0, "total": 25.0}
+    assert phase_line(report) == "wall time 25 s: load 5, steps 12, evaluations 4, other 4"
+
+
+def test_a_phase_that_raises_is_still_counted():
+    clock = Clock()
+    phases = PhaseClock(started=0.0, clock=clock)
+    with pytest.raises(RuntimeError):
+        with phases("steps"):
+            clock.t += 2
+            raise RuntimeError
+    assert phases.report()["steps"] == 2.0 and phases.stack == []
+
+
+def test_a_run_reports_its_phases(tiny, tiny_path, small_eval_file, tmp_path):
+    logged = []
+    config = small_config(tiny_path, small_eval_file, reconstruct=True, reconstruct_batches=2)
+    results = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=logged.append).run(progress=False)
+    phases = results["seconds_by_phase"]
+    assert {"load", "init metric", "refit statistics", "evaluations", "steps", "validation", "refit", "export",
+            "other", "total"} <= set(phases)
+    names = list(phases)
+    assert names.index("refit statistics") < names.index("steps")  # taken before the steps: never in a step's time
+    assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], abs=0.5)
+    assert any(line.startswith("wall time ") for line in logged)
