@@ -107,6 +107,8 @@ def test_work_in_batches_takes_its_share_of_the_time_left_and_never_fewer_than_t
 
     from engine.hooks.time_budget import share_of_time_left
 
+    from engine.distributed import World
+
     assert share_of_time_left(SimpleNamespace(hooks=[]), 1 / 3, 8) is None  # no budget: the work runs to its end
     clock = FakeClock()
     hook = TimeBudget(SimpleNamespace(started=0.0))
@@ -115,7 +117,7 @@ def test_work_in_batches_takes_its_share_of_the_time_left_and_never_fewer_than_t
 
     def batches_done(minimum, cost=20.0):
         clock.t = 100.0
-        stop = share_of_time_left(SimpleNamespace(hooks=[hook]), 1 / 3, minimum)
+        stop = share_of_time_left(SimpleNamespace(hooks=[hook], world=World()), 1 / 3, minimum)
         done = 0
         while True:
             clock.t += cost

@@ -81,7 +81,8 @@ class TimeBudget(RunHook):
 def share_of_time_left(run, share: float, minimum: int):
     """Under --time-budget, a stop rule for work done in units (batches) that may take `share` of the time left
     when it starts: stop(done) is true once `minimum` units are done and one more (at their mean cost) would pass
-    that share. None without a time budget (the work runs to its end)."""
+    that share; rank 0's clock decides for every rank of a data-parallel run. None without a time budget (the work
+    runs to its end)."""
     budget = next((h for h in run.hooks if isinstance(h, TimeBudget)), None)
     if budget is None:
         return None
@@ -89,6 +90,6 @@ def share_of_time_left(run, share: float, minimum: int):
 
     def stop(done: int) -> bool:
         spent = budget.clock() - start
-        return done >= minimum and spent + spent / done > allowed
+        return bool(run.world.from_writer(done >= minimum and spent + spent / done > allowed, "a share of the time left"))
 
     return stop
