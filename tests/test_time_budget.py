@@ -32,10 +32,10 @@ class FakeClock:
         return self.t
 
 
-def budget_run(tiny, tiny_path, eval_file, out, clock, costs, minutes=1.0, **kw):
+def budget_run(tiny, tiny_path, eval_file, out, clock, costs, minutes=1.0, log=lambda m: None, **kw):
     """A PG run under a time budget whose k-th step (0-based, over sessions) costs costs(k) fake seconds."""
     config = small_config(tiny_path, eval_file, time_budget=minutes, steps=4, val_every=5, checkpoint_every=1000, **kw)
-    run = PruneRun(config, out, model=tiny[0], tokenizer=tiny[1], log=lambda m: None, started=clock.t)
+    run = PruneRun(config, out, model=tiny[0], tokenizer=tiny[1], log=log, started=clock.t)
     hook = next(h for h in run.hooks if isinstance(h, TimeBudget))
     hook.clock = clock
     gradient = run.method.gradient
@@ -92,6 +92,15 @@ def test_a_resumed_run_plans_what_is_left(tiny, tiny_path, small_eval_file, tmp_
     resumed = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "b", clock, lambda k: 2.0).run(resume=True, progress=False)
     assert resumed["steps"] == whole["steps"]
     assert resumed["time_used"]["seconds"] == pytest.approx(whole["time_used"]["seconds"])
+
+
+def test_a_budget_the_first_step_exhausts_ends_there_and_says_so(tiny, tiny_path, small_eval_file, tmp_path):
+    clock, logged = FakeClock(), []
+    results = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "r", clock, lambda k: 70.0,
+                         log=logged.append).run(progress=False)
+    assert results["steps"] == 1  # (a first step is always taken: its time is what the plan is made from)
+    said = [m for m in logged if m.startswith("time budget: ")]
+    assert len(said) == 1 and "at step 1" in said[0] and "no more steps" in said[0]
 
 
 def test_time_budget_is_checked(tiny_path, small_eval_file):

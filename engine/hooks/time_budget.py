@@ -41,7 +41,7 @@ class TimeBudget(RunHook):
         self.resumed_per_step = 0.0
         self.clock = time.monotonic
         self.step_times: list[float] = []  # wall seconds from one step's end to the next's, this session
-        self.last = 0.0
+        self.last, self.said_full = 0.0, False
 
     def elapsed(self) -> float:
         """The run's wall seconds so far: earlier sessions' and this one's since the run object was made."""
@@ -73,6 +73,11 @@ class TimeBudget(RunHook):
         evaluations = 1 + sum(h.final_evaluations for h in self.run.hooks)  # (--reconstruct: the mask before its refit)
         reserve = RESERVE_FACTOR * evaluations * self.eval_seconds + EXPORT_SECONDS
         planned = planned_steps(state.step, self.elapsed(), self.limit, per_step, reserve)
+        if planned == state.step and not self.said_full:  # (the fixed costs took the budget: say so once)
+            self.said_full = True
+            self.run.log(f"time budget: {self.elapsed() / 60:.1f} of {self.limit / 60:g} min used at step {state.step}, "
+                         f"the end needs about {reserve:.0f} s: no more steps (results.json's seconds_by_phase says where "
+                         f"the time went)")
         self.run.ctx.steps = self.run.world.from_writer(planned, "the time budget's step count")  # (rank 0's clock)
         state.time_used = {"seconds": self.elapsed(), "eval_seconds": self.eval_seconds, "per_step": per_step,
                            "limit": self.limit}
