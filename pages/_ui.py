@@ -17,6 +17,7 @@ import streamlit as st  # noqa: E402
 # time from two script threads at once, they can fail ("cannot import name 'AutoConfig'")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402, F401
 
+from engine.phases import phase_line  # noqa: E402
 from engine.ui import figures  # noqa: E402
 from engine.ui.jobs import (JobManager, RunInfo, default_runs_dir, head_mask_from_scores, list_runs,  # noqa: E402
                          read_metrics, run_head_mask)
@@ -138,6 +139,8 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
         elif refit:
             st.caption(f"Least-squares reconstruction: {refit['ppl_before']:.2f} with the mask alone, "
                        f"{results['ppl_pruned']:.2f} with the kept columns refit ({refit['batches']} batches)")
+        if phases := results.get("seconds_by_phase"):  # (runs made before it have none)
+            st.caption("W" + phase_line(phases)[1:])  # "Wall time 533 s: load 11, ..."
         if run_dir is not None:
             deploy_panel(run_dir, key)
     if last is None:

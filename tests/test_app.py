@@ -22,6 +22,8 @@ if str(ROOT) not in sys.path:
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
+from engine.phases import phase_line  # noqa: E402
+
 TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
 pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason=f"tiny model not found at {TINY}")
 
@@ -523,6 +525,8 @@ def test_the_plan_matches_what_the_run_removes_and_settings_persist(runs_dir):
     at = wait_for(at, lambda a: "Done" in status(a))
     run = Path(next(c.value for c in at.caption if "run folder" in c.value).split("`")[1])
     results = json.loads((run / "results.json").read_text())
+    assert [c.value for c in at.caption if c.value.startswith("Wall time ")] == [  # where the run's time went
+        "W" + phase_line(results["seconds_by_phase"])[1:]]
     tolerance = int(next(m.value for m in at.markdown if m.value.startswith("Will remove")).split("up to ")[1].split(" ")[0]
                     .replace(",", "")) if "up to" in next(m.value for m in at.markdown if m.value.startswith("Will remove")) else 0
     assert abs(results["params_removed"] - planned) <= max(tolerance, 1)
