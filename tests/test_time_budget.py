@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from engine.errors import UserError
-from engine.hooks.time_budget import EXPORT_SECONDS, RESERVE_FACTOR, TimeBudget, planned_steps
+from engine.distributed import World
+from engine.hooks.time_budget import EXPORT_SECONDS, RESERVE_FACTOR, TimeBudget, planned_steps, share_of_time_left
 from engine.policy import LR_SCHEDULE_FNS
 from engine.pruner import PruneRun
 
@@ -112,12 +114,6 @@ def test_time_budget_is_checked(tiny_path, small_eval_file):
 
 
 def test_work_in_batches_takes_its_share_of_the_time_left_and_never_fewer_than_the_minimum():
-    from types import SimpleNamespace
-
-    from engine.hooks.time_budget import share_of_time_left
-
-    from engine.distributed import World
-
     assert share_of_time_left(SimpleNamespace(hooks=[]), 1 / 3, 8) is None  # no budget: the work runs to its end
     clock = FakeClock()
     hook = TimeBudget(SimpleNamespace(started=0.0))

@@ -73,7 +73,7 @@ class TimeBudget(RunHook):
         evaluations = 1 + sum(h.final_evaluations for h in self.run.hooks)  # (--reconstruct: the mask before its refit)
         reserve = RESERVE_FACTOR * evaluations * self.eval_seconds + EXPORT_SECONDS
         planned = planned_steps(state.step, self.elapsed(), self.limit, per_step, reserve)
-        if planned == state.step and not self.said_full:  # (the fixed costs took the budget: say so once)
+        if planned == state.step and not self.said_full:  # (the budget is spent: said once, at a run's natural end too)
             self.said_full = True
             self.run.log(f"time budget: {self.elapsed() / 60:.1f} of {self.limit / 60:g} min used at step {state.step}, "
                          f"the end needs about {reserve:.0f} s: no more steps (results.json's seconds_by_phase says where "
