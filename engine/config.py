@@ -171,6 +171,10 @@ class PruneConfig:
                                help="joint method: calibration batches the starting mix of layers and widths is chosen "
                                     "on (the first init batches; with --init-data training, the held-out ones first; "
                                     "a forward pass per candidate and batch)")
+    mix_refit: bool = setting(True, label="Joint mix scored refit",
+                              help="joint method with --reconstruct: score the mix's candidates with the least-squares "
+                                   "refit (the model the run exports; a refit per candidate), or without it (the run's "
+                                   "compensation only; the chosen mask is refit at the end all the same)")
     mix_refine_batches: int = setting(0, minimum=0, label="Joint mix refine batches",
                                       help="joint method: more calibration batches (the next init batches) the 3 mixes "
                                            "that lose least on the mix batches are compared on again; 0: off")

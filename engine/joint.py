@@ -73,6 +73,8 @@ def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.
     def mean_loss(masks, on: list[torch.Tensor]) -> float:
         if loss is not None:
             return sum(loss(masks, b) for b in on) / len(on)
+        if not c.mix_refit:  # (the run's compensation alone; the chosen mask is refit at the end)
+            return sum(hard_mask_loss(run, masks, b) for b in on) / len(on)
         with run.masks.weights(masks) as fill:  # (the model the run would export with this mask: --reconstruct)
             return sum(hard_mask_loss(run, masks, b, fill) for b in on) / len(on)
 

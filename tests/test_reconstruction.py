@@ -226,6 +226,29 @@ def test_the_joint_mix_is_chosen_on_refit_candidates(tiny, tiny_path, small_eval
         assert torch.equal(v, dense[k]), k
 
 
+def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refits_the_chosen_mask(
+        tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """--no-mix-refit: every candidate's loss is taken on the unedited weights with the run's compensation (the
+    fill the run measured, `...`), and the final mask is refit all the same (its perplexity differs from the same
+    mask unrefit, which results.json keeps)."""
+    import engine.joint as joint
+
+    dense = {k: v.clone() for k, v in tiny[0].state_dict().items()}
+    seen = []
+    real = joint.hard_mask_loss
+
+    def spy(run, masks, batch, fill=...):
+        seen.append((all(torch.equal(v, dense[k]) for k, v in run.model.state_dict().items()), fill is ...))
+        return real(run, masks, batch, fill)
+
+    monkeypatch.setattr(joint, "hard_mask_loss", spy)
+    results = _run(tiny, tiny_path, small_eval_file, tmp_path / "j", method="flap", units=["layers", "heads", "channels"],
+                   layer_init="layerwise-ppl", reconstruct=True, mix_refit=False, mix_batches=2, budget="params",
+                   prune_ratio=0.5)
+    assert seen and all(unedited and own_fill for unedited, own_fill in seen)
+    assert results["init_mix"] and results["reconstruction"]["ppl_before"] != results["ppl_pruned"]
+
+
 def test_a_model_whose_statistics_would_not_fit_skips_the_refit_and_says_so(tiny, tiny_path, small_eval_file, tmp_path,
                                                                            monkeypatch):
     import engine.hooks.reconstruction as hook
