@@ -81,6 +81,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("reconstruct", False)  # nor refit by least squares (the default since --reconstruct came)
     data.setdefault("max_windows", None)  # and evaluated every window unless told otherwise
     data.setdefault("best_val_margin", 0.0)  # best-val took any gain
+    data.setdefault("val_refit", False)  # and validated the masks unrefit (a resumed run compares like with like)
     data.setdefault("init_data", "training")  # and the init read the calibration documents the steps read
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
@@ -257,6 +258,10 @@ class PruneConfig:
                              help="methods that optimise: every N steps, held-out perplexity of the current hard mask "
                                   "(0: off; every 10th calibration document is held out)")
     val_batches: int = setting(4, minimum=1, label="Validation batches", help="held-out batches per check")
+    val_refit: bool = setting(True, label="Validate refit masks",
+                              help="with --reconstruct, a held-out check evaluates the hard mask with its kept columns "
+                                   "refit (the model the run would export; a refit per check), so that best-val "
+                                   "chooses among the models it could export; off: the mask as the steps sample it")
     early_stop: int = setting(10, minimum=0, label="Stop early after N still steps (0 = off)",
                               help="methods that optimise: stop when the hard mask has not changed for N steps, the "
                                    "scores are saturated (at most 1 % of them between 0.01 and 0.99) and, with "

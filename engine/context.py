@@ -37,7 +37,8 @@ class StepContext:
             return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill)
 
     @contextmanager
-    def masked(self, masks: dict[str, torch.Tensor]):
+    def masked(self, masks: dict[str, torch.Tensor], fill=...):
+        """fill: as for `losses`."""
         with MaskHooks(self.adapter) as hooks:
-            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.fill)
+            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.fill if fill is ... else fill)
             yield

@@ -18,6 +18,7 @@ from engine.export import kept_indices
 from engine.masking import MaskHooks
 from engine.metrics.activations import column_moments
 from engine.pruner import PruneRun
+from engine.runmasks import mask_key
 from engine.reconstruction import _groups, input_moments, reconstructed, regression
 from engine.unit_types import UNIT_TYPES, unit_sizes
 from engine.units import UnitLayout
@@ -247,6 +248,60 @@ def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refit
                    prune_ratio=0.5)
     assert seen and all(unedited and own_fill for unedited, own_fill in seen)
     assert results["init_mix"] and results["reconstruction"]["ppl_before"] != results["ppl_pruned"]
+
+
+@pytest.mark.parametrize("val_refit", [True, False], ids=["refit", "unrefit"])
+def test_best_val_validates_the_masks_as_the_run_would_export_them(val_refit, tiny, tiny_path, small_eval_file,
+                                                                   tmp_path, monkeypatch):
+    """--val-refit: every held-out check runs on the refit weights (the kept columns differ from the dense ones), and
+    the init mask's held-out perplexity is the refit model's; --no-val-refit: on the dense weights. Either way the
+    weights come back after each check."""
+    import engine.hooks.validation as validation
+
+    dense = {k: v.clone() for k, v in tiny[0].state_dict().items()}
+    edited = []
+    real = validation.batch_loss
+
+    originals = [p.detach().clone() for p in tiny[0].parameters()]  # (while masked, the layers sit in gates)
+
+    def spy(model, batch):
+        edited.append(any(not torch.equal(p, o) for p, o in zip(model.parameters(), originals)))
+        return real(model, batch)
+
+    monkeypatch.setattr(validation, "batch_loss", spy)
+    results = _run(tiny, tiny_path, small_eval_file, tmp_path / "v", method="pg", init="flap", reconstruct=True,
+                   val_refit=val_refit, val_every=3, steps=3, prune_ratio=0.5)
+    assert edited and all(e == val_refit for e in edited)
+    for k, v in tiny[0].state_dict().items():
+        assert torch.equal(v, dense[k]), k
+    assert results["val_ppl_init"] > 1.0
+
+
+def test_old_runs_validate_unrefit_when_resumed():
+    """A run saved before --val-refit validated its masks unrefit: resumed, it goes on doing so (its best held-out
+    perplexity so far is an unrefit one)."""
+    old = PruneConfig(reconstruct=True).to_dict()
+    old.pop("val_refit")
+    assert PruneConfig.from_dict(old).val_refit is False
+    assert PruneConfig().val_refit is True
+
+
+def test_an_evaluation_cached_before_a_refit_is_still_cached_after_it(tiny, tiny_path, small_eval_file, tmp_path):
+    """The refit sets the unedited weights' perplexities aside while the weights are edited (none of them is read
+    there) and brings them back after: a mask evaluated before a validation's refit is not evaluated again."""
+    config = small_config(tiny_path, small_eval_file, reconstruct_batches=2, method="pg", init="flap", reconstruct=True,
+                          prune_ratio=0.5)
+    run = PruneRun(config, tmp_path / "c", model=tiny[0], tokenizer=tiny[1], log=quiet)
+    run.progress = False
+    masks = {u: torch.ones(run.layout.total(u)) for u in run.layout.unit_types}
+    for u in masks:
+        masks[u][::2] = 0  # (every other unit: each layer keeps some)
+    before = run.masked_perplexity(masks, "before")
+    with run.masks.weights(masks) as fill:
+        assert run.masks.measured == {}
+        refit = run.masked_perplexity(masks, "refit", fill)
+    assert refit != before and run.masks.measured[mask_key(masks, ...)] == before
+    assert len(run.masks.measured) == 1  # (the refit's own perplexity is gone with its weights)
 
 
 def test_a_model_whose_statistics_would_not_fit_skips_the_refit_and_says_so(tiny, tiny_path, small_eval_file, tmp_path,

@@ -73,16 +73,17 @@ class Reconstruction(RunHook):
         if self.skipped is not None:
             yield fill
             return
+        outside = r.masks.measured  # (perplexities of the unedited weights: set aside while the weights are edited)
         try:
             with ExitStack() as stack:
                 moments = self.statistics()
                 with r.phases("refit"):  # (the solves; the weights are restored on leaving)
                     refit = stack.enter_context(reconstructed(r.adapter, r.layout, masks, moments, c.reconstruct_ridge,
                                                               c.bias_compensation))
-                r.masks.measured.clear()  # (perplexities measured before are of other weights)
+                r.masks.measured = {}
                 yield refit
         finally:
-            r.masks.measured.clear()
+            r.masks.measured = outside
 
     def results(self) -> dict:
         c = self.run.config

@@ -1,10 +1,14 @@
 """`--val-every N`: the held-out perplexity of the current hard mask every N steps and at the last step, and of
 the init mask at step 0 (every 10th calibration document is held out); the best step and its scores are kept
-in the state, for --final-mask best-val. A later mask becomes the best only when it beats the best so far by more
+in the state, for --final-mask best-val. With --val-refit (the default) each mask is validated as the run would
+export it (RunMasks.weights: with --reconstruct, its kept columns refit), so that best-val chooses among the
+models it could export. A later mask becomes the best only when it beats the best so far by more
 than --best-val-margin (relative perplexity), so that a gain within the noise of a few held-out batches does not
 trade a measured mask for an unmeasured one."""
 
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import torch
 
@@ -26,7 +30,11 @@ class Validation(RunHook):
 
     def validate(self, state) -> float:
         run = self.run
-        with run.phases("validation"), run.ctx.masked(run.hard_masks(state.scores)):
+        masks = run.hard_masks(state.scores)
+        with ExitStack() as stack:
+            stack.enter_context(run.phases("validation"))
+            fill = stack.enter_context(run.masks.weights(masks)) if run.config.val_refit else ...
+            stack.enter_context(run.ctx.masked(masks, fill))
             loss = torch.cat([batch_loss(run.model, b) for b in run.val_batches]).double().mean()
         ppl = float(torch.exp(loss))
         if improves(ppl, state.best_val_ppl, run.config.best_val_margin):
