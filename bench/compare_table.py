@@ -136,7 +136,9 @@ ROWS: list[tuple] = [  # (row, settings, optimises[, lr scale])
        {**FIXED64, "prob_map": "sigmoid-cut", "method_options": {"unit_block": b}}, True, 50.0) for b in (64, 256)],
     # --reconstruct: the final mask's kept columns refit by least squares to the dense projections' outputs (16
     # batches of their own, ridge 0.1); the masks are the rows' above, each row against its own mask unrefit. SLEB
-    # removes whole layers only: nothing to refit. Taylor's row with the intercept (the compensation's means)
+    # removes whole layers only: nothing to refit. Taylor's row with the intercept (the compensation's means). The
+    # joint rows' cells run before --mix-refit's default became off (2026-11-27) scored their mix refit (their
+    # configs load so); the "mix unrefit" rows pin it off
     *[(f"{row} + least-squares reconstruction", {**settings, "reconstruct": True}, pg) for row, settings, pg in (
         ("FLAP (one-shot, with its bias compensation)", {**HC, "method": "flap", "scope": "global", "init": "flap"}, False),
         ("Taylor (LLM-Pruner's metric, global ranking)", {**HC, "method": "metric", "scope": "global", "init": "taylor",

@@ -8,7 +8,7 @@
 #   bash bench/must_show.sh flap16         # the same on 16 init batches (the default is 64)
 #   bash bench/must_show.sh budget 0 1 2   # issue 28: python -m engine prune --prune-ratio 0.3 --time-budget 10, per seed
 #   bash bench/must_show.sh budget-again 0 # the same, into a folder named after the commit (to compare engines)
-#   bash bench/must_show.sh joint 0 1 2    # issue 28's candidate default: the 10-minute run on the joint (Layerwise-PPL's
+#   bash bench/must_show.sh joint 0 1 2    # the README's quickstart: the 10-minute run with --preset joint (Layerwise-PPL's
 #                                          # layers fixed, FLAP's widths on 16 batches, PG on the widths), per seed
 #   bash bench/must_show.sh default        # issue 25: the default run (python -m engine prune --prune-ratio 0.3), whose
 #                                          # duration bench/plan_check.py compares with the app's estimate
@@ -32,7 +32,7 @@ case $what in
   default) run default30 --prune-ratio 0.3 ;;
   budget) for seed in "$@"; do run "tb10-s$seed" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
   budget-again) for seed in "$@"; do run "tb10-s$seed-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
-  joint) for seed in "$@"; do run "tb10-joint-s$seed-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --time-budget 10 \
-           --seed "$seed" --units layers,heads,channels --layer-init layerwise-ppl --init-batches 16 --layer-score-const 1; done ;;
+  joint) for seed in "$@"; do run "tb10-joint-s$seed-$(git rev-parse --short HEAD)" --preset joint --prune-ratio 0.3 \
+           --time-budget 10 --seed "$seed"; done ;;
   *) echo "usage: bash bench/must_show.sh flap | flap-again | flap16 | default | budget SEED... | budget-again SEED... | joint SEED..." >&2; exit 2 ;;
 esac

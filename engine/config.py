@@ -79,6 +79,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("mix_refine_batches", 0)  # and not refined
     data.setdefault("bias_compensation", False)  # nor compensated (the default until FLAP's init became it)
     data.setdefault("reconstruct", False)  # nor refit by least squares (the default since --reconstruct came)
+    data.setdefault("mix_refit", data["reconstruct"])  # a refit run scored its joint mix refit
     data.setdefault("max_windows", None)  # and evaluated every window unless told otherwise
     data.setdefault("best_val_margin", 0.0)  # best-val took any gain
     data.setdefault("val_refit", False)  # and validated the masks unrefit (a resumed run compares like with like)
@@ -172,10 +173,12 @@ class PruneConfig:
                                help="joint method: calibration batches the starting mix of layers and widths is chosen "
                                     "on (the first init batches; with --init-data training, the held-out ones first; "
                                     "a forward pass per candidate and batch)")
-    mix_refit: bool = setting(True, label="Joint mix scored refit",
+    mix_refit: bool = setting(False, label="Joint mix scored refit",
                               help="joint method with --reconstruct: score the mix's candidates with the least-squares "
-                                   "refit (the model the run exports; a refit per candidate), or without it (the run's "
-                                   "compensation only; the chosen mask is refit at the end all the same)")
+                                   "refit (a refit per candidate), or without it (the run's compensation only; the "
+                                   "chosen mask is refit at the end all the same). Off by default: scored refit, the mix "
+                                   "took fewer layers out and ended worse or level on each of 5 paired runs "
+                                   "(docs/results.md)")
     mix_refine_batches: int = setting(0, minimum=0, label="Joint mix refine batches",
                                       help="joint method: more calibration batches (the next init batches) the 3 mixes "
                                            "that lose least on the mix batches are compared on again; 0: off")

@@ -201,7 +201,7 @@ def test_old_configs_load_without_it_new_ones_with_it_and_layers_alone_have_noth
     assert "reconstruction" not in results
 
 
-def test_the_joint_mix_is_chosen_on_refit_candidates(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+def test_the_joint_mix_is_chosen_on_refit_candidates_with_mix_refit(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
     """With --reconstruct every joint-mix candidate is scored with its own kept columns refit (the weights differ
     from the dense ones while its losses are taken exactly when a kept layer lost width, with the refit's fill),
     and the weights come back after."""
@@ -220,7 +220,8 @@ def test_the_joint_mix_is_chosen_on_refit_candidates(tiny, tiny_path, small_eval
 
     monkeypatch.setattr(joint, "hard_mask_loss", spy)
     results = _run(tiny, tiny_path, small_eval_file, tmp_path / "j", method="flap", units=["layers", "heads", "channels"],
-                   layer_init="layerwise-ppl", reconstruct=True, mix_batches=2, budget="params", prune_ratio=0.5)
+                   layer_init="layerwise-ppl", reconstruct=True, mix_refit=True, mix_batches=2, budget="params",
+                   prune_ratio=0.5)
     assert seen and all(changed and has_fill for changed, has_fill in seen)
     assert results["init_mix"] and "reconstruction" in results
     for k, v in tiny[0].state_dict().items():
@@ -277,13 +278,17 @@ def test_best_val_validates_the_masks_as_the_run_would_export_them(val_refit, ti
     assert results["val_ppl_init"] > 1.0
 
 
-def test_old_runs_validate_unrefit_when_resumed():
+def test_old_runs_validate_and_mix_as_they_did_when_resumed():
     """A run saved before --val-refit validated its masks unrefit: resumed, it goes on doing so (its best held-out
-    perplexity so far is an unrefit one)."""
+    perplexity so far is an unrefit one). One saved before --mix-refit scored its joint mix refit when it refit at
+    all."""
     old = PruneConfig(reconstruct=True).to_dict()
     old.pop("val_refit")
+    old.pop("mix_refit")
     assert PruneConfig.from_dict(old).val_refit is False
-    assert PruneConfig().val_refit is True
+    assert PruneConfig.from_dict(old).mix_refit is True
+    assert PruneConfig.from_dict({**old, "reconstruct": False}).mix_refit is False
+    assert PruneConfig().val_refit is True and PruneConfig().mix_refit is False
 
 
 def test_an_evaluation_cached_before_a_refit_is_still_cached_after_it(tiny, tiny_path, small_eval_file, tmp_path):
