@@ -201,10 +201,9 @@ def test_old_configs_load_without_it_new_ones_with_it_and_layers_alone_have_noth
     assert "reconstruction" not in results
 
 
-def test_the_joint_mix_is_chosen_on_refit_candidates_with_mix_refit(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
-    """With --reconstruct every joint-mix candidate is scored with its own kept columns refit (the weights differ
-    from the dense ones while its losses are taken exactly when a kept layer lost width, with the refit's fill),
-    and the weights come back after."""
+def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypatch, see, mix_refit: bool):
+    """A joint run with --reconstruct whose every mix-candidate loss first calls see(run, masks, fill, dense), dense
+    the model's state before the run; (what see returned, in order; the run's results)."""
     import engine.joint as joint
 
     dense = {k: v.clone() for k, v in tiny[0].state_dict().items()}
@@ -212,20 +211,32 @@ def test_the_joint_mix_is_chosen_on_refit_candidates_with_mix_refit(tiny, tiny_p
     real = joint.hard_mask_loss
 
     def spy(run, masks, batch, fill=...):
-        changed = any(not torch.equal(v, dense[k]) for k, v in run.model.state_dict().items())
-        cut = any(len(kept[u]) < run.layout.sizes[u][i] for i, kept in kept_indices(run.layout, masks, run.adapter)
-                  for u in ("heads", "channels"))  # (a kept layer lost width: something to refit)
-        seen.append((changed == cut, isinstance(fill, dict)))
+        seen.append(see(run, masks, fill, dense))
         return real(run, masks, batch, fill)
 
     monkeypatch.setattr(joint, "hard_mask_loss", spy)
-    results = _run(tiny, tiny_path, small_eval_file, tmp_path / "j", method="flap", units=["layers", "heads", "channels"],
-                   layer_init="layerwise-ppl", reconstruct=True, mix_refit=True, mix_batches=2, budget="params",
+    results = _run(tiny, tiny_path, small_eval_file, out, method="flap", units=["layers", "heads", "channels"],
+                   layer_init="layerwise-ppl", reconstruct=True, mix_refit=mix_refit, mix_batches=2, budget="params",
                    prune_ratio=0.5)
-    assert seen and all(changed and has_fill for changed, has_fill in seen)
-    assert results["init_mix"] and "reconstruction" in results
     for k, v in tiny[0].state_dict().items():
         assert torch.equal(v, dense[k]), k
+    return seen, results
+
+
+def test_the_joint_mix_is_chosen_on_refit_candidates_with_mix_refit(tiny, tiny_path, small_eval_file, tmp_path,
+                                                                    monkeypatch):
+    """With --mix-refit every joint-mix candidate is scored with its own kept columns refit (the weights differ
+    from the dense ones while its losses are taken exactly when a kept layer lost width, with the refit's fill),
+    and the weights come back after."""
+    def see(run, masks, fill, dense):
+        changed = any(not torch.equal(v, dense[k]) for k, v in run.model.state_dict().items())
+        cut = any(len(kept[u]) < run.layout.sizes[u][i] for i, kept in kept_indices(run.layout, masks, run.adapter)
+                  for u in ("heads", "channels"))  # (a kept layer lost width: something to refit)
+        return changed == cut and isinstance(fill, dict)
+
+    seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, True)
+    assert seen and all(seen)
+    assert results["init_mix"] and "reconstruction" in results
 
 
 def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refits_the_chosen_mask(
@@ -233,21 +244,11 @@ def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refit
     """--no-mix-refit: every candidate's loss is taken on the unedited weights with the run's compensation (the
     fill the run measured, `...`), and the final mask is refit all the same (its perplexity differs from the same
     mask unrefit, which results.json keeps)."""
-    import engine.joint as joint
+    def see(run, masks, fill, dense):
+        return all(torch.equal(v, dense[k]) for k, v in run.model.state_dict().items()) and fill is ...
 
-    dense = {k: v.clone() for k, v in tiny[0].state_dict().items()}
-    seen = []
-    real = joint.hard_mask_loss
-
-    def spy(run, masks, batch, fill=...):
-        seen.append((all(torch.equal(v, dense[k]) for k, v in run.model.state_dict().items()), fill is ...))
-        return real(run, masks, batch, fill)
-
-    monkeypatch.setattr(joint, "hard_mask_loss", spy)
-    results = _run(tiny, tiny_path, small_eval_file, tmp_path / "j", method="flap", units=["layers", "heads", "channels"],
-                   layer_init="layerwise-ppl", reconstruct=True, mix_refit=False, mix_batches=2, budget="params",
-                   prune_ratio=0.5)
-    assert seen and all(unedited and own_fill for unedited, own_fill in seen)
+    seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, False)
+    assert seen and all(seen)
     assert results["init_mix"] and results["reconstruction"]["ppl_before"] != results["ppl_pruned"]
 
 
