@@ -177,8 +177,8 @@ class PruneConfig:
                               help="joint method with --reconstruct: score the mix's candidates with the least-squares "
                                    "refit (a refit per candidate), or without it (the run's compensation only; the "
                                    "chosen mask is refit at the end all the same). Off by default: scored refit, the mix "
-                                   "took fewer layers out; of 9 paired runs it ended worse on 4 (by up to 15 %), level "
-                                   "on 3, better on 2 (by 4 and 18 %): mixed (docs/results.md)")
+                                   "took fewer layers out; of 10 paired runs it ended worse on 4 (by up to 15 %), level "
+                                   "on 3, better on 3 (by 3-18 %): mixed (docs/results.md)")
     mix_refine_batches: int = setting(0, minimum=0, label="Joint mix refine batches",
                                       help="joint method: more calibration batches (the next init batches) the 3 mixes "
                                            "that lose least on the mix batches are compared on again; 0: off")
