@@ -11,6 +11,7 @@
 #                quality    bench/pg_quality.py: the control variate and bias compensation, 3 seeds, 300 steps
 #                recovery   the converged preset (300 steps, N_s 8, leave-one-out), 3 seeds, each then LoRA-recovered
 #                           (`finetune`, the paper's 4,000 x 1,024 tokens): the 30 % figure after recovery
+#                long       PG to 300 steps against its init (0 steps), refit, the default and the joint preset, 3 seeds
 #                tables     bench/paper_tables.py at 200 steps, 8 queues, for SECONDS (default 500); rerun to go on
 #           Each stage writes $OUT/STAGE.log and $OUT/STAGE.tar.gz (its result files, as repository paths).
 #   here:   tar -xzf FILES_AT/STAGE.tar.gz   from the repository root: the results land where the docs cite them
@@ -119,10 +120,39 @@ stage_tables() {
     pack tables $out/tables.md $done ${done//results.json/config.json}
 }
 
+stage_long() {  # does PG earn anything over its refit init with plenty of steps? 300 steps against 0, 3 seeds,
+    # the default (FLAP's widths) and the joint preset, 12 runs side by side on the one GPU; SECONDS: the deadline
+    local seconds=${1:-420} out=bench/results/pg_long pids=() end
+    mkdir -p $out /tmp/long
+    end=$((SECONDS + seconds))
+    for seed in 0 1 2; do
+        for what in default joint; do
+            local flags=(--prune-ratio 0.3 --seed $seed --device cuda --model "$MODEL")
+            [[ $what == joint ]] && flags+=(--preset joint)
+            for steps in 0 300; do  # "0 steps": one step at lr 1e-12, so the init mask is refit on the run's own stream
+                local name=$what-st$steps-s$seed run=(--steps $steps)
+                [[ $steps == 0 ]] && run=(--steps 1 --lr 1e-12)
+                OMP_NUM_THREADS=1 setsid python3 -m engine prune "${flags[@]}" "${run[@]}" \
+                    --out /tmp/long/$name --overwrite > $out/$name.log 2>&1 &
+                pids+=($!)
+            done
+        done
+    done
+    while ((SECONDS < end)) && kill -0 "${pids[@]}" 2>/dev/null; do sleep 5; done
+    for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done
+    sleep 2
+    for d in /tmp/long/*/; do
+        local n=$(basename "$d"); mkdir -p $out/$n
+        cp "$d"/{config.json,results.json,metrics.jsonl,masks.json} $out/$n/ 2>/dev/null
+    done
+    tail -n 2 $out/*.log
+    pack long $out
+}
+
 case "${1:-}" in
     prep) prep ;;
     env) env_setup ;;
-    tests|step-cost|quality|recovery|tables)
+    tests|step-cost|quality|recovery|tables|long)
         set -o pipefail
         stage=$1; shift
         cd "$ROOT" || exit 2
