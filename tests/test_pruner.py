@@ -322,6 +322,7 @@ def test_best_val_margin_keeps_the_best_mask_against_small_gains(margin, best_st
     def validate(self, state):  # one value of the sequence per check (each check reads several batches)
         ppl = next(sequence)
         calls.append(ppl)
+        self.last = None  # (a check of the mask checked last reuses its figure: here each check has its own)
         monkeypatch.setattr(validation, "batch_loss", lambda model, b: torch.full((b.shape[0],), math.log(ppl),
                                                                                   dtype=torch.float64))
         return real(self, state)
@@ -353,6 +354,35 @@ def test_best_val_keeps_the_init_mask_when_the_steps_make_it_worse(tiny, tiny_pa
     assert min(vals) > results["val_ppl_init"]  # the steps made the mask worse
     assert results["mask_step"] == 0 and results["best_val_ppl"] == results["val_ppl_init"]
     assert results["ppl_pruned"] == pytest.approx(results["ppl_init"], rel=1e-9)
+
+
+def test_a_check_of_an_unchanged_mask_reuses_its_held_out_perplexity(tiny, tiny_path, small_eval_file, tmp_path,
+                                                                      monkeypatch):
+    """Steps too small to change the hard mask (lr 1e-12): the held-out batches run once, for the init mask, and
+    every later check reports that figure; steps that change the mask (lr 5 against the metric) run them once for
+    each mask they reach."""
+    import engine.hooks.validation as validation
+    from engine.methods.base import StepGradient
+
+    calls = []
+
+    def counted(model, batch):
+        calls.append(batch.shape[0])
+        return batch_loss(model, batch)
+
+    monkeypatch.setattr(validation, "batch_loss", counted)
+    config = small_config(tiny_path, small_eval_file, steps=3, val_every=1, val_batches=2, final_mask="best-val",
+                          lr=1e-12, early_stop=0)
+    results = PruneRun(config, tmp_path / "S", model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    vals = [ln["val_ppl"] for ln in metric_lines(tmp_path / "S")]
+    assert len(calls) == 2 and vals == [results["val_ppl_init"]] * 3 and results["mask_step"] == 0
+    calls.clear()
+    run = PruneRun(dataclasses.replace(config, lr=5.0), tmp_path / "M", model=tiny[0], tokenizer=tiny[1], log=quiet)
+    run.method.gradient = lambda state, batch: StepGradient(
+        torch.ones(2, dtype=torch.float64), {u: state.init_metric[u].double() for u in state.scores}, 0.0)
+    moved = run.run(progress=False)
+    checked = {moved["val_ppl_init"], *(ln["val_ppl"] for ln in metric_lines(tmp_path / "M"))}
+    assert len(checked) > 1 and len(calls) == 2 * len(checked)  # (once per mask checked: each its own perplexity)
 
 
 def test_seqlen_beyond_positions_is_a_user_error(tiny, tiny_path, small_eval_file, tmp_path):

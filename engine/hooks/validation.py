@@ -4,7 +4,8 @@ in the state, for --final-mask best-val. With --val-refit (the default) each mas
 export it (RunMasks.weights: with --reconstruct, its kept columns refit), so that best-val chooses among the
 models it could export. A later mask becomes the best only when it beats the best so far by more
 than --best-val-margin (relative perplexity), so that a gain within the noise of a few held-out batches does not
-trade a measured mask for an unmeasured one."""
+trade a measured mask for an unmeasured one. A check whose hard mask is the one checked last (a short run's steps
+often leave it) reuses that perplexity: the held-out batches and the refit would give the same figure again."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from contextlib import ExitStack
 import torch
 
 from ..evaluate import batch_loss
+from ..runmasks import mask_key
 from ..runstate import check_finite
 from .base import RunHook, register_hook
 
@@ -28,16 +30,26 @@ class Validation(RunHook):
     def applies(config) -> bool:
         return config.validates
 
+    last: tuple | None = None  # (the mask key of the last check, its held-out perplexity), within this process
+
     def validate(self, state) -> float:
         run = self.run
         masks = run.hard_masks(state.scores)
+        key = mask_key(masks, ...)
+        if self.last is not None and self.last[0] == key:
+            return self.record(state, self.last[1])
         with ExitStack() as stack:
             stack.enter_context(run.phases("validation"))
             fill = stack.enter_context(run.masks.weights(masks)) if run.config.val_refit else ...
             stack.enter_context(run.ctx.masked(masks, fill))
             loss = torch.cat([batch_loss(run.model, b) for b in run.val_batches]).double().mean()
         ppl = float(torch.exp(loss))
-        if improves(ppl, state.best_val_ppl, run.config.best_val_margin):
+        self.last = (key, ppl)
+        return self.record(state, ppl)
+
+    def record(self, state, ppl: float) -> float:
+        """Best-val's bookkeeping of one check's held-out perplexity."""
+        if improves(ppl, state.best_val_ppl, self.run.config.best_val_margin):
             state.best_val_ppl, state.best_step = ppl, state.step
             state.best_scores = {u: s.clone() for u, s in state.scores.items()}
         return ppl
