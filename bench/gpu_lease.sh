@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lease of the GPU machine (the `device` tool: 30 minutes, 10 per call), used for every GPU test and
+# One lease of the GPU machine (the `device` tool: 15 minutes of device time a session, 10 per call), used for every GPU test and
 # figure the open issues ask for, in as few calls as possible.
 #
 #   here:   bash bench/gpu_lease.sh prep     after `bash install.sh`: fills the git-ignored .gpu/ and prints the calls
@@ -32,15 +32,22 @@ prep() {
         word2number==1.1 2>&1 | grep -v '^WARNING' || true
     rm -rf .gpu/x && mkdir -p .gpu/x
     cp -r ../shared/models/tinystories-656k ../shared/data/zeroshot .gpu/x/
+    # a call carries at most 64 MiB with the working tree: the model goes in as few parts as fit beside the tree
+    local tree room n i
+    tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    room=$(( (64 * 1048576 - tree - 2000000) / 1000000 * 1000000 ))
+    cat .gpu/p0/part0 .gpu/p1/part1 .gpu/p2/part2 .gpu/p3/part3 > .gpu/model.gguf
+    rm -rf .gpu/p[0-9]*
+    split -b "$room" -d -a 1 .gpu/model.gguf .gpu/part && rm .gpu/model.gguf
+    n=$(ls .gpu/part* | wc -l)
+    for ((i = 0; i < n; i++)); do mkdir -p .gpu/p$i && mv .gpu/part$i .gpu/p$i/; done
     du -sh .gpu/* | sed 's/^/  /'
-    cat <<'TXT'
-Five device calls, back to back (the machine goes back after 30 s idle):
- 1. carry [".gpu/p0", ".gpu/p1"]               mkdir -p /tmp/m && cat .gpu/p0/part0 .gpu/p1/part1 > /tmp/m/part
- 2. carry [".gpu/p2", ".gpu/whl"]              cat .gpu/p2/part2 >> /tmp/m/part && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
- 3. carry [".gpu/p3", ".gpu/data", ".gpu/x"]   cat .gpu/p3/part3 >> /tmp/m/part && mv /tmp/m/part /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf && source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tests
- 4. (nothing to carry)                         source bench/gpu_lease.sh env && bash bench/gpu_lease.sh step-cost
- 5. (nothing to carry)                         source bench/gpu_lease.sh env && bash bench/gpu_lease.sh quality && bash bench/gpu_lease.sh recovery
-Then `source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tables 540` while device time lasts.
+    echo "Device calls, back to back (the machine goes back after 30 s idle; the tree is $((tree / 1000000)) MB):"
+    echo " 1. carry [\".gpu/p0\"]   mkdir -p /tmp/m && cat .gpu/p0/part0 > /tmp/m/part"
+    for ((i = 1; i < n; i++)); do echo " $((i + 1)). carry [\".gpu/p$i\"]   cat .gpu/p$i/part$i >> /tmp/m/part"; done
+    cat <<TXT
+ $((n + 1)). carry [".gpu/whl", ".gpu/data", ".gpu/x"]   mv /tmp/m/part /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl && source bench/gpu_lease.sh env && bash bench/gpu_lease.sh tests
+ then, nothing to carry:   source bench/gpu_lease.sh env && bash bench/gpu_lease.sh STAGE   (step-cost, quality, recovery, long, tables 540)
 Each call: timeout_s 600. Unpack each files_at/*.tar.gz here with tar -xzf from the repository root.
 TXT
 }
