@@ -17,7 +17,12 @@ model's outputs from the pruned model's kept inputs instead (the targets W x of 
 mask worse, 180.24 -> 284.57 on 16 batches. One pass is worth 1.6 % at 64 batches for about 5 CPU minutes, less
 than the 64 batches' own gain over 16 (7.5 % on this mask): not made an engine option.
 """
+import json
+import sys
+import tempfile
+import time
 from pathlib import Path
+
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config import PruneConfig
