@@ -34,9 +34,9 @@ prep() {
     cp -r ../shared/models/tinystories-656k ../shared/data/zeroshot .gpu/x/
     # a call carries at most 64 MiB with the working tree: the model goes in as few parts as fit beside the tree
     local tree room n i
-    tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
     room=$(( (64 * 1048576 - tree - 2000000) / 1000000 * 1000000 ))
-    cat .gpu/p0/part0 .gpu/p1/part1 .gpu/p2/part2 .gpu/p3/part3 > .gpu/model.gguf
+    cat .gpu/p[0-9]/part[0-9] > .gpu/model.gguf  # (gpu-prep's parts, in order)
     rm -rf .gpu/p[0-9]*
     split -b "$room" -d -a 1 .gpu/model.gguf .gpu/part && rm .gpu/model.gguf
     n=$(ls .gpu/part* | wc -l)
