@@ -3,11 +3,15 @@
 # loading and evaluations included) on whatever cores are idle. Each run's folder, log and `time -v` report go to
 # bench/results/must_show/; a run with a results.json is not run again.
 #
-#   bash bench/must_show.sh flap           # issue 24: python -m engine prune --method flap --prune-ratio 0.3
+#   bash bench/must_show.sh flap           # issue 24: python -m engine prune --method flap --prune-ratio 0.3 on FLAP's
+#                                          # units (--units heads,channels: a run that names no units is the joint since
+#                                          # 2026-11-27)
 #   bash bench/must_show.sh flap-again     # the same, into a folder named after the commit
 #   bash bench/must_show.sh flap16         # the same on 16 init batches (the default is 64)
 #   bash bench/must_show.sh budget 0 1 2   # issue 28: python -m engine prune --prune-ratio 0.3 --time-budget 10, per seed
-#   bash bench/must_show.sh budget-again 0 # the same, into a folder named after the commit (to compare engines)
+#   bash bench/must_show.sh budget-again 0 # the same, into a folder named after the commit (to compare engines; since
+#                                          # 2026-11-27 the command starts from the default preset, the joint)
+#   bash bench/must_show.sh width 0 1 2    # the same with --units heads,channels (the default run before 2026-11-27)
 #   bash bench/must_show.sh joint 0 1 2    # the README's quickstart: the 10-minute run with --preset joint (Layerwise-PPL's
 #                                          # layers fixed, FLAP's widths on 16 batches, PG on the widths), per seed
 #   bash bench/must_show.sh default        # issue 25: the default run (python -m engine prune --prune-ratio 0.3), whose
@@ -26,13 +30,15 @@ run() {  # name, then the prune flags
 }
 what=$1; shift
 case $what in
-  flap) run flap30 --method flap --prune-ratio 0.3 ;;
-  flap-again) run "flap30-$(git rev-parse --short HEAD)" --method flap --prune-ratio 0.3 ;;
-  flap16) run "flap30-b16-$(git rev-parse --short HEAD)" --method flap --prune-ratio 0.3 --init-batches 16 ;;
+  flap) run flap30 --method flap --units heads,channels --prune-ratio 0.3 ;;
+  flap-again) run "flap30-$(git rev-parse --short HEAD)" --method flap --units heads,channels --prune-ratio 0.3 ;;
+  flap16) run "flap30-b16-$(git rev-parse --short HEAD)" --method flap --units heads,channels --prune-ratio 0.3 --init-batches 16 ;;
   default) run default30 --prune-ratio 0.3 ;;
   budget) for seed in "$@"; do run "tb10-s$seed" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
   budget-again) for seed in "$@"; do run "tb10-s$seed-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
+  width) for seed in "$@"; do run "tb10-width-s$seed-$(git rev-parse --short HEAD)" --units heads,channels --prune-ratio 0.3 \
+           --time-budget 10 --seed "$seed"; done ;;
   joint) for seed in "$@"; do run "tb10-joint-s$seed-$(git rev-parse --short HEAD)" --preset joint --prune-ratio 0.3 \
            --time-budget 10 --seed "$seed"; done ;;
-  *) echo "usage: bash bench/must_show.sh flap | flap-again | flap16 | default | budget SEED... | budget-again SEED... | joint SEED..." >&2; exit 2 ;;
+  *) echo "usage: bash bench/must_show.sh flap | flap-again | flap16 | default | budget SEED... | budget-again SEED... | width SEED... | joint SEED..." >&2; exit 2 ;;
 esac

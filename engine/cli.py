@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 
 from . import IMPORTED
-from .config import PRESETS, PruneConfig, preset_text
+from .config import DEFAULT_PRESET, PRESETS, PruneConfig, default_preset, preset_text
 from .fields import choices_of
 from .methods import METHODS
 from .errors import UserError
@@ -27,17 +27,20 @@ def _comma_list(text: str) -> list[str]:
     return [u.strip() for u in text.split(",") if u.strip()]
 
 
-def _setting_args(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None = None) -> None:
+def _setting_args(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None = None, preset: dict | None = None) -> None:
     """One flag per field of a settings dataclass (all, or `names`), made from its declaration
-    (engine.fields.setting): --FIELD-NAME (or the declared flag), its type, choices, default and help."""
+    (engine.fields.setting): --FIELD-NAME (or the declared flag), its type, choices, default and help (and the
+    value `preset`, the default preset, gives it)."""
     hints, defaults = typing.get_type_hints(cls), cls()
     for f in dataclasses.fields(cls):
         if (names is not None and f.name not in names) or f.metadata.get("flag") is False:
             continue
         hint, default, choices = hints[f.name], getattr(defaults, f.name), choices_of(f)
-        shown = ",".join(default) if isinstance(default, list) else ("none" if default in (None, {}) else default)
+        shown = lambda v: ",".join(v) if isinstance(v, list) else ("none" if v in (None, {}) else v)  # noqa: E731
         text = f.metadata.get("help", "")
-        text += "" if "(default" in text else f" (default {shown})"  # a help that says its default says it better
+        text += "" if "(default" in text else f" (default {shown(default)})"  # a help that says its default says it better
+        if f.name in (preset or {}):  # a setting the default preset sets: what a run that names no preset gets
+            text += f" ({shown(preset[f.name])} under the default preset {DEFAULT_PRESET}, see --preset)"
         kw = dict(default=default, help=text.replace("%", "%%"))
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         if hint is bool:
@@ -140,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from a saved run config (a run's config.json, or one a script wrote); flags given override it")
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="start from named settings, flags given override them: " + "; ".join(
-                       f"{name}: {preset_text(name)}" for name in PRESETS))
-    _setting_args(p, PruneConfig)  # every run setting, from its declaration
+                       f"{name}: {preset_text(name)}" for name in PRESETS) + f" (default {DEFAULT_PRESET}, "
+                       "whole layers and widths in one budget, unless --units, --scope uniform, --budget units or "
+                       "--config is given: then none, the settings' own defaults, which are the fast preset's)")
+    _setting_args(p, PruneConfig, preset=PRESETS[DEFAULT_PRESET])  # every run setting, from its declaration
     _method_option_args(p)
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")
     p.add_argument("--export-gguf", metavar="OUTTYPE", default=None, choices=list(EXPORT_FORMATS["gguf"].outtypes),
@@ -359,6 +364,9 @@ def _prune_writer(args, world) -> int:
             raise
         # model and data loaded: only now may --overwrite remove the old run, not for a typo in an argument
         check_out_dir(out, args.resume, args.overwrite)
+        if getattr(args, "default_preset", None):  # (after every refusal: a refused run's stderr is its one error line)
+            run.log(f"the default preset {args.default_preset}: {preset_text(args.default_preset)} (--preset fast, "
+                    "or --units, for the settings' own defaults)")
         saved_steps = PruneConfig.load(out / CONFIG_FILE).steps if args.resume else config.steps
         if saved_steps != config.steps:
             print(f"steps: {saved_steps} -> {config.steps} (the schedules follow a {config.steps}-step run from the "
@@ -492,15 +500,19 @@ def cmd_measure(args) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse twice when `prune --preset NAME` or `--config FILE` is given: their values become the
-    defaults (the file's over the preset's), so that flags given explicitly still override them."""
+    """Parse twice when `prune --preset NAME` or `--config FILE` is given, or the default preset applies
+    (config.default_preset): their values become the defaults (the file's over the preset's), so that flags given
+    explicitly still override them. args.default_preset names the default preset a prune run started from."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults = {}
+    defaults, chosen = {}, None
     if getattr(args, "preset", None):
         defaults.update(_as_flag_defaults(PRESETS[args.preset], args.method))
     if getattr(args, "config", None):
         defaults.update(_config_defaults(args.config))
+    if args.command == "prune" and not (args.preset or args.config or args.resume):
+        chosen = default_preset(_given(argv, "units"), args.scope, args.budget)
+        defaults.update(_as_flag_defaults(PRESETS[chosen], args.method) if chosen else {})
     if getattr(args, "resume", False):  # the run's own settings: a flag given beside --resume is checked against them
         if args.preset or args.config:
             raise UserError("--resume continues the run with its saved config; --preset and --config do not apply")
@@ -508,10 +520,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if saved.is_file():
             defaults.update(_config_defaults(str(saved)))
     if defaults:
-        prune = parser._subparsers._group_actions[0].choices["prune"]
-        prune.set_defaults(**defaults)
+        _prune_parser(parser).set_defaults(**defaults)
         args = parser.parse_args(argv)
+    args.default_preset = chosen
     return args
+
+
+def _prune_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return parser._subparsers._group_actions[0].choices["prune"]
+
+
+_UNSET = object()
+
+
+def _given(argv: list[str] | None, dest: str) -> bool:
+    """Whether the prune command line gives the setting `dest` (its flag in any of argparse's spellings)."""
+    probe = build_parser()
+    _prune_parser(probe).set_defaults(**{dest: _UNSET})
+    return getattr(probe.parse_args(argv), dest) is not _UNSET
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -369,6 +369,42 @@ def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():
     assert (narrowed.units, narrowed.init_batches, narrowed.layer_init) == (["heads", "layers"], 4, "layerwise-ppl")
 
 
+def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applies():
+    from engine.cli import _config_from_args, parse_args
+    from engine.config import DEFAULT_PRESET, PRESETS, PruneConfig, default_preset
+
+    def config(*flags):
+        args = parse_args(["prune", *flags, "--out", "x"])
+        return args.default_preset, _config_from_args(args).validate()
+
+    name, plain = config("--prune-ratio", "0.3", "--time-budget", "10")
+    assert name == DEFAULT_PRESET == "joint"
+    for field, value in PRESETS["joint"].items():
+        assert getattr(plain, field) == value, field
+    assert plain.fixed_layers and plain.lr == PruneConfig().lr and plain.time_budget == 10.0
+    assert config("--init-batches", "4", "--method", "flap")[1].init_batches == 4  # a flag given still overrides it
+    own = PruneConfig()  # where the joint does not apply: the settings' own defaults, in every spelling of the flag
+    for flags in (["--units", "heads,channels"], ["--units=layers"], ["--scope", "uniform"], ["--budget", "units"],
+                  ["--preset", "fast"]):
+        name, c = config(*flags)
+        assert name is None, flags
+        assert (c.layer_init, c.layer_score_const, c.init_batches) == (own.layer_init, own.layer_score_const,
+                                                                       own.init_batches), flags
+        assert c.units == (own.units if "--units" not in flags[0] else c.units), flags
+    assert config("--units=layers")[1].units == ["layers"] and config("--scope", "uniform")[1].units == own.units
+    assert [default_preset(*a) for a in [(False, "global", "params"), (True, "global", "params"),
+                                         (False, "uniform", "params"), (False, "global", "units")]] == ["joint", None, None, None]
+
+
+def test_a_config_file_or_a_resume_is_not_moved_onto_the_default_preset(tmp_path):
+    from engine.cli import parse_args
+    from engine.config import PruneConfig
+
+    PruneConfig(model="m", steps=7).save(tmp_path / "run.json")
+    args = parse_args(["prune", "--config", str(tmp_path / "run.json"), "--out", "x"])
+    assert args.default_preset is None and args.units == PruneConfig().units and args.init_batches == 64
+
+
 # --- an existing run in --out ------------------------------------------------------------------------
 @pytest.fixture
 def run_copy(cli_run, tmp_path) -> Path:
