@@ -128,14 +128,15 @@ stage_tables() {
 }
 
 stage_long() {  # does PG earn anything over its refit init with plenty of steps? 300 steps against 0, 3 seeds,
-    # the default (FLAP's widths) and the joint preset, 12 runs side by side on the one GPU; SECONDS: the deadline
+    # the width-only run (FLAP's widths; the default before 2026-11-27) and the joint preset (the default since), 12
+    # runs side by side on the one GPU; SECONDS: the deadline (the folders keep their names: default-*, joint-*)
     local seconds=${1:-420} out=bench/results/pg_long pids=() end
     mkdir -p $out /tmp/long
     end=$((SECONDS + seconds))
     for seed in 0 1 2; do
         for what in default joint; do
             local flags=(--prune-ratio 0.3 --seed $seed --device cuda --model "$MODEL")
-            [[ $what == joint ]] && flags+=(--preset joint)
+            [[ $what == joint ]] && flags+=(--preset joint) || flags+=(--units heads,channels)
             for steps in 0 300; do  # "0 steps": one step at lr 1e-12, so the init mask is refit on the run's own stream
                 local name=$what-st$steps-s$seed run=(--steps $steps)
                 [[ $steps == 0 ]] && run=(--steps 1 --lr 1e-12)

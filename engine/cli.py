@@ -19,6 +19,7 @@ from .errors import UserError
 from .exporters import EXPORT_FORMATS
 from .loading import DEFAULT_MODEL, DTYPES
 from .rundir import GGUF_FILE
+from .unit_types import UNIT_TYPES
 
 DATA_SETTINGS = ("eval_data", "eval_seqlen", "max_windows", "eval_batch_size", "dtype", "device")  # prune's and eval's
 
@@ -246,6 +247,12 @@ def _resume_config(args, out: Path) -> PruneConfig:
     return dataclasses.replace(saved, steps=asked.steps)
 
 
+def _init_label(config: PruneConfig) -> str:
+    """The metrics a run's init came from, as its summary names them: "flap", "layers layerwise-ppl + flap"."""
+    whole = [UNIT_TYPES[u].whole_layer for u in config.units]
+    return " + ".join([f"layers {config.layer_init}"] * any(whole) + [config.init] * (not all(whole)))
+
+
 def cmd_prune(args) -> int:
     """One process, or under torchrun one rank of a data-parallel run (engine/distributed.py): rank 0 is the run
     as in one process and alone writes the run folder; the other ranks follow it from a scratch folder."""
@@ -383,7 +390,7 @@ def _prune_writer(args, world) -> int:
             raise _Interrupted(f"interrupted; {where}") from None
         if results["status"] == "done":
             print(f"perplexity ({results['eval_windows']} windows x {results['seqlen']} tokens): "
-                  f"dense {results['ppl_dense']:.2f} | init ({config.init}) {results['ppl_init']:.2f} | "
+                  f"dense {results['ppl_dense']:.2f} | init ({_init_label(config)}) {results['ppl_init']:.2f} | "
                   f"pruned {results['ppl_pruned']:.2f}"
                   + (f" (least-squares reconstruction; {r['ppl_before']:.2f} before it)" if "ppl_before" in (r := results.get("reconstruction") or {})
                      else f" (reconstruction skipped: {r['skipped']})" if r else ""))

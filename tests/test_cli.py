@@ -444,3 +444,12 @@ def test_overwrite_replaces_the_run(run_copy, tiny_path, capfd, small_eval_file)
     assert new["calib_data"] == str(SMALL_CALIB)
     assert len((run_copy / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((run_copy / "config.json").read_text())["steps"] == 2
+
+
+def test_the_summary_names_the_metrics_the_init_came_from():
+    from engine.cli import _init_label
+    from engine.config import PruneConfig
+
+    assert _init_label(PruneConfig(units=["heads", "channels"], init="taylor")) == "taylor"
+    assert _init_label(PruneConfig(units=["layers"], layer_init="sleb")) == "layers sleb"  # not the widths' metric
+    assert _init_label(PruneConfig(units=["layers", "channels"], layer_init="layerwise-ppl")) == "layers layerwise-ppl + flap"
