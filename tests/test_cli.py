@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
+from engine.config import PruneConfig
 
 from conftest import write_llama_gguf, REPO, SMALL_CALIB, WIKI_RAW, clean_env, run_engine
 
@@ -66,7 +67,9 @@ def test_prune_cli_end_to_end(cli_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     results = json.loads((out / "results.json").read_text())
-    m = re.search(r"dense ([\d.]+) \| init \(flap\) ([\d.]+) \| pruned ([\d.]+)", proc.stdout)
+    config = PruneConfig.load(out / "config.json")
+    assert config.units == ["layers", "heads", "channels"]  # (no --units, no preset: the default preset, the joint)
+    m = re.search(r"dense ([\d.]+) \| init \(layers layerwise-ppl \+ flap\) ([\d.]+) \| pruned ([\d.]+)", proc.stdout)
     assert m, proc.stdout
     assert m.groups() == tuple(f"{results[k]:.2f}" for k in ("ppl_dense", "ppl_init", "ppl_pruned"))
     assert f"{results['params_dense']:,} -> {results['params_pruned']:,}" in proc.stdout
