@@ -374,7 +374,7 @@ def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():
 
 def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applies():
     from engine.cli import _config_from_args, parse_args
-    from engine.config import DEFAULT_PRESET, PRESETS, PruneConfig, default_preset
+    from engine.config import DEFAULT_PRESET, PRESETS, default_preset
 
     def config(*flags):
         args = parse_args(["prune", *flags, "--out", "x"])
@@ -387,21 +387,19 @@ def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applie
     assert plain.fixed_layers and plain.lr == PruneConfig().lr and plain.time_budget == 10.0
     assert config("--init-batches", "4", "--method", "flap")[1].init_batches == 4  # a flag given still overrides it
     own = PruneConfig()  # where the joint does not apply: the settings' own defaults, in every spelling of the flag
-    for flags in (["--units", "heads,channels"], ["--units=layers"], ["--scope", "uniform"], ["--budget", "units"],
-                  ["--preset", "fast"]):
+    for flags, units in ((["--units", "heads,channels"], ["heads", "channels"]), (["--units=layers"], ["layers"]),
+                         (["--scope", "uniform"], own.units), (["--budget", "units"], own.units),
+                         (["--preset", "fast"], own.units)):
         name, c = config(*flags)
         assert name is None, flags
-        assert (c.layer_init, c.layer_score_const, c.init_batches) == (own.layer_init, own.layer_score_const,
-                                                                       own.init_batches), flags
-        assert c.units == (own.units if "--units" not in flags[0] else c.units), flags
-    assert config("--units=layers")[1].units == ["layers"] and config("--scope", "uniform")[1].units == own.units
+        assert (c.units, c.layer_init, c.layer_score_const, c.init_batches) == (
+            units, own.layer_init, own.layer_score_const, own.init_batches), flags
     assert [default_preset(*a) for a in [(False, "global", "params"), (True, "global", "params"),
                                          (False, "uniform", "params"), (False, "global", "units")]] == ["joint", None, None, None]
 
 
 def test_a_config_file_or_a_resume_is_not_moved_onto_the_default_preset(tmp_path):
     from engine.cli import parse_args
-    from engine.config import PruneConfig
 
     PruneConfig(model="m", steps=7).save(tmp_path / "run.json")
     args = parse_args(["prune", "--config", str(tmp_path / "run.json"), "--out", "x"])
@@ -451,7 +449,6 @@ def test_overwrite_replaces_the_run(run_copy, tiny_path, capfd, small_eval_file)
 
 def test_the_summary_names_the_metrics_the_init_came_from():
     from engine.cli import _init_label
-    from engine.config import PruneConfig
 
     assert _init_label(PruneConfig(units=["heads", "channels"], init="taylor")) == "taylor"
     assert _init_label(PruneConfig(units=["layers"], layer_init="sleb")) == "layers sleb"  # not the widths' metric
