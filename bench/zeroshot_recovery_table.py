@@ -1,6 +1,6 @@
-"""Print README's issue-5 table from the run folders that bench/issue5.sh fills (missing figures: "n/a").
+"""Print the zero-shot, recovery and deployment table (docs/results.md) from the run folders that bench/zeroshot_recovery.sh fills (missing figures: "n/a").
 
-    python bench/issue5_table.py [--runs runs]
+    python bench/zeroshot_recovery_table.py [--runs runs]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--runs", default="runs")
     runs = Path(p.parse_args().runs)
-    z = runs / "issue5"
+    z = runs / "zeroshot_recovery"
     rows = []
     prune = {r: load(runs / f"pg{r}" / "results.json") for r in (30, 50)}
     ft = {r: load(runs / f"pg{r}-ft" / "finetune_results.json") for r in (30, 50)}

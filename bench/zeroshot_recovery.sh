@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The figures of README's issue-5 section, on the default model (SmolLM2-135M-Instruct), CPU.
+# The zero-shot accuracy, LoRA recovery and deployment figures of docs/results.md, on the default model (SmolLM2-135M-Instruct), CPU.
 # Needs runs/pg30 and runs/pg50 from:
 #   python -m engine prune --prune-ratio 0.3 --steps 40 --lr 0.02 --max-windows 64 --out runs/pg30   (and 0.5 -> runs/pg50)
-# Usage: [LIMIT=50] [RATIOS="30 50"] bash bench/issue5.sh STAGE   (stages: faith dense pruned finetune after measure)
+# Usage: [LIMIT=50] [RATIOS="30 50"] bash bench/zeroshot_recovery.sh STAGE   (stages: faith dense pruned finetune after measure)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 LIMIT=${LIMIT:-50}
 RATIOS=${RATIOS:-30 50}  # which pruned runs (runs/pgR) the stages pruned, finetune, after use
 TASKS=piqa,hellaswag,winogrande,arc_easy,arc_challenge
-O=runs/issue5
+O=runs/zeroshot_recovery
 mkdir -p $O
 case "$1" in
   faith)  # our path on the default model vs lm-eval's own CLI on a plain safetensors copy of the same weights
