@@ -161,13 +161,12 @@ class PruneConfig:
                                "--bias-compensation)")
     init: str = setting("flap", choices=_INITS, label="Initial scores",
                         help="initial scores of KV groups and channels. flap (FLAP's fluctuation metric, forward "
-                             "passes only, with --bias-compensation: the best one-shot width metric measured, and PG "
-                             "from it beats PG from taylor on every seed measured, docs/results.md); taylor "
+                             "passes only, with --bias-compensation; how the inits compare: docs/results.md); taylor "
                              "(LLM-Pruner's first-order importance) needs one backward pass per init batch; wanda-sp "
                              "needs forward passes only; random-progressive starts random at --progressive-increment "
                              "pruning and raises the rate by that much per stage")
     layer_init: str = setting("sleb", choices=layer_metrics, label="Initial scores of layers",
-                              help="initial scores of whole layers: sleb = greedy removal order (the best measured); "
+                              help="initial scores of whole layers: sleb = greedy removal order; "
                                    "layerwise-ppl = calibration loss with each layer removed alone (n model runs "
                                    "instead of SLEB's n per removal)")
     progressive_increment: float = setting(0.05, label="Progressive increment",
@@ -191,16 +190,14 @@ class PruneConfig:
     mix_refit: bool = setting(False, label="Joint mix scored refit",
                               help="joint method with --reconstruct: score the mix's candidates with the least-squares "
                                    "refit (a refit per candidate), or without it (the run's compensation only; the "
-                                   "chosen mask is refit at the end all the same). Off by default: scored refit, the mix "
-                                   "took fewer layers out; of 10 paired runs it ended worse on 4 (by up to 15 %), level "
-                                   "on 3, better on 3 (by 3-18 %): mixed (docs/results.md)")
+                                   "chosen mask is refit at the end all the same); why it is off: docs/results.md")
     mix_refine_batches: int = setting(0, minimum=0, label="Joint mix refine batches",
                                       help="joint method: more calibration batches (the next init batches) the 3 mixes "
                                            "that lose least on the mix batches are compared on again; 0: off")
     init_batches: int = setting(64, minimum=1, label="Init batches (metric)",
                                 help="calibration batches for the init metric of KV groups and channels (FLAP, Wanda-sp, "
-                                     "Taylor); FLAP's init from 16 moves by 7 % with the seed's draw of batches, from "
-                                     "64 by 1 % (docs/results.md, quality per CPU minute)")
+                                     "Taylor); more batches cost more forwards and depend less on the seed's draw of "
+                                     "batches (docs/results.md)")
     layer_init_batches: int = setting(2, minimum=1, label="Init batches (layer metric)",
                                       help="calibration batches for the layer metric: Layerwise-PPL runs the model once "
                                            "per layer and batch, SLEB once per layer, removal and batch")
@@ -218,7 +215,7 @@ class PruneConfig:
                                              "re-planned after every step, and the schedules stretch to it (default: off, "
                                              "--steps steps)")
     lr: float = setting(0.02, label="Learning rate η",
-                        help="learning rate eta (the paper: 0.002; short CPU runs do better near 0.02)")
+                        help="learning rate eta (the paper's is 0.002: --preset paper)")
     lr_schedule: str = setting("cosine", choices=LR_SCHEDULES, label="LR schedule", help="cosine decays it to 0 over the steps")
     batch_size: int = setting(8, minimum=1, label="Calibration batch size", help="calibration segments per step")
     seqlen: int = setting(128, label="Calibration segment length", help="tokens per calibration segment")
@@ -242,8 +239,7 @@ class PruneConfig:
                                      "alone have nothing to refit")
     reconstruct_batches: int = setting(64, minimum=1, label="Reconstruction batches",
                                        help="calibration batches of the reconstruction's statistics (a stream of their own; "
-                                            "64 refit 3 seeds' masks 3-7 % better than 16, at about 3 more CPU minutes on "
-                                            "the default model)")
+                                            "more batches cost more forwards; 16 against 64: docs/results.md)")
     reconstruct_ridge: float = setting(0.1, minimum=0.0, label="Reconstruction ridge",
                                        help="the regression's ridge, relative to the kept inputs' mean second moment")
     within_layer_ranking: str = setting("scores", choices=WITHIN_LAYER_RANKINGS, label="Within-layer ranking",
