@@ -59,6 +59,8 @@ class Checkpoints:
         self.write(self.snapshot(state))
 
     def write(self, snap: RunState) -> None:
+        if self.run.out is None:  # a run in memory (engine.api.prune) keeps no checkpoint
+            return
         with atomic_file(self.run.out / CHECKPOINT_FILE) as tmp:
             torch.save(asdict(snap), tmp)
         self.saved_step = snap.step

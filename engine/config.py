@@ -168,7 +168,8 @@ class PruneConfig:
     layer_init: str = setting("sleb", choices=layer_metrics, label="Initial scores of layers",
                               help="initial scores of whole layers: sleb = greedy removal order; "
                                    "layerwise-ppl = calibration loss with each layer removed alone (n model runs "
-                                   "instead of SLEB's n per removal)")
+                                   "instead of SLEB's n per removal); block-influence = ShortGPT's 1 - cosine between "
+                                   "each layer's input and output hidden states (one forward per batch)")
     progressive_increment: float = setting(0.05, label="Progressive increment",
                                            help="random-progressive: prune-ratio step per stage")
     prob_map: str = setting("sigmoid-norm", choices=lambda: tuple(PROB_MAPS), label="Metric → probability",

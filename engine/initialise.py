@@ -49,7 +49,7 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     run's first checkpoint, so that --resume after a stop during SLEB continues its removals."""
     world, metric = run.world, METRICS[name]
     shared = world.from_writer(os.environ.get("PG_PRUNE_METRIC_CACHE"), "the metric cache's folder")
-    folder = shared or (str(run.out / INIT_PROGRESS_DIR) if metric.greedy else None)
+    folder = shared or (str(run.out / INIT_PROGRESS_DIR) if metric.greedy and run.out is not None else None)
     if not folder:
         return metric.fn(ctx, units)
 
@@ -163,10 +163,13 @@ def start_state(run: "PruneRun", resume: bool) -> RunState:
         run.restore_metrics(state)
         run.log(f"resuming {run.out} at step {state.step}/{run.config.steps}")
         return state
-    write_run_marker(run.out)  # first: from now on the folder is recognisably a run
-    run.config.save(run.out / CONFIG_FILE)
+    if run.out is not None:  # (None: a run in memory, engine.api.prune, which writes nothing)
+        write_run_marker(run.out)  # first: from now on the folder is recognisably a run
+        run.config.save(run.out / CONFIG_FILE)
     state = run.fresh_state()
     check_finite("the initial scores", state.scores, {"dense perplexity": state.ppl_dense, "init perplexity": state.ppl_init})
+    if run.out is None:
+        return state
     run.checkpoints.save(state)
     if run.world.writes:
         shutil.rmtree(run.out / INIT_PROGRESS_DIR, ignore_errors=True)  # (the checkpoint holds the init from here on)

@@ -187,6 +187,7 @@ _METRIC_FORWARDS = {
     "wanda-sp": lambda b, n, m, c: b, "flap": lambda b, n, m, c: b,
     "magnitude-sp": lambda b, n, m, c: 0, "random": lambda b, n, m, c: 0, "random-progressive": lambda b, n, m, c: 0,
     "layerwise-ppl": lambda b, n, m, c: n * b,  # the model once per layer removed alone
+    "block-influence": lambda b, n, m, c: b,  # one decoder forward per batch
     "sleb": _sleb_forwards,
 }
 

@@ -48,12 +48,24 @@ from .unit_types import unit_sizes
 Observer = Callable[[StepReport], None]
 
 
-def _run_data(tokenizer, config: PruneConfig):
+@contextlib.contextmanager
+def _held(out: Path | None):
+    """The run folder, created and locked for the whole run (a second writer is refused); nothing for a run in
+    memory (out None: engine.api.prune), which writes no file."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out, what="prune into"):
+        yield
+
+
+def _run_data(tokenizer, config: PruneConfig, calib: list[str] | None = None):
     """(calibration sampler, init sampler, held-out validation batches, evaluation windows, where the data came
     from {"calib_data", "eval_data"}). With validation on, every 10th calibration document is held out from the
     steps; the init metric (and the joint mix) read every document with --init-data all, as a one-shot run of the
     seed does, so that the run starts from that run's mask; the init sampler is the calibration sampler otherwise."""
-    texts, calib_source = load_calibration_texts(config.calib)
+    texts, calib_source = load_calibration_texts(config.calib) if calib is None else (calib, "in memory")
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]  # (once: the samplers below share documents)
     val_batches, init_sampler = [], None
     if config.validates:
@@ -78,9 +90,11 @@ class PruneRun:
     """One pruning run bound to its output folder. Model and data are loaded once, here."""
 
     def __init__(self, config: PruneConfig, out_dir: str | Path, model=None, tokenizer=None, log: Callable[[str], None] = print,
-                 started: float | None = None, world: World = World()):  # started: time.monotonic() the --time-budget counts from
+                 started: float | None = None, world: World = World(), calib: list[str] | None = None):
+        # started: time.monotonic() the --time-budget counts from; calib: calibration documents in memory (or --calib's)
         self.started, self.config, c = time.monotonic() if started is None else started, config.validate(), config
-        self.out, self.log, self.progress, self.world = Path(out_dir), log, True, world  # tqdm bars; this torchrun rank
+        self.out = Path(out_dir) if out_dir is not None else None  # None: a run in memory (engine.api), no files
+        self.log, self.progress, self.world = log, True, world  # tqdm bars; this torchrun rank
         self.source, self.from_disk = resolve_model(c.model), model is None  # (only a model read from its files is cached)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
@@ -90,7 +104,7 @@ class PruneRun:
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
         self.budget.fixed_layers = c.fixed_layers
-        self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources = _run_data(tokenizer, c)
+        self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources = _run_data(tokenizer, c, calib)
         self.mask_rng = torch.Generator().manual_seed(c.seed + 1)
         self.sample_losses = self.world.share_executor(EXECUTORS[resolve_executor(c.sample_forward, c.device)])
         self.ctx = StepContext(model, self.adapter, self.layout, self.sample_losses, self.mask_rng, c.num_mask_samples, c.steps)
@@ -137,8 +151,7 @@ class PruneRun:
         lock throughout (a second writer is refused). Returns results.json's content, or {"status": "stopped"}
         (state saved, resumable). An interrupt (Ctrl-C; SIGTERM in the CLI) checkpoints the last finished step."""
         self.progress = progress
-        self.out.mkdir(parents=True, exist_ok=True)
-        with folder_lock(self.out, what="prune into"):
+        with _held(self.out):
             state = start_state(self, resume)
             stopped = self._loop(state, observer, stop)
             if stopped:
@@ -158,7 +171,7 @@ class PruneRun:
         for hook in self.hooks:
             hook.on_start(state)
         try:
-            with open(self.out / METRICS_FILE, "a") as metrics, self.phases("steps"), (  # (the loop: checkpoints too)
+            with open(self.out / METRICS_FILE if self.out else os.devnull, "a") as metrics, self.phases("steps"), (  # (the loop: checkpoints too)
                     contextlib.closing(bar) if bar else contextlib.nullcontext()):
                 while self.method.optimises and state.step < self.ctx.steps:  # (--time-budget re-plans ctx.steps)
                     if stop is not None and stop.is_set():
@@ -181,7 +194,8 @@ class PruneRun:
                         observer(report)
                     if state.step % c.checkpoint_every == 0 or (
                             c.checkpoint_minutes and time.monotonic() - saved_at >= 60 * c.checkpoint_minutes):
-                        os.fsync(metrics.fileno())  # a checkpoint is never ahead of the metric lines on disk
+                        if self.out is not None:  # a checkpoint is never ahead of the metric lines on disk
+                            os.fsync(metrics.fileno())
                         self.write_checkpoint(good)
                         saved_at = time.monotonic()
             return False

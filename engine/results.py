@@ -64,7 +64,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
 
 def finish(run: "PruneRun", state: RunState) -> dict:
     """The final mask from the method's (or a hook's) scores: evaluated, saved, exported as a sliced model."""
-    from .export import export_pruned, save_mask_artifact
+    from .export import build_pruned_model, export_pruned, save_mask_artifact
 
     scores = run.method.final_scores(state)
     for hook in run.hooks:
@@ -74,14 +74,23 @@ def finish(run: "PruneRun", state: RunState) -> dict:
         ppl_pruned = run.masked_perplexity(masks, "pruned", fill)  # (every rank: a data-parallel run shares its forwards)
         if not run.world.writes:  # rank 0 alone writes the masks, the export and results.json
             return {"status": "done", "rank": run.world.rank, "ppl_pruned": ppl_pruned}
+        if run.out is None:  # a run in memory (engine.api.prune) writes nothing: its caller takes masks and model
+            model = build_pruned_model(run.model, run.layout, masks, run.fill if fill is ... else fill)
+            return {**report(run, state, scores, masks, ppl_pruned, count_parameters(model)), "masks": masks, "model": model}
         save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores)
         run.log(f"exporting the sliced model to {run.out / MODEL_DIR}")
         with run.phases("export"):
             export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill if fill is ... else fill)
-    results = run_results(run, state, scores, masks, ppl_pruned, export["params"])
+    results = report(run, state, scores, masks, ppl_pruned, export["params"])
+    atomic_write_text(run.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def report(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl_pruned: float, params_pruned: int) -> dict:
+    """results.json's content: run_results, each hook's results and the seconds by phase (logged)."""
+    results = run_results(run, state, scores, masks, ppl_pruned, params_pruned)
     for hook in run.hooks:
         results.update(hook.results())
     results["seconds_by_phase"] = run.phases.report()  # (this session's; a resumed run's earlier ones are in time_used)
     run.log(phase_line(results["seconds_by_phase"]))
-    atomic_write_text(run.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results

@@ -9,6 +9,6 @@
 from __future__ import annotations
 
 from .registry import layer_metrics, Metric, MetricContext, METRICS, register_metric, unit_metrics  # noqa: F401
-from . import wanda_sp, magnitude_sp, taylor, flap, layerwise_ppl, sleb, random  # noqa: E402,F401  (register)
+from . import wanda_sp, magnitude_sp, taylor, flap, layerwise_ppl, sleb, block_influence, random  # noqa: E402,F401  (register)
 
 __all__ = ["METRICS", "Metric", "MetricContext", "layer_metrics", "register_metric", "unit_metrics"]
