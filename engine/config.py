@@ -13,6 +13,7 @@ from .data import DEFAULT_EVAL_WINDOWS
 from .errors import UserError
 from .executors import EXECUTORS
 from .fields import check_fields, check_settings, setting
+from .joint import MIX_SEARCHES
 from .loading import DEFAULT_MODEL, DTYPES
 from .methods import METHODS, method_options
 from .metrics import layer_metrics, unit_metrics
@@ -92,6 +93,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("early_stop", 0)  # nor did any stop early
     data.setdefault("mix_batches", 4)  # the joint mix was chosen on 4 batches
     data.setdefault("mix_refine_batches", 0)  # and not refined
+    data.setdefault("mix_search", "exhaustive")  # among every layer count
     data.setdefault("bias_compensation", False)  # nor compensated (the default until FLAP's init became it)
     data.setdefault("reconstruct", False)  # nor refit by least squares (the default since --reconstruct came)
     data.setdefault("mix_refit", data["reconstruct"])  # a refit run scored its joint mix refit
@@ -192,6 +194,11 @@ class PruneConfig:
                               help="joint method with --reconstruct: score the mix's candidates with the least-squares "
                                    "refit (a refit per candidate), or without it (the run's compensation only; the "
                                    "chosen mask is refit at the end all the same); why it is off: docs/results.md")
+    mix_search: str = setting("grid", choices=lambda: tuple(MIX_SEARCHES), label="Joint mix search",
+                              help="joint method: which layer counts the mix scores. grid: every other count and the "
+                                   "last, then the neighbours of the best until both are scored (the exhaustive scan's "
+                                   "choice whenever the loss is unimodal over the counts, in fewer forwards); "
+                                   "exhaustive: every count")
     mix_refine_batches: int = setting(0, minimum=0, label="Joint mix refine batches",
                                       help="joint method: more calibration batches (the next init batches) the 3 mixes "
                                            "that lose least on the mix batches are compared on again; 0: off")

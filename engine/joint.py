@@ -7,7 +7,9 @@ mix (k = 0, 1, ... up to the most layers the budget can remove), each a one-shot
 k least important layers, the widths of the others cut to what the budget leaves: the same share of each width
 type, or with a metric that compares across types, such as FLAP's, one ranking of the kept layers' units), is
 run on held-out batches (with the bias compensation when the run has it, and refit when it reconstructs), and the
-run starts from the mix that loses least. A candidate costs a forward pass per batch, so all of them are tried. PG then learns the mix from there (the projection trades a
+run starts from the mix that loses least. A candidate costs a forward pass per batch: --mix-search grid (the default)
+scores every other count and then the neighbours of the best until they are scored, the choice of the full scan
+(--mix-search exhaustive) whenever the loss over the counts is unimodal (search_counts), in fewer forwards. PG then learns the mix from there (the projection trades a
 layer's probability against its widths' through one multiplier, engine/budget.ParamBudget)."""
 
 from __future__ import annotations
@@ -55,6 +57,48 @@ def candidate_scores(budget, z: dict[str, torch.Tensor], layout, k: int, keep: f
 MIX_FINALISTS = 3  # the mixes the refinement compares again
 
 
+def coarse_grid(counts: list[int]) -> list[int]:
+    """Every other layer count, and the last: a count left out has both its neighbours in."""
+    return list(counts[::2]) + ([counts[-1]] if len(counts) % 2 == 0 and counts else [])
+
+
+# --mix-search: the layer counts scored first; each search then scores the neighbours of its best until they are in
+# (search_counts), which leaves the exhaustive scan as it is
+MIX_SEARCHES: dict[str, Callable[[list[int]], list[int]]] = {"grid": coarse_grid, "exhaustive": list}
+
+
+def search_counts(counts: list[int], loss: Callable[[int], float], search: str = "grid", best: int = 1) -> dict[int, float]:
+    """{count: loss(count)} for the counts scored, in the order scored: MIX_SEARCHES[search]'s counts first, then, as
+    long as one of the `best` lowest losses so far (every count at or below the `best`-th lowest value: ties too)
+    has an unscored neighbour in `counts`, those neighbours.
+
+    When the loss over `counts` is unimodal (quasi-convex: loss(j) <= max(loss(i), loss(k)) for i < j < k, plateaus
+    allowed), every count the exhaustive scan would rank among its `best` lowest (ties broken by the lower count) is
+    scored, so the choice is the scan's: an unscored count x with loss(x) <= V (V: the `best`-th lowest scored value)
+    has both neighbours scored (the grid leaves no two neighbours out); between x and a scored count p at or below V
+    every loss is <= V, so the scored count at or below V nearest x would have an unscored neighbour: the search
+    would not have stopped. On other losses it may choose otherwise (the scan is --mix-search exhaustive)."""
+    scored: dict[int, float] = {}
+    todo = MIX_SEARCHES[search](list(counts))
+    position = {k: i for i, k in enumerate(counts)}
+    while todo:
+        for k in todo:
+            if k not in scored:
+                scored[k] = loss(k)
+        level = sorted(scored.values())[min(best, len(scored)) - 1]
+        near = {counts[j] for k, v in scored.items() if v <= level
+                for j in (position[k] - 1, position[k] + 1) if 0 <= j < len(counts)}
+        todo = sorted(near - set(scored))
+    return scored
+
+
+def mix_candidates(n: int, search: str, best: int = 1) -> int:
+    """About how many of n layer counts a search scores (the plan's figure): its first counts and, in the usual case,
+    the two neighbours of each of the `best` that were not among them (every count at most)."""
+    first = len(MIX_SEARCHES[search](list(range(n))))
+    return n if first >= n else min(n, first + 2 * best)
+
+
 def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> float:
     """The calibration loss of the run's model under one hard mask (with the run's compensation, if any, or
     with `fill`'s means)."""
@@ -78,14 +122,24 @@ def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.
         with run.masks.weights(masks) as fill:  # (the model the run would export with this mask: --reconstruct)
             return sum(hard_mask_loss(run, masks, b, fill) for b in on) / len(on)
 
-    candidates, lines = [], []
-    for k in layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)):
+    made: dict[int, tuple] = {}
+
+    def score(k: int) -> float:
         scores = candidate_scores(budget, z, run.layout, k, keep, c, comparable)
         masks = run.hard_masks(scores, keep)
         value = mean_loss(masks, batches)
         removed = int((masks[budget.layer_type] <= 0.5).sum())
-        lines.append({"layers_removed": removed, "loss": value})
         run.log(f"joint mix: {removed} layers removed, the widths of the others cut to the budget: calibration loss {value:.4f}")
+        made[k] = (value, removed, scores, masks)
+        return value
+
+    counts = layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep))
+    search_counts(counts, score, c.mix_search, MIX_FINALISTS if more else 1)
+    run.log(f"joint mix: {len(made)} of {len(counts)} layer counts scored (--mix-search {c.mix_search})")
+    candidates, lines = [], []
+    for k in sorted(made):  # (one line per count scored, from none up; ties go to the fewer layers out, as before)
+        value, removed, scores, masks = made[k]
+        lines.append({"layers_removed": removed, "loss": value})
         candidates.append((value, len(lines) - 1, scores, masks))
     candidates.sort(key=lambda cand: (cand[0], cand[1]))
     if more:

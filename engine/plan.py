@@ -206,7 +206,7 @@ class TimePlan:
 
 def phase_tokens(config, skeleton: Skeleton) -> dict[str, float]:
     """Tokens put through the model (forward-equivalent) by each phase of a run with this PruneConfig."""
-    from .joint import MIX_FINALISTS
+    from .joint import MIX_FINALISTS, mix_candidates
     from .methods import METHODS
     from .policy import keep_count
 
@@ -221,7 +221,8 @@ def phase_tokens(config, skeleton: Skeleton) -> dict[str, float]:
         layer_cost = _METRIC_FORWARDS.get(config.layer_init, lambda b, n, m, c: n * b)
         out["layer metric"] = layer_cost(config.layer_init_batches, n, removals, config) * batch
         if len(config.units) > 1:
-            out["joint mix"] = config.mix_batches * (removals + 1) * batch
+            scored = mix_candidates(removals + 1, config.mix_search, MIX_FINALISTS if config.mix_refine_batches else 1)
+            out["joint mix"] = config.mix_batches * scored * batch
             out["joint mix"] += config.mix_refine_batches * min(MIX_FINALISTS, removals + 1) * batch
     out["dense perplexity"] = evaluation
     out["init perplexity"] = evaluation
