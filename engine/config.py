@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .budget import BUDGETS, scope_problem
+from .calib_sources import CALIB_SOURCES
 from .data import DEFAULT_EVAL_WINDOWS
 from .errors import UserError
 from .executors import EXECUTORS
@@ -19,6 +20,7 @@ from .methods import METHODS, method_options
 from .metrics import layer_metrics, unit_metrics
 from .metrics.probability import PROB_MAPS
 from .policy import LR_SCHEDULE_FNS
+from .rewards import REWARDS
 from .unit_types import UNIT_TYPES
 from .units import SCOPES
 
@@ -263,6 +265,20 @@ class PruneConfig:
                                 help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 "
                                      "or ../shared/data/c4, else the hub)")
     eval_data: str | None = setting(None, label="Evaluation data",
+    calib_source: str = setting("data", choices=lambda: tuple(CALIB_SOURCES), label="Calibration source", help=(
+        "the text masks are scored on: data (the calibration documents), self (the dense model's own "
+        "continuations of their first tokens, sampled once and cached), mix (both, interleaved)"))
+    self_docs: int = setting(256, minimum=1, label="Self-generated documents",
+                             help="--calib-source self/mix: documents sampled from the dense model")
+    self_tokens: int = setting(256, minimum=1, label="Self-generated tokens",
+                               help="--calib-source self/mix: tokens sampled per document (after its prompt)")
+    self_temperature: float = setting(1.0, minimum=0.0, exclusive=True, label="Self-generation temperature",
+                                      help="--calib-source self/mix: the sampling temperature (1: the model's own "
+                                           "distribution)")
+    reward: str = setting("ce", choices=lambda: tuple(REWARDS), label="Reward", help=(
+        "what a sampled mask is scored by, in the steps, the joint mix and best-val's held-out check: ce (the "
+        "next-token cross-entropy of the calibration text) or kl (the KL divergence from the dense model's "
+        "next-token distribution)"))
                                     help="WikiText-2 raw test: a .parquet/.raw/.txt file or a folder (default: "
                                          "$PG_PRUNE_DATA_DIR or ../shared/data, else the hub)")
     eval_seqlen: int = setting(128, label="Evaluation window length", help="tokens per evaluation window")

@@ -5,18 +5,20 @@ mask samples into calibration losses, a way to run the model under (soft) masks 
 back-propagate, the mask rng, and the compensation fill once the run has measured it.
 
     ctx.losses(samples, batch)      # {unit type: (N_s, units) 0/1} -> (N_s,) mean token losses
+    ctx.rewards(samples, batch)     # the same samples scored by the run's reward (--reward), as the steps are
     with ctx.masked(masks): ...     # {unit type: (units,) float} applied as hooks for the block
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .masking import MaskHooks
+from .rewards import CrossEntropy
 
 
 @dataclass
@@ -30,11 +32,20 @@ class StepContext:
     steps: int  # the steps of the whole run (schedules inside a method, e.g. Gumbel's temperature)
     fill: dict[str, list[torch.Tensor]] | None = None  # bias compensation's means, once the run measured them
     hard_masks: Callable | None = None  # {unit type: scores} -> the run's hard masks of them at its budget
+    reward: Any = field(default_factory=CrossEntropy)  # --reward: what a sample's score is (engine/rewards.py)
 
     def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> torch.Tensor:
-        """fill: the compensation means to use instead of the run's (None: none)."""
+        """Each sample's mean token cross-entropy on the batch (the evaluations' loss, whatever the reward).
+        fill: the compensation means to use instead of the run's (None: none)."""
         with MaskHooks(self.adapter) as hooks:
             return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill)
+
+    def rewards(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> torch.Tensor:
+        """Each sample's score under the run's reward (--reward: ce is `losses`; kl compares with the dense model,
+        whose forward on this batch runs first, without the masks, and is shared by the samples)."""
+        score = self.reward.scorer(self.model, batch)
+        with MaskHooks(self.adapter) as hooks:
+            return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill, score)
 
     @contextmanager
     def masked(self, masks: dict[str, torch.Tensor], fill=...):

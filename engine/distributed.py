@@ -30,6 +30,7 @@ from .errors import UserError
 TIMEOUT_ENV = "PG_PRUNE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
 
+from .evaluate import batch_loss
 
 def launched(env=os.environ) -> bool:
     """Was this process started by torchrun (or an equivalent launcher) as one of several ranks?"""
@@ -252,10 +253,10 @@ class World(Collectives):
         if self.size == 1:
             return executor
 
-        def shared(hooks, layout, batch, samples, fill=None):
+        def shared(hooks, layout, batch, samples, fill=None, score=batch_loss):
             n = next(iter(samples.values())).shape[0]
             mine = share(n, self.size, self.rank)
-            local = (executor(hooks, layout, batch, {u: m[mine.start:mine.stop] for u, m in samples.items()}, fill)
+            local = (executor(hooks, layout, batch, {u: m[mine.start:mine.stop] for u, m in samples.items()}, fill, score)
                      if len(mine) else torch.empty(0, dtype=torch.float64))
             return self.gather_shares(local, n)
 

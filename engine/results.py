@@ -38,6 +38,9 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "seqlen": c.eval_seqlen,
         "eval_data": run.sources["eval_data"],
         "calib_data": run.sources["calib_data"],
+        "calib_source": c.calib_source,  # what the masks were scored on (--calib-source), in words below
+        "scored_on": run.sources.get("calib_source"),
+        "reward": c.reward,
         "params_dense": count_parameters(run.model),
         "params_pruned": params_pruned,
         **removal_report(run.adapter, run.layout, masks, count_parameters(run.model)),
@@ -47,7 +50,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "steps": state.step,
         "final_mask": c.final_mask,
         "mask_step": state.best_step if state.best_scores is not None and scores is state.best_scores else state.step,
-        "best_val_ppl": state.best_val_ppl,
+        "best_val_ppl": state.best_val_ppl,  # (--reward kl: the best held-out mean KL, not a perplexity)
         "val_ppl_init": state.val_ppl_init,
         "lr": c.lr,
         "seconds_per_step": state.seconds_in_steps / max(state.step, 1),

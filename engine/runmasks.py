@@ -48,6 +48,12 @@ class RunMasks:
             masks = hook.hard_masks(masks, scores)
         return masks
 
+    def init_masks(self, state) -> dict[str, torch.Tensor] | None:
+        """The init mask: the one the init perplexity measures (engine/initialise.py's fresh_state); None for a
+        state that holds neither the init mask's scores nor the init metric."""
+        scores = state.init_mask_scores or state.init_metric
+        return None if scores is None else self.hard_masks(scores)
+
     def final_masks(self, scores: dict[str, torch.Tensor], metric: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The deterministic final masks: the top keep ratio of the scores per pool (then the hooks')."""
         masks = self.hard_masks(scores)
@@ -59,11 +65,16 @@ class RunMasks:
     def weights(self, masks: dict[str, torch.Tensor]):
         """The model as the run evaluates and exports this hard mask (every hook's weights_for: --reconstruct refits
         its kept columns), and the compensation fill that goes with it (... for the run's own)."""
+        reward = self.run.ctx.reward
         with ExitStack() as stack:
             fill = ...
             for hook in self.run.hooks:
                 fill = stack.enter_context(hook.weights_for(masks, fill))
-            yield fill
+            was, reward.frozen = reward.frozen, True  # (a dense target would read edited weights)
+            try:
+                yield fill
+            finally:
+                reward.frozen = was
 
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         return {u: self.run.layout.split(u, m) for u, m in flat.items()}

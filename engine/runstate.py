@@ -32,6 +32,10 @@ class StepReport:
     eta_seconds: float
     val_ppl: float | None = None  # held-out perplexity of the current hard mask, on validation steps
     keep_ratio: float | None = None  # the budget this step (rises in stages under random-progressive)
+    val_reward: float | None = None  # the reward's held-out value on validation steps, when it is not ce (kl: mean KL)
+    # the hard masks this step computed under the run's own budget (this step's keep ratio, every hook's rounding):
+    # unit type -> per layer a 0/1 list; metrics.jsonl holds them as encode_mask_rows' compact strings
+    masks: dict[str, list[list[int]]] | None = None
 
     def to_json(self) -> str:
         return dumps_json(asdict(self), what=f"step {self.step}")
@@ -48,7 +52,7 @@ class RunState:
     ppl_init: float
     init_scores: dict[str, torch.Tensor]
     seconds_in_steps: float = 0.0
-    best_val_ppl: float | None = None  # best held-out perplexity so far, its step and scores
+    best_val_ppl: float | None = None  # best held-out value so far (perplexity; the mean KL for --reward kl), its step and scores
     best_step: int | None = None
     best_scores: dict[str, torch.Tensor] | None = None
     val_ppl_init: float | None = None  # held-out perplexity of the init mask (step 0, a candidate of best-val)

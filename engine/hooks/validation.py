@@ -13,7 +13,6 @@ from contextlib import ExitStack
 
 import torch
 
-from ..evaluate import batch_loss
 from ..runmasks import mask_key
 from ..runstate import check_finite
 from .base import RunHook, register_hook
@@ -30,27 +29,33 @@ class Validation(RunHook):
     def applies(config) -> bool:
         return config.validates
 
-    last: tuple | None = None  # (the mask key of the last check, its held-out perplexity), within this process
+    last: tuple | None = None  # (the mask key of the last check, its held-out perplexity and reward value)
+    value: float | None = None  # the reward's held-out value of the last check (its perplexity for ce)
 
     def validate(self, state) -> float:
         run = self.run
         masks = run.hard_masks(state.scores)
         key = mask_key(masks, ...)
         if self.last is not None and self.last[0] == key:
-            return self.record(state, self.last[1])
+            return self.record(state, *self.last[1:])
+        reward = run.ctx.reward
         with ExitStack() as stack:
             stack.enter_context(run.phases("validation"))
+            reward.prepare(run.model, run.val_batches)  # (kl: the dense model's part, before a refit edits weights)
             fill = stack.enter_context(run.masks.weights(masks)) if run.config.val_refit else ...
             stack.enter_context(run.ctx.masked(masks, fill))
-            loss = torch.cat([batch_loss(run.model, b) for b in run.val_batches]).double().mean()
-        ppl = float(torch.exp(loss))
-        self.last = (key, ppl)
-        return self.record(state, ppl)
+            ce, score = reward.held_out_means(run.model, run.val_batches)
+        ppl, value = float(torch.exp(ce)), reward.held_out(float(score))
+        self.last = (key, ppl, value)
+        return self.record(state, ppl, value)
 
-    def record(self, state, ppl: float) -> float:
-        """Best-val's bookkeeping of one check's held-out perplexity."""
-        if improves(ppl, state.best_val_ppl, self.run.config.best_val_margin):
-            state.best_val_ppl, state.best_step = ppl, state.step
+    def record(self, state, ppl: float, value: float | None = None) -> float:
+        """Best-val's bookkeeping of one check: `value` is the run's reward on the held-out batches (the
+        perplexity itself for ce; state.best_val_ppl keeps that value); returns the held-out perplexity."""
+        value = ppl if value is None else value
+        self.value = value
+        if improves(value, state.best_val_ppl, self.run.config.best_val_margin):
+            state.best_val_ppl, state.best_step = value, state.step
             state.best_scores = {u: s.clone() for u, s in state.scores.items()}
         return ppl
 
@@ -62,4 +67,5 @@ class Validation(RunHook):
         c = self.run.config
         if state.step % c.val_every == 0 or state.step == self.run.ctx.steps:
             report.val_ppl = self.validate(state)
+            report.val_reward = self.value if self.run.ctx.reward.own_held_out else None
             check_finite(f"step {state.step}", {}, {"held-out perplexity": report.val_ppl})

@@ -72,7 +72,7 @@ class Bonsai(Method):
                      masks=[], losses=[])
         probs = self._probabilities(state)
         samples = {u: sample_masks(p, ctx.num_samples, ctx.rng) for u, p in probs.items()}
-        losses = ctx.losses(samples, batch)
+        losses = ctx.rewards(samples, batch)
         m["masks"].append({u: x.to(torch.bool) for u, x in samples.items()})
         m["losses"].append(losses.detach().double())
         if self._round_ends(state.step + 1):

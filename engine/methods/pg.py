@@ -87,7 +87,7 @@ class PolicyGradient(Method):
         policy = {u: block_means(s.double(), blocks[u]).to(s.dtype) if u in blocks else s for u, s in state.scores.items()}
         drawn = {u: sample_masks(s, ctx.num_samples, ctx.rng, antithetic) for u, s in policy.items()}
         samples = {u: m[:, blocks[u]] if u in blocks else m for u, m in drawn.items()}
-        losses = ctx.losses(samples, batch)
+        losses = ctx.rewards(samples, batch)
 
         beta, features = None, None
         target = losses

@@ -1,0 +1,275 @@
+"""Which reward and which calibration text make the optimiser's choices transfer (issue 50)? One resumable bench,
+one thread a cell; every cell records its CPU seconds.
+
+Protocol: the default model (SmolLM2-135M-Instruct), the default run's settings (the joint preset: whole layers,
+KV groups and channels on one parameter budget), calibration on two C4 files (2,000 documents: the first 1,000 of
+c4-train.00000 and the 1,000 of the redpajama sample); the third C4 file (300 documents) is held out and never read
+by a run. Three held-out measures, each of the mask as it would be exported (refit):
+- WikiText-2 raw test, the first 256 windows of 128 tokens (the tables' protocol);
+- held-out C4: the first 128 windows of 128 tokens of the 300 held-out documents;
+- zero-shot (with --zeroshot): the mean accuracy over PIQA, HellaSwag, WinoGrande and ARC-Easy, 500 examples each
+  (lm-evaluation-harness's tasks, engine/tools/zeroshot.py).
+
+Stages:
+
+    oneshot  the joint's layer-count choice, per (rate, seed, calibration source): every candidate count's mask
+             (k layers out, FLAP's widths to the budget) scored on the mix batches by CE and by KL to the dense
+             model, each unrefit (the compensation only, as the engine's mix scores it by default) and refit; each
+             of the four rules' choice is then evaluated on the held-out measures.
+    pg       a policy-gradient run (`python -m engine prune` with the default preset) with one reward and source and
+             a step count, then its exported mask on the held-out measures. Resumes a stopped run (--resume).
+    report   the tables (markdown) and the figure (held-out quality against CPU minutes) from the cells done.
+
+    OMP_NUM_THREADS=1 python bench/reward_study.py oneshot --rate 0.3 --seed 0 --source data [--zeroshot]
+    OMP_NUM_THREADS=1 python bench/reward_study.py pg --rate 0.3 --seed 0 --source data --reward kl --steps 40
+    python bench/reward_study.py report
+
+Cells: bench/results/reward_study/{oneshot,pg}/...; a rerun skips what a cell holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from cli_common import ROOT, positive, run
+
+OUT = ROOT / "bench" / "results" / "reward_study"
+SHARED = ROOT.parent / "shared" / "data"
+CALIB_FILES = ("c4-train.00000-of-01024.first1000.json.gz", "c4-en.redpajama-sample2.1000.json.gz")
+HELDOUT_C4 = "c4-en.llamafactory-c4_demo.300.text-only.json.gz"
+ZEROSHOT_TASKS = ("piqa", "hellaswag", "winogrande", "arc_easy")
+ZEROSHOT_LIMIT = 500
+C4_WINDOWS = 128
+RULES = ("ce", "kl", "ce-refit", "kl-refit")  # the mix's score: reward, scored unrefit or refit
+
+
+def calib_folder() -> Path:
+    """A folder of links to the two calibration files (made here, not tracked: the data stay in shared/)."""
+    folder = OUT / "calib"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in CALIB_FILES:
+        link = folder / name
+        if not link.is_symlink():
+            link.symlink_to((SHARED / "c4" / name).resolve())
+    return folder
+
+
+def cell_argv(rate: float, seed: int, source: str, reward: str = "ce", extra: list[str] = ()) -> list[str]:
+    return ["prune", "--prune-ratio", str(rate), "--seed", str(seed), "--calib", str(calib_folder()),
+            "--calib-source", source, "--reward", reward, *extra]
+
+
+def cell_config(argv: list[str]):
+    from engine.cli import _config_from_args, parse_args
+
+    return _config_from_args(parse_args(argv))
+
+
+def heldout_c4_windows(tokenizer):
+    from engine.data import eval_windows, load_calibration_texts
+
+    texts, _ = load_calibration_texts(str(SHARED / "c4" / HELDOUT_C4))
+    return eval_windows(tokenizer, "\n\n".join(texts), 128, C4_WINDOWS)
+
+
+def windows_ppl(model, windows, loss) -> float:
+    from engine.evaluate import perplexity
+
+    return perplexity(model, windows, 8, False, loss)
+
+
+def zeroshot_mean(model, tokenizer) -> dict:
+    import tempfile
+
+    from engine.tools.zeroshot import average, evaluate_model, summarize, write_task_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        task_dir = write_task_dir(Path(tmp) / "tasks", ZEROSHOT_TASKS)
+        raw = evaluate_model(model, tokenizer, list(ZEROSHOT_TASKS), task_dir, limit=ZEROSHOT_LIMIT, batch_size=8)
+    per_task = summarize(raw, ZEROSHOT_TASKS)
+    return {"per_task": per_task, "mean": average(per_task)}
+
+
+def cpu() -> float:
+    return time.process_time()
+
+
+def save(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+# --- oneshot ----------------------------------------------------------------------------------------------
+def oneshot(args) -> None:
+    import torch
+
+    import engine.initialise as initialise
+    from engine.evaluate import _row_losses
+    from engine.joint import candidate_scores, layer_counts
+    from engine.pruner import PruneRun
+    from engine.rewards import DenseKL, logits_of, row_kl
+
+    name = f"r{round(args.rate * 100)}-s{args.seed}-{args.source}"
+    dest = OUT / "oneshot" / f"{name}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    done = json.loads(dest.read_text()) if dest.exists() else {"cell": name, "rate": args.rate, "seed": args.seed,
+                                                                  "source": args.source, "counts": {}, "evals": {}}
+    config = cell_config(cell_argv(args.rate, args.seed, args.source, extra=["--out", str(OUT / "unused")]))
+    done["cpu_seconds_before"] = done.get("cpu_seconds", 0.0)
+    t_cpu = cpu()
+
+    def mix(run_, z, mix_on, keep, comparable=frozenset(), **kw):
+        budget, kl = run_.budget, DenseKL(keep=len(mix_on) + 2)
+        kl.prepare(run_.model, mix_on)
+        done["mix_batches"] = len(mix_on)
+
+        def scores_of(masks, fill) -> tuple[float, float]:
+            ce, d = [], []
+            with torch.no_grad(), run_.ctx.masked(masks, fill):
+                for b in mix_on:
+                    logits = logits_of(run_.model, b)
+                    ce.append(float(_row_losses(logits, b).double().mean()))
+                    d.append(float(row_kl(logits, kl.dense_logp(run_.model, b)).double().mean()))
+            return sum(ce) / len(ce), sum(d) / len(d)
+
+        masks_of = {}
+        for k in layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)):
+            masks = run_.hard_masks(candidate_scores(budget, z, run_.layout, k, keep, run_.config, comparable), keep)
+            masks_of[k] = masks
+            if str(k) in done["counts"]:
+                continue
+            t0 = cpu()
+            ce, d = scores_of(masks, ...)
+            with run_.masks.weights(masks) as fill:
+                ce_r, d_r = scores_of(masks, fill)
+            done["counts"][str(k)] = {"layers_removed": int((masks[budget.layer_type] <= 0.5).sum()), "ce": ce, "kl": d,
+                                      "ce-refit": ce_r, "kl-refit": d_r, "cpu_seconds": cpu() - t0}
+            save(dest, done)
+            print(f"{name} k={k}: ce {ce:.4f} kl {d:.4f} | refit ce {ce_r:.4f} kl {d_r:.4f}", flush=True)
+        done["chosen"] = {rule: int(min(done["counts"], key=lambda k: (done["counts"][k][rule], int(k))))
+                          for rule in RULES}
+        save(dest, done)
+        c4 = heldout_c4_windows(run_.tokenizer)
+        for k in sorted(set(done["chosen"].values())):
+            ev = done["evals"].setdefault(str(k), {})
+            masks = masks_of[k]
+            with run_.masks.weights(masks) as fill:
+                t0 = cpu()
+                if "wikitext" not in ev:
+                    ev["wikitext"] = run_.masked_perplexity(masks, f"{k} layers out (refit)", fill)
+                if "c4" not in ev:
+                    def loss(model, b, masks=masks, fill=fill):
+                        return run_.ctx.losses({u: m[None] for u, m in masks.items()}, b, fill).expand(b.shape[0])
+                    ev["c4"] = windows_ppl(run_.model, c4, loss)
+                if args.zeroshot and "zeroshot" not in ev:
+                    with run_.ctx.masked(masks, fill):
+                        ev["zeroshot"] = zeroshot_mean(run_.model, run_.tokenizer)
+                ev["cpu_seconds"] = ev.get("cpu_seconds", 0.0) + cpu() - t0
+            save(dest, done)
+            print(f"{name} k={k}: WikiText {ev['wikitext']:.2f}, held-out C4 {ev['c4']:.2f}"
+                  + (f", zero-shot {ev['zeroshot']['mean']:.4f}" if "zeroshot" in ev else ""), flush=True)
+        raise SystemExit(0)
+
+    import tempfile
+
+    initialise.choose_mix = mix
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            r = PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True))
+            r.fresh_state()
+        finally:
+            done["cpu_seconds"] = done["cpu_seconds_before"] + cpu() - t_cpu
+            done.pop("cpu_seconds_before")
+            save(dest, done)
+
+
+# --- pg ---------------------------------------------------------------------------------------------------
+def pg_cell(args) -> None:
+    from engine.cli import main as engine_main
+
+    name = f"r{round(args.rate * 100)}-s{args.seed}-{args.reward}-{args.source}-{args.steps}"
+    folder = OUT / "pg" / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    argv = cell_argv(args.rate, args.seed, args.source, args.reward,
+                     ["--steps", str(args.steps), "--out", str(folder)])
+    t0 = cpu()
+    if not (folder / "results.json").is_file():
+        resume = (folder / "checkpoint.pt").is_file()
+        code = engine_main([*argv, "--resume"] if resume else [*argv, "--overwrite"])
+        if code != 0:
+            raise SystemExit(code)
+    evaluate_export(folder, args.zeroshot, cpu() - t0)
+
+
+def evaluate_export(folder: Path, with_zeroshot: bool, cpu_run: float) -> None:
+    """The held-out measures of a finished run's export (folder/model: sliced, refit), into folder/heldout.json."""
+    from engine.evaluate import batch_loss
+    from engine.loading import load_model, resolve_model
+
+    dest = folder / "heldout.json"
+    ev = json.loads(dest.read_text()) if dest.exists() else {}
+    ev["cpu_seconds_run"] = ev.get("cpu_seconds_run", 0.0) + cpu_run
+    res = json.loads((folder / "results.json").read_text())
+    ev["wikitext"] = res["ppl_pruned"]
+    model, tok = load_model(resolve_model(str(folder / "model")))
+    t0 = cpu()
+    if "c4" not in ev:
+        ev["c4"] = windows_ppl(model, heldout_c4_windows(tok), batch_loss)
+    if with_zeroshot and "zeroshot" not in ev:
+        ev["zeroshot"] = zeroshot_mean(model, tok)
+    ev["cpu_seconds_eval"] = ev.get("cpu_seconds_eval", 0.0) + cpu() - t0
+    save(dest, ev)
+    print(f"{folder.name}: WikiText {ev['wikitext']:.2f}, held-out C4 {ev['c4']:.2f}"
+          + (f", zero-shot {ev['zeroshot']['mean']:.4f}" if "zeroshot" in ev else ""), flush=True)
+
+
+# --- report -----------------------------------------------------------------------------------------------
+def report(args) -> None:
+    lines = ["## The one-shot stage: the joint's layer count chosen by each rule", "",
+             "| cell | rule | layers out | WikiText | held-out C4 | zero-shot mean |", "|---|---|---|---|---|---|"]
+    for f in sorted((OUT / "oneshot").glob("*.json")):
+        d = json.loads(f.read_text())
+        for rule, k in d.get("chosen", {}).items():
+            ev = d["evals"].get(str(k), {})
+            zs = ev.get("zeroshot", {}).get("mean")
+            lines.append(f"| {d['cell']} | {rule} | {d['counts'][str(k)]['layers_removed']} | "
+                         f"{ev.get('wikitext', float('nan')):.2f} | {ev.get('c4', float('nan')):.2f} | "
+                         f"{'' if zs is None else f'{zs:.4f}'} |")
+    lines += ["", "## PG cells", "", "| cell | steps | init WikiText | WikiText | held-out C4 | zero-shot | CPU min |",
+              "|---|---|---|---|---|---|---|"]
+    for f in sorted((OUT / "pg").glob("*/heldout.json")):
+        ev, res = json.loads(f.read_text()), json.loads((f.parent / "results.json").read_text())
+        zs = ev.get("zeroshot", {}).get("mean")
+        lines.append(f"| {f.parent.name} | {res['steps']} | {res['ppl_init']:.2f} | {ev['wikitext']:.2f} | "
+                     f"{ev['c4']:.2f} | {'' if zs is None else f'{zs:.4f}'} | {ev['cpu_seconds_run'] / 60:.1f} |")
+    text = "\n".join(lines) + "\n"
+    (OUT / "table.md").write_text(text)
+    print(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="stage", required=True)
+    for stage in ("oneshot", "pg"):
+        s = sub.add_parser(stage)
+        s.add_argument("--rate", type=positive(float), default=0.3)
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--source", choices=("data", "self", "mix"), default="data")
+        s.add_argument("--zeroshot", action="store_true", help="also the zero-shot mean (minutes a mask)")
+        if stage == "pg":
+            s.add_argument("--reward", choices=("ce", "kl"), default="kl")
+            s.add_argument("--steps", type=positive(int), default=40)
+    sub.add_parser("report")
+    args = p.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    {"oneshot": oneshot, "pg": pg_cell, "report": report}[args.stage](args)
+
+
+if __name__ == "__main__":
+    run(main)

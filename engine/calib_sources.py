@@ -1,0 +1,136 @@
+"""Calibration sources: which text the run's masks are scored and measured on (`--calib-source NAME`).
+
+    data  the calibration documents as given (--calib; C4 by default)
+    self  the dense model's own text: continuations sampled from the model at --self-temperature, each from the
+          first PROMPT_TOKENS tokens of a calibration document drawn with the run's seed (self-generated
+          calibration data, as Ji et al., ICLR 2025, and Williams & Aletras, 2024, propose for pruning and
+          quantisation). Sampled once per model, seed and setting, and cached as JSON lines.
+    mix   both: as many calibration documents as generated ones, interleaved (data, self, data, self, ...)
+
+Each source returns the documents and a line saying what they are, which results.json keeps.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .io import atomic_file
+from .loading import model_device
+from .registry import add_entry
+
+CALIB_SOURCES: dict[str, Callable] = {}
+CACHE_ENV = "PG_PRUNE_SELF_CALIB_CACHE"
+PROMPT_TOKENS = 8  # the prompt of each generated document: the first tokens of a calibration document
+GENERATE_BATCH = 32  # continuations sampled per generate() call
+
+
+def register_calib_source(name: str):
+    def add(fn):
+        add_entry(CALIB_SOURCES, name, fn, "calibration source")
+        return fn
+
+    return add
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pg-prune" / "self-calib")
+
+
+@register_calib_source("data")
+def data_documents(texts, model, tokenizer, config, fingerprint, log=print):
+    return texts, "the calibration documents"
+
+
+def prompts(tokenizer, texts: list[str], n: int, seed: int) -> torch.Tensor:
+    """(n, PROMPT_TOKENS) prompts: the first tokens of n calibration documents drawn with the seed (documents
+    shorter than a prompt are skipped; drawn with replacement when there are fewer than n)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    order = torch.randperm(len(texts), generator=g).tolist()
+    out = []
+    while len(out) < n:
+        for i in order:
+            ids = tokenizer(texts[i][:400], add_special_tokens=False)["input_ids"][:PROMPT_TOKENS]
+            if len(ids) == PROMPT_TOKENS:
+                out.append(ids)
+                if len(out) == n:
+                    break
+        if not out:
+            from .errors import UserError
+
+            raise UserError(f"self-generated calibration: no calibration document has {PROMPT_TOKENS} tokens for a prompt")
+    return torch.tensor(out, dtype=torch.long)
+
+
+@torch.no_grad()
+def sample_documents(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int, temperature: float, seed: int,
+                     log=print) -> list[str]:
+    """The model's continuations of each prompt (ancestral sampling at `temperature`, no top-k or top-p), decoded
+    with their prompts; seeded, so the same model and settings give the same documents."""
+    docs, device = [], model_device(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for i in range(0, prompt_ids.shape[0], GENERATE_BATCH):
+            batch = prompt_ids[i:i + GENERATE_BATCH].to(device)
+            out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=tokenizer.eos_token_id or 0)
+            docs += tokenizer.batch_decode(out.cpu(), skip_special_tokens=True)
+            log(f"self-generated calibration: {len(docs)}/{prompt_ids.shape[0]} documents")
+    return docs
+
+
+def self_key(fingerprint: str, config, texts_digest: str) -> str:
+    what = [fingerprint, config.dtype, config.seed, config.self_docs, config.self_tokens, config.self_temperature,
+            PROMPT_TOKENS, texts_digest]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
+
+
+def texts_digest(texts: list[str]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(hashlib.sha256(t.encode()).digest())
+    return h.hexdigest()
+
+
+@register_calib_source("self")
+def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
+    what = (f"{config.self_docs} documents sampled from the dense model at temperature {config.self_temperature}, "
+            f"{config.self_tokens} tokens each after a {PROMPT_TOKENS}-token prompt from the calibration documents "
+            f"(seed {config.seed})")
+    path = cache_dir() / f"{self_key(fingerprint, config, texts_digest(texts))}.jsonl.gz" if fingerprint else None
+    if path is not None and path.is_file():
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                docs = [json.loads(line)["text"] for line in f if line.strip()]
+            if len(docs) == config.self_docs:
+                log(f"self-generated calibration: {len(docs)} documents from the cache ({path})")
+                return docs, what
+        except (OSError, EOFError, ValueError, KeyError):
+            pass  # (a damaged cache file is generated again)
+    docs = sample_documents(model, tokenizer, prompts(tokenizer, texts, config.self_docs, config.seed),
+                            config.self_tokens, config.self_temperature, config.seed, log)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            body = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+            with atomic_file(path) as tmp:
+                Path(tmp).write_bytes(gzip.compress(body, mtime=0))
+        except OSError as e:  # (a cache that cannot be written costs the next run the generation, nothing else)
+            log(f"self-generated calibration: not cached ({e.strerror or e})")
+    return docs, what
+
+
+@register_calib_source("mix")
+def mixed_documents(texts, model, tokenizer, config, fingerprint, log=print):
+    generated, what = self_documents(texts, model, tokenizer, config, fingerprint, log)
+    g = torch.Generator().manual_seed(config.seed + 11)
+    picked = [texts[i] for i in torch.randperm(len(texts), generator=g)[:len(generated)].tolist()]
+    mixed = [d for pair in zip(picked, generated) for d in pair]
+    return mixed, f"{len(picked)} calibration documents interleaved with {what}"

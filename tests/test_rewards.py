@@ -1,0 +1,183 @@
+"""Rewards (--reward ce | kl, engine/rewards.py) and calibration sources (--calib-source, engine/calib_sources.py):
+the KL reward against a hand computation, the dense mask's KL, ce bit for bit, every executor, a resumed kl run,
+and the self-generated calibration text."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from engine.arch import ModelAdapter
+from engine.calib_sources import CALIB_SOURCES, PROMPT_TOKENS
+from engine.config import PruneConfig
+from engine.context import StepContext
+from engine.evaluate import batch_loss
+from engine.executors import EXECUTORS
+from engine.masking import MaskHooks
+from engine.pruner import PruneRun
+from engine.rewards import REWARDS, DenseKL, row_kl
+
+from test_adapters_export import build_model
+from test_executors import ARCHS, batch, full_layout, random_fill, random_samples
+from test_pruner import assert_same_run, metric_lines, quiet, small_config
+
+
+def context(model, executor: str, reward) -> StepContext:
+    return StepContext(model, ModelAdapter.for_model(model), full_layout(model), EXECUTORS[executor],
+                       torch.Generator().manual_seed(0), 2, 1, reward=reward)
+
+
+def hand_kl(model, ids, masks_one, layout, fill=None) -> float:
+    """sum_v p log(p / q) averaged over positions 0..T-2 and rows, in float64, q under the masks."""
+    with torch.no_grad():
+        p = torch.softmax(model(input_ids=ids).logits.double(), -1)[:, :-1]
+        with MaskHooks(ModelAdapter.for_model(model)) as hooks:
+            hooks.set({u: layout.split(u, m) for u, m in masks_one.items()}, fill)
+            q = torch.softmax(model(input_ids=ids).logits.double(), -1)[:, :-1]
+    return float((p * (p.log() - q.log())).sum(-1).mean())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("executor", sorted(EXECUTORS))
+def test_kl_reward_equals_a_hand_computation_in_every_executor(arch, executor):
+    model = build_model(arch)
+    layout, ids, fill = full_layout(model), batch(model), random_fill(model, 2)
+    samples = random_samples(layout, 3, seed=5)
+    got = context(model, executor, DenseKL()).rewards(samples, ids, fill)
+    want = [hand_kl(model, ids, {u: m[j] for u, m in samples.items()}, layout, fill) for j in range(3)]
+    assert got.dtype == torch.float64 and got.shape == (3,)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-6)
+    assert all(x > 0 for x in want)  # (a pruned model differs from the dense one)
+
+
+@pytest.mark.parametrize("executor", sorted(EXECUTORS))
+def test_the_dense_mask_has_kl_zero(executor):
+    model = build_model("llama")
+    layout, ids = full_layout(model), batch(model)
+    ones = {u: torch.ones(2, layout.total(u)) for u in layout.unit_types}
+    kl = context(model, executor, DenseKL()).rewards(ones, ids, None)
+    assert torch.all(kl.abs() < 1e-6), kl
+
+
+def test_the_real_model_kl_equals_a_hand_computation(tiny):
+    model, tokenizer = tiny
+    layout = full_layout(model)
+    ids = tokenizer(["Once upon a time there was a little girl who liked to play in the park with her dog."] * 2,
+                    return_tensors="pt")["input_ids"]
+    samples = random_samples(layout, 2, seed=3, keep=0.7)
+    got = context(model, "sliced", DenseKL()).rewards(samples, ids, None)
+    want = [hand_kl(model, ids, {u: m[j] for u, m in samples.items()}, layout) for j in range(2)]
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("executor", sorted(EXECUTORS))
+def test_ce_is_the_calibration_loss_bit_for_bit(executor):
+    """--reward ce scores every sample exactly as the steps always did (the executors' loss, batch_loss)."""
+    model = build_model("qwen2")
+    layout, ids, fill = full_layout(model), batch(model), random_fill(model, 4)
+    samples = random_samples(layout, 4, seed=9)
+    ctx = context(model, executor, REWARDS["ce"]())
+    assert torch.equal(ctx.rewards(samples, ids, fill), ctx.losses(samples, ids, fill))
+    with MaskHooks(ModelAdapter.for_model(model)) as hooks:  # the executor as it was called before rewards
+        before = EXECUTORS[executor](hooks, layout, ids, samples, fill)
+    assert torch.equal(ctx.rewards(samples, ids, fill), before)
+    assert REWARDS["ce"]().scorer(model, ids) is batch_loss
+
+
+def test_kl_shares_one_dense_forward_per_batch_and_refuses_edited_weights():
+    model = build_model("llama")
+    layout, ids = full_layout(model), batch(model)
+    reward = DenseKL(keep=2)
+    ctx = context(model, "sequential", reward)
+    for seed in range(3):
+        ctx.rewards(random_samples(layout, 2, seed=seed), ids, None)
+    assert reward.dense_forwards == 1
+    reward.frozen = True  # (what RunMasks.weights sets while a refit edits the weights)
+    with pytest.raises(RuntimeError, match="weights are edited"):
+        ctx.rewards(random_samples(layout, 2, seed=0), batch(model, seed=1), None)
+    ctx.rewards(random_samples(layout, 2, seed=0), ids, None)  # a batch prepared before: fine
+
+
+def test_row_kl_compares_every_copy_with_the_dense_rows():
+    g = torch.Generator().manual_seed(0)
+    dense = torch.log_softmax(torch.randn(2, 5, 7, generator=g), -1)
+    other = torch.randn(2, 5, 7, generator=g)
+    both = row_kl(torch.cat([dense.exp().log(), other]).repeat(1, 1, 1)[:2].clone(), dense)
+    assert torch.all(both.abs() < 1e-6)
+    copies = row_kl(torch.cat([other, other]), dense)
+    torch.testing.assert_close(copies[:2], copies[2:])
+    torch.testing.assert_close(copies[:2], row_kl(other, dense))
+
+
+def kl_config(tiny_path, small_eval_file, **kw) -> PruneConfig:
+    return small_config(tiny_path, small_eval_file, reward="kl", **kw)
+
+
+def test_a_kl_run_reports_its_reward_and_resumes_as_an_uninterrupted_one(tiny, tiny_path, small_eval_file, tmp_path):
+    a, b = tmp_path / "A", tmp_path / "B"
+    results_a = PruneRun(kl_config(tiny_path, small_eval_file), a, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        progress=False)
+    assert results_a["reward"] == "kl" and results_a["calib_source"] == "data"
+    lines = metric_lines(a)
+    assert all(x >= 0 for ln in lines for x in ln["losses"])  # KL, not a cross-entropy
+    checked = [ln for ln in lines if ln.get("val_ppl")]
+    assert checked and all(ln["val_reward"] is not None and ln["val_reward"] < 5 for ln in checked)
+    stop = threading.Event()
+    first = PruneRun(kl_config(tiny_path, small_eval_file), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        progress=False, observer=lambda r: r.step == 3 and stop.set(), stop=stop)
+    assert first["status"] == "stopped"
+    results_b = PruneRun(PruneConfig.load(b / "config.json"), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        resume=True, progress=False)
+    assert_same_run(a, b, results_a, results_b)
+
+
+def test_a_ce_run_writes_no_reward_value(tiny, tiny_path, small_eval_file, tmp_path):
+    PruneRun(small_config(tiny_path, small_eval_file), tmp_path / "A", model=tiny[0], tokenizer=tiny[1],
+             log=quiet).run(progress=False)
+    assert all(ln.get("val_reward") is None for ln in metric_lines(tmp_path / "A"))
+
+
+# --- calibration sources ----------------------------------------------------------------------------
+def self_config(**kw) -> PruneConfig:
+    return PruneConfig.of(calib_source="self", self_docs=3, self_tokens=20, seed=kw.pop("seed", 0), **kw)
+
+
+def test_self_generated_documents_are_seeded_cached_and_start_from_calibration_prompts(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    texts = [f"Story {i}: the cat sat on the mat and looked at the bird in the tree." for i in range(5)]
+    docs, what = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=quiet)
+    again, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), None, log=quiet)  # (uncached: sampled)
+    assert docs == again and len(docs) == 3 and "temperature 1.0" in what
+    for d in docs:
+        ids = tokenizer(d, add_special_tokens=False)["input_ids"]
+        assert len(ids) >= PROMPT_TOKENS + 10  # the prompt and its sampled continuation
+        assert any(d.startswith(t[:8]) for t in texts)
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    other, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(seed=1), "model-A", log=quiet)
+    assert other != docs
+    # the cache serves the same documents without sampling
+    monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled again"))
+    cached, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=quiet)
+    assert cached == docs
+
+
+def test_the_mix_interleaves_calibration_and_generated_documents(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    texts = [f"Document {i} tells of a small dog who ran far away from home one day." for i in range(6)]
+    mixed, what = CALIB_SOURCES["mix"](texts, model, tokenizer, self_config(), "model-A", log=quiet)
+    generated, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=quiet)
+    assert mixed[1::2] == generated and all(d in texts for d in mixed[0::2]) and len(set(mixed[0::2])) == 3
+    assert "interleaved" in what
+
+
+def test_a_run_on_self_generated_text_records_it(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    config = small_config(tiny_path, small_eval_file, calib_source="self", self_docs=24, self_tokens=150, steps=2)
+    res = PruneRun(config, tmp_path / "A", model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    assert res["calib_source"] == "self" and "sampled from the dense model" in res["scored_on"]
+    assert json.loads((tmp_path / "A" / "config.json").read_text())["calib_source"] == "self"
