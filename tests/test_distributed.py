@@ -237,6 +237,7 @@ def one_and_two_ranks(eval_file, tmp_path, steps: int, extra: list[str]):
 
 @pytest.mark.parametrize("case, extra", [  # (each case costs a run in one process and one on 2 ranks: ~25 s)
     ("moving-average", ["--num-mask-samples", "3", "--baseline", "moving-average"]),  # 3 samples: shares of 2 and 1
+    ("kl", ["--num-mask-samples", "3", "--reward", "kl"]),  # each rank scores its share against the same dense forward
     ("antithetic+leave-one-out+control-variate", ["--num-mask-samples", "4", "--mask-sampling", "antithetic",
                                                   "--sample-forward", "sequential", "--baseline", "leave-one-out",
                                                   "--control-variate", "init-metric"]),
