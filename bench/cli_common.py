@@ -7,8 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent  # (the package `engine` imports from the install: pip install -e .)
 
 
 def positive(kind):

@@ -10,10 +10,6 @@ lm-eval's own `--model hf --model_args pretrained=DEST` can load exactly the wei
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:

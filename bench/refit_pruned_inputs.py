@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config import PruneConfig
 from engine.export import load_mask_artifact, kept_indices
 from engine.pruner import PruneRun

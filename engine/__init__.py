@@ -1,4 +1,6 @@
-"""Policy-gradient structural pruning of decoder-only LLMs (KV groups and MLP channels)."""
+"""Policy-gradient structural pruning of decoder-only LLMs: KV groups, MLP channels and whole layers.
+
+From Python: `from engine import PruneConfig, prune` (docs/api.md); from the shell: `python -m engine` or `pg-prune`."""
 
 import time
 
@@ -20,3 +22,16 @@ def register_pruned_classes() -> None:
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
     _registered = True
+
+
+_API = {"prune": "engine.api", "perplexity": "engine.api", "PruneResult": "engine.api", "PruneConfig": "engine.config"}
+
+
+def __getattr__(name: str):
+    """`from engine import prune, PruneConfig` (docs/api.md), imported on first use: `import engine` alone stays
+    light (torch loads later, and IMPORTED above is the CLI's start)."""
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

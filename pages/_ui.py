@@ -5,12 +5,7 @@ Not a page itself (app.py lists the pages with st.navigation, so pages/ is not s
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 import streamlit as st  # noqa: E402
 # transformers' lazy attributes, resolved once here, when the first page imports this module: resolved for the first

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 
 import json
-import sys
 import shutil
 import time
 from pathlib import Path
@@ -17,8 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
