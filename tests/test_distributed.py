@@ -129,6 +129,7 @@ w.leave()
 """
 
 
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_world_helpers_on_two_ranks(tmp_path):
     """map_shares (each rank runs fn on its share only; every rank gets every result in item order, an empty share
     included) and add_up (float64, rounded back as the float32 sum) on 2 gloo ranks."""
@@ -242,6 +243,7 @@ def one_and_two_ranks(eval_file, tmp_path, steps: int, extra: list[str]):
                                                   "--sample-forward", "sequential", "--baseline", "leave-one-out",
                                                   "--control-variate", "init-metric"]),
 ])
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_two_ranks_give_the_single_process_run_bit_for_bit(case, extra, eval_file, tmp_path):
     one, two, r2 = one_and_two_ranks(eval_file, tmp_path, 4, extra)
     res = json.loads((two / "results.json").read_text())
@@ -266,6 +268,7 @@ INIT_METRICS = [  # every width and layer metric that reads data, and the compen
 ]
 
 
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 @pytest.mark.parametrize("case, extra", INIT_METRICS)
 def test_init_metrics_shared_over_two_ranks_give_the_single_process_run(case, extra, eval_file, tmp_path):
     """The init metrics split over the ranks (3 init batches over 2 ranks: 2 and 1; SLEB's and Layerwise-PPL's
@@ -283,6 +286,7 @@ def test_init_metrics_shared_over_two_ranks_give_the_single_process_run(case, ex
         assert all(torch.equal(x, y) for x, y in zip(ca["input_means"][u], cb["input_means"][u]))
 
 
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_the_metric_cache_under_two_ranks(eval_file, tmp_path):
     """$PG_PRUNE_METRIC_CACHE on 2 ranks: rank 0 alone writes what the ranks computed together, then reads it and
     sends it to the other rank; both runs are the single process's (without a cache), bit for bit."""
@@ -298,6 +302,7 @@ def test_the_metric_cache_under_two_ranks(eval_file, tmp_path):
         assert_same_run(ref, tmp_path / name)
 
 
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_a_killed_rank_ends_the_run_with_one_line_and_resumes_on_one(eval_file, tmp_path):
     """kill -9 of rank 1 mid-run: rank 0 exits at once (gloo sees the connection close; a rank that hangs instead
     meets the timeout) with one `error:` line and the last finished step checkpointed; --resume in one process
@@ -338,6 +343,7 @@ def test_a_killed_rank_ends_the_run_with_one_line_and_resumes_on_one(eval_file, 
     assert_same_run(ref, out)
 
 
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_a_one_process_run_resumes_on_two_ranks(eval_file, tmp_path):
     """--resume with K = 2 of a run started in one process: the same as one uninterrupted process (constant lr and
     no validation, so that the shorter first session's schedules do not differ)."""
@@ -353,6 +359,7 @@ def test_a_one_process_run_resumes_on_two_ranks(eval_file, tmp_path):
         {"from_step": 0, "world_size": 1}, {"from_step": 3, "world_size": 2}]
 
 
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_a_mismatched_world_is_refused_at_start(eval_file, tmp_path):
     """Rank 1 started with other settings: every rank ends at start-up (before loading the model) with one line."""
     out = tmp_path / "dp"
@@ -368,6 +375,7 @@ def test_a_mismatched_world_is_refused_at_start(eval_file, tmp_path):
     assert not (out / "config.json").exists()
 
 
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_a_refusal_on_rank_0_ends_every_rank(eval_file, tmp_path):
     """--resume of a folder that holds no run: rank 0 refuses, and the other rank says the same and ends."""
     out = tmp_path / "nothing"
