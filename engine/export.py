@@ -30,12 +30,17 @@ _SOURCE_ONLY_KEYS = ("quantization_config", "architectures", "auto_map", "model_
 
 
 def save_mask_artifact(out: Path, base_model: str, layout: UnitLayout, scores: dict[str, torch.Tensor],
-                       masks: dict[str, torch.Tensor], init_scores: dict[str, torch.Tensor]) -> None:
+                       masks: dict[str, torch.Tensor], init_scores: dict[str, torch.Tensor],
+                       init_masks: dict[str, torch.Tensor] | None = None) -> None:
+    """masks.safetensors: per unit type the final scores and masks, the initial scores and (init_masks) the init
+    mask, the one the init perplexity measured; masks.json: their layout and kept counts."""
     tensors = {}
     for u in scores:
         tensors[f"scores.{u}"] = scores[u].float().contiguous()
         tensors[f"masks.{u}"] = masks[u].float().contiguous()
         tensors[f"init_scores.{u}"] = init_scores[u].float().contiguous()
+        if init_masks is not None and u in init_masks:
+            tensors[f"init_masks.{u}"] = init_masks[u].float().contiguous()
     with atomic_file(out / MASKS_FILE) as tmp:
         save_file(tensors, str(tmp))
     meta = {

@@ -152,7 +152,7 @@ def fresh_state(run: "PruneRun") -> RunState:
         hook.on_init(state, batches)
     run.stats_memo = None  # (the model is masked from here on: no statistic of the dense model is reused)
     state.ppl_dense = run.masks.dense_perplexity()
-    state.ppl_init = run.masked_perplexity(run.hard_masks(state.init_mask_scores or z), "init")
+    state.ppl_init = run.masked_perplexity(run.masks.init_masks(state), "init")  # (the init mask the app shows)
     return state
 
 

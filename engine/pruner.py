@@ -40,7 +40,7 @@ from .phases import PhaseClock
 from .results import finish
 from .runmasks import RunMasks
 from .rundir import METRICS_FILE
-from .runstate import RunState, StepReport, check_finite  # noqa: F401  (StepReport: part of the run's API)
+from .runstate import RunState, StepReport, check_finite, mask_rows  # noqa: F401  (StepReport: part of the run's API)
 from .unit_types import UNIT_TYPES
 from .units import UnitLayout
 from .unit_types import unit_sizes
@@ -143,7 +143,8 @@ class PruneRun:
             mean_score={u: self.layout.layer_means(u, s) for u, s in state.scores.items()},
             kept_fraction={u: self.layout.layer_means(u, m) for u, m in hard.items()},
             head_scores=[p.tolist() for p in self.layout.split(detailed[0], state.scores[detailed[0]])] if detailed else None,
-            seconds=seconds, eta_seconds=(state.seconds_in_steps / state.step) * max(self.ctx.steps - state.step, 0), keep_ratio=keep)
+            seconds=seconds, eta_seconds=(state.seconds_in_steps / state.step) * max(self.ctx.steps - state.step, 0), keep_ratio=keep,
+            masks=mask_rows(self.layout, hard))
 
     def run(self, resume: bool = False, observer: Observer | None = None, stop: threading.Event | None = None,
             progress: bool = True) -> dict:
@@ -153,6 +154,8 @@ class PruneRun:
         self.progress = progress
         with _held(self.out):
             state = start_state(self, resume)
+            self.start_masks = self.masks.init_masks(state)  # (what a UI shows as the init mask, with state.init_scores)
+            self.init_scores = state.init_scores
             stopped = self._loop(state, observer, stop)
             if stopped:
                 self.log(f"stopped at step {state.step}/{self.ctx.steps}; state saved, resume with --resume")

@@ -80,7 +80,8 @@ def finish(run: "PruneRun", state: RunState) -> dict:
         if run.out is None:  # a run in memory (engine.api.prune) writes nothing: its caller takes masks and model
             model = build_pruned_model(run.model, run.layout, masks, run.fill if fill is ... else fill)
             return {**report(run, state, scores, masks, ppl_pruned, count_parameters(model)), "masks": masks, "model": model}
-        save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores)
+        save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores,
+                           run.masks.init_masks(state))
         run.log(f"exporting the sliced model to {run.out / MODEL_DIR}")
         with run.phases("export"):
             export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill if fill is ... else fill)

@@ -38,7 +38,48 @@ class StepReport:
     masks: dict[str, list[list[int]]] | None = None
 
     def to_json(self) -> str:
-        return dumps_json(asdict(self), what=f"step {self.step}")
+        data = asdict(self)
+        if self.masks is not None:
+            data["masks"] = {u: encode_mask_rows(rows) for u, rows in self.masks.items()}
+        return dumps_json(data, what=f"step {self.step}")
+
+
+def mask_rows(layout, masks: dict[str, torch.Tensor]) -> dict[str, list[list[int]]]:
+    """Flat hard masks (unit type -> 0/1 tensor over all layers) as per-layer 0/1 lists."""
+    return {u: [[int(x) for x in (m > 0.5).tolist()] for m in layout.split(u, flat)] for u, flat in masks.items()}
+
+
+def encode_mask_rows(rows: list[list[int]]) -> list[str]:
+    """Per-layer 0/1 lists as compact strings, one per layer: "N:HEX", N units, the bits in hex, unit 0 the
+    first nibble's high bit ([1,1,0,1] -> "4:d"; 1,536 MLP channels take 389 characters)."""
+    out = []
+    for row in rows:
+        bits = "".join("1" if x else "0" for x in row)
+        bits += "0" * (-len(bits) % 4)
+        out.append(f"{len(row)}:" + "".join(format(int(bits[i:i + 4], 2), "x") for i in range(0, len(bits), 4)))
+    return out
+
+
+def decode_mask_rows(encoded: list) -> list[list[int]]:
+    """encode_mask_rows' strings back to per-layer 0/1 lists (lists pass through as they are)."""
+    rows = []
+    for layer in encoded:
+        if isinstance(layer, list):
+            rows.append([int(x) for x in layer])
+            continue
+        n, _, hexits = str(layer).partition(":")
+        bits = "".join(format(int(h, 16), "04b") for h in hexits)
+        rows.append([int(b) for b in bits[:int(n)]])
+    return rows
+
+
+def report_masks(report: dict) -> dict[str, list[list[int]]] | None:
+    """The hard masks of a StepReport dict (a metrics.jsonl line or a live report), per unit type and layer;
+    None for a line written before reports carried them."""
+    masks = report.get("masks")
+    if not isinstance(masks, dict):
+        return None
+    return {u: decode_mask_rows(rows) for u, rows in masks.items()}
 
 
 @dataclass

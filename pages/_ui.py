@@ -14,8 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402, F401
 
 from engine.phases import phase_line  # noqa: E402
 from engine.ui import figures  # noqa: E402
-from engine.ui.jobs import (JobManager, RunInfo, default_runs_dir, head_mask_from_scores, list_runs,  # noqa: E402
-                         read_metrics, run_head_mask)
+from engine.ui import masks as M  # noqa: E402
+from engine.ui.jobs import JobManager, RunInfo, default_runs_dir, list_runs, read_metrics  # noqa: E402
 
 RUN_KEY = "selected_run"
 PLOT_CONFIG = {"displayModeBar": False}  # session state: the run folder loaded into the pages
@@ -35,6 +35,14 @@ def runs() -> list[RunInfo]:
     return list_runs(runs_dir())
 
 
+def damaged_runs_notice() -> None:
+    """One warning naming the runs whose files the pages cannot read, with the reason (none: nothing shown)."""
+    bad = [r for r in runs() if r.damaged]
+    if bad:
+        st.warning(f"{len(bad)} damaged run{'s' if len(bad) > 1 else ''} in the runs folder (listed on **Runs**, shown "
+                   "nowhere else): " + "; ".join(f"**{r.name}**: {r.damaged}" for r in bad), icon=":material/report:")
+
+
 def selected_run() -> str | None:
     path = st.session_state.get(RUN_KEY)
     if path and Path(path).is_dir():
@@ -48,6 +56,8 @@ def select_run(path: str | Path | None) -> None:
 
 def run_label(r: RunInfo) -> str:
     c = r.config
+    if r.damaged:
+        return f"{r.name}  [damaged: {r.damaged}]"
     ppl = f", ppl {r.results['ppl_pruned']:.1f}" if r.results else ""
     return f"{r.name}  [{c.get('scope')}, {c.get('prune_ratio', 0):.0%}, {r.status}{ppl}]"
 
@@ -112,10 +122,11 @@ def removal_text(results: dict | None) -> str | None:
 
 
 # --- a run's charts -----------------------------------------------------------------------------
-def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | None, results: dict | None,
+def render_run(history: list[dict], config: dict, views: list[M.MaskView], results: dict | None,
                key: str, run_dir: str | Path | None = None) -> None:
     """Heatmap of KV groups, MLP channels and whole layers per layer, loss curves, and final results; layers
-    removed whole are grey in every chart. Below: the masks per layer as a table, and their downloads."""
+    removed whole are grey in every chart. `views`: the masks the run computed or saved (engine/ui/masks.py; none
+    is derived here), one shown at a time. Below: the shown masks per layer as a table, and their downloads."""
     from engine.ui.settings import layer_rows, removed_layers
 
     last = history[-1] if history else None
@@ -138,34 +149,56 @@ def render_run(history: list[dict], config: dict, head_mask: list[list[int]] | N
             st.caption("W" + phase_line(phases)[1:])  # "Wall time 533 s: load 11, ..."
         if run_dir is not None:
             deploy_panel(run_dir, key)
-    if last is None:
+    if last is None and not views:
         st.info("No optimisation step yet: charts appear after the first step.")
         return
-    done = bool(results and results.get("kept_per_layer"))
-    kept = figures.kept_fractions_from_results(results) if done else figures.effective_kept(last["kept_fraction"])
+    view = None
+    if views:
+        by_name = {v.name: v for v in views}
+        if len(views) > 1:  # (a key per run and set of masks: a new run, or a run that finished, opens on the first)
+            which = f"{Path(run_dir).name if run_dir else ''}-{'-'.join(by_name)}"
+            chosen = st.radio("Mask shown", list(by_name), format_func=lambda n: by_name[n].label, horizontal=True,
+                              key=f"{key}-mask-view-{which}",
+                              help="final: the mask the run saved (masks.safetensors), with the scores it was taken "
+                                   "from; current: the hard mask the last step computed under the run's budget; "
+                                   "init: the mask the init perplexity measured.")
+            view = by_name.get(chosen, views[0])
+        else:
+            view = views[0]
+            st.caption(f"Mask shown: {view.label}")
+    if results and (source := M.mask_source(results)):
+        st.caption(source)
+    if view is not None:
+        kept = figures.effective_kept(M.kept_fractions(view.masks))
+        heads, head_mask, means = view.head_scores, view.head_masks, view.mean_score
+    else:  # a run whose step reports predate their masks: the scores, without a mask
+        kept, heads, head_mask, means = figures.effective_kept(last["kept_fraction"]), last.get("head_scores"), None, \
+            last["mean_score"]
+        st.caption("This run's step reports carry no masks (written before they did): the heatmap shows the scores "
+                   "only.")
     removed = removed_layers(kept)
-    heads, chans = last.get("head_scores"), last["mean_score"].get("channels")
+    chans = means.get("channels")
     cols = st.columns(2) if heads and chans else [st.container()]
+    which = view.label.split(" (")[0] if view is not None else ""
     if heads:
-        if head_mask is None:
-            head_mask = head_mask_from_scores(heads, config.get("scope", "global"), 1 - config.get("prune_ratio", 0.3))
         with cols[0]:
-            st.plotly_chart(figures.heads_heatmap(heads, head_mask, removed=removed), key=f"{key}-heads", width="stretch",
-                            config=PLOT_CONFIG)
+            st.plotly_chart(figures.heads_heatmap(heads, head_mask, removed=removed, which=which), key=f"{key}-heads",
+                            width="stretch", config=PLOT_CONFIG)
     if chans:
         with cols[-1]:
             st.plotly_chart(figures.channels_figure(chans, kept.get("channels"), removed=removed),
                             key=f"{key}-channels", width="stretch", config=PLOT_CONFIG)
-    layers = last["mean_score"].get("layers")
-    if layers:
+    if layers := means.get("layers"):
         st.plotly_chart(figures.layers_figure(layers, kept.get("layers")), key=f"{key}-layers",
                         width="stretch", config=PLOT_CONFIG)
-    st.plotly_chart(figures.loss_figure(history), key=f"{key}-loss", width="stretch", config=PLOT_CONFIG)
-    sizes = results.get("units_per_layer") if done else ({"heads": [len(r) for r in heads]} if heads else None)
+    if history:
+        st.plotly_chart(figures.loss_figure(history), key=f"{key}-loss", width="stretch", config=PLOT_CONFIG)
+    sizes = {u: [len(r) for r in rows] for u, rows in view.masks.items()} if view is not None else None
     rows = layer_rows(kept, sizes)
-    with st.expander(("Final masks" if done else "Current hard masks") + " per layer: kept KV groups, channels, layers"):
+    title = f"Masks per layer ({view.label})" if view is not None else "Kept per layer"
+    with st.expander(title + ": kept KV groups, channels, layers"):
         st.dataframe(rows, hide_index=True, width="stretch", key=f"{key}-layer-table")
-        download_masks(rows, run_dir, key)
+        download_masks(rows, view, run_dir, key)
 
 
 def deploy_panel(run_dir: str | Path, key: str) -> None:
@@ -206,18 +239,19 @@ def deploy_panel(run_dir: str | Path, key: str) -> None:
                            help=f"{path.name} in the run folder: one file llama.cpp (or Ollama) loads.")
 
 
-def download_masks(rows: list[dict], run_dir: str | Path | None, key: str) -> None:
-    """Download buttons: the per-layer table as CSV and, for a finished run, its masks as JSON (masks.json)."""
+def download_masks(rows: list[dict], view: M.MaskView | None, run_dir: str | Path | None, key: str) -> None:
+    """Download buttons: the per-layer table as CSV, and the shown mask's kept units as JSON (per unit type, per
+    layer, the indices of the units it keeps)."""
     from engine.ui.settings import rows_csv
 
     name = Path(run_dir).name if run_dir else "run"
     c1, c2 = st.columns(2)
     c1.download_button("Masks per layer (CSV)", rows_csv(rows), file_name=f"{name}-masks-per-layer.csv",
                        mime="text/csv", icon=":material/download:", key=f"{key}-csv")
-    masks = Path(run_dir) / "masks.json" if run_dir else None
-    if masks is not None and masks.is_file():
-        c2.download_button("Masks (JSON)", masks.read_bytes(), file_name=f"{name}-masks.json", mime="application/json",
-                           icon=":material/download:", key=f"{key}-json")
+    if view is not None:
+        c2.download_button("Masks (JSON)", M.masks_json(view, name), file_name=f"{name}-{view.name}-mask.json",
+                           mime="application/json", icon=":material/download:", key=f"{key}-json",
+                           help=f"The {view.label} mask: per unit type and layer, the indices of the units it keeps.")
 
 
 def render_disk_run(run_dir: str | Path, key: str) -> None:
@@ -227,10 +261,14 @@ def render_disk_run(run_dir: str | Path, key: str) -> None:
     if info is None:
         st.warning(f"{run_dir} holds no run")
         return
+    if info.damaged:
+        st.error(f"Run **{info.name}** is damaged: {info.damaged}", icon=":material/report:")
+        return
     st.caption(f"Run **{info.name}** — {info.status}, {info.steps_done}/{info.config.get('steps')} steps, "
                f"model `{info.config.get('model')}`")
-    render_run(read_metrics(run_dir), info.config, run_head_mask(run_dir) if info.has_masks else None,
-               info.results, key, run_dir=run_dir)
+    history = read_metrics(run_dir)
+    views = (M.saved_views(run_dir, info.results) if info.results else []) + [M.current_view(history[-1] if history else None)]
+    render_run(history, info.config, M.ordered(views), info.results, key, run_dir=run_dir)
 
 
 # --- chat models (loaded in the page's script run, never in a fragment tick) ----------------------

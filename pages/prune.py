@@ -16,6 +16,8 @@ from engine.plan import LONG_RUN_SECONDS
 from engine.ui import settings as S
 from engine.unit_types import UNIT_TYPES
 from engine.errors import UserError
+from engine.ui import checks
+from engine.ui import masks as M
 from engine.ui.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
 
 D = PruneConfig()
@@ -29,6 +31,13 @@ st.markdown(
     "measures the calibration loss of each masked model, and moves *s* by a policy gradient. "
     "The pruned model keeps the units with the highest *s*."
 )
+
+# The runs folder, checked once per page load: what is wrong with it, in one line (Start waits until it is fixed),
+# and the runs in it that cannot be shown.
+runs_problem = checks.runs_dir_problem(_ui.runs_dir())
+if runs_problem:
+    st.error(f"error: {runs_problem}", icon=":material/folder_off:")
+_ui.damaged_runs_notice()
 
 MODEL_CHOICES = {"default": "SmolLM2-135M-Instruct (packaged, 30 layers)", "local": "A local model folder or .gguf file"}
 
@@ -53,7 +62,8 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                                placeholder="/path/to/model-folder or /path/to/model.gguf", key="model_path")
     units = st.multiselect(_ui.label_of(PruneConfig, "units"), list(UNIT_TYPES),
                            format_func=lambda u: UNIT_TYPES[u].title, help=_ui.help_of(PruneConfig, "units"), key="units")
-    rate = st.slider(_ui.label_of(PruneConfig, "prune_ratio"), 0.0, 1.0, step=0.05, format="%.2f",
+    rate_min, rate_max, st.session_state["rate"] = checks.rate_bounds(st.session_state.get("rate"))  # never 0 or 1
+    rate = st.slider(_ui.label_of(PruneConfig, "prune_ratio"), rate_min, rate_max, step=0.05, format="%.2f",
                      help=_ui.help_of(PruneConfig, "prune_ratio"), key="rate")
     c1, c2, c3 = st.columns(3)
     scope = c1.radio(_ui.label_of(PruneConfig, "scope"), list(_ui.choices(PruneConfig, "scope")), horizontal=True,
@@ -114,7 +124,11 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
     except UserError as e:
         problem = str(e)
     estimate = _ui.plan_panel(config, problem)
-    submitted = st.button("Start pruning", type="primary", icon=":material/play_arrow:", key="start")
+    blocked = problem is not None or runs_problem is not None  # (the plan, or the line on top, says why: once)
+    submitted = st.button("Start pruning", type="primary", icon=":material/play_arrow:", key="start", disabled=blocked,
+                          help="Fix the settings first: the plan says what is wrong." if problem else
+                          "The runs folder cannot be used: the line at the top says why." if runs_problem else None)
+    submitted = submitted and not blocked
 
 
 def start(config: PruneConfig) -> None:
@@ -129,8 +143,6 @@ def start(config: PruneConfig) -> None:
 pending = st.session_state.get("confirm-long")
 if submitted:
     try:
-        if problem is not None:
-            raise UserError(problem)
         if estimate is not None and estimate > LONG_RUN_SECONDS and pending != config.to_dict():
             st.session_state["confirm-long"] = config.to_dict()
             st.rerun()
@@ -153,9 +165,14 @@ elif pending is not None and config is not None and pending == config.to_dict():
 st.divider()
 
 
-@st.fragment(run_every=1.5)
+LIVE_SECONDS = 1.5  # the run's panel redraws this often while a job runs, and not at all otherwise
+
+
+@st.fragment(run_every=LIVE_SECONDS if _snap.active else None)
 def live() -> None:
     snap = jobs.snapshot()
+    if snap.active != _snap.active:  # a job started or ended since the page was drawn: redraw it all (and tick, or stop)
+        st.rerun()
     shown = _ui.selected_run()
     if snap.status == IDLE and not shown:
         st.info("No run yet. Choose a model and a rate above and press **Start pruning**, "
@@ -177,12 +194,12 @@ def live() -> None:
         if head[1].button("Stop", icon=":material/stop:", key="stop", disabled=snap.status == "stopping",
                           help="Stop after the current step; the state is saved and the run can be resumed."):
             jobs.stop()
-            st.rerun(scope="fragment")
+            st.rerun()
     elif snap.status == STOPPED:
         if head[1].button("Resume", icon=":material/play_arrow:", key="resume", help="Continue from the saved state."):
             try:
                 jobs.start(None, snap.out_dir, resume=True)
-                st.rerun(scope="fragment")
+                st.rerun()  # (the whole page: the panel ticks again while the job runs)
             except UserError as e:
                 st.error(f"Cannot resume: {e}")
     if snap.status == FAILED:
@@ -208,7 +225,9 @@ def live() -> None:
                     if last else f"preparing · {snap.phase}")
     if last and cfg.get("method") in METHODS and (line := METHODS[cfg["method"]].progress(cfg, done_steps)):
         st.caption(f"{cfg['method']}: {line} · current loss {sum(last['losses']) / len(last['losses']):.3f}")
-    _ui.render_run(snap.history, cfg, snap.head_mask, snap.result, key="job", run_dir=snap.out_dir)
+    saved = M.saved_views(snap.out_dir, snap.result) if snap.status == DONE and snap.out_dir else []
+    views = M.ordered(saved + [M.current_view(snap.last, snap.masks), snap.init_view])
+    _ui.render_run(snap.history, cfg, views, snap.result, key="job", run_dir=snap.out_dir)
     if snap.status == DONE:
         st.success("Done. Compare it with the other scope on **Compare**, or talk to it on **Chat**.")
 

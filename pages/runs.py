@@ -12,6 +12,7 @@ import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from engine.errors import UserError  # noqa: E402
+from engine.ui.checks import runs_dir_problem  # noqa: E402
 from engine.runfiles import MASKS_FILE  # noqa: E402
 from engine.ui.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
 from engine.ui.settings import results_table, settings_table  # noqa: E402
@@ -24,10 +25,14 @@ st.caption(f"Runs folder: `{_ui.runs_dir()}` (set $PG_PRUNE_RUNS_DIR to use anot
 jobs = _ui.job_manager()
 if (deleted := st.session_state.pop("deleted-run", None)):
     st.success(f"Deleted {deleted}.", icon=":material/delete:")
+if (problem := runs_dir_problem(_ui.runs_dir())) is not None:
+    st.error(f"error: {problem}", icon=":material/folder_off:")
 all_runs = _ui.runs()
 if not all_runs:
-    st.info("No runs yet: start one on **Prune**.")
+    if problem is None:
+        st.info("No runs yet: start one on **Prune**.")
     st.stop()
+_ui.damaged_runs_notice()
 
 rows = []
 for r in all_runs:
@@ -39,6 +44,7 @@ for r in all_runs:
         "steps": f"{r.steps_done}/{c.get('steps')}", "model": Path(c.get("model", "")).name,
         "units": ",".join(c.get("units", [])), "budget": c.get("budget", "units"), "ppl dense": res.get("ppl_dense"),
         "modified": datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"), "run": r.name,
+        **({"damaged": r.damaged or ""} if any(x.damaged for x in all_runs) else {}),
     })
 st.dataframe(rows, hide_index=True, width="stretch", column_config=_ui.COMPACT_COLUMNS)
 
@@ -46,6 +52,9 @@ paths = [str(r.path) for r in all_runs]
 current = _ui.selected_run()
 run = st.selectbox("Run", all_runs, index=paths.index(current) if current in paths else 0, format_func=_ui.run_label)
 busy = jobs.busy_with(run.path)
+if run.damaged:
+    st.error(f"{run.name} is damaged: {run.damaged}. Its files are listed below; delete it, or repair the file.",
+             icon=":material/report:")
 
 b1, b2, b3 = st.columns(3)
 if b1.button("Load into the pages", icon=":material/upload:", type="primary",
@@ -76,6 +85,8 @@ with t2:
     if run.results:
         st.markdown(_ui.removal_text(run.results) or "")
         st.dataframe(results_table(run.results), hide_index=True, width="stretch")
+    elif run.damaged:
+        st.info(f"No results to show: {run.damaged}.")
     else:
         st.info("No results yet: the run has not finished.")
 with t3:

@@ -146,11 +146,16 @@ def test_joint_preset_button_sets_layers_widths_and_fixed_layers(runs_dir, tmp_p
 
 
 @pytest.mark.parametrize("rate", [0.0, 1.0])
-def test_rate_0_or_1_is_an_error_not_a_traceback(runs_dir, rate):
-    at = fill_prune_form(app(), rate=rate)
-    start_button(at).click().run()
-    assert not at.exception
-    assert any("prune ratio must be strictly between 0 and 1" in e.value for e in at.error)
+def test_rate_0_or_1_is_refused_by_the_slider(runs_dir, rate, tmp_path, monkeypatch):
+    """The slider has no 0 or 1; settings saved with one (an older app's) open at the nearest rate it has."""
+    from engine.ui.settings import SETTINGS_FILE
+
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / SETTINGS_FILE).write_text(json.dumps({"values": {"rate": rate}}))
+    at = app()
+    slider = at.slider(key="rate")
+    assert 0 < slider.min <= slider.value <= slider.max < 1 and abs(slider.value - rate) < 0.06
 
 
 def test_folder_without_model_is_an_error(runs_dir, tmp_path):
@@ -532,10 +537,9 @@ def test_the_plan_matches_what_the_run_removes_and_settings_persist(runs_dir):
 def test_steps_0_is_one_clear_error(runs_dir):
     at = fill_prune_form(app(), steps=0)
     at.run()
-    assert any("error: steps must be at least 1, got 0" in w.value for w in at.warning)  # the plan says so at once
-    start_button(at).click().run()
-    assert not at.exception
-    assert [e.value for e in at.error if "Cannot start" in e.value] == ["Cannot start: steps must be at least 1, got 0"]
+    assert [w.value for w in at.warning if "steps must be at least 1" in w.value] == [  # the plan says so at once, once
+        "Cannot start as set — error: steps must be at least 1, got 0"]
+    assert start_button(at).disabled and not at.exception and not at.error  # Start waits until it is fixed
 
 
 def test_rerun_with_these_settings_reproduces_the_config(runs_dir):

@@ -20,6 +20,7 @@ from engine.loading import count_parameters, load_model, resolve_model
 from engine.masking import MaskHooks
 from engine.policy import cosine_lr, keep_count, update_baseline
 from engine.pruner import PruneRun, StepReport
+from engine.runstate import report_masks
 from engine.rundir import RUN_FORMAT_VERSION, RUN_MARKER, check_out_dir, is_run_dir, run_marker_version, write_run_marker
 
 from conftest import DATA_DIR, SMALL_CALIB
@@ -99,6 +100,10 @@ def test_metrics_and_observer(main_run):
         assert set(line["mean_score"]) == set(line["kept_fraction"]) == {"heads", "channels"}
         assert len(line["kept_fraction"]["heads"]) == 2 and len(line["head_scores"]) == 2
         assert all(len(layer) == 4 and all(0 <= s <= 1 for s in layer) for layer in line["head_scores"])
+        masks = report_masks(line)  # the step's own hard masks: what kept_fraction counts, and what observers get
+        assert masks == report.masks and {u: [len(r) for r in rows] for u, rows in masks.items()} == {
+            "heads": [4, 4], "channels": [384, 384]}
+        assert all([sum(r) / len(r) for r in rows] == pytest.approx(line["kept_fraction"][u]) for u, rows in masks.items())
     # the moving-average baseline, rebuilt from the recorded losses
     b = None
     for line in lines:
@@ -109,7 +114,11 @@ def test_metrics_and_observer(main_run):
 def test_masks_artifact_and_budget(main_run):
     out, config, results, run = main_run["out"], main_run["config"], main_run["results"], main_run["run"]
     tensors = load_file(str(out / "masks.safetensors"))
-    assert set(tensors) == {f"{k}.{u}" for k in ("scores", "masks", "init_scores") for u in ("heads", "channels")}
+    assert set(tensors) == {f"{k}.{u}" for k in ("scores", "masks", "init_scores", "init_masks") for u in ("heads", "channels")}
+    from engine.runmasks import mask_key  # the saved init mask is the one whose perplexity is ppl_init
+
+    assert run.masks.measured[mask_key({u: tensors[f"init_masks.{u}"] for u in ("heads", "channels")}, ...)] == \
+        results["ppl_init"]
     meta, masks, scores = load_mask_artifact(out)
     assert meta["units_per_layer"] == {"heads": [4, 4], "channels": [384, 384]}
     assert meta["kept_per_layer"] == results["kept_per_layer"]

@@ -29,6 +29,54 @@ def effective_kept(kept_fraction: dict[str, list[float]]) -> dict[str, list[floa
             for u, v in kept_fraction.items()}
 
 
+def _rgb(colour: str) -> tuple[float, float, float]:
+    """(r, g, b) in 0..1 of "#rrggbb", "#rgb" or "rgb(r, g, b)"."""
+    c = colour.strip()
+    if c.startswith("#"):
+        h = c[1:]
+        h = "".join(ch * 2 for ch in h) if len(h) == 3 else h
+        return tuple(int(h[i:i + 2], 16) / 255 for i in (0, 2, 4))
+    parts = c[c.index("(") + 1:c.index(")")].replace(" ", ",").split(",")
+    return tuple(float(x) / 255 for x in parts if x.strip())[:3]
+
+
+def relative_luminance(colour: str) -> float:
+    """WCAG 2's relative luminance of an sRGB colour."""
+    def lin(x: float) -> float:
+        return x / 12.92 if x <= 0.04045 else ((x + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (lin(x) for x in _rgb(colour))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast_ratio(a: str, b: str) -> float:
+    """WCAG 2's contrast ratio of two colours, 1 to 21."""
+    la, lb = sorted((relative_luminance(a), relative_luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+DARK_TEXT, LIGHT_TEXT = "#000000", "#ffffff"
+
+
+def text_colour(background: str) -> str:
+    """Black or white text, whichever contrasts more with the background: at least 4.58:1 on any colour (WCAG
+    AA asks 4.5:1 for text)."""
+    return DARK_TEXT if contrast_ratio(background, DARK_TEXT) >= contrast_ratio(background, LIGHT_TEXT) else LIGHT_TEXT
+
+
+def cell_colours(z: list[list[float | None]], colorscale: str = "Viridis", zmin: float = 0.0, zmax: float = 1.0,
+                 missing: str = REMOVED) -> list[list[str]]:
+    """The colour plotly paints each heatmap cell (a value's place on the colour scale; None: `missing`)."""
+    from plotly.colors import sample_colorscale
+
+    def one(v):
+        if v is None:
+            return missing
+        return sample_colorscale(colorscale, [min(max((v - zmin) / (zmax - zmin), 0.0), 1.0)])[0]
+
+    return [[one(v) for v in row] for row in z]
+
+
 def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     fig.update_layout(title=dict(text=title, x=0, xanchor="left"), height=height, margin=_MARGIN, font=_FONT,
                       legend=dict(orientation="h", yanchor="top", y=-0.3, xanchor="left", x=0))
@@ -36,11 +84,12 @@ def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
 
 
 def heads_heatmap(head_scores: list[list[float]], head_mask: list[list[int]] | None, title: str = "",
-                  removed: list[int] | tuple = ()) -> go.Figure:
+                  removed: list[int] | tuple = (), which: str = "") -> go.Figure:
     """Layers (rows, first layer on top) x KV groups (columns); colour = keep probability s.
 
-    Groups the current hard mask keeps carry a check mark, pruned ones a cross; `removed` layers (removed whole)
-    are grey, marked "removed", and none of their groups count as kept.
+    Groups the hard mask keeps carry a check mark, pruned ones a cross (the "marks" trace, each in black or white,
+    whichever reads on its cell); `removed` layers (removed whole) are grey, marked "removed", and none of their
+    groups count as kept. `which`: the mask's name for the title (current, final, init).
     """
     n_layers = len(head_scores)
     n_groups = max(len(r) for r in head_scores)
@@ -51,25 +100,32 @@ def heads_heatmap(head_scores: list[list[float]], head_mask: list[list[int]] | N
         head_mask = [[0] * len(row) if i in removed else row for i, row in enumerate(head_mask)]
         text = [["" if i in removed else ("✓" if k else "✗") for k in row] for i, row in enumerate(head_mask)]
     z = [[None] * len(row) if i in removed else row for i, row in enumerate(head_scores)]
+    xs = [f"g{j}" for j in range(n_groups)]
     fig = go.Figure(go.Heatmap(
-        z=z, x=[f"g{j}" for j in range(n_groups)], y=ys,
-        zmin=0, zmax=1, colorscale="Viridis", text=text, texttemplate="%{text}" if text else None,
-        textfont=dict(size=12, color="white"), xgap=2, ygap=2,
+        z=z, x=xs, y=ys, zmin=0, zmax=1, colorscale="Viridis", text=text, xgap=2, ygap=2,
         colorbar=dict(title=dict(text="s", side="top"), thickness=12, len=1.0, tickvals=[0, 0.5, 1]),
-        hovertemplate="layer %{y}, group %{x}<br>s = %{z:.3f}<extra></extra>",
+        hovertemplate="layer %{y}, group %{x}<br>s = %{z:.3f}" + (" %{text}" if text else "") + "<extra></extra>",
     ))
     if removed:
         fig.add_heatmap(z=[[1] * n_groups if i in removed else [None] * n_groups for i in range(n_layers)],
-                        x=[f"g{j}" for j in range(n_groups)], y=ys, name="removed layers", showscale=False,
+                        x=xs, y=ys, name="removed layers", showscale=False,
                         colorscale=[[0, REMOVED], [1, REMOVED]], xgap=2, ygap=2,
                         text=[["removed"] * n_groups if i in removed else [""] * n_groups for i in range(n_layers)],
-                        texttemplate="%{text}", textfont=dict(size=11, color="#555"),
+                        texttemplate="%{text}", textfont=dict(size=11, color=text_colour(REMOVED)),
                         hovertemplate="%{y}: the whole layer is removed<extra></extra>")
-    fig.update_yaxes(autorange="reversed", title="layer", dtick=1 if n_layers <= 16 else 2)
-    fig.update_xaxes(title="KV group", side="bottom")
+    if text is not None:  # the marks, each in the text colour its cell's colour needs (a heatmap has one text colour)
+        colours = cell_colours(z)
+        cells = [(i, j) for i, row in enumerate(text) for j, t in enumerate(row) if t]
+        fig.add_scatter(x=[xs[j] for _, j in cells], y=[ys[i] for i, _ in cells], mode="text", name="marks",
+                        text=[text[i][j] for i, j in cells], showlegend=False, hoverinfo="skip",
+                        textfont=dict(size=13, color=[text_colour(colours[i][j]) for i, j in cells]))
+    # (fixed ranges: the marks' text trace would pad them; the first layer on top)
+    fig.update_yaxes(range=[n_layers - 0.5, -0.5], title="layer", dtick=1 if n_layers <= 16 else 2)
+    fig.update_xaxes(range=[-0.5, n_groups - 0.5], title="KV group", side="bottom")
     kept = sum(map(sum, head_mask)) if head_mask else None
     total = sum(len(r) for r in head_scores)
-    suffix = f"<br><sup>hard mask keeps {kept} of {total}: ✓ kept, ✗ pruned</sup>" if kept is not None else ""
+    suffix = (f"<br><sup>{which + ' ' if which else ''}hard mask keeps {kept} of {total}: ✓ kept, ✗ pruned</sup>"
+              if kept is not None else "")
     return _layout(fig, title or f"KV groups: keep probability s{suffix}", height=min(max(300, 150 + 22 * n_layers), 820))
 
 

@@ -6,8 +6,9 @@
     jobs.stop()                            # the run stops after its current step; resumable
 
 The worker thread never touches a UI. It records the messages PruneRun logs (loading,
-initialising, evaluating perplexities, exporting) as the current phase, every StepReport, and
-the current hard mask of the KV groups (for heatmaps), so that a UI only reads memory.
+initialising, evaluating perplexities, exporting) as the current phase, every StepReport, the
+hard masks the last step computed and the init mask (as the run computed them: no mask is derived
+here), so that a UI only reads memory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from ..config import PruneConfig
 from ..errors import UserError
+from ..runstate import report_masks
 
 RUNS_DIR_ENV = "PG_PRUNE_RUNS_DIR"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +34,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 # Job status values. "idle": nothing started yet in this process.
 IDLE, LOADING, RUNNING, STOPPING, STOPPED, DONE, FAILED = "idle", "loading", "running", "stopping", "stopped", "done", "failed"
 ACTIVE = (LOADING, RUNNING, STOPPING)
+DAMAGED = "damaged"  # a run folder whose results.json or config.json the pages cannot read (RunInfo.damaged says why)
 
 
 class JobBusy(UserError):
@@ -60,8 +63,9 @@ class JobSnapshot:
     error_detail: str | None = None  # traceback of an unexpected failure (UserErrors have none)
     out_dir: str | None = None
     config: dict | None = None
-    history: list[dict] = field(default_factory=list)  # StepReport dicts, oldest first
-    head_mask: list[list[int]] | None = None  # current hard mask of KV groups, per layer
+    history: list[dict] = field(default_factory=list)  # StepReport dicts, oldest first (their masks: in `masks`)
+    masks: dict[str, list[list[int]]] | None = None  # the last step's hard masks (StepReport.masks), per layer
+    init_view: "MaskView | None" = None  # the init mask the run measured, with its initial scores
     result: dict | None = None
     started_at: float | None = None
     finished_at: float | None = None
@@ -106,6 +110,22 @@ def _kept_history(run, out: Path) -> list[dict]:
         return run.restore_metrics(run.load_checkpoint())
 
 
+def _without_masks(report: dict) -> dict:
+    return {k: v for k, v in report.items() if k != "masks"}
+
+
+def _init_view(run):
+    """The init mask the run computed (PruneRun.start_masks), with the initial scores of the units it reports in
+    detail; None before the run has one."""
+    from ..runstate import mask_rows
+    from .masks import INIT, scores_view
+
+    if getattr(run, "start_masks", None) is None:
+        return None
+    scores = {u: [p.tolist() for p in run.layout.split(u, s)] for u, s in run.init_scores.items()}
+    return scores_view(INIT, "init (step 0)", mask_rows(run.layout, run.start_masks), scores)
+
+
 def _ended(result: dict) -> dict:
     if result.get("status") == "stopped":
         return {"status": STOPPED, "phase": f"stopped at step {result.get('step')}; resumable"}
@@ -133,11 +153,15 @@ class JobManager:
         with self._lock:
             if self._snap.status in ACTIVE:
                 raise JobBusy(f"a job is already running ({self._snap.out_dir}); stop it or wait for it to finish")
-            if resume:
-                check_out_dir(out, resume=True, overwrite=False)
-                config = PruneConfig.load(out / CONFIG_FILE)
-            else:
-                check_out_dir(out, resume=False, overwrite=False)
+            try:
+                if resume:
+                    check_out_dir(out, resume=True, overwrite=False)
+                    config = PruneConfig.load(out / CONFIG_FILE)
+                else:
+                    check_out_dir(out, resume=False, overwrite=False)
+            except OSError as e:  # the runs folder: a file, unwritable, gone (one line, no traceback)
+                raise UserError(f"cannot use the run folder {out} ({e.strerror or type(e).__name__}): check the "
+                                "runs folder ($PG_PRUNE_RUNS_DIR)") from None
             config.validate()
             resolve_model(config.model)  # a missing file or a folder without a model fails here
             self._stop = threading.Event()
@@ -208,19 +232,20 @@ class JobManager:
             self._models.keep(config, model, tok)
             if resume and (out / CHECKPOINT_FILE).exists():
                 history = _kept_history(run, out)
-                self._set(history=history, resumed_from=len(history))
+                masks = report_masks(history[-1]) if history else None
+                self._set(history=[_without_masks(r) for r in history], masks=masks, resumed_from=len(history))
             with self._lock:
                 if self._snap.status == LOADING:
                     self._snap.status = RUNNING
 
             def observe(report) -> None:
-                mask = None
-                if report.head_scores is not None:
-                    # the step's own budget: it rises in stages under random-progressive
-                    mask = head_mask_from_scores(report.head_scores, config.scope, report.keep_ratio)
+                line = dataclasses.asdict(dataclasses.replace(report, masks=None))  # (one step's masks kept: the last)
+                init = _init_view(run) if self._snap.init_view is None else None
                 with self._lock:
-                    self._snap.history.append(dataclasses.asdict(report))
-                    self._snap.head_mask = mask
+                    self._snap.history.append(line)
+                    self._snap.masks = report.masks
+                    if init is not None:
+                        self._snap.init_view = init
                     if self._snap.status == RUNNING:
                         self._snap.phase = f"step {report.step}/{report.total_steps}"
 
@@ -228,6 +253,10 @@ class JobManager:
             self._set(**_ended(result), result=result, finished_at=time.time())
         except UserError as e:
             self._set(status=FAILED, error=str(e), phase="failed", finished_at=time.time())
+        except OSError as e:  # the environment (a full disk, a folder that went away): one line, no traceback
+            where = f": {e.filename}" if e.filename else ""
+            self._set(status=FAILED, error=f"{e.strerror or type(e).__name__}{where}", phase="failed",
+                      finished_at=time.time())
         except Exception as e:  # a bug or an environment problem: keep the UI alive and show it
             self._set(status=FAILED, error=f"{type(e).__name__}: {e}", error_detail=traceback.format_exc(),
                       phase="failed", finished_at=time.time())
@@ -245,9 +274,12 @@ class RunInfo:
     has_model: bool
     has_checkpoint: bool
     modified: float
+    damaged: str | None = None  # why its results.json or config.json cannot be shown (results is then None)
 
     @property
     def status(self) -> str:
+        if self.damaged is not None:
+            return DAMAGED
         if self.results is not None:
             return DONE
         return STOPPED if self.has_checkpoint else "incomplete"
@@ -260,12 +292,18 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    for ln in path.read_text().splitlines():
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    for ln in text.splitlines():
         if ln.strip():
             try:
-                out.append(json.loads(ln))
+                record = json.loads(ln)
             except json.JSONDecodeError:
                 break  # a line being written
+            if isinstance(record, dict) and isinstance(record.get("step"), int):  # (a step's report; nothing else)
+                out.append(record)
     return out
 
 
@@ -273,57 +311,53 @@ def read_run(path: str | Path) -> RunInfo | None:
     """A run folder's summary, or None when the folder holds no run."""
     from ..runfiles import CHECKPOINT_FILE, CONFIG_FILE, MASKS_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
 
+    from .checks import config_problem, results_problem
+
     p = Path(path)
     try:
-        config = json.loads((p / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+        text = (p / CONFIG_FILE).read_text()
+        modified = (p / CONFIG_FILE).stat().st_mtime
+    except (OSError, UnicodeDecodeError):
         return None
+    damaged, config, results = None, {}, None
+    try:
+        config = json.loads(text)
+        if (why := config_problem(config)) is not None:
+            damaged, config = f"{CONFIG_FILE} {why}", {}
+    except ValueError as e:
+        damaged = f"{CONFIG_FILE} is not valid JSON ({e})"
     try:
         results = json.loads((p / RESULTS_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+    except FileNotFoundError:
+        results = None
+    except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
+        damaged, results = damaged or f"{RESULTS_FILE} is not valid JSON ({e})", None
+    except OSError as e:
+        damaged, results = damaged or f"{RESULTS_FILE} cannot be read ({e.strerror or e})", None
+    if results is not None and (why := results_problem(results)) is not None:
+        damaged, results = damaged or f"{RESULTS_FILE} {why}", None
+    if damaged is not None:
         results = None
     steps = 0
-    if (p / METRICS_FILE).exists():
-        steps = sum(1 for ln in (p / METRICS_FILE).read_text().splitlines() if ln.strip())
+    try:
+        if (p / METRICS_FILE).exists():
+            steps = sum(1 for ln in (p / METRICS_FILE).read_text(errors="replace").splitlines() if ln.strip())
+    except OSError:
+        pass
     return RunInfo(path=p, name=p.name, config=config, results=results, steps_done=steps,
                    has_masks=(p / MASKS_FILE).exists(), has_model=(p / MODEL_DIR).is_dir(),
-                   has_checkpoint=(p / CHECKPOINT_FILE).exists(), modified=(p / CONFIG_FILE).stat().st_mtime)
+                   has_checkpoint=(p / CHECKPOINT_FILE).exists(), modified=modified, damaged=damaged)
 
 
 def list_runs(runs_dir: str | Path) -> list[RunInfo]:
     """Runs under runs_dir, newest first."""
     d = Path(runs_dir)
-    if not d.is_dir():
-        return []
-    runs = [r for r in (read_run(c) for c in d.iterdir() if c.is_dir()) if r is not None]
-    return sorted(runs, key=lambda r: r.modified, reverse=True)
-
-
-def run_head_mask(run_dir: str | Path) -> list[list[int]] | None:
-    """Final hard mask of the KV groups of a finished run, per layer."""
-    from ..export import load_mask_artifact
-    from ..units import UnitLayout
-
     try:
-        meta, masks, _ = load_mask_artifact(run_dir)
-    except UserError:
-        return None
-    if "heads" not in masks:
-        return None
-    layout = UnitLayout({"heads": meta["units_per_layer"]["heads"]})
-    return [[int(x) for x in m] for m in layout.split("heads", masks["heads"])]
-
-
-def head_mask_from_scores(head_scores: list[list[float]], scope: str, keep_ratio: float) -> list[list[int]]:
-    """The hard mask PruneRun would take from these KV-group scores (tiny; no model involved)."""
-    import torch
-
-    from ..units import UnitLayout
-
-    layout = UnitLayout({"heads": [len(r) for r in head_scores]})
-    flat = torch.tensor([s for row in head_scores for s in row])
-    hard = layout.hard_mask("heads", flat, scope, keep_ratio)
-    return [[int(x) for x in m] for m in layout.split("heads", hard)]
+        children = [c for c in d.iterdir() if c.is_dir()] if d.is_dir() else []
+    except OSError:  # (an unreadable runs folder: the pages say what is wrong with it)
+        return []
+    runs = [r for r in (read_run(c) for c in children) if r is not None]
+    return sorted(runs, key=lambda r: r.modified, reverse=True)
 
 
 def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
