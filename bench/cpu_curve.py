@@ -141,7 +141,7 @@ def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | No
         start_state(run, resume=True)  # the compensation's means, from the checkpoint
     ppl = {}
     for step in sorted({p["best_step"] for p in points}):
-        masks = torch.load(cell / "masks" / f"step{step}.pt")
+        masks = torch.load(cell / "masks" / f"step{step}.pt", weights_only=True)
         ppl[step] = run.masked_perplexity({u: m.float() for u, m in masks.items()}, f"the exported mask of step {step}")
     end = points[-1]["cpu"]
     finish = finished_cpu - end  # the final evaluation and the export (a finished run read back: 0)

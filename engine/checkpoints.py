@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
+import re
 from dataclasses import asdict
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +31,37 @@ def _normalised(saved: dict) -> dict:
         return json.loads(json.dumps(PruneConfig.from_dict(saved).validate().to_dict()))
     except UserError:
         return saved  # compared as it is: any difference is reported
+
+
+# What a checkpoint may hold besides tensors, numbers, strings, None, lists, tuples and dicts (which torch's
+# weights-only reader takes anyway): nothing so far. A checkpoint is read with that reader and this list, never with
+# plain pickle, so that a checkpoint.pt from someone else's run folder cannot run code on --resume.
+SAFE_GLOBALS: list = []
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The checkpoint's content, unpickled by torch's weights-only reader (tensors, numbers, strings, lists and dicts,
+    plus SAFE_GLOBALS): a checkpoint that names any other Python object is refused in one line (UserError), its code
+    never run. Other failures (garbage, a truncated file) raise as they come."""
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = _GLOBAL_RE.search(str(e))
+        if found is None and "weights_only" not in str(e):
+            raise
+        what = f"the Python object {found.group(1)}" if found else "Python objects"
+        raise UserError(f"refusing checkpoint {path}: it names {what}, which a pg-prune checkpoint never holds "
+                        "(loading it could run code); it was not read. Start again with --overwrite") from None
+
+
+def _tensor_bytes(obj) -> int:
+    """The bytes of the tensors inside obj (dicts, lists, tuples): about what a checkpoint of it takes on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(_tensor_bytes(v) for v in values)
 
 
 class Checkpoints:
@@ -68,7 +102,9 @@ class Checkpoints:
     def load(self) -> RunState:
         path = self.run.out / CHECKPOINT_FILE
         try:
-            data = torch.load(path, weights_only=False)
+            data = read_checkpoint(path)
+        except UserError:
+            raise
         except Exception as e:  # garbage, truncated or foreign: unpickling raises almost anything
             raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); it is damaged: "
                             "start again with --overwrite") from e

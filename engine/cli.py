@@ -262,6 +262,9 @@ def cmd_prune(args) -> int:
     clean = True  # (after a refusal or an interrupt the group is whole and is left: gloo aborts at exit otherwise)
     try:
         return (_prune_writer if world.writes else _prune_follower)(args, world)
+    except _Finished as e:
+        print(str(e), file=sys.stderr)
+        return 0
     except RankLost:
         clean = False
         raise
@@ -326,6 +329,25 @@ def _prune_follower(args, world) -> int:
     return 0
 
 
+class _Finished(UserError):
+    """A bare --resume of a finished run (one process): nothing to do, said in one line, exit 0."""
+
+
+def _check_unfinished(out: Path) -> None:
+    """A bare --resume (no --steps, no --export-gguf) of a run that finished, results.json and model/ written, has
+    nothing to do: raise _Finished saying so, rather than evaluate and export model/ again."""
+    from .rundir import MODEL_DIR, RESULTS_FILE
+
+    try:
+        results = json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(results, dict) and results.get("status") == "done" and (out / MODEL_DIR).is_dir():
+        raise _Finished(f"the run in {out} is finished ({RESULTS_FILE}: {results.get('steps')} steps, model/ "
+                        "exported); nothing to resume: --resume --steps N continues it to N steps, --overwrite "
+                        "starts it again")
+
+
 def _prune_writer(args, world) -> int:
     import contextlib
 
@@ -361,6 +383,8 @@ def _prune_writer(args, world) -> int:
             run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr), started=IMPORTED, world=world)
             if args.resume and (out / CHECKPOINT_FILE).exists():
                 run.load_checkpoint()  # an edited config.json or a --steps below the checkpoint fail here
+                if world.size == 1 and not getattr(args, "steps_given", True) and not args.export_gguf:
+                    _check_unfinished(out)  # (a bare --resume of a finished run: nothing to do)
             if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
                 from .exporters.gguf import check_exportable
 
@@ -414,7 +438,12 @@ class _Interrupted(Exception):
 
 def cmd_export(args) -> int:
     from .exporters import export_run
+    from .rundir import MODEL_DIR, enclosing_run
 
+    found = enclosing_run(Path(args.out)) if args.out else None
+    if found is not None and found[1] not in ("", MODEL_DIR):  # a run's own file (RUN/model/...: export_run refuses)
+        raise UserError(f"--out {args.out}: {found[1]} belongs to the run around it (its --overwrite and --resume "
+                        "replace it); choose another name, or a folder outside the run")
     info = export_run(args.run, args.format, args.out, args.outtype)
     print(f"wrote {info['path']}")
     return 0
@@ -512,7 +541,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     explicitly still override them. args.default_preset names the default preset a prune run started from."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults, chosen = {}, None
+    defaults, chosen, steps_given = {}, None, True
     if getattr(args, "preset", None):
         defaults.update(_as_flag_defaults(PRESETS[args.preset], args.method))
     if getattr(args, "config", None):
@@ -526,10 +555,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         saved = Path(args.out) / "config.json"
         if saved.is_file():
             defaults.update(_config_defaults(str(saved)))
+        steps_given = _given(argv, "steps")  # (a bare --resume of a finished run has nothing to do)
     if defaults:
         _prune_parser(parser).set_defaults(**defaults)
         args = parser.parse_args(argv)
-    args.default_preset = chosen
+    args.default_preset, args.steps_given = chosen, steps_given
     return args
 
 

@@ -19,6 +19,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
+import threading
+import time
+from array import array
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -100,6 +104,30 @@ def digest(*parts: Any) -> int:
                 h.update(digest(x).to_bytes(8, "little"))
         else:
             h.update(repr(p).encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def token_digest(value: Any) -> int:
+    """A 63-bit digest of token ids, fast for many documents: tensors, lists of ints (a tokenizer's input_ids), and
+    lists of either, nested."""
+    h = hashlib.blake2b(digest_size=8)
+
+    def add(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, (list, tuple)) and x and all(isinstance(i, int) for i in x):
+            h.update(f"ids{len(x)}".encode())
+            h.update(array("q", x).tobytes())
+        elif isinstance(x, (list, tuple)):
+            h.update(f"[{len(x)}".encode())
+            for y in x:
+                add(y)
+        else:
+            h.update(repr(x).encode())
+
+    add(value)
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -205,6 +233,24 @@ class World(Collectives):
                             f"{', '.join(map(str, odd))} differ{'' if len(odd) > 1 else 's'} from rank 0 (digests "
                             f"{', '.join(f'{d:016x}' for d in seen)}); the run stopped before writing it")
 
+    def check_data(self, data: dict[str, tuple[Any, str]]) -> None:
+        """Before the first forward: the ranks compare a digest of each named data they read (name -> (its token ids:
+        lists of ints or tensors, where it came from)). The settings agree already (agree, below), yet a rank may read
+        other files under the same settings (its own $PG_PRUNE_DATA_DIR, other files at the same path): refused in
+        one line naming the data, the ranks that differ and where each read it. One process: nothing to do."""
+        if self.size == 1:
+            return
+        mine = {name: (token_digest(value), source) for name, (value, source) in data.items()}
+        seen = self.gather_objects(mine, "the digests of the data they read")
+        for name in data:
+            digests = [s[name][0] for s in seen]
+            odd = [r for r, d in enumerate(digests) if d != digests[0]]
+            if odd:
+                r = odd[0]
+                same = " (the same path, other content)" if seen[0][name][1] == seen[r][name][1] else ""
+                raise UserError(f"the ranks read different {name}: rank 0 {seen[0][name][1]}, rank {r} "
+                                f"{seen[r][name][1]}{same}; stopped before the first forward: give every rank the same files")
+
     def agree(self, errors_and_values: tuple[str | None, Any], what: str) -> None:
         """Start-up: every rank hands in (its error or None, the digest of what it will run). The first error (by
         rank) ends every rank with that line; different digests end them as a mismatched world."""
@@ -272,6 +318,23 @@ class World(Collectives):
             dist.destroy_process_group()
 
 
+def end_with_parent(interval: float = 1.0) -> threading.Thread:
+    """A rank ends when the launcher that started it dies (a kill -9 of torchrun leaves no one to stop the ranks): a
+    daemon thread polls the parent's process id and, once the rank has been handed to another parent, sends this
+    process SIGTERM, which the CLI turns into an interrupt (rank 0 saves its last finished step; the other ranks'
+    collectives end as their peers go)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="pg-prune-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def join_world(device: str, env=os.environ) -> World:
     """World() outside torchrun; under it, this rank's World, its process group started (gloo, or NCCL for
     --device cuda) with the collectives' timeout. --device auto (one replica spread over every GPU of the machine)
@@ -280,6 +343,7 @@ def join_world(device: str, env=os.environ) -> World:
         return World()
     import torch.distributed as dist
 
+    end_with_parent()
     rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_size = int(env.get("LOCAL_WORLD_SIZE", size))
     on_gpus = device.startswith("cuda")

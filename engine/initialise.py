@@ -63,7 +63,7 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
         return Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
 
     def read(found: Path | None):
-        return world.from_writer(torch.load(found) if world.writes and found else None, f"the cached {name} metric")
+        return world.from_writer(torch.load(found, weights_only=True) if world.writes and found else None, f"the cached {name} metric")
 
     def write(dest: Path, value) -> None:
         if world.writes:

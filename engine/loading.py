@@ -177,6 +177,21 @@ def declared_config(source: ModelSource) -> dict | None:
     return values
 
 
+def check_no_remote_code(values: dict, name: str) -> None:
+    """A model whose config names code of its own (an auto_map, for a model_type transformers does not know) is
+    refused in one line: pg-prune never runs a model folder's code, and never lets transformers ask whether to
+    ("Do you wish to run the custom code? [y/N]"). Every from_pretrained here passes trust_remote_code=False too."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from . import register_pruned_classes
+
+    register_pruned_classes()  # (a pruned export's auto_map names code pg-prune itself holds)
+    kind = values.get("model_type")
+    if values.get("auto_map") and not (isinstance(kind, str) and kind in CONFIG_MAPPING):
+        raise UserError(f"model {name} needs its own Python code (model_type {kind!r}, with an auto_map); pg-prune "
+                        "never runs a model folder's code: use a model of a type transformers knows")
+
+
 def check_positions(config, lengths: dict[str, int]) -> None:
     """Refuse token counts beyond the model's positions (max_position_embeddings of a loaded config, or of
     declared_config's dict; none known: nothing to check), naming the first: lengths maps what the user set
@@ -195,6 +210,7 @@ def check_before_load(source: ModelSource, lengths: dict[str, int] | None = None
     (see check_positions) against its positions. A hub model is checked once loaded (load_model)."""
     declared = declared_config(source)
     if declared is not None:
+        check_no_remote_code(declared, source.name)
         check_model_config(declared, source.name)
         check_positions(declared, lengths or {})
 
@@ -203,7 +219,7 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load the tokenizer of {source.name}: {str(e).splitlines()[0]}") from e
     if tok.pad_token is None:
@@ -263,7 +279,8 @@ def _load_copy(copy: Path, kwargs: dict):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        return AutoModelForCausalLM.from_pretrained(str(copy), **kwargs), AutoTokenizer.from_pretrained(str(copy))
+        return (AutoModelForCausalLM.from_pretrained(str(copy), trust_remote_code=False, **kwargs),
+                AutoTokenizer.from_pretrained(str(copy), trust_remote_code=False))
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError):
         model_cache.drop(copy)
         return None, None
@@ -275,7 +292,8 @@ def _from_pretrained(source: ModelSource, kwargs: dict):
 
     try:
         with _quiet_gguf(source.gguf_file is not None):
-            return AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+            return AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False,
+                                                        **kwargs)
     except (OSError, ValueError, SafetensorError) as e:  # missing/unreadable/truncated files
         raise UserError(f"could not load model {source.name}: {_first_line(e)}") from e
     except (StrictDataclassError, ZeroDivisionError) as e:  # transformers' own config validation

@@ -13,6 +13,7 @@ lock (kill -9, power loss) never blocks anyone; the file's text only names the h
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -189,9 +190,12 @@ def folder_lock(out: Path, exclusive: bool = True, what: str = "write"):
             yield
         return
     path = Path(out) / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # O_NOFOLLOW: a lock file that is a link (to a user's file) is never truncated and written through
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link; a folder's lock file is never one (it is not followed): "
+                            "remove the link, then try again") from None
         if exclusive:
             raise UserError(f"cannot lock {out} to {what} it: {e.strerror or e}") from None
         fd = None  # a read-only folder: nobody can write it either

@@ -75,7 +75,7 @@ def model_skeleton(model: str) -> Skeleton:
     register_pruned_classes()
     kind = "gguf" if source.gguf_file else ("folder" if Path(source.path).is_dir() else "hub")
     try:
-        config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+        config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # noqa: BLE001  (a hub id offline, a config transformers refuses: one line)

@@ -13,6 +13,7 @@ engine/hooks that joins the run when its config asks for it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import threading
@@ -60,6 +61,17 @@ def _held(out: Path | None):
         yield
 
 
+def _no_follow(path: str, flags: int) -> int:
+    """open()'s opener for metrics.jsonl: never appends through a symbolic link (rundir.check_no_links names one)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link; a run never writes through one: replace it with the file "
+                            "itself, or remove it") from None
+        raise
+
+
 def _run_data(tokenizer, config: PruneConfig, calib: list[str] | None = None):
     """(calibration sampler, init sampler, held-out validation batches, evaluation windows, where the data came
     from {"calib_data", "eval_data"}). With validation on, every 10th calibration document is held out from the
@@ -105,6 +117,9 @@ class PruneRun:
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
         self.budget.fixed_layers = c.fixed_layers
         self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources = _run_data(tokenizer, c, calib)
+        self.world.check_data({  # (torchrun: every rank read the same token ids, before the steps' first forward)
+            "calibration data": ([self.sampler.docs, self.init_sampler.docs, self.val_batches], self.sources["calib_data"]),
+            "evaluation data": (self.windows, self.sources["eval_data"])})
         self.mask_rng = torch.Generator().manual_seed(c.seed + 1)
         self.sample_losses = self.world.share_executor(EXECUTORS[resolve_executor(c.sample_forward, c.device)])
         self.ctx = StepContext(model, self.adapter, self.layout, self.sample_losses, self.mask_rng, c.num_mask_samples, c.steps)
@@ -174,7 +189,7 @@ class PruneRun:
         for hook in self.hooks:
             hook.on_start(state)
         try:
-            with open(self.out / METRICS_FILE if self.out else os.devnull, "a") as metrics, self.phases("steps"), (  # (the loop: checkpoints too)
+            with open(self.out / METRICS_FILE if self.out else os.devnull, "a", opener=_no_follow) as metrics, self.phases("steps"), (  # (the loop: checkpoints too)
                     contextlib.closing(bar) if bar else contextlib.nullcontext()):
                 while self.method.optimises and state.step < self.ctx.steps:  # (--time-budget re-plans ctx.steps)
                     if stop is not None and stop.is_set():

@@ -10,6 +10,7 @@ own files); --overwrite removes only those files.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 from .config import PruneConfig
 from .errors import UserError
 from .io import atomic_write_text
-from .outdir import check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401  (the CLI's)
+from .outdir import LOCK_FILE, check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401  (the CLI's)
 from .runfiles import (CHECKPOINT_FILE, CONFIG_FILE, GGUF_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE,  # noqa: F401
                        RUN_FILES, RUN_FORMAT_VERSION, RUN_MARKER, INIT_PROGRESS_DIR)
 
@@ -85,8 +86,8 @@ def remove_run_files(out: Path) -> None:
     check_removable(out, (MODEL_DIR,))
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
-    shutil.rmtree(out / INIT_PROGRESS_DIR, ignore_errors=True)
+    for d in (MODEL_DIR, INIT_PROGRESS_DIR):  # (a link is removed, never what it points at)
+        (out / d).unlink() if (out / d).is_symlink() else shutil.rmtree(out / d, ignore_errors=True)
     remove_leftovers(out)
     (out / RUN_MARKER).unlink(missing_ok=True)
 
@@ -113,6 +114,43 @@ def trim_metrics(path: Path, step: int, last_line: str | None = None) -> list[di
     return [json.loads(ln) for ln in lines]
 
 
+# a run's own names in its folder: what it writes, and what --overwrite or --resume replaces
+_OWN_NAMES = (*RUN_FILES, MODEL_DIR, INIT_PROGRESS_DIR, RUN_MARKER, LOCK_FILE)
+
+
+def check_no_links(out: Path) -> None:
+    """A run's own files and folders in `out` are never symbolic links: a run writes them (metrics.jsonl appended
+    to, init_progress/ written into), so a link would send its writes into whatever it points at (a user's file
+    in a folder unpacked from elsewhere). Refused in one line, naming the link; nothing is followed."""
+    links = [n for n in _OWN_NAMES if (Path(out) / n).is_symlink()]
+    if links:
+        target = os.readlink(Path(out) / links[0])
+        raise UserError(f"{', '.join(links)} in {out}: {'a symbolic link' if len(links) == 1 else 'symbolic links'} "
+                        f"({links[0]} to {target}); a run never writes through a link: replace each with the file "
+                        "itself, or remove it")
+
+
+def enclosing_run(path: Path) -> tuple[Path, str] | None:
+    """(run folder, the name of its own file or folder that holds `path`) when `path` lies inside a run folder
+    (its ancestors' markers, symbolic links followed), else None. The name is "" for a path among the run's own
+    that it does not own (a user's file beside the run's)."""
+    real = Path(os.path.realpath(path))
+    for parent in real.parents:
+        if is_run_dir(parent, adopt=False):
+            top = real.relative_to(parent).parts[0]
+            return parent, (top if top in _OWN_NAMES else "")
+    return None
+
+
+def check_not_in_run(out: Path, flag: str = "--out") -> None:
+    """No run (nor other output) starts inside another run's folder: that run's --overwrite or --resume would
+    delete it, or mix it with the run's own files."""
+    found = enclosing_run(out)
+    if found is not None:
+        raise UserError(f"{flag} {out} lies inside the run folder {found[0]}, whose --overwrite or --resume could "
+                        "delete it; choose a folder outside it")
+
+
 def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) -> None:
     """Refuse to mix two runs in one folder, and refuse --resume/--overwrite on any folder that is not a
     run (see is_run_dir). With overwrite, remove the old run's files (unless clear=False: check only, so
@@ -120,6 +158,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
+    check_not_in_run(out)
     if not out.exists() or not entries(out):
         if resume:
             raise UserError(f"--resume: {out} holds no run (no {CONFIG_FILE}, no {RUN_MARKER} marker)")
@@ -134,6 +173,8 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) 
         if not holds_run:
             raise UserError(f"--resume refused: {out} holds no run (no {RUN_MARKER} marker and no run's "
                             f"{CONFIG_FILE}, {METRICS_FILE} and {CHECKPOINT_FILE})")
+        check_no_links(out)
+        check_removable(out, (MODEL_DIR,), "--resume")  # (a finished run re-exports model/: --overwrite's rule)
         if clear:
             remove_leftovers(out)
         return

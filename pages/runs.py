@@ -97,9 +97,10 @@ with t3:
 st.subheader("Export")
 if run.has_model:
     _ui.deploy_panel(run.path, key="runs-deploy")
-    dest = st.text_input("Copy the sliced model to a new folder", placeholder="/path/to/new/folder",
+    dest = st.text_input("Copy the sliced model to a new folder", placeholder=f"{_ui.runs_dir()}/exports/NAME",
                          help="A normal transformers folder: load it with AutoModelForCausalLM.from_pretrained(folder, "
-                              "trust_remote_code=True).")
+                              "trust_remote_code=True). It must lie in the runs folder or in a folder of "
+                              "$PG_PRUNE_APP_FOLDERS (set before starting the app).")
     if st.button("Export model"):
         try:
             out = export_run_model(run.path, dest.strip()) if dest.strip() else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,9 @@ DATA_DIR = REPO.parent / "shared" / "data"
 # tokenizing the full default data would only cost time.
 SMALL_CALIB = DATA_DIR / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz"
 WIKI_RAW = DATA_DIR / "wikitext-2-raw-v1" / "wiki.test.raw"
+# The app reads models from and writes exports to the runs folder and $PG_PRUNE_APP_FOLDERS only (engine/ui/paths.py):
+# the tests' models and temporary folders are such folders (tests/test_security.py narrows it).
+os.environ.setdefault("PG_PRUNE_APP_FOLDERS", os.pathsep.join([str(REPO.parent / "shared"), tempfile.gettempdir()]))
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -118,7 +118,7 @@ def load_sliced(run_dir: str | Path) -> ChatModel:
     if not (folder / "config.json").is_file():
         raise UserError(f"{Path(run_dir).name} has no sliced export (finish the run first)")
     register_pruned_classes()
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, trust_remote_code=False)
     model.eval().requires_grad_(False)
     tok = load_tokenizer(ModelSource(str(folder), str(folder)))
     return ChatModel(model, tok, f"pruned (sliced export): {Path(run_dir).name}", count_parameters(model),

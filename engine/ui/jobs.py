@@ -379,11 +379,13 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
 
 def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:
     """Copy a finished run's sliced model folder to dest (which must not exist yet), atomically: the hf
-    exporter's copy, the same as `python -m engine export RUN --format hf`."""
+    exporter's copy, the same as `python -m engine export RUN --format hf`. dest must lie in the runs folder or a
+    folder of $PG_PRUNE_APP_FOLDERS (engine/ui/paths.py): it is typed in the page."""
     from ..exporters import export_run
     from ..runfiles import MODEL_DIR
+    from .paths import app_path
 
-    dest = Path(dest).expanduser()
+    dest = app_path(dest, "the export folder")
     if not (Path(run_dir) / MODEL_DIR).is_dir():
         raise UserError(f"{Path(run_dir).name} has no exported model yet (finish the run first)")
     if dest.exists():

@@ -69,6 +69,9 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
         path = str(values.get("model_path") or "").strip()
         if not path:
             raise UserError("give the path of a local model folder or .gguf file")
+        from .paths import app_path
+
+        app_path(path, "the model path")  # (typed in the page: the runs folder or $PG_PRUNE_APP_FOLDERS only)
         data["model"] = path
     data["units"] = list(values.get("units", data.get("units", PruneConfig().units)))
     data["prune_ratio"] = float(data.get("prune_ratio", PruneConfig.prune_ratio))

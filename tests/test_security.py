@@ -1,0 +1,349 @@
+"""Security and writes (issue 48): the app listens on this machine only and keeps typed paths in its folders; no
+checkpoint.pt or model folder runs code; nothing is written through a symbolic link in a run folder, nor deleted by a
+resume or an overwrite; torchrun's ranks agree on the data they read. Each test failed before that change."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cli import main
+from engine.config import PruneConfig
+from engine.errors import UserError
+from engine.pruner import PruneRun
+
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+def one_error(capfd, *needles: str) -> str:
+    err = capfd.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("error:")]
+    assert len(errors) == 1 and not any("Traceback" in ln for ln in err), err
+    for n in needles:
+        assert n in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("security-data") / "wiki.small.txt"
+    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    return path
+
+
+def tiny_config(eval_file: Path, **kw) -> PruneConfig:
+    base = dict(model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
+                init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),
+                checkpoint_every=1)
+    return PruneConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def stopped_run(tiny, eval_file, tmp_path) -> Path:
+    """A 3-step run of the tiny model stopped after its first step (checkpoint and metrics line of step 1)."""
+    import threading
+
+    out, stop = tmp_path / "run", threading.Event()
+    result = PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        observer=lambda report: stop.set(), stop=stop, progress=False)
+    assert result["status"] == "stopped" and (out / "checkpoint.pt").is_file()
+    return out
+
+
+@pytest.fixture
+def finished_run(tiny, eval_file, tmp_path) -> Path:
+    out = tmp_path / "done"
+    PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    return out
+
+
+# --- (a) the app listens on this machine only -------------------------------------------------------------------
+def _listening(port: int) -> list[str]:
+    """The local addresses listening on `port` (/proc/net/tcp and tcp6: state 0A), as hex as the kernel writes them."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            local, state = ln.split()[1], ln.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1, in /proc/net's byte order
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux's /proc/net/tcp")
+def test_the_app_listens_on_127_0_0_1_only(tmp_path):
+    """`streamlit run app.py` with the repository's .streamlit/config.toml: reachable on 127.0.0.1, and listening on
+    no other address (before: *:8501, every interface)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+                             "--server.headless", "true"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=clean_env(PG_PRUNE_RUNS_DIR=str(tmp_path / "runs")), text=True)
+    try:
+        deadline, connected = time.monotonic() + 60, False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                connected = True
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert connected, "the app never answered on 127.0.0.1"
+        addresses = _listening(port)
+        assert addresses and set(addresses) <= LOOPBACK, addresses
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert "Network URL" not in out, out
+
+
+def test_app_paths_stay_in_the_runs_folder_or_the_configured_ones(tmp_path, monkeypatch, finished_run):
+    """The Runs page's "Copy the sliced model to a new folder" (export_run_model) and the model field (form_config)
+    refuse a path outside the runs folder and $PG_PRUNE_APP_FOLDERS, in one line; inside them they work."""
+    from engine.ui import settings as S
+    from engine.ui.jobs import export_run_model
+
+    runs, allowed, outside = tmp_path / "runs", tmp_path / "allowed", tmp_path / "elsewhere"
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
+    monkeypatch.setenv("PG_PRUNE_APP_FOLDERS", str(allowed))
+    with pytest.raises(UserError, match="outside the folders this app may use") as e:
+        export_run_model(finished_run, outside / "copy")
+    assert "\n" not in str(e.value) and not outside.exists()
+    (outside / "sub").mkdir(parents=True)
+    (allowed / "link").parent.mkdir()
+    (allowed / "link").symlink_to(outside / "sub")  # a link out of an allowed folder leads outside it
+    with pytest.raises(UserError, match="outside"):
+        export_run_model(finished_run, allowed / "link" / "copy")
+    with pytest.raises(UserError, match="outside"):
+        export_run_model(finished_run, runs / ".." / "elsewhere" / "copy2")
+    assert not (outside / "sub" / "copy").exists() and not (outside / "copy2").exists()
+    assert (export_run_model(finished_run, allowed / "copy") / "config.json").is_file()
+    runs.mkdir()
+    assert (export_run_model(finished_run, runs / "copy") / "config.json").is_file()
+    values = {**S.default_values(), "model_choice": "local"}
+    with pytest.raises(UserError, match="the model path .* is outside"):
+        S.form_config({**values, "model_path": str(TINY_MODEL)})
+    monkeypatch.setenv("PG_PRUNE_APP_FOLDERS", os.pathsep.join([str(allowed), str(TINY_MODEL.parent)]))
+    assert S.form_config({**values, "model_path": str(TINY_MODEL)}).model == str(TINY_MODEL)
+
+
+# --- (b) no checkpoint.pt runs code ----------------------------------------------------------------------------
+class _CreatesAFile:
+    """Unpickling this calls open(path, "w"): a stand-in for any code a crafted checkpoint.pt would run."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _craft_checkpoint(run: Path, target: Path) -> None:
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    state["method_state"] = {"control_moments": _CreatesAFile(target)}
+    torch.save(state, run / "checkpoint.pt")
+
+
+def test_a_crafted_checkpoint_runs_nothing_on_resume_from_the_cli(stopped_run, tmp_path, capfd):
+    target = tmp_path / "created-by-the-checkpoint"
+    _craft_checkpoint(stopped_run, target)
+    capfd.readouterr()
+    assert main(["prune", "--out", str(stopped_run), "--resume"]) == 2
+    one_error(capfd, "refusing checkpoint", "io.open")
+    assert not target.exists()
+
+
+def test_a_crafted_checkpoint_runs_nothing_on_the_apps_resume(stopped_run, tmp_path, monkeypatch):
+    """The app's "Resume this run": JobManager.start(None, RUN, resume=True), as pages/prune.py calls it."""
+    from engine.ui.jobs import FAILED, JobManager
+
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(stopped_run.parent))
+    target = tmp_path / "created-by-the-checkpoint"
+    _craft_checkpoint(stopped_run, target)
+    jobs = JobManager()
+    jobs.start(None, stopped_run, resume=True)
+    snap = jobs.wait(timeout=300)
+    assert snap.status == FAILED and "refusing checkpoint" in snap.error and "\n" not in snap.error, snap.error
+    assert not target.exists()
+
+
+def test_checkpoints_written_today_load_through_the_safe_path(stopped_run, capfd):
+    """The weights-only reader takes every checkpoint a run writes (and an older one is the same format)."""
+    from engine.checkpoints import read_checkpoint
+
+    assert read_checkpoint(stopped_run / "checkpoint.pt")["step"] == 1
+    assert main(["prune", "--out", str(stopped_run), "--resume"]) == 0
+    assert json.loads((stopped_run / "results.json").read_text())["steps"] == 3
+
+
+def test_a_model_folder_that_needs_its_own_code_is_refused_without_a_prompt(tmp_path):
+    """An unknown model_type with an auto_map: `eval` says so in one line, with a terminal-like stdin attached (a pipe
+    that would answer "y"), and runs nothing (transformers would ask "Do you wish to run the custom code? [y/N]")."""
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    for f in TINY_MODEL.iterdir():
+        if f.name != "config.json" and f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    config.update(model_type="pg-prune-test-custom", auto_map={"AutoConfig": "custom.Config",
+                                                               "AutoModelForCausalLM": "custom.Model"})
+    (folder / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "the-folder's-code-ran"
+    (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    r = subprocess.run([sys.executable, "-m", "engine", "eval", "--model", str(folder), "--eval-data", str(WIKI_RAW),
+                        "--max-windows", "1", "--eval-seqlen", "32"], cwd=REPO, env=clean_env(), input="y\ny\n",
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr[-2000:]
+    assert "its own Python code" in lines[0] and "[y/N]" not in r.stdout + r.stderr and not marker.exists()
+
+
+# --- (c) no write through a symbolic link, no deletion on resume -----------------------------------------------
+@pytest.mark.parametrize("links", [(".pg-prune.lock",), (".pg-prune.lock", "metrics.jsonl"), ("metrics.jsonl",),
+                                   ("init_progress",)])
+def test_resume_writes_nothing_through_symlinks(stopped_run, tmp_path, capfd, links):
+    """A run folder unpacked from elsewhere whose lock, metrics.jsonl (or init_progress/) is a link to a user's file
+    (or folder): --resume refuses in one line naming the link, and the user's files are byte for byte as they were."""
+    user = tmp_path / "user"
+    user.mkdir()
+    before = {}
+    for name in links:
+        target = user / f"notes-{name.strip('.')}"
+        if name == "init_progress":
+            target.mkdir()
+            (target / "keep.txt").write_text("mine\n")
+        else:
+            target.write_bytes(b"the user's own file\n" * 3)
+        (stopped_run / name).unlink(missing_ok=True)
+        (stopped_run / name).symlink_to(target)
+    before = {str(p): p.read_bytes() for p in user.rglob("*") if p.is_file()}
+    capfd.readouterr()
+    assert main(["prune", "--out", str(stopped_run), "--resume"]) == 2
+    one_error(capfd, "symbolic link", links[0])
+    assert {str(p): p.read_bytes() for p in user.rglob("*") if p.is_file()} == before
+    assert all((stopped_run / name).is_symlink() for name in links)  # (not followed, not removed)
+
+
+def test_the_lock_is_never_written_through_a_link(tmp_path):
+    from engine.outdir import LOCK_FILE, folder_lock
+
+    user = tmp_path / "user.txt"
+    user.write_text("mine\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / LOCK_FILE).symlink_to(user)
+    for exclusive in (True, False):
+        with pytest.raises(UserError, match="symbolic link"):
+            with folder_lock(tmp_path / "out", exclusive=exclusive):
+                pass
+    assert user.read_text() == "mine\n"
+
+
+def test_resume_keeps_the_users_files_in_model(finished_run, capfd):
+    """--resume --steps N of a finished run re-exports model/: a model/ holding the user's notes and a sub-folder is
+    refused as --overwrite refuses it, and nothing is deleted."""
+    (finished_run / "model" / "notes.txt").write_text("mine\n")
+    (finished_run / "model" / "sub").mkdir()
+    (finished_run / "model" / "sub" / "x.bin").write_bytes(b"1")
+    capfd.readouterr()
+    assert main(["prune", "--out", str(finished_run), "--resume", "--steps", "4"]) == 2
+    one_error(capfd, "--resume refused", "notes.txt")
+    assert (finished_run / "model" / "notes.txt").read_text() == "mine\n" and (finished_run / "model" / "sub" / "x.bin").is_file()
+
+
+def test_no_run_starts_inside_another_runs_folder(finished_run, eval_file, capfd, tiny_path):
+    inner = finished_run / "model" / "inner"
+    flags = ["--model", str(tiny_path), "--steps", "1", "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32",
+             "--max-windows", "2", "--init-batches", "1", "--calib", str(SMALL_CALIB), "--eval-data", str(eval_file)]
+    capfd.readouterr()
+    assert main(["prune", *flags, "--out", str(inner)]) == 2
+    one_error(capfd, "inside the run folder", str(finished_run))
+    assert not inner.exists()
+    assert main(["prune", *flags, "--out", str(finished_run / "nested")]) == 2
+    one_error(capfd, "inside the run folder")
+
+
+def test_an_export_into_a_runs_own_names_is_refused(finished_run, tmp_path, capfd):
+    """`export RUN --format gguf --out RUN/model.gguf` would be deleted by a later `prune --out RUN --overwrite`: it is
+    refused; an export beside the run under another name survives the overwrite."""
+    capfd.readouterr()
+    assert main(["export", str(finished_run), "--format", "gguf", "--out", str(finished_run / "model.gguf")]) == 2
+    one_error(capfd, "model.gguf belongs to the run around it")
+    assert not (finished_run / "model.gguf").exists()
+    assert main(["export", str(finished_run), "--format", "hf", "--out", str(finished_run / "model" / "copy")]) == 2
+    one_error(capfd, "the run's own model folder")
+    mine = finished_run / "mine"
+    assert main(["export", str(finished_run), "--format", "hf", "--out", str(mine)]) == 0
+    config = json.loads((finished_run / "config.json").read_text())
+    argv = ["prune", "--out", str(finished_run), "--overwrite", "--model", config["model"], "--steps", "1",
+            "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32", "--max-windows", "2", "--init-batches", "1",
+            "--calib", config["calib"], "--eval-data", config["eval_data"]]
+    assert main(argv) == 0
+    assert (mine / "config.json").is_file()
+
+
+def test_a_bare_resume_of_a_finished_run_says_it_is_finished(finished_run, capfd):
+    model = {p.name: p.stat().st_mtime_ns for p in (finished_run / "model").iterdir()}
+    results = (finished_run / "results.json").read_bytes()
+    capfd.readouterr()
+    assert main(["prune", "--out", str(finished_run), "--resume"]) == 0
+    err = capfd.readouterr().err.strip().splitlines()
+    finished = [ln for ln in err if "is finished" in ln]
+    assert len(finished) == 1 and "--steps" in finished[0] and not any("exporting" in ln for ln in err), err
+    assert {p.name: p.stat().st_mtime_ns for p in (finished_run / "model").iterdir()} == model
+    assert (finished_run / "results.json").read_bytes() == results
+
+
+# --- (d) torchrun: the ranks read the same data ----------------------------------------------------------------
+def _data_dir(root: Path, docs: list[str]) -> Path:
+    (root / "c4").mkdir(parents=True)
+    (root / "c4" / "calib.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return root
+
+
+def test_ranks_that_read_different_calibration_data_are_refused(eval_file, tmp_path):
+    """Two gloo ranks with the same command but each its own $PG_PRUNE_DATA_DIR (no --calib): refused before the first
+    step, naming the calibration data and where each rank read it (before: the run went to the end silently)."""
+    import gzip
+
+    with gzip.open(SMALL_CALIB, "rt", encoding="utf-8") as fh:
+        docs = [json.loads(ln)["text"] for ln in fh if ln.strip()][:60]
+    dirs = [_data_dir(tmp_path / "data0", docs), _data_dir(tmp_path / "data1", docs[::-1][:50])]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    argv = ["--model", str(TINY_MODEL), "--steps", "2", "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32",
+            "--max-windows", "2", "--init-batches", "1", "--eval-data", str(eval_file), "--out", str(out)]
+    ranks = [subprocess.Popen([sys.executable, "-m", "engine", "prune", *argv], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=clean_env(OMP_NUM_THREADS="1", PG_PRUNE_DIST_TIMEOUT="60", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r),
+                                            LOCAL_WORLD_SIZE="2", PG_PRUNE_DATA_DIR=str(d)))
+             for r, d in enumerate(dirs)]
+    results = [p.communicate(timeout=300) for p in ranks]
+    for p, (_, err) in zip(ranks, results):
+        errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+        assert "different calibration data" in errors[0] and str(dirs[0]) in errors[0] and str(dirs[1]) in errors[0]
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
+    assert not (out / "checkpoint.pt").exists()
