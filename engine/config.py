@@ -264,7 +264,6 @@ class PruneConfig:
     calib: str | None = setting(None, label="Calibration data",
                                 help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 "
                                      "or ../shared/data/c4, else the hub)")
-    eval_data: str | None = setting(None, label="Evaluation data",
     calib_source: str = setting("data", choices=lambda: tuple(CALIB_SOURCES), label="Calibration source", help=(
         "the text masks are scored on: data (the calibration documents), self (the dense model's own "
         "continuations of their first tokens, sampled once and cached), mix (both, interleaved)"))
@@ -279,6 +278,7 @@ class PruneConfig:
         "what a sampled mask is scored by, in the steps, the joint mix and best-val's held-out check: ce (the "
         "next-token cross-entropy of the calibration text) or kl (the KL divergence from the dense model's "
         "next-token distribution)"))
+    eval_data: str | None = setting(None, label="Evaluation data",
                                     help="WikiText-2 raw test: a .parquet/.raw/.txt file or a folder (default: "
                                          "$PG_PRUNE_DATA_DIR or ../shared/data, else the hub)")
     eval_seqlen: int = setting(128, label="Evaluation window length", help="tokens per evaluation window")
