@@ -40,7 +40,7 @@ def main() -> None:
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
     run.progress = False
     state = run.fresh_state()
-    gumbel = METHODS["gumbel"](run, method_options("gumbel", {}))  # the same run, the other method's estimate
+    gumbel = METHODS["gumbel"](run.ctx, method_options("gumbel", {}))  # the same run, the other method's estimate
     pg = {u: [] for u in state.scores}
     gs = {u: [] for u in state.scores}
     for _ in range(args.batches):

@@ -23,6 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+if len(sys.argv) < 4 or sys.argv[1] in ("-h", "--help"):  # (a prototype: its arguments by position, no argparse)
+    print(f"usage: {Path(__file__).name} CELL BATCHES PASSES [MIX]\n\n{__doc__.strip()}",
+          file=sys.stdout if sys.argv[1:2] in (["-h"], ["--help"]) else sys.stderr)
+    sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
+
 import torch
 from engine.config import PruneConfig
 from engine.export import load_mask_artifact, kept_indices

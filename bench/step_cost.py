@@ -91,11 +91,24 @@ def setup(args):
                          num_mask_samples=args.num_mask_samples, baseline="moving-average", max_windows=1,
                          prune_ratio=args.prune_ratio, dtype=args.dtype, device=args.device)
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
-    gumbel = PruneRun(replace(config, method="gumbel"), tempfile.mkdtemp(), model=run.model, tokenizer=run.tokenizer,
+    gumbel = PruneRun(replace(config, method="gumbel", method_options={}), tempfile.mkdtemp(), model=run.model,
+                      tokenizer=run.tokenizer,
                       log=lambda m: None)
     run.progress = gumbel.progress = False
     state = run.fresh_state()
     return run, gumbel, state
+
+
+# the parent's own arguments, never passed on to a worker (a worker gets the plain copy, not the model)
+PARENT_ONLY = ("worker", "plain_copy", "out", "gumbel", "random_config", "model", "ranks")
+
+
+def worker_flags(args) -> list[str]:
+    """The parent's settings as a worker's flags: --NAME=VALUE for each one set (a list comma-joined), the
+    parent's own (PARENT_ONLY) and those left unset (None: the worker's default is the same) left out, so that a
+    worker never parses "None" (--ranks=None killed every worker of a plain run)."""
+    return [f"--{key.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
+            for key, v in vars(args).items() if key not in PARENT_ONLY and v is not None]
 
 
 def rank_worker(args) -> dict | None:
@@ -133,9 +146,7 @@ def rank_table(args, copy_dir: Path) -> list[str]:
     out = {}
     for k in args.ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={k}", __file__,
-               "--worker", "ranks", "--plain-copy", str(copy_dir)] + [
-            f"--{key.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}" for key, v in vars(args).items()
-            if key not in ("worker", "plain_copy", "out", "gumbel", "random_config", "model", "ranks")]
+               "--worker", "ranks", "--plain-copy", str(copy_dir)] + worker_flags(args)
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if res.returncode != 0:
@@ -202,7 +213,7 @@ def worker(args) -> dict:
     return {"peak_mb": peak_mb(args.device)}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
@@ -223,7 +234,11 @@ def main() -> None:
     p.add_argument("--threads-per-rank", type=positive(int), default=1, help="torch threads of each rank (with --ranks)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--plain-copy", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     load_before = os.getloadavg()
     if args.worker == "ranks":
         result = rank_worker(args)
@@ -279,10 +294,8 @@ def main() -> None:
     workers = ["time", "mem-dense", *(f"mem-pg-{e}" for e in args.executors), *(["mem-gumbel"] if args.gumbel else [])]
     out = {}
     for w in workers:
-        cmd = [sys.executable, __file__, "--worker", w, "--plain-copy", str(copy_dir)] + [
-            f"--{k.replace('_', '-')}={','.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
-            if k not in ("worker", "plain_copy", "out", "gumbel", "random_config", "model")
-        ] + ([] if args.gumbel else ["--no-gumbel"])
+        cmd = [sys.executable, __file__, "--worker", w, "--plain-copy", str(copy_dir)] + worker_flags(args) + (
+            [] if args.gumbel else ["--no-gumbel"])
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if res.returncode != 0:
             sys.exit(f"worker {w} failed:\n{res.stderr[-2000:]}")

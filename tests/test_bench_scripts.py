@@ -1,0 +1,123 @@
+"""Every bench script still runs (issue 51: `python bench/step_cost.py` without --ranks had been passing --ranks=None
+to its workers, which died, and nothing noticed). Each script's --help prints its usage; the scripts that take a
+model run their plain invocation on the tiny model (one subprocess each, all started at once); those that tabulate
+run folders or list their cells do so on an empty folder. The default-model runs themselves are not repeated."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
+
+BENCH = REPO / "bench"
+
+
+def is_script(path: Path) -> bool:
+    """A bench file one runs (a __main__ block, or a script that reads its arguments at the top level); the
+    others (cli_common.py, widths_after_layers.py) are modules the scripts import."""
+    text = path.read_text(encoding="utf-8")
+    return '__name__ == "__main__"' in text or "\nif len(sys.argv)" in text or "\ncell = Path(sys.argv" in text
+
+
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if is_script(p))
+TINY = str(TINY_MODEL)
+# the plain invocation of each script that takes a model, on the tiny model (small batches: the run, not a measure)
+PLAIN_RUNS = {
+    # the regression: no --ranks (the workers got --ranks=None); one executor, no Gumbel: three workers, not six
+    "step_cost.py": (["--model", TINY, "--repeats", "1", "--batch-size", "2", "--seqlen", "32", "--executors", "sliced",
+                      "--no-gumbel"], ["| sliced |", "(floor: N_s forwards"]),
+    "layer_metrics.py": (["--model", TINY, "--batch-size", "2", "--seqlen", "32"], ["largest loss difference"]),
+    "gumbel_lr.py": (["--model", TINY, "--batches", "1"], ["Gumbel lr matching PG"]),  # (it had rotted: the gumbel
+    # method was made from the run, not its step context)
+    "plain_copy.py": (["{tmp}/copy", "--model", TINY], ["plain copy in"]),
+}
+
+
+def test_the_script_list_is_complete():
+    """Every runnable bench script is covered by the --help test below (a new one joins by being a script)."""
+    assert {"step_cost.py", "compare_table.py", "refit_pruned_inputs.py", "layer_metrics.py"} <= set(SCRIPTS)
+    assert "cli_common.py" not in SCRIPTS and set(PLAIN_RUNS) <= set(SCRIPTS)
+
+
+def run_in_process(name: str, argv: list[str], monkeypatch) -> int:
+    """`python bench/NAME ARGV` in this process (the engine imported once for all of them): its exit status."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setattr(sys, "argv", [str(BENCH / name), *argv])
+    try:
+        runpy.run_path(str(BENCH / name), run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_bench_script_prints_its_usage(name, monkeypatch, capsys):
+    assert run_in_process(name, ["--help"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and name in out.splitlines()[0], out[:300]
+
+
+@pytest.mark.parametrize("name", ["compare_table.py", "paper_tables.py", "cpu_curve.py"])
+def test_the_table_benches_list_their_cells(name, monkeypatch, capsys, tmp_path):
+    """--list reads the cell definitions (each a run's settings) without running one: every cell to run."""
+    assert run_in_process(name, ["--list", "--out", str(tmp_path)], monkeypatch) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 3 and all(("todo" in ln or "to run" in ln) and "done" not in ln for ln in lines), lines[:5]
+
+
+@pytest.mark.parametrize("name", [n for n in SCRIPTS if '"--runs"' in (BENCH / n).read_text(encoding="utf-8")])
+def test_the_run_folder_tables_say_what_is_missing(name, monkeypatch, capsys, tmp_path):
+    assert run_in_process(name, ["--runs", str(tmp_path)], monkeypatch) == 0
+    assert "n/a" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory):
+    """Every PLAIN_RUNS invocation started at once, each in its own process (as a user runs it), one thread each."""
+    tmp = tmp_path_factory.mktemp("bench")
+    data = tmp / "data"  # (the default data folder's layout, small: tokenizing the full files would be most of a run)
+    (data / "c4").mkdir(parents=True)
+    (data / "c4" / SMALL_CALIB.name).symlink_to(SMALL_CALIB)
+    (data / "wikitext-2-raw-v1").mkdir()
+    (data / "wikitext-2-raw-v1" / "wiki.test.raw").write_text(WIKI_RAW.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    env = clean_env(OMP_NUM_THREADS="1", PG_PRUNE_CACHE=str(tmp / "cache"), PG_PRUNE_DATA_DIR=str(data))
+    procs = {}
+    for name, (argv, _) in PLAIN_RUNS.items():
+        procs[name] = subprocess.Popen([sys.executable, str(BENCH / name), *(a.replace("{tmp}", str(tmp)) for a in argv)],
+                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield procs
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+@pytest.mark.parametrize("name", list(PLAIN_RUNS))
+def test_each_bench_runs_its_plain_invocation_on_the_tiny_model(name, plain_runs):
+    out, err = plain_runs[name].communicate(timeout=600)
+    assert plain_runs[name].returncode == 0, err[-3000:]
+    for expected in PLAIN_RUNS[name][1]:
+        assert expected in out, out
+
+
+def test_step_cost_passes_its_settings_to_its_workers_as_they_parse_them(monkeypatch):
+    """The flags a worker gets parse back to the parent's settings, and an unset one (None) is never passed."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import step_cost
+
+    parser = step_cost.build_parser()
+    for argv in ([], ["--ranks", "1,2", "--executors", "sliced,batched", "--threads-per-rank", "2"],
+                 ["--random-config", "1b", "--no-gumbel", "--device", "auto"]):
+        parent = parser.parse_args(argv)
+        flags = step_cost.worker_flags(parent)
+        assert not any(f.endswith("=None") for f in flags), flags
+        worker = parser.parse_args(["--worker", "time", *flags])
+        for key, value in vars(parent).items():
+            if key not in step_cost.PARENT_ONLY:
+                assert getattr(worker, key) == value, key
