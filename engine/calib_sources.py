@@ -70,19 +70,25 @@ def prompts(tokenizer, texts: list[str], n: int, seed: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_documents(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int, temperature: float, seed: int,
-                     log=print) -> list[str]:
+                     log=print, done: list[str] = (), keep: Callable[[list[str]], None] | None = None) -> list[str]:
     """The model's continuations of each prompt (ancestral sampling at `temperature`, no top-k or top-p), decoded
-    with their prompts; seeded, so the same model and settings give the same documents."""
-    docs, device = [], model_device(model)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for i in range(0, prompt_ids.shape[0], GENERATE_BATCH):
-            batch = prompt_ids[i:i + GENERATE_BATCH].to(device)
+    with their prompts. Sampled GENERATE_BATCH prompts at a time, each batch from its own seed, so that the same
+    model and settings give the same documents, and a generation stopped after some batches (`done`, the documents
+    of the batches finished) goes on with the next batch; `keep(docs)` is told of each finished batch."""
+    docs, device = list(done), model_device(model)
+    first = len(docs) - len(docs) % GENERATE_BATCH
+    docs = docs[:first]
+    for i in range(first, prompt_ids.shape[0], GENERATE_BATCH):
+        batch = prompt_ids[i:i + GENERATE_BATCH].to(device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 100_003 + i)
             out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=True,
                                  temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, pad_token_id=tokenizer.eos_token_id or 0)
-            docs += tokenizer.batch_decode(out.cpu(), skip_special_tokens=True)
-            log(f"self-generated calibration: {len(docs)}/{prompt_ids.shape[0]} documents")
+        docs += tokenizer.batch_decode(out.cpu(), skip_special_tokens=True)
+        if keep is not None:
+            keep(docs)
+        log(f"self-generated calibration: {len(docs)}/{prompt_ids.shape[0]} documents")
     return docs
 
 
@@ -106,25 +112,45 @@ def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
             f"(seed {config.seed})")
     path = cache_dir() / f"{self_key(fingerprint, config, texts_digest(texts))}.jsonl.gz" if fingerprint else None
     if path is not None and path.is_file():
-        try:
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                docs = [json.loads(line)["text"] for line in f if line.strip()]
-            if len(docs) == config.self_docs:
-                log(f"self-generated calibration: {len(docs)} documents from the cache ({path})")
-                return docs, what
-        except (OSError, EOFError, ValueError, KeyError):
-            pass  # (a damaged cache file is generated again)
+        docs = read_documents(path)
+        if len(docs) == config.self_docs:
+            log(f"self-generated calibration: {len(docs)} documents from the cache ({path})")
+            return docs, what
+    partial = path.with_name(path.name.replace(".jsonl.gz", ".partial.jsonl.gz")) if path is not None else None
+    done = read_documents(partial) if partial is not None and partial.is_file() else []
+    if done:
+        log(f"self-generated calibration: {len(done)} documents from an interrupted generation, going on")
+
+    def keep(docs, to=partial):
+        if to is not None:
+            write_documents(to, docs, log)
+
     docs = sample_documents(model, tokenizer, prompts(tokenizer, texts, config.self_docs, config.seed),
-                            config.self_tokens, config.self_temperature, config.seed, log)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            body = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
-            with atomic_file(path) as tmp:
-                Path(tmp).write_bytes(gzip.compress(body, mtime=0))
-        except OSError as e:  # (a cache that cannot be written costs the next run the generation, nothing else)
-            log(f"self-generated calibration: not cached ({e.strerror or e})")
+                            config.self_tokens, config.self_temperature, config.seed, log, done, keep)
+    if path is not None and write_documents(path, docs, log) and partial.is_file():
+        partial.unlink()
     return docs, what
+
+
+def read_documents(path: Path) -> list[str]:
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f if line.strip()]
+    except (OSError, EOFError, ValueError, KeyError):
+        return []  # (a damaged cache file is generated again)
+
+
+def write_documents(path: Path, docs: list[str], log) -> bool:
+    """JSON lines, gzipped, written whole or not at all; False (and a line said) when it cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+        with atomic_file(path) as tmp:
+            Path(tmp).write_bytes(gzip.compress(body, mtime=0))
+        return True
+    except OSError as e:  # (a cache that cannot be written costs the next run the generation, nothing else)
+        log(f"self-generated calibration: not cached ({e.strerror or e})")
+        return False
 
 
 @register_calib_source("mix")

@@ -181,3 +181,23 @@ def test_a_run_on_self_generated_text_records_it(tiny, tiny_path, small_eval_fil
     res = PruneRun(config, tmp_path / "A", model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
     assert res["calib_source"] == "self" and "sampled from the dense model" in res["scored_on"]
     assert json.loads((tmp_path / "A" / "config.json").read_text())["calib_source"] == "self"
+
+
+def test_an_interrupted_generation_goes_on_from_its_last_batch(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("engine.calib_sources.GENERATE_BATCH", 1)
+    texts = [f"Tale {i}: a boy found a red ball under the big old tree near the river." for i in range(5)]
+    whole, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), None, log=quiet)  # (uncached)
+
+    def stop_after_one(msg):
+        if "1/3 documents" in msg:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=stop_after_one)
+    (partial,) = (tmp_path / "cache").glob("*.partial.jsonl.gz")
+    seen = []
+    docs, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=seen.append)
+    assert docs == whole and any("1 documents from an interrupted generation" in m for m in seen)
+    assert not partial.exists() and len(list((tmp_path / "cache").iterdir())) == 1
