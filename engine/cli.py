@@ -354,7 +354,7 @@ def _prune_writer(args, world) -> int:
     from .distributed import RankLost
     from .outdir import folder_lock
     from .pruner import PruneRun
-    from .rundir import CHECKPOINT_FILE, CONFIG_FILE, check_out_dir, cleanup_out_dir, prepare_out_dir
+    from .rundir import CHECKPOINT_FILE, CONFIG_FILE, check_out_dir, cleanup_out_dir, interrupted_before_first_step, prepare_out_dir
 
     out = Path(args.out)
 
@@ -408,7 +408,7 @@ def _prune_writer(args, world) -> int:
         except (KeyboardInterrupt, RankLost) as e:
             step = run.checkpoints.saved_step  # None when the run had written no checkpoint yet
             where = (f"the checkpoint holds step {step}/{config.steps}: continue with python -m engine prune "
-                     f"--out {out} --resume") if step is not None else "before the first checkpoint: nothing to resume"
+                     f"--out {out} --resume") if step is not None else interrupted_before_first_step(out, run.phases.last)
             if isinstance(e, RankLost):
                 raise UserError(f"{e}; {where} (with any number of ranks)") from None
             raise _Interrupted(f"interrupted; {where}") from None

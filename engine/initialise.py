@@ -16,7 +16,7 @@ from .metrics import METRICS, MetricContext
 from .metrics.registry import removal_order
 from .joint import choose_mix
 from .metrics.probability import initial_scores, standardize
-from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, write_run_marker
+from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
 from .runfiles import INIT_PROGRESS_DIR
 from .runstate import RunState, check_finite
 from .unit_types import UNIT_TYPES
@@ -158,6 +158,8 @@ def fresh_state(run: "PruneRun") -> RunState:
 
 def start_state(run: "PruneRun", resume: bool) -> RunState:
     """The state a run starts from: its checkpoint (--resume), or a fresh one written as the first checkpoint."""
+    if resume:
+        check_checkpoint_kept(run.out)  # (the app's resume too: steps recorded and no checkpoint is refused)
     if resume and (run.out / CHECKPOINT_FILE).exists():
         state = run.load_checkpoint()
         run.restore_metrics(state)

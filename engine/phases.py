@@ -16,6 +16,7 @@ class PhaseClock:
         self.clock, self.started = clock, started
         self.seconds: dict[str, float] = {"load": clock() - started}
         self.stack: list[list] = []  # [name, since] of the open phases, innermost last
+        self.last: str | None = None  # the phase entered last (an interrupt's message names it)
 
     @contextmanager
     def __call__(self, name: str):
@@ -23,6 +24,7 @@ class PhaseClock:
         if self.stack:  # the outer phase pauses
             self._credit(self.stack[-1], now)
         self.stack.append([name, now])
+        self.last = name
         try:
             yield
         finally:

@@ -173,6 +173,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) 
         if not holds_run:
             raise UserError(f"--resume refused: {out} holds no run (no {RUN_MARKER} marker and no run's "
                             f"{CONFIG_FILE}, {METRICS_FILE} and {CHECKPOINT_FILE})")
+        check_checkpoint_kept(out)  # (steps were done: a resume without their checkpoint would start again)
         check_no_links(out)
         check_removable(out, (MODEL_DIR,), "--resume")  # (a finished run re-exports model/: --overwrite's rule)
         if clear:
@@ -187,3 +188,47 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) 
         raise UserError(f"--overwrite refused: {out} is not empty and holds no run (no {RUN_MARKER} marker); "
                         "nothing was touched; choose another folder")
     raise UserError(f"{out} already holds files{' of another run' if holds_run else ''}; use --resume, --overwrite or another --out")
+
+
+def recorded_steps(out: Path) -> int:
+    """The highest step metrics.jsonl records; 0 when it records none or is missing (lines cut short are skipped)."""
+    try:
+        text = (Path(out) / METRICS_FILE).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return 0
+    best = 0
+    for ln in text.splitlines():
+        try:
+            n = json.loads(ln)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(n, int) and not isinstance(n, bool) and n > best:
+            best = n
+    return best
+
+
+def check_checkpoint_kept(out: Path) -> None:
+    """--resume of a run that did steps needs its checkpoint: without checkpoint.pt a resume would start again at
+    step 0, beside the old metric lines (or redo a finished run). Refused when metrics.jsonl records steps or
+    results.json says the run finished; a run stopped before its first checkpoint has neither, and resumes from
+    its start (see interrupted_before_first_step)."""
+    out = Path(out)
+    if (out / CHECKPOINT_FILE).exists():
+        return
+    steps, finished = recorded_steps(out), (out / RESULTS_FILE).is_file()
+    if steps or finished:
+        said = f"{RESULTS_FILE} says the run finished" if finished else f"{METRICS_FILE} records {steps} finished steps"
+        raise UserError(f"--resume refused: {CHECKPOINT_FILE} is missing from {out}, but {said}; a resume would start "
+                        f"again at step 0. Restore {CHECKPOINT_FILE}, or start again with --overwrite")
+
+
+def interrupted_before_first_step(out: Path, phase: str | None = None) -> str:
+    """What to do after an interrupt before the run's first checkpoint (the init metric, the refit's statistics,
+    the dense evaluation ...). The run's marker and config.json are written first, so the folder holds a run: a
+    plain re-run into it is refused, and --resume (no checkpoint, no recorded step) redoes the start, taking what
+    is cached (SLEB's removals so far in init_progress/, $PG_PRUNE_METRIC_CACHE, the dense perplexity)."""
+    where = f" (in the {phase})" if phase and phase != "load" else ""
+    if not is_run_dir(out, adopt=False):
+        return f"before the first step{where}; nothing of the run was written to {out}: start it again"
+    return (f"before the first step{where}; python -m engine prune --out {out} --resume redoes the phases before the "
+            "steps, reusing what is cached (SLEB's removals so far, the dense perplexity); a new run there needs --overwrite")
