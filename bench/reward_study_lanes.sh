@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The reward study's cells (bench/reward_study.py) in two lanes, one thread each, in the background; each cell
+# resumes where it stopped, a finished one is skipped in seconds. Logs: bench/results/reward_study/logs/.
+#   bash bench/reward_study_lanes.sh          # start both lanes
+#   bash bench/reward_study_lanes.sh status   # what each lane is doing
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOGS=bench/results/reward_study/logs
+mkdir -p "$LOGS"
+cell() {  # one cell, one thread
+  local name="$1"; shift
+  echo "$(date -u +%FT%TZ) start $name" >> "$LOGS/lanes.txt"
+  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python bench/reward_study.py "$@" >> "$LOGS/$name.log" 2>&1
+  echo "$(date -u +%FT%TZ) end $name rc=$?" >> "$LOGS/lanes.txt"
+}
+lane_a() {  # the one-shot stage on C4, then PG on C4 with both rewards
+  for s in 0 1 2; do cell "oneshot-r30-s$s-data" oneshot --rate 0.3 --seed "$s" --source data; done
+  for s in 0 1 2; do cell "oneshot-r50-s$s-data" oneshot --rate 0.5 --seed "$s" --source data; done
+  for s in 0 1 2; do for r in kl ce; do cell "pg-r30-s$s-$r-data-40" pg --rate 0.3 --seed "$s" --source data --reward "$r" --steps 40; done; done
+}
+lane_b() {  # the one-shot stage on the model's own text, then PG on it with kl
+  for s in 0 1 2; do cell "oneshot-r30-s$s-self" oneshot --rate 0.3 --seed "$s" --source self; done
+  for s in 0 1 2; do cell "oneshot-r50-s$s-self" oneshot --rate 0.5 --seed "$s" --source self; done
+  for s in 0 1 2; do cell "pg-r30-s$s-kl-self-40" pg --rate 0.3 --seed "$s" --source self --reward kl --steps 40; done
+}
+if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi
+nohup bash -c "$(declare -f cell lane_a); LOGS=$LOGS; lane_a" > /dev/null 2>&1 &
+nohup bash -c "$(declare -f cell lane_b); LOGS=$LOGS; lane_b" > /dev/null 2>&1 &
+echo "two lanes started; bash bench/reward_study_lanes.sh status"
