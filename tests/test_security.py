@@ -320,6 +320,7 @@ def _data_dir(root: Path, docs: list[str]) -> Path:
     return root
 
 
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_ranks_that_read_different_calibration_data_are_refused(eval_file, tmp_path):
     """Two gloo ranks with the same command but each its own $PG_PRUNE_DATA_DIR (no --calib): refused before the first
     step, naming the calibration data and where each rank read it (before: the run went to the end silently)."""
@@ -347,3 +348,70 @@ def test_ranks_that_read_different_calibration_data_are_refused(eval_file, tmp_p
         assert "different calibration data" in errors[0] and str(dirs[0]) in errors[0] and str(dirs[1]) in errors[0]
     assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
     assert not (out / "checkpoint.pt").exists()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
+@pytest.mark.skipif(not Path("/proc/1/stat").exists(), reason="needs Linux's /proc")
+def test_the_ranks_end_when_torchrun_is_killed(eval_file, tmp_path):
+    """While torchrun's ranks run, a one-process --resume of their folder is refused (rank 0 holds the lock). kill -9 of
+    the torchrun parent: its two ranks end within seconds (before: they ran on), rank 0 saving its last step, and a
+    one-process --resume then finishes the run."""
+    import signal
+
+    out = tmp_path / "run"
+    argv = ["--preset", "fast", "--model", str(TINY_MODEL), "--steps", "100000", "--batch-size", "2", "--seqlen", "32", "--eval-seqlen",
+            "32", "--max-windows", "2", "--init-batches", "1", "--num-mask-samples", "2", "--calib", str(SMALL_CALIB),
+            "--eval-data", str(eval_file), "--checkpoint-every", "1000", "--out", str(out)]
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                 "-m", "engine", "prune", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=clean_env(OMP_NUM_THREADS="1", PG_PRUNE_DIST_TIMEOUT="60"))
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not ((out / "metrics.jsonl").is_file()
+                                                   and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert launcher.poll() is None, "torchrun ended before the steps"
+            time.sleep(0.5)
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2, ranks
+        other = subprocess.run([sys.executable, "-m", "engine", "prune", "--out", str(out), "--resume"], cwd=REPO,
+                               env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+        assert other.returncode == 2 and "is in use by process" in other.stderr, other.stderr[-2000:]  # (rank 0's lock)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+            time.sleep(0.5)
+        assert not any(_alive(p) for p in ranks), "the ranks outlived their launcher"
+    finally:
+        for p in [*ranks, *(_children(launcher.pid) if launcher.poll() is None else [])]:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+    step = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+    assert step >= 2
+    r = subprocess.run([sys.executable, "-m", "engine", "prune", "--out", str(out), "--resume", "--steps", str(step + 1)],
+                       cwd=REPO, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((out / "results.json").read_text())["steps"] == step + 1
