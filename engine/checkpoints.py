@@ -64,6 +64,14 @@ def _tensor_bytes(obj) -> int:
     return sum(_tensor_bytes(v) for v in values)
 
 
+def _tensor_bytes(obj) -> int:
+    """The bytes of the tensors inside obj (dicts, lists, tuples): about what a checkpoint of it takes on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(_tensor_bytes(v) for v in values)
+
+
 class Checkpoints:
     """The checkpoint file of one run: snapshots of its state, written atomically, read back and checked."""
 
@@ -95,8 +103,9 @@ class Checkpoints:
     def write(self, snap: RunState) -> None:
         if self.run.out is None:  # a run in memory (engine.api.prune) keeps no checkpoint
             return
-        with atomic_file(self.run.out / CHECKPOINT_FILE) as tmp:
-            torch.save(asdict(snap), tmp)
+        data = asdict(snap)
+        with atomic_file(self.run.out / CHECKPOINT_FILE, _tensor_bytes(data)) as tmp:
+            torch.save(data, tmp)
         self.saved_step = snap.step
 
     def load(self) -> RunState:

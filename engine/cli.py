@@ -15,7 +15,7 @@ from . import IMPORTED
 from .config import DEFAULT_PRESET, PRESETS, PruneConfig, default_preset, preset_text
 from .fields import choices_of
 from .methods import METHODS
-from .errors import UserError
+from .errors import MAX_LINE, UserError, shorten
 from .exporters import EXPORT_FORMATS
 from .loading import DEFAULT_MODEL, DTYPES
 from .rundir import GGUF_FILE
@@ -432,6 +432,11 @@ def _prune_writer(args, world) -> int:
     return 0
 
 
+def error_line(e: BaseException) -> str:
+    """The one line a refusal prints: `error: ...`, under MAX_LINE characters (a long OS error is shortened)."""
+    return "error: " + shorten(str(e), MAX_LINE - 1 - len("error: "))
+
+
 class _Interrupted(Exception):
     """Ctrl-C or SIGTERM, with what the user can do next."""
 
@@ -581,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
@@ -600,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"prune": cmd_prune, "export": cmd_export, "eval": cmd_eval, "zeroshot": cmd_zeroshot, "finetune": cmd_finetune, "measure": cmd_measure}
         return commands[args.command](args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     except _Interrupted as e:
         print(str(e), file=sys.stderr)

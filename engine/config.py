@@ -31,6 +31,7 @@ FINAL_MASKS = ("last", "best-val")
 SAMPLE_FORWARDS = ("auto", *EXECUTORS)
 WITHIN_LAYER_RANKINGS = ("scores", "init-metric")
 INIT_DATA = ("all", "training")
+MAX_TIME_BUDGET = 7 * 24 * 60.0  # minutes: --time-budget below 7 days (1e300 minutes would overflow the step plan)
 # named settings a run can start from (`--preset NAME`; explicit flags override them)
 PRESETS: dict[str, dict] = {
     # the paper's optimiser: lr 2e-3 cosine, N_s 2 masks per step, moving-average baseline over T = 5 steps
@@ -219,11 +220,11 @@ class PruneConfig:
     # the defaults: the best quality per CPU minute measured on the default model (docs/pg-optimizer.md); the
     # paper's settings are the preset "paper"
     steps: int = setting(50, minimum=1, label="Steps", help="optimisation steps (with --time-budget: the plan until the first step is timed)")
-    time_budget: float | None = setting(None, minimum=0.0, exclusive=True, label="Time budget (minutes)",
+    time_budget: float | None = setting(None, minimum=0.0, maximum=MAX_TIME_BUDGET, exclusive=True, label="Time budget (minutes)",
                                         help="methods that optimise: the whole run's wall minutes (loading, evaluations and "
                                              "export included); the step count follows from the measured step time, "
-                                             "re-planned after every step, and the schedules stretch to it (default: off, "
-                                             "--steps steps)")
+                                             "re-planned after every step, and the schedules stretch to it; below "
+                                             "10080 (7 days) (default: off, --steps steps)")
     lr: float = setting(0.02, label="Learning rate η",
                         help="learning rate eta (the paper's is 0.002: --preset paper)")
     lr_schedule: str = setting("cosine", choices=LR_SCHEDULES, label="LR schedule", help="cosine decays it to 0 over the steps")
@@ -370,6 +371,9 @@ class PruneConfig:
             setattr(self, name, value)
         # the method's own settings, validated by the method and stored whole (defaults written out)
         self.method_options = dataclasses.asdict(options) if (options := method_options(self.method, self.method_options, self)) else {}
+        if self.time_budget is not None and not METHODS[self.method].optimises:  # (nothing to plan: refused, not ignored)
+            bad(f"time budget: method {self.method} is one-shot (no steps), so a time budget has nothing to plan; "
+                f"drop --time-budget, or use a method that optimises ({', '.join(m for m, k in METHODS.items() if k.optimises)})")
         if self.time_budget is not None and self.init == "random-progressive":
             bad("time budget: random-progressive's stages are fixed by --steps; use --steps with it")
         if not METHODS[self.method].optimises and self.init == "random-progressive":

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from . import modeling_pruned
 from .arch import ModelAdapter, base_model_type
-from .errors import UserError
+from .errors import UserError, shorten
 from .io import atomic_file, atomic_dir, atomic_write_text
 from .loading import count_parameters
 from .runfiles import MASKS_FILE, MASKS_META_FILE  # noqa: F401  (MASKS_FILE: the app reads it from here)
@@ -41,7 +41,7 @@ def save_mask_artifact(out: Path, base_model: str, layout: UnitLayout, scores: d
         tensors[f"init_scores.{u}"] = init_scores[u].float().contiguous()
         if init_masks is not None and u in init_masks:
             tensors[f"init_masks.{u}"] = init_masks[u].float().contiguous()
-    with atomic_file(out / MASKS_FILE) as tmp:
+    with atomic_file(out / MASKS_FILE, sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
         save_file(tensors, str(tmp))
     meta = {
         "base_model": base_model,
@@ -57,12 +57,36 @@ def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tenso
     run_dir = Path(run_dir)
     try:
         meta = json.loads((run_dir / MASKS_META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{run_dir} holds no finished run's masks ({shorten(str(e), 120)})") from e
+    try:
         tensors = load_file(str(run_dir / MASKS_FILE))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{run_dir} holds no finished run's masks ({e})") from e
+    except Exception as e:  # (a missing file, or safetensors' own error for a damaged or truncated one)
+        raise UserError(f"{run_dir / MASKS_FILE} cannot be read ({shorten(str(e), 100)}): the run's masks are "
+                        "damaged; run the pruning again (--overwrite)") from e
+    problem = mask_meta_problem(meta, tensors)
+    if problem is not None:
+        raise UserError(f"{run_dir / MASKS_META_FILE} is damaged ({problem}); run the pruning again (--overwrite)")
     masks = {u: tensors[f"masks.{u}"] for u in meta["unit_types"]}
     scores = {u: tensors[f"scores.{u}"] for u in meta["unit_types"]}
     return meta, masks, scores
+
+
+def mask_meta_problem(meta, tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why masks.json and masks.safetensors do not make a run's masks, or None: every unit type needs its
+    units per layer (whole numbers), and its masks and scores, one value per unit."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("unit_types"), list) or not meta["unit_types"]:
+        return "no list of unit_types"
+    sizes = meta.get("units_per_layer")
+    for u in meta["unit_types"]:
+        if not isinstance(sizes, dict) or not isinstance(sizes.get(u), list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes[u]):
+            return f"units_per_layer of {u} is missing or not a list of whole numbers"
+        for kind in ("masks", "scores"):
+            t = tensors.get(f"{kind}.{u}")
+            if t is None or t.shape != (sum(sizes[u]),):
+                return f"{kind} of {u} {'missing' if t is None else 'do not match units_per_layer'}"
+    return None
 
 
 def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: ModelAdapter) -> list[tuple[int, dict[str, torch.Tensor]]]:
@@ -169,7 +193,7 @@ def export_pruned(model, tokenizer, layout: UnitLayout, masks: dict[str, torch.T
                   fill: dict[str, list[torch.Tensor]] | None = None) -> dict:
     """Write the sliced model to `dest` atomically; returns {"params": ...}."""
     pruned = build_pruned_model(model, layout, masks, fill)
-    with atomic_dir(Path(dest)) as tmp:
+    with atomic_dir(Path(dest), sum(t.numel() * t.element_size() for t in pruned.state_dict().values())) as tmp:
         pruned.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if getattr(pruned.config, "auto_map", None):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -73,33 +75,102 @@ def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     if path.name.endswith(_JSON_SUFFIXES):
         check_json_text(path, text)
-    with atomic_file(path) as tmp, open(tmp, "w") as fh:
+    with atomic_file(path, len(text.encode())) as tmp, open(tmp, "w") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
 
 
+def _temp_prefix(path: Path) -> str:
+    """An atomic write's temporary name beside `path`: .NAME.pidPID.XXXX.tmp, so that what a killed process left
+    is recognised as its (remove_stale_temps)."""
+    return f".{path.name}.pid{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove what atomic writes to `path` left beside it when their process was killed (kill -9 leaves no
+    chance to clean up): .NAME.pidPID.*.tmp of a process that is gone. A live process's are left alone.
+    Returns what was removed."""
+    path, removed = Path(path), []
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.pid(\d+)\..*\.tmp")
+    try:
+        siblings = [p for p in path.parent.iterdir() if pattern.fullmatch(p.name)]
+    except OSError:
+        return removed
+    for p in siblings:
+        if not _alive(int(pattern.fullmatch(p.name).group(1))):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _size(n: int) -> str:
+    return next((f"{n / 1024 ** k:.1f} {unit}" for k, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")) if n >= 1024 ** k),
+                f"{n} bytes")
+
+
+def free_space(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def is_disk_full(e: BaseException, folder: Path | None = None, needed: int | None = None) -> bool:
+    """Whether a write failed for want of space: OSError ENOSPC, safetensors' "No space left on device" (os error
+    28), or (torch.save says only "unexpected pos") any write error while `folder` has less free than `needed`."""
+    if isinstance(e, UserError):
+        return False
+    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+        return True
+    free = free_space(folder) if folder is not None and needed else None
+    return isinstance(e, (OSError, RuntimeError)) and free is not None and free < needed
+
+
+def disk_full_error(folder: Path, what: str, needed: int | None) -> UserError:
+    """The one line for a full disk: the folder, what was being written, the space it needs and the space free."""
+    free = free_space(folder)
+    need = f"about {_size(needed)}" if needed else "more space"
+    return UserError(f"no space left on the device of {folder} while writing {what} (nothing was written): it needs "
+                     f"{need}{f', {_size(free)} free' if free is not None else ''}; free some space there, or write "
+                     "to another folder")
+
+
 @contextmanager
-def atomic_file(path: Path):
-    """Yields a temporary path beside `path`; it replaces `path` only if the block succeeds."""
+def atomic_file(path: Path, needed: int | None = None):
+    """Yields a temporary path beside `path`; it replaces `path` only if the block succeeds. A full disk ends in
+    one UserError naming the folder and `needed` bytes (see is_disk_full)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     os.close(fd)
     try:
         yield Path(tmp)
         _publish_mode(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(e, path.parent, needed):
+            raise disk_full_error(path.parent, path.name, needed) from None
         raise
 
 
 @contextmanager
-def atomic_dir(path: Path):
-    """Yields a temporary folder beside `path`; it becomes `path` (replacing an old one) only on success."""
+def atomic_dir(path: Path, needed: int | None = None):
+    """Yields a temporary folder beside `path`; it becomes `path` (replacing an old one) only on success. A full
+    disk ends in one UserError naming the folder and `needed` bytes (see is_disk_full)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp"))
     try:
         yield tmp
         _publish_mode(tmp, directory=True)
@@ -113,6 +184,8 @@ def atomic_dir(path: Path):
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e, path.parent, needed):
+            raise disk_full_error(path.parent, path.name + "/", needed) from None
         raise

@@ -185,7 +185,12 @@ def load_for_zeroshot(config: ZeroshotConfig):
         meta_file = run / MASKS_META_FILE
         if not meta_file.is_file():
             raise UserError(f"{config.run} holds no finished run's masks ({MASKS_META_FILE})")
-        base_name = config.model or json.loads(meta_file.read_text())["base_model"]
+        from ..export import load_mask_artifact
+
+        meta = load_mask_artifact(run)[0]  # (a damaged masks.json or masks.safetensors: one line, before the model loads)
+        base_name = config.model or meta.get("base_model")
+        if not isinstance(base_name, str):
+            raise UserError(f"{meta_file} names no base_model; pass the run's base model as --model")
         base = load_base(base_name, config.dtype, config.device)
         masked = masked_from_run(base, run)
         return masked.model, masked.tokenizer, f"masked base: {run.name}", masked.layer_masks, masked.params
