@@ -28,10 +28,13 @@ import torch
 
 from ..arch import ModelAdapter
 from ..errors import UserError
+from ..gguf_file import read_gguf_header
+from .checks import check_tokenizer_fits
 from ..io import atomic_file
 from .registry import register_export_format
 
 OUTTYPES = ("f16", "f32", "q8_0")
+_BYTES_PER_WEIGHT = {"f16": 2, "f32": 4, "q8_0": 34 / 32}  # (q8_0: a 2-byte scale per 32 one-byte values)
 _ARCH = "deci"
 
 
@@ -210,7 +213,9 @@ def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | N
         layers.append((n_head, n_kv, n_ff))
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
-    with atomic_file(Path(dest)) as tmp:
+    check_tokenizer_fits(int(a.embedding().weight.shape[0]), tokenizer_gguf, tokenizer_json)
+    needed = int(sum(p.numel() for p in model.parameters()) * _BYTES_PER_WEIGHT[outtype])  # (about: norms stay f32)
+    with atomic_file(Path(dest), needed) as tmp:
         w = gguf.GGUFWriter(str(tmp), _ARCH)
         w.add_name(name)
         w.add_file_type(int(file_type))
@@ -265,6 +270,7 @@ def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | N
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        read_gguf_header(tmp, str(dest))  # (the file reads back whole before it is called written)
     return {"path": str(dest), "layers": layers, "outtype": outtype}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
+from ..io import remove_stale_temps
 from ..outdir import folder_lock
 from ..registry import add_entry
 from ..runfiles import has_run_marker, MASKS_META_FILE, MODEL_DIR
@@ -63,6 +64,7 @@ def export_run(run_dir: str | Path, fmt: str, dest: str | Path, outtype: str | N
         if inside is not None:
             raise UserError(f"--out {dest} is inside {inside}, the run's own model folder, which --overwrite and "
                             "--resume replace; choose a path outside it")
+        remove_stale_temps(dest)  # (what an export killed with kill -9 left beside the same --out)
         try:
             return f.fn(run_dir, dest, outtype)
         except OSError as e:  # the exporters write atomically: nothing is left half-written
