@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .errors import UserError
 from .metrics import METRICS, MetricContext
 from .metrics.registry import removal_order
 from .joint import choose_mix
@@ -36,6 +37,16 @@ def metric_batches(c, units: list[str]) -> int:
     return max(c.layer_init_batches if UNIT_TYPES[u].whole_layer else c.init_batches for u in units)
 
 
+def metric_cache_folder() -> str | None:
+    """$PG_PRUNE_METRIC_CACHE, or None when unset; one that names a file (or anything but a folder) is refused in
+    one line (PruneRun checks it before the model's work starts)."""
+    shared = os.environ.get("PG_PRUNE_METRIC_CACHE") or None
+    if shared and Path(shared).exists() and not Path(shared).is_dir():
+        raise UserError(f"$PG_PRUNE_METRIC_CACHE is {shared}, which is a file, not a folder: point it at a folder "
+                        "(it is created if missing), or unset it")
+    return shared
+
+
 def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricContext) -> dict[str, list[torch.Tensor]]:
     """METRICS[name] on ctx, or its earlier result from the folder $PG_PRUNE_METRIC_CACHE when one is set (a
     bench's cells share SLEB's 30 CPU minutes this way): keyed by the metric, the unit types, the model, the
@@ -48,7 +59,7 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     Without a cache folder a greedy metric keeps its order in the run's own folder (INIT_PROGRESS_DIR) until the
     run's first checkpoint, so that --resume after a stop during SLEB continues its removals."""
     world, metric = run.world, METRICS[name]
-    shared = world.from_writer(os.environ.get("PG_PRUNE_METRIC_CACHE"), "the metric cache's folder")
+    shared = world.from_writer(metric_cache_folder() if world.writes else None, "the metric cache's folder")
     folder = shared or (str(run.out / INIT_PROGRESS_DIR) if metric.greedy and run.out is not None else None)
     if not folder:
         return metric.fn(ctx, units)

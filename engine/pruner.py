@@ -33,12 +33,14 @@ from .data import CalibrationSampler, eval_windows, load_calibration_texts, load
 from .errors import UserError
 from .executors import EXECUTORS, resolve_executor
 from .hooks import RUN_HOOKS
-from .initialise import fresh_state, start_state
+from .initialise import fresh_state, metric_cache_folder, start_state
 from .loading import check_positions, load_model, resolve_model
 from .methods import METHODS, method_options
 from .outdir import folder_lock
 from .phases import PhaseClock
 from .results import finish
+from .memory_check import check_run_fits
+from .tokenize_docs import tokenize_documents
 from .runmasks import RunMasks
 from .rundir import METRICS_FILE
 from .runstate import RunState, StepReport, check_finite, mask_rows  # noqa: F401  (StepReport: part of the run's API)
@@ -78,7 +80,7 @@ def _run_data(tokenizer, config: PruneConfig, calib: list[str] | None = None):
     steps; the init metric (and the joint mix) read every document with --init-data all, as a one-shot run of the
     seed does, so that the run starts from that run's mask; the init sampler is the calibration sampler otherwise."""
     texts, calib_source = load_calibration_texts(config.calib) if calib is None else (calib, "in memory")
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]  # (once: the samplers below share documents)
+    ids = tokenize_documents(tokenizer, texts)  # (once: the samplers below share documents; bounded memory)
     val_batches, init_sampler = [], None
     if config.validates:
         kept, held_out = split_holdout(ids)
@@ -112,6 +114,8 @@ class PruneRun:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
         self.model, self.tokenizer, self.adapter = model, tokenizer, ModelAdapter.for_model(model)
         check_positions(model.config, {"seqlen": c.seqlen, "eval seqlen": c.eval_seqlen})
+        check_run_fits(c, model)  # (before the data: a batch whose logits cannot fit is refused in one line)
+        metric_cache_folder()  # (a $PG_PRUNE_METRIC_CACHE that is a file: refused now, not after the model's work)
         sizes = unit_sizes(self.adapter)
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
