@@ -44,7 +44,7 @@ def _setting_args(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None
             text += f" ({shown(preset[f.name])} under the default preset {DEFAULT_PRESET}, see --preset)"
         kw = dict(default=default, help=text.replace("%", "%%"))
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-        if hint is bool:
+        if hint is bool or set(typing.get_args(hint)) == {bool, type(None)}:  # (bool | None: neither flag = None)
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif hint == list[str]:
             p.add_argument(flag, type=_comma_list, metavar=f.name.upper(), **kw)
@@ -414,7 +414,8 @@ def _prune_writer(args, world) -> int:
             raise _Interrupted(f"interrupted; {where}") from None
         if results["status"] == "done":
             print(f"perplexity ({results['eval_windows']} windows x {results['seqlen']} tokens): "
-                  f"dense {results['ppl_dense']:.2f} | init ({_init_label(config)}) {results['ppl_init']:.2f} | "
+                  f"dense {results['ppl_dense']:.2f} | init ({_init_label(config)}) "
+                  + (f"{results['ppl_init']:.2f}" if results["ppl_init"] is not None else "skipped (--eval-init)") + " | "
                   f"pruned {results['ppl_pruned']:.2f}"
                   + (f" (least-squares reconstruction; {r['ppl_before']:.2f} before it)" if "ppl_before" in (r := results.get("reconstruction") or {})
                      else f" (reconstruction skipped: {r['skipped']})" if r else ""))

@@ -225,6 +225,10 @@ class PruneConfig:
                                              "export included); the step count follows from the measured step time, "
                                              "re-planned after every step, and the schedules stretch to it; below "
                                              "10080 (7 days) (default: off, --steps steps)")
+    eval_init: bool | None = setting(None, label="Evaluate the init mask", help=(
+        "evaluate the init mask's perplexity on the evaluation windows (results.json ppl_init; the pruned model's is "
+        "always evaluated): on unless --time-budget, whose minutes go to the steps (default: that); --eval-init "
+        "always, --no-eval-init never"))
     lr: float = setting(0.02, label="Learning rate η",
                         help="learning rate eta (the paper's is 0.002: --preset paper)")
     lr_schedule: str = setting("cosine", choices=LR_SCHEDULES, label="LR schedule", help="cosine decays it to 0 over the steps")
@@ -331,6 +335,12 @@ class PruneConfig:
         is --layer-prob-map for whole layers, --prob-map otherwise."""
         whole = UNIT_TYPES[unit_type].whole_layer
         return self.layer_prob_map if whole else self.prob_map, self.score_const_for(unit_type), self.prob_temperature
+
+    @property
+    def evaluates_init(self) -> bool:
+        """Is the init mask's perplexity evaluated: --eval-init / --no-eval-init, else unless --time-budget (a
+        budget's minutes go to the steps: no evaluation that nobody asked for)."""
+        return self.eval_init if self.eval_init is not None else self.time_budget is None
 
     @property
     def validates(self) -> bool:

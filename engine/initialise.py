@@ -163,8 +163,17 @@ def fresh_state(run: "PruneRun") -> RunState:
         hook.on_init(state, batches)
     run.stats_memo = None  # (the model is masked from here on: no statistic of the dense model is reused)
     state.ppl_dense = run.masks.dense_perplexity()
-    state.ppl_init = run.masked_perplexity(run.masks.init_masks(state), "init")  # (the init mask the app shows)
+    state.ppl_init = init_perplexity(run, state)  # (the init mask the app shows)
     return state
+
+
+def init_perplexity(run: "PruneRun", state: RunState) -> float | None:
+    """The init mask's perplexity, or None when the run does not evaluate it (PruneConfig.evaluates_init: not under
+    --time-budget unless --eval-init)."""
+    if run.config.evaluates_init:
+        return run.masked_perplexity(run.masks.init_masks(state), "init")
+    run.log("init perplexity: skipped (--eval-init evaluates it)")
+    return None
 
 
 def start_state(run: "PruneRun", resume: bool) -> RunState:
@@ -180,7 +189,8 @@ def start_state(run: "PruneRun", resume: bool) -> RunState:
         write_run_marker(run.out)  # first: from now on the folder is recognisably a run
         run.config.save(run.out / CONFIG_FILE)
     state = run.fresh_state()
-    check_finite("the initial scores", state.scores, {"dense perplexity": state.ppl_dense, "init perplexity": state.ppl_init})
+    check_finite("the initial scores", state.scores, {k: v for k, v in {"dense perplexity": state.ppl_dense,
+                                                                        "init perplexity": state.ppl_init}.items() if v is not None})
     if run.out is None:
         return state
     run.checkpoints.save(state)

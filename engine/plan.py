@@ -225,7 +225,8 @@ def phase_tokens(config, skeleton: Skeleton) -> dict[str, float]:
             out["joint mix"] = config.mix_batches * scored * batch
             out["joint mix"] += config.mix_refine_batches * min(MIX_FINALISTS, removals + 1) * batch
     out["dense perplexity"] = evaluation
-    out["init perplexity"] = evaluation
+    if config.evaluates_init:
+        out["init perplexity"] = evaluation
     optimises = METHODS[config.method].optimises if config.method in METHODS else True
     if optimises:
         out["steps"] = config.steps * config.num_mask_samples * batch

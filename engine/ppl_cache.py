@@ -50,24 +50,39 @@ def dense_key(fingerprint: list, dtype: str, device: str, windows: torch.Tensor)
     return h.hexdigest()[:20]
 
 
-def lookup(key: str) -> float | None:
+def _entry(key: str) -> dict:
     folder = cache_dir()
     f = folder / f"dense-{key}.json" if folder else None
     if f is None or not f.is_file():
-        return None
+        return {}
     try:
-        value = json.loads(f.read_text())["ppl_dense"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # a damaged entry is measured again (and rewritten)
-    return float(value) if isinstance(value, (int, float)) and value == value and value > 0 else None
+        entry = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return {}  # a damaged entry is measured again (and rewritten)
+    return entry if isinstance(entry, dict) else {}
 
 
-def store(key: str, ppl: float) -> None:
+def _positive(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and 0 < value < math.inf else None
+
+
+def lookup(key: str) -> float | None:
+    return _positive(_entry(key).get("ppl_dense"))
+
+
+def lookup_seconds(key: str) -> float | None:
+    """The wall seconds the cached dense evaluation took (--time-budget's reserve for an evaluation when the run
+    evaluates nothing before its last one); None for an entry made before the cache kept them."""
+    return _positive(_entry(key).get("seconds"))
+
+
+def store(key: str, ppl: float, seconds: float | None = None) -> None:
     folder = cache_dir()
     if folder is None or not math.isfinite(ppl):  # (a non-finite figure is never kept: lookup refuses it)
         return
+    entry = {"ppl_dense": ppl, **({"seconds": round(seconds, 3)} if seconds else {})}
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(folder / f"dense-{key}.json", json.dumps({"ppl_dense": ppl}) + "\n")
+        atomic_write_text(folder / f"dense-{key}.json", json.dumps(entry) + "\n")
     except OSError:
         pass  # a read-only home: the run goes on, measuring next time too

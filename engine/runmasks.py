@@ -86,13 +86,18 @@ class RunMasks:
         fingerprint = ppl_cache.model_fingerprint(r.source.path, r.source.gguf_file) if r.from_disk else None
         key = ppl_cache.dense_key(fingerprint, c.dtype, c.device, r.windows) if fingerprint else None
         cached = ppl_cache.lookup(key) if key else None
-        if cached is not None:
+        seconds = ppl_cache.lookup_seconds(key) if cached is not None else None
+        # (a budgeted run that evaluates nothing before its last evaluation reserves time for it by the cached
+        # evaluation's seconds; an entry from before the cache kept them is measured again, once)
+        if cached is not None and (seconds is not None or c.evaluates_init or c.time_budget is None):
             r.log(f"dense perplexity: {cached:.3f} (cached: the same model files and windows were evaluated before)")
             self.measured[mask_key(None, ...)] = cached
+            self.longest_eval = max(self.longest_eval, seconds or 0.0)
             return cached
+        t0 = time.monotonic()
         ppl = self.masked_perplexity(None, "dense")
         if key:
-            ppl_cache.store(key, ppl)
+            ppl_cache.store(key, ppl, time.monotonic() - t0)
         return ppl
 
     def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str, fill=...) -> float:

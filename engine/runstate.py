@@ -90,7 +90,7 @@ class RunState:
     sampler_state: dict
     mask_rng_state: torch.Tensor
     ppl_dense: float
-    ppl_init: float
+    ppl_init: float | None  # None: not evaluated (PruneConfig.evaluates_init)
     init_scores: dict[str, torch.Tensor]
     seconds_in_steps: float = 0.0
     best_val_ppl: float | None = None  # best held-out value so far (perplexity; the mean KL for --reward kl), its step and scores

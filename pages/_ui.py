@@ -133,9 +133,10 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
     if results and results.get("status") == "done":
         c1, c2, c3, c4 = st.columns(4)
         c1.metric("Dense perplexity", f"{results['ppl_dense']:.2f}")
-        c2.metric(f"Init ({config.get('init')})", f"{results['ppl_init']:.2f}")
-        c3.metric("Pruned perplexity", f"{results['ppl_pruned']:.2f}",
-                  delta=f"{results['ppl_pruned'] - results['ppl_init']:+.2f} vs init", delta_color="inverse")
+        init = results.get("ppl_init")  # (None: not evaluated, --time-budget without --eval-init)
+        c2.metric(f"Init ({config.get('init')})", f"{init:.2f}" if init is not None else "not evaluated")
+        c3.metric("Pruned perplexity", f"{results['ppl_pruned']:.2f}", delta_color="inverse",
+                  delta=f"{results['ppl_pruned'] - init:+.2f} vs init" if init is not None else None)
         c4.metric("Parameters", fmt_params(results["params_pruned"]),
                   delta=f"{results['params_pruned'] / results['params_dense'] - 1:+.1%}", delta_color="off")
         if removal_text(results):
