@@ -209,6 +209,9 @@ def order(todo: list[Cell], rates: list[float], seeds: list[int]) -> list[Cell]:
     return sorted(todo, key=key)
 
 
+TIMES_FILE = "times.json"  # every cell's CPU and wall seconds, in one file (cell_times)
+
+
 def timed_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
     """run_cell, adding this process's share of the cell's CPU and wall time to cells/<cell>.time.json."""
     key = cell_key(c, args)
@@ -226,13 +229,22 @@ def timed_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
     return res
 
 
+def cell_times(cells_dir: Path) -> dict[str, dict]:
+    """Each cell's CPU and wall seconds: cells/<cell>.time.json as timed_cell writes them (working files, not in
+    git), over times.json beside cells/, the one file git keeps of them all (main rewrites it with the table)."""
+    merged = cells_dir.parent / TIMES_FILE
+    times = json.loads(merged.read_text()) if merged.exists() else {}
+    for f in sorted(cells_dir.glob("*.time.json")):
+        times[f.name[:-len(".time.json")]] = json.loads(f.read_text())
+    return times
+
+
 def report(todo: list[Cell], args, cells_dir: Path) -> str:
-    got = {}
+    got, times = {}, cell_times(cells_dir)
     for c in todo:
         f = cells_dir / cell_key(c, args) / "results.json"
         if f.exists():
-            t = cells_dir / f"{cell_key(c, args)}.time.json"
-            got[cell_key(c, args)] = (json.loads(f.read_text()), json.loads(t.read_text()) if t.exists() else None)
+            got[cell_key(c, args)] = (json.loads(f.read_text()), times.get(cell_key(c, args)))
     if not got:
         return "no cell finished yet\n"
     first = next(iter(got.values()))[0]
@@ -319,6 +331,7 @@ def main() -> None:
             (out / "table.md").write_text(report(todo, args, cells_dir))
     text = report(todo, args, cells_dir)
     (out / "table.md").write_text(text)
+    (out / TIMES_FILE).write_text(json.dumps(cell_times(cells_dir), indent=1, sort_keys=True) + "\n")
     if args.write_docs:
         write_docs(text, ROOT / "docs" / "results.md")
     print(text)
