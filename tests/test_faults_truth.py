@@ -1,0 +1,425 @@
+"""Faults (issue 48): a resume that tells the truth, exports that check what they write, bounded memory, and bounds
+and messages (a time budget, a full disk, damaged masks, error lines under 300 characters). Each test failed on
+the code before its change."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.config import MAX_TIME_BUDGET, PruneConfig
+from engine.errors import MAX_LINE, UserError
+from engine.pruner import PruneRun
+
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+def one_error(capfd, *needles: str) -> str:
+    """Exactly one `error:` line on stderr, no traceback, under MAX_LINE characters, holding every needle."""
+    err = capfd.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("error:")]
+    assert len(errors) == 1 and not any("Traceback" in ln for ln in err), err
+    assert len(errors[0]) < MAX_LINE, (len(errors[0]), errors[0])
+    for n in needles:
+        assert n in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("faults48-data") / "wiki.small.txt"
+    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    return path
+
+
+def tiny_flags(eval_file: Path, steps: int = 3) -> list[str]:
+    return ["--model", str(TINY_MODEL), "--steps", str(steps), "--batch-size", "2", "--seqlen", "32",
+            "--eval-seqlen", "32", "--max-windows", "2", "--init-batches", "1", "--num-mask-samples", "2",
+            "--lr", "0.05", "--calib", str(SMALL_CALIB), "--eval-data", str(eval_file)]
+
+
+def tiny_config(eval_file: Path, **kw) -> PruneConfig:
+    base = dict(model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
+                init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),
+                checkpoint_every=1)
+    return PruneConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def finished_template(tiny, eval_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("faults48") / "finished"
+    PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    return out
+
+
+@pytest.fixture
+def finished(finished_template, tmp_path) -> Path:
+    """A copy of a finished 3-step run of the tiny model (checkpointed every step), this test's own."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_template, out)
+    return out
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".pg-prune.lock"}
+
+
+# --- resume tells the truth ------------------------------------------------------------------------------
+def test_resume_of_a_finished_run_without_its_checkpoint_is_refused(finished, capfd):
+    (finished / "checkpoint.pt").unlink()
+    before = files_of(finished)
+    capfd.readouterr()
+    for extra in ([], ["--steps", "5"]):
+        assert main(["prune", "--out", str(finished), "--resume", *extra]) == 2
+        one_error(capfd, "checkpoint.pt is missing", "results.json says the run finished", "Restore checkpoint.pt",
+                  "--overwrite")
+    assert files_of(finished) == before  # nothing rerun, nothing rewritten
+
+
+def test_resume_of_a_stopped_run_without_its_checkpoint_is_refused(tiny, eval_file, tmp_path, capfd):
+    out, stop = tmp_path / "stopped", threading.Event()
+    run = PruneRun(tiny_config(eval_file, steps=6), out, model=tiny[0], tokenizer=tiny[1], log=quiet)
+    assert run.run(progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 2 else None)["status"] == "stopped"
+    (out / "checkpoint.pt").unlink()
+    before = files_of(out)
+    capfd.readouterr()
+    assert main(["prune", "--out", str(out), "--resume"]) == 2
+    one_error(capfd, "metrics.jsonl records 2 finished steps", "start again at step 0", "--overwrite")
+    with pytest.raises(UserError, match="records 2 finished steps"):  # the app's resume: the same refusal
+        PruneRun(tiny_config(eval_file, steps=6), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(resume=True, progress=False)
+    assert files_of(out) == before  # the interrupted run's metric lines stay as they were, alone
+
+
+@pytest.mark.parametrize("phase, target", [("init metric", "engine.initialise.initial_metric"),
+                                           ("refit statistics", "engine.hooks.reconstruction.input_moments"),
+                                           ("evaluations", "engine.runmasks.perplexity")])
+def test_an_interrupt_before_the_first_step_says_what_resume_does(phase, target, eval_file, tmp_path, monkeypatch, capfd):
+    """Ctrl-C or SIGTERM (the CLI turns it into the same KeyboardInterrupt) in a phase before the first step: the
+    message says what --resume will do, and it does that: a plain re-run is refused, --resume finishes the run."""
+    out = tmp_path / "run"
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, interrupted)
+    capfd.readouterr()
+    assert main(["prune", *tiny_flags(eval_file), "--out", str(out)]) == 130
+    said = capfd.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("interrupted; before the first step") and f"(in the {phase})" in said, said
+    assert f"--out {out} --resume redoes the phases before the steps" in said and "needs --overwrite" in said, said
+    assert "nothing to resume" not in said
+    monkeypatch.undo()
+    assert main(["prune", *tiny_flags(eval_file), "--out", str(out)]) == 2  # a plain re-run: refused, as said
+    one_error(capfd, "already holds files", "--overwrite")
+    assert main(["prune", "--out", str(out), "--resume"]) == 0  # --resume: the start redone, the run finished
+    assert json.loads((out / "results.json").read_text())["status"] == "done"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+# --- exports check what they write -----------------------------------------------------------------------
+def test_export_hf_of_a_truncated_model_is_refused(finished, tmp_path, capfd):
+    weights = finished / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    dest = tmp_path / "copy"
+    capfd.readouterr()
+    assert main(["export", str(finished), "--format", "hf", "--out", str(dest)]) == 2
+    one_error(capfd, "would not load", "model.safetensors is damaged", "nothing was written")
+    assert not dest.exists() and not list(tmp_path.glob(".copy.*"))
+
+
+def test_export_hf_checks_the_copy_before_it_says_wrote(finished, tmp_path, monkeypatch, capfd):
+    from engine.exporters import hf
+
+    real = shutil.copytree
+
+    def damaging_copy(src, dst, **kw):  # a copy that comes out cut short (a failing disk, a full one)
+        real(src, dst, **kw)
+        w = Path(dst) / "model.safetensors"
+        w.write_bytes(w.read_bytes()[:100])
+
+    monkeypatch.setattr(hf.shutil, "copytree", damaging_copy)
+    dest = tmp_path / "copy"
+    capfd.readouterr()
+    assert main(["export", str(finished), "--format", "hf", "--out", str(dest)]) == 2
+    one_error(capfd, "the copy of", "does not load", "nothing was written")
+    assert not dest.exists() and not list(tmp_path.glob(".copy.*"))
+    assert "wrote" not in capfd.readouterr().out
+
+
+def _gguf_with_tokens(path: Path, n: int) -> None:
+    """A small llama GGUF whose tokenizer holds n tokens (another model's, as a base GGUF)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(128)
+    w.add_block_count(1)
+    w.add_head_count(8)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(n)])
+    w.add_tensor("token_embd.weight", np.zeros((n, 128), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_export_gguf_refuses_another_models_tokenizer(finished, tmp_path, capfd):
+    pytest.importorskip("gguf")
+    other = tmp_path / "other-model.gguf"
+    _gguf_with_tokens(other, 3000)  # the tiny model has 2,048
+    config = json.loads((finished / "config.json").read_text())
+    config["model"] = str(other)  # config.json's model edited to another model
+    (finished / "config.json").write_text(json.dumps(config))
+    dest = tmp_path / "out.gguf"
+    capfd.readouterr()
+    assert main(["export", str(finished), "--format", "gguf", "--out", str(dest)]) == 2
+    one_error(capfd, "has 3,000 tokens", "2,048 rows", "another model's tokenizer", "no GGUF was written")
+    assert not dest.exists()
+
+
+def test_a_killed_exports_temporary_folder_is_cleaned_by_the_next_export(finished, tmp_path, capfd):
+    dest = tmp_path / "copy"
+    killed = ("import os, shutil, sys\n"
+              "import engine.exporters.hf as hf\n"
+              "real = shutil.copytree\n"
+              "def dying(src, dst, **kw):\n"
+              "    real(src, dst, **kw)\n"
+              "    os._exit(9)  # as kill -9 mid-export: nothing cleans up\n"
+              "hf.shutil.copytree = dying\n"
+              "from engine.cli import main\n"
+              f"main(['export', {str(finished)!r}, '--format', 'hf', '--out', {str(dest)!r}])\n")
+    p = subprocess.run([sys.executable, "-c", killed], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 9, p.stderr
+    left = [q.name for q in tmp_path.iterdir() if q.name.startswith(".copy.")]
+    assert len(left) == 1 and left[0].endswith(".tmp") and not dest.exists(), left
+    capfd.readouterr()
+    assert main(["export", str(finished), "--format", "hf", "--out", str(dest)]) == 0
+    assert [q.name for q in tmp_path.iterdir() if q.name.startswith(".copy.")] == []
+    from engine.exporters.checks import model_folder_problem
+
+    assert model_folder_problem(dest) is None
+
+
+# --- memory ----------------------------------------------------------------------------------------------
+def test_a_huge_calibration_line_is_tokenized_in_bounded_pieces(tiny, eval_file, tmp_path):
+    from engine import pruner
+    from engine.tokenize_docs import CHUNK_CHARS
+
+    tok, longest = tiny[1], [0]
+
+    class Watching:  # the run's tokenizer, noting the longest text it is handed at once
+        def __call__(self, texts, **kw):
+            longest[0] = max([longest[0]] + [len(t) for t in ([texts] if isinstance(texts, str) else texts)])
+            return tok(texts, **kw)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    calib = tmp_path / "calib.jsonl"
+    words = ("the cat sat on a mat and ran over the hill " * 8000)  # 352,000 characters on one line
+    calib.write_text(json.dumps({"text": words}) + "\n" + "".join(
+        json.dumps({"text": f"document {i}: " + "a short story about a dog. " * 20}) + "\n" for i in range(20)))
+    config = tiny_config(eval_file, calib=str(calib), val_every=0, final_mask="last").validate()
+    sampler = pruner._run_data(Watching(), config)[0]
+    assert longest[0] <= CHUNK_CHARS < len(words)  # (the old code handed the tokenizer all 352,000 at once)
+    whole = len(tok(words, add_special_tokens=False)["input_ids"])
+    assert abs(max(len(d) for d in sampler.docs) - whole) <= 10  # the document kept, but for its cuts
+
+
+def test_tokenize_documents_caps_a_document_and_keeps_short_ones_exact(tiny):
+    from engine.tokenize_docs import pieces, tokenize_documents
+
+    tok = tiny[1]
+    short = ["Once upon a time there was a cat.", "It sat on a mat.", "The end."]
+    assert tokenize_documents(tok, short) == tok(short, add_special_tokens=False)["input_ids"]
+    long = "the cat sat on a mat " * 500  # 10,500 characters
+    assert "".join(pieces(long, 1000)) == long and all(len(p) <= 1000 for p in pieces(long, 1000))
+    capped = tokenize_documents(tok, [long, *short], cap=300, chunk=1000)
+    assert len(capped[0]) == 300 and capped[1:] == tok(short, add_special_tokens=False)["input_ids"]
+
+
+def test_a_batch_whose_logits_cannot_fit_is_refused_before_it_is_allocated(eval_file, tmp_path):
+    """Under a 6 GiB address-space limit the old code died in the first forward (DefaultCPUAllocator: can't allocate
+    memory, a traceback); the size is now refused before the data is even read."""
+    out = tmp_path / "run"
+    flags = tiny_flags(eval_file)
+    flags[flags.index("--batch-size") + 1], flags[flags.index("--seqlen") + 1] = "20000", "512"
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)); "
+    p = subprocess.run([sys.executable, "-c", limit + "import sys; from engine.cli import main; sys.exit(main(sys.argv[1:]))",
+                        "prune", *flags, "--out", str(out)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                       timeout=300)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert err[0].startswith("error: a step's batch") and "20,000 x 512 tokens" in err[0] and "GiB available" in err[0]
+    assert len(err[0]) < MAX_LINE and not out.exists()
+
+
+def test_a_metric_cache_that_is_a_file_is_one_line(eval_file, tmp_path, monkeypatch, capfd):
+    cache = tmp_path / "cache-file"
+    cache.write_text("not a folder")
+    monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(cache))
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert main(["prune", *tiny_flags(eval_file), "--out", str(out)]) == 2
+    one_error(capfd, "$PG_PRUNE_METRIC_CACHE", "which is a file, not a folder")
+    assert cache.read_text() == "not a folder" and not out.exists()
+
+
+# --- bounds and messages ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, said", [("1e300", "below 10080"), ("10080", "below 10080"), ("inf", "finite"),
+                                         ("nan", "finite"), ("-5", "above 0"), ("0", "above 0")])
+def test_absurd_time_budgets_are_one_line(value, said, eval_file, tmp_path, capfd):
+    capfd.readouterr()
+    assert main(["prune", *tiny_flags(eval_file), "--time-budget", value, "--out", str(tmp_path / "run")]) == 2
+    one_error(capfd, "time budget", said)
+    assert not (tmp_path / "run").exists()
+    assert MAX_TIME_BUDGET == 7 * 24 * 60
+    PruneConfig(time_budget=MAX_TIME_BUDGET - 1).validate()  # a week's budget, less a minute: taken
+
+
+@pytest.mark.parametrize("method", ["metric", "flap"])
+def test_a_time_budget_on_a_one_shot_method_is_refused(method, eval_file, tmp_path, capfd):
+    capfd.readouterr()
+    assert main(["prune", *tiny_flags(eval_file), "--method", method, "--time-budget", "1", "--out", str(tmp_path / "r")]) == 2
+    one_error(capfd, f"method {method} is one-shot", "drop --time-budget")
+
+
+def test_a_calibration_file_with_a_utf8_bom_is_read(tmp_path):
+    from engine.data import load_calibration_texts
+
+    calib = tmp_path / "windows.jsonl"
+    calib.write_bytes("\ufeff".encode() + b'{"text": "first document"}\n{"text": "second"}\n')
+    assert load_calibration_texts(str(calib))[0] == ["first document", "second"]
+
+
+SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+def _safetensor_error(text: str):
+    from safetensors import SafetensorError
+
+    return SafetensorError(text)
+
+
+def test_a_full_disk_while_writing_the_masks_is_one_line(eval_file, tmp_path, monkeypatch, capfd):
+    from engine import export
+
+    def full(*a, **kw):
+        raise _safetensor_error(SAFETENSORS_FULL)
+
+    monkeypatch.setattr(export, "save_file", full)
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert main(["prune", *tiny_flags(eval_file), "--out", str(out)]) == 2
+    one_error(capfd, f"no space left on the device of {out} while writing masks.safetensors", "needs about", "free")
+    assert not list(out.glob(".masks.safetensors.*"))
+
+
+def test_a_full_disk_while_writing_the_model_is_one_line(eval_file, tmp_path, monkeypatch, capfd):
+    from transformers import PreTrainedModel
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert main(["prune", *tiny_flags(eval_file), "--out", str(out)]) == 2
+    one_error(capfd, f"no space left on the device of {out} while writing model/", "needs about")
+    assert not (out / "model").exists() and not list(out.glob(".model.*"))
+
+
+def test_a_full_disk_while_exporting_names_the_folder_and_the_space(finished, tmp_path, monkeypatch, capfd):
+    from engine.exporters import hf
+
+    def full(src, dst, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf.shutil, "copytree", full)
+    dest = tmp_path / "copy"
+    capfd.readouterr()
+    assert main(["export", str(finished), "--format", "hf", "--out", str(dest)]) == 2
+    line = one_error(capfd, f"no space left on the device of {tmp_path} while writing copy/", "needs about")
+    need = sum(f.stat().st_size for f in (finished / "model").rglob("*") if f.is_file())
+    assert f"{need / 1024:.1f} KiB" in line or f"{need / 2**20:.1f} MiB" in line, (need, line)
+    assert not dest.exists() and not list(tmp_path.glob(".copy.*"))
+
+
+def test_a_long_os_error_is_shortened_to_one_line_under_300_characters(finished, tmp_path, monkeypatch, capfd):
+    from engine.exporters import hf
+
+    def failing(src, dst, **kw):  # an OS error as long as the one the issue saw (809 characters)
+        raise OSError(errno.EIO, "Input/output error: " + "the device said something long; " * 25)
+
+    monkeypatch.setattr(hf.shutil, "copytree", failing)
+    capfd.readouterr()
+    assert main(["export", str(finished), "--format", "hf", "--out", str(tmp_path / "copy")]) == 2
+    line = one_error(capfd, "cannot write --out", "Input/output error")
+    assert " ... " in line
+
+
+def test_zeroshot_run_with_masks_json_lacking_units_per_layer_is_one_line(finished, capfd):
+    from engine.tools.zeroshot import ZeroshotConfig, load_for_zeroshot
+
+    meta = json.loads((finished / "masks.json").read_text())
+    del meta["units_per_layer"]
+    (finished / "masks.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"masks\.json is damaged \(units_per_layer of .* is missing"):
+        load_for_zeroshot(ZeroshotConfig(run=str(finished), tasks=["piqa"], limit=2))
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return  # (the CLI checks for lm-eval first; the loader above is what --run reads the run with)
+    capfd.readouterr()
+    assert main(["zeroshot", "--run", str(finished), "--tasks", "piqa", "--limit", "2"]) == 2
+    one_error(capfd, "units_per_layer")
+
+
+def test_truncated_masks_safetensors_is_one_line(finished, capfd):
+    from engine.export import load_mask_artifact
+    from engine.tools.chat import load_base, masked_from_run
+
+    masks = finished / "masks.safetensors"
+    masks.write_bytes(masks.read_bytes()[:3000])
+    with pytest.raises(UserError, match=r"masks\.safetensors cannot be read \(Error while deserializing header"):
+        load_mask_artifact(finished)
+    with pytest.raises(UserError, match="the run's masks are damaged"):
+        masked_from_run(load_base(str(TINY_MODEL)), finished)
+    capfd.readouterr()  # a resume that finishes the run again writes them anew
+    assert main(["prune", "--out", str(finished), "--resume", "--steps", "4"]) == 0
+    assert load_mask_artifact(finished)[1]
+
+
+def test_a_full_disk_while_writing_the_checkpoint_is_one_line(tiny, eval_file, tmp_path, monkeypatch):
+    """torch.save says only "unexpected pos" when the disk fills: the write's size against the space free tells."""
+    import torch
+
+    from engine import io
+
+    def cut_short(*a, **kw):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    monkeypatch.setattr(io, "free_space", lambda folder: 1000)  # 1000 bytes free: less than the checkpoint needs
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=rf"no space left on the device of {out} while writing checkpoint\.pt "
+                                        r"\(nothing was written\): it needs about [\d.]+ KiB, 1000 bytes free"):
+        PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    assert not list(out.glob(".checkpoint.pt.*"))
