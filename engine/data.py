@@ -47,7 +47,8 @@ def _files_in(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
 
 
 def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
+    """UTF-8 text; a byte-order mark at the start (as Windows editors write it) is skipped (utf-8-sig)."""
+    return gzip.open(path, "rt", encoding="utf-8-sig") if path.name.endswith(".gz") else open(path, encoding="utf-8-sig")
 
 
 def _read_failure(path: Path, e: BaseException) -> str:
