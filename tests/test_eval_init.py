@@ -55,6 +55,10 @@ def test_a_budgeted_run_skips_the_init_s_evaluation_unless_asked(eval_init, tiny
         assert "init perplexity: skipped (--eval-init evaluates it)" in logs
         assert "init" not in evaluated(logs) and evaluated(logs)[0] == "dense"
     assert isinstance(results["ppl_pruned"], float) and results["steps"] >= 1
+    from engine.ui.checks import results_problem
+
+    assert results_problem(saved) is None  # (the app lists the run as finished, not damaged)
+    assert results_problem({**saved, "ppl_init": "x"}) is not None
 
 
 def test_the_dense_cache_keeps_its_evaluation_s_seconds(tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ def _number(x, nullable: bool = False) -> bool:
 
 # what the pages read of a results.json, and the types they need
 _NUMBERS = ("ppl_dense", "ppl_init", "ppl_pruned", "params_dense", "params_pruned")  # required
+_REQUIRED_NULLABLE = ("ppl_init",)  # (null: not evaluated, --time-budget without --eval-init)
 _OPTIONAL_NUMBERS = ("params_removed", "removed_of_decoder", "removed_of_model", "layers_removed",
                      "width_removed_of_kept_layers", "peak_rss_mb", "seconds_per_step", "seconds_in_steps", "steps",
                      "prune_ratio", "lr", "eval_windows", "seqlen")
@@ -68,7 +69,7 @@ def results_problem(results) -> str | None:
     for k in _NUMBERS:
         if k not in results:
             return f"no {k}"
-        if not _number(results[k]):
+        if not _number(results[k], nullable=k in _REQUIRED_NULLABLE):
             return f"{k} is {results[k]!r}, not a number"
     for k in _OPTIONAL_NUMBERS:
         if k in results and not _number(results[k]):
