@@ -59,9 +59,10 @@ def check_forwards_fit(forwards: dict[str, tuple[int, int]], vocab: int, availab
 
 def check_run_fits(config, model) -> None:
     """A prune run's forwards: a step's (its calibration batch; the batched executor repeats it per mask sample,
-    so this is the least) and an evaluation's, against the memory of config.device."""
+    so this is the least) and an evaluation's (no more rows than --max-windows), against config.device's memory."""
     vocab = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
         else int(model.config.vocab_size)
+    eval_rows = min(config.eval_batch_size, config.max_windows or config.eval_batch_size)
     check_forwards_fit({"a step's batch (--batch-size x --seqlen)": (config.batch_size, config.seqlen),
-                        "an evaluation batch (--eval-batch-size x --eval-seqlen)": (config.eval_batch_size, config.eval_seqlen)},
+                        "an evaluation batch (--eval-batch-size x --eval-seqlen)": (eval_rows, config.eval_seqlen)},
                        vocab, available_bytes(config.device))

@@ -423,3 +423,19 @@ def test_a_full_disk_while_writing_the_checkpoint_is_one_line(tiny, eval_file, t
                                         r"\(nothing was written\): it needs about [\d.]+ KiB, 1000 bytes free"):
         PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
     assert not list(out.glob(".checkpoint.pt.*"))
+
+
+def test_the_memory_check_counts_the_rows_a_run_makes(tiny):
+    """An evaluation batch has no more rows than --max-windows; a step's has --batch-size (the refusal is a lower
+    bound: nothing that fits is refused)."""
+    from engine.memory_check import check_forwards_fit, check_run_fits, forward_bytes
+
+    model = tiny[0]
+    check_run_fits(PruneConfig(eval_batch_size=10**7, max_windows=2), model)  # 2 windows: 2 rows, whatever the batch
+    with pytest.raises(UserError, match="an evaluation batch .* of 10,000,000 x 128 tokens"):
+        check_run_fits(PruneConfig(eval_batch_size=10**7, max_windows=0), model)
+    need = forward_bytes(4, 32, 2048)
+    assert need == 2 * 4 * 4 * 32 * 2048
+    check_forwards_fit({"a step": (4, 32)}, 2048, need)  # exactly what it needs: taken
+    with pytest.raises(UserError, match="a step of 4 x 32 tokens needs at least"):
+        check_forwards_fit({"a step": (4, 32)}, 2048, need - 1)
