@@ -15,6 +15,7 @@ from engine.arch import ModelAdapter
 from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.evaluate import batch_loss, perplexity
+from engine.rewards import CrossEntropy
 from engine.export import load_mask_artifact
 from engine.loading import count_parameters, load_model, resolve_model
 from engine.masking import MaskHooks
@@ -332,8 +333,8 @@ def test_best_val_margin_keeps_the_best_mask_against_small_gains(margin, best_st
         ppl = next(sequence)
         calls.append(ppl)
         self.last = None  # (a check of the mask checked last reuses its figure: here each check has its own)
-        monkeypatch.setattr(validation, "batch_loss", lambda model, b: torch.full((b.shape[0],), math.log(ppl),
-                                                                                  dtype=torch.float64))
+        flat = torch.tensor(math.log(ppl), dtype=torch.float64)  # (the held-out CE the check reads: --reward ce's)
+        monkeypatch.setattr(CrossEntropy, "held_out_means", lambda self, model, batches: (flat, flat))
         return real(self, state)
 
     monkeypatch.setattr(validation.Validation, "validate", validate)
@@ -373,13 +374,13 @@ def test_a_check_of_an_unchanged_mask_reuses_its_held_out_perplexity(tiny, tiny_
     import engine.hooks.validation as validation
     from engine.methods.base import StepGradient
 
-    calls = []
+    calls, real = [], CrossEntropy.held_out_means
 
-    def counted(model, batch):
-        calls.append(batch.shape[0])
-        return batch_loss(model, batch)
+    def counted(self, model, batches):  # (the held-out check's forwards, one per batch)
+        calls.extend(b.shape[0] for b in batches)
+        return real(self, model, batches)
 
-    monkeypatch.setattr(validation, "batch_loss", counted)
+    monkeypatch.setattr(CrossEntropy, "held_out_means", counted)
     config = small_config(tiny_path, small_eval_file, steps=3, val_every=1, val_batches=2, final_mask="best-val",
                           lr=1e-12, early_stop=0)
     results = PruneRun(config, tmp_path / "S", model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
