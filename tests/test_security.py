@@ -415,3 +415,33 @@ def test_the_ranks_end_when_torchrun_is_killed(eval_file, tmp_path):
                        cwd=REPO, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((out / "results.json").read_text())["steps"] == step + 1
+
+
+def test_the_pages_say_in_one_line_that_a_path_is_outside(finished_run, tmp_path, monkeypatch):
+    """The Runs page's export to a folder outside the runs folder and $PG_PRUNE_APP_FOLDERS, and the Prune page's
+    model field pointing outside them: one error in the page each, nothing written, no exception."""
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(finished_run.parent))
+    monkeypatch.setenv("PG_PRUNE_APP_FOLDERS", str(tmp_path / "allowed"))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
+    at.run()
+    at.switch_page("pages/runs.py").run()
+    assert not at.exception
+    at.selectbox[0].select_index(next(i for i, o in enumerate(at.selectbox[0].options) if finished_run.name in o)).run()
+    outside = tmp_path.parent / f"{tmp_path.name}-outside" / "copy"  # (the runs folder is tmp_path)
+    outside.parent.mkdir()  # (an export there could be written)
+    at.text_input[0].input(str(outside))
+    next(b for b in at.button if b.label == "Export model").click().run()
+    errors = [e.value for e in at.error]
+    assert not at.exception and len(errors) == 1 and "outside the folders this app may use" in errors[0], errors
+    assert not outside.exists() and not list(outside.parent.iterdir())
+
+    at.switch_page("pages/prune.py").run()
+    at.radio(key="model_choice").set_value("local")
+    at.text_input(key="model_path").input(str(TINY_MODEL)).run()
+    assert not at.exception and next(b for b in at.button if "Start pruning" in b.label).disabled  # (the plan's error)
+    shown = [w.value for w in at.warning if "error:" in w.value]  # (the plan's line: "Cannot start as set — error: …")
+    assert len(shown) == 1 and "the model path" in shown[0] and "outside the folders this app may use" in shown[0], shown
+    assert [p.name for p in finished_run.parent.iterdir() if not p.name.startswith(".")] == [finished_run.name]
