@@ -15,6 +15,7 @@ cores; not run in CI).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -64,6 +65,13 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server():
+    with serve() as found:
+        yield found
+
+
+@contextlib.contextmanager
+def serve():
+    """`streamlit run app.py` on a free port with a fresh runs folder: (url, runs folder)."""
     port = free_port()
     runs = Path(tempfile.mkdtemp(prefix="app-runs-"))
     env = {**os.environ, "PG_PRUNE_RUNS_DIR": str(runs), "TOKENIZERS_PARALLELISM": "false"}
@@ -288,6 +296,77 @@ def table_columns(d) -> list[list[str]]:
 KEY_COLUMNS = ("scope", "rate", "removed", "ppl pruned", "speed-up")  # what a 1400 px window must show of a run
 
 
+def heatmap_reading(d) -> dict | None:
+    """The KV-group heatmap as the page draws it now, read from its Plotly figure in one go with the page's text:
+    the heatmap's z and its per-cell marks (text), the "marks" text trace that draws them (x, y, text, colour)."""
+    found = d.execute_script("""
+        for (const el of document.querySelectorAll('.js-plotly-plot')) {
+            const data = el.data || [];
+            const heat = data.find(t => t.type === 'heatmap' && t.name !== 'removed layers');
+            if (!heat || !heat.text) continue;
+            const m = data.find(t => t.name === 'marks');
+            return JSON.stringify({z: heat.z, text: heat.text, x: heat.x, y: heat.y, page: document.body.innerText,
+                                   marks: m ? {x: m.x, y: m.y, text: m.text, colour: m.textfont.color} : null});
+        }
+        return null;""")
+    return json.loads(found) if found else None
+
+
+def marks_of(reading: dict) -> list[list[int]]:
+    """The ✓/✗ of each cell, as 0/1, from the heatmap's data; checked against the marks trace drawn on it."""
+    cells = [[{"✓": 1, "✗": 0, "": 0}[t] for t in row] for row in reading["text"]]
+    m = reading["marks"]
+    drawn = {(y, x): t for x, y, t in zip(m["x"], m["y"], m["text"])}
+    assert drawn == {(reading["y"][i], reading["x"][j]): t for i, row in enumerate(reading["text"])
+                     for j, t in enumerate(row) if t}
+    return cells
+
+
+def saved_head_mask(run: Path, prefix: str = "masks") -> list[list[int]]:
+    """masks.safetensors' KV-group mask (final, or init_masks), per layer."""
+    from safetensors.torch import load_file
+
+    sizes = json.loads((run / "masks.json").read_text())["units_per_layer"]["heads"]
+    flat = load_file(str(run / "masks.safetensors"))[f"{prefix}.heads"].tolist()
+    return [[int(x > 0.5) for x in flat[sum(sizes[:i]):sum(sizes[:i + 1])]] for i in range(len(sizes))]
+
+
+def shown_step_masks(d, run: Path) -> tuple[int, list[list[int]], list[list[int]]]:
+    """(step, marks, that step's masks in metrics.jsonl) of the current mask the page shows; read twice alike, so
+    that a redraw between the toggle's label and the figure is not taken for the page's state."""
+    import re
+
+    from engine.runstate import report_masks
+
+    def read():
+        r = heatmap_reading(d)
+        m = re.search(r"current \(step (\d+)\)", r["page"]) if r else None
+        return (int(m.group(1)), marks_of(r), r) if m else None
+
+    def stable():
+        a = read()
+        time.sleep(0.2)
+        b = read()
+        return a if a and b and a[:2] == b[:2] else None
+
+    step, marks, reading = wait(stable, timeout=60 * SLOW, what="the current mask")
+    lines = {r["step"]: r for r in (json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip())}
+    check_contrast(reading)
+    return step, marks, report_masks(lines[step])["heads"]
+
+
+def check_contrast(reading: dict) -> None:
+    """Every mark's colour on its cell's colour: at least WCAG AA's 4.5:1."""
+    from engine.ui.figures import cell_colours, contrast_ratio
+
+    cells = cell_colours(reading["z"])
+    where = {(y, x): c for x, y, c in zip(reading["marks"]["x"], reading["marks"]["y"], reading["marks"]["colour"])}
+    for i, row in enumerate(cells):
+        for j, colour in enumerate(row):
+            if (reading["y"][i], reading["x"][j]) in where:
+                assert contrast_ratio(colour, where[(reading["y"][i], reading["x"][j])]) >= 4.5
+
+
 # --- the test ---------------------------------------------------------------------------------
 def test_browser_end_to_end(server, browser):
     url, runs = server
@@ -492,3 +571,55 @@ def layer_runs(runs: Path) -> None:
         PruneRun(PruneConfig(model=str(TINY), units=units, scope=scope, **{**small, "steps": steps}), runs / name,
                  log=lambda m: None).run(progress=False)
         time.sleep(1.1)  # newest last: Compare's defaults pick the newest global run, and the newest uniform one
+
+
+def test_browser_heatmap_marks_are_the_runs_masks(browser):
+    """Issue 49: on the page's defaults (KV groups and channels on one parameter budget, 30 %), the heatmap's ✓/✗ read
+    from the page's Plotly figure are the run's own masks, cell by cell: during a run the hard mask of the step the
+    page shows (metrics.jsonl), at the end masks.safetensors' final mask, and its init mask on the toggle. (The app
+    once redrew the KV groups' mask on their own budget: 6 of 8 kept where the run kept 7.)"""
+    d = browser
+    with serve() as (url, runs):
+        d.get(url)
+        wait(lambda: "Prune" in d.find_element(By.TAG_NAME, "h1").text, timeout=90 * SLOW, what="the Prune page")
+        wait(lambda: "No run yet" in page_text(d), timeout=180 * SLOW, what="the empty run panel")  # (the plan first)
+        assert by_label(d, "Pruning rate").get_attribute("value") == "0.3"
+        fill_form(d, steps=5000)
+        button(d, "Start pruning").click()
+        asked = wait(lambda: [b for b in d.find_elements(By.TAG_NAME, "button") if "Yes, start it" in b.text
+                              and b.is_displayed()] or "Running" in status_line(d) or "Loading" in status_line(d),
+                     timeout=60 * SLOW, what="the start")
+        if isinstance(asked, list):
+            asked[0].click()
+        wait(lambda: "Running" in status_line(d) and heatmap_reading(d), timeout=300 * SLOW, what="the live heatmap")
+        run = newest_run(runs)
+        config = json.loads((run / "config.json").read_text())
+        assert config["budget"] == "params" and config["units"] == ["heads", "channels"] and config["prune_ratio"] == 0.3
+        seen = set()
+        while len(seen) < 2:  # two different steps while it runs: the marks follow the run's own masks
+            step, marks, want = shown_step_masks(d, run)
+            assert marks == want, (step, marks, want)
+            seen.add(step)
+        assert "Running" in status_line(d)
+        button(d, "Stop").click()
+        wait(lambda: "Stopped" in status_line(d), timeout=60 * SLOW, what="the run to stop")
+
+        open_expander(d, "Run settings")
+        set_input(d, "Steps", 4)
+        wait(lambda: planned_removal(d, 4), what="the plan of the short run")
+        button(d, "Start pruning").click()
+        wait(lambda: "Done" in status_line(d) and "final (" in page_text(d), timeout=300 * SLOW, what="the run to end")
+        run = newest_run(runs)
+        results = json.loads((run / "results.json").read_text())
+        from engine.ui.masks import mask_source
+
+        assert mask_source(results) in page_text(d)  # which step the final mask is from
+        final = wait(lambda: heatmap_reading(d), what="the final heatmap")
+        assert marks_of(final) == saved_head_mask(run)
+        check_contrast(final)
+        click_text(d, "init (step 0)", "p")
+        init = wait(lambda: (r := heatmap_reading(d)) and "init hard mask" in d.execute_script(
+            "return Array.from(document.querySelectorAll('.js-plotly-plot')).map(e => e.layout.title.text).join(' ')")
+            and r, what="the init mask")
+        assert marks_of(init) == saved_head_mask(run, "init_masks")
+
