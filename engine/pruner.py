@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import sys
 import threading
@@ -25,6 +26,7 @@ import torch
 
 from .arch import ModelAdapter
 from .budget import BUDGETS
+from .calib_sources import CALIB_SOURCES
 from .checkpoints import Checkpoints
 from .config import PruneConfig
 from .context import StepContext
@@ -41,6 +43,8 @@ from .phases import PhaseClock
 from .results import finish
 from .memory_check import check_run_fits
 from .tokenize_docs import tokenize_documents
+from .rewards import REWARDS
+from . import ppl_cache
 from .runmasks import RunMasks
 from .rundir import METRICS_FILE
 from .runstate import RunState, StepReport, check_finite, mask_rows  # noqa: F401  (StepReport: part of the run's API)
@@ -74,12 +78,14 @@ def _no_follow(path: str, flags: int) -> int:
         raise
 
 
-def _run_data(tokenizer, config: PruneConfig, calib: list[str] | None = None):
+def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | None = None, log=print,
+              calib: list[str] | None = None):
     """(calibration sampler, init sampler, held-out validation batches, evaluation windows, where the data came
     from {"calib_data", "eval_data"}). With validation on, every 10th calibration document is held out from the
     steps; the init metric (and the joint mix) read every document with --init-data all, as a one-shot run of the
     seed does, so that the run starts from that run's mask; the init sampler is the calibration sampler otherwise."""
     texts, calib_source = load_calibration_texts(config.calib) if calib is None else (calib, "in memory")
+    texts, scored_on = CALIB_SOURCES[config.calib_source](texts, model, tokenizer, config, fingerprint, log=log)
     ids = tokenize_documents(tokenizer, texts)  # (once: the samplers below share documents; bounded memory)
     val_batches, init_sampler = [], None
     if config.validates:
@@ -97,7 +103,8 @@ def _run_data(tokenizer, config: PruneConfig, calib: list[str] | None = None):
     text, eval_source = load_eval_text(config.eval_data)
     sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
     windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
-    return sampler, init_sampler or sampler, val_batches, windows, {"calib_data": calib_source, "eval_data": eval_source}
+    return sampler, init_sampler or sampler, val_batches, windows, {"calib_data": calib_source, "eval_data": eval_source,
+                                                                 "calib_source": scored_on}
 
 
 class PruneRun:
@@ -120,13 +127,15 @@ class PruneRun:
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
         self.budget.fixed_layers = c.fixed_layers
-        self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources = _run_data(tokenizer, c, calib)
+        self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources = _run_data(
+            tokenizer, c, model, self.fingerprint(), log, calib)
         self.world.check_data({  # (torchrun: every rank read the same token ids, before the steps' first forward)
             "calibration data": ([self.sampler.docs, self.init_sampler.docs, self.val_batches], self.sources["calib_data"]),
             "evaluation data": (self.windows, self.sources["eval_data"])})
         self.mask_rng = torch.Generator().manual_seed(c.seed + 1)
         self.sample_losses = self.world.share_executor(EXECUTORS[resolve_executor(c.sample_forward, c.device)])
-        self.ctx = StepContext(model, self.adapter, self.layout, self.sample_losses, self.mask_rng, c.num_mask_samples, c.steps)
+        self.ctx = StepContext(model, self.adapter, self.layout, self.sample_losses, self.mask_rng, c.num_mask_samples, c.steps,
+                               reward=REWARDS[c.reward]())
         self.method = METHODS[c.method](self.ctx, method_options(c.method, c.method_options, c))
         self.stages, self.unit_metric, self.stats_memo = [(0, c.prune_ratio)], c.init, None  # (stages: progressive)
         self.hooks = [h(self) for h in RUN_HOOKS if h.applies(c)]
@@ -138,6 +147,12 @@ class PruneRun:
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
         self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
         self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics
+
+    def fingerprint(self) -> str | None:
+        """The model's files (name, size, mtime) as one string, for caches of what it computes; None for a model
+        given in memory."""
+        found = ppl_cache.model_fingerprint(self.source.path, self.source.gguf_file) if self.from_disk else None
+        return json.dumps([found, self.config.dtype]) if found else None
 
     fill = property(lambda self: self.ctx.fill, doc="Bias compensation's means, once measured (None without it)")
 
