@@ -64,14 +64,6 @@ def _tensor_bytes(obj) -> int:
     return sum(_tensor_bytes(v) for v in values)
 
 
-def _tensor_bytes(obj) -> int:
-    """The bytes of the tensors inside obj (dicts, lists, tuples): about what a checkpoint of it takes on disk."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(_tensor_bytes(v) for v in values)
-
-
 class Checkpoints:
     """The checkpoint file of one run: snapshots of its state, written atomically, read back and checked."""
 

@@ -30,11 +30,11 @@ from typing import Any, Callable
 import torch
 
 from .errors import UserError
+from .evaluate import batch_loss
 
 TIMEOUT_ENV = "PG_PRUNE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
 
-from .evaluate import batch_loss
 
 def launched(env=os.environ) -> bool:
     """Was this process started by torchrun (or an equivalent launcher) as one of several ranks?"""

@@ -100,9 +100,9 @@ def mix_candidates(n: int, search: str, best: int = 1) -> int:
 
 
 def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> float:
-    """The calibration loss of the run's model under one hard mask (with the run's compensation, if any, or
-    with `fill`'s means)."""
-    return float(run.ctx.losses({u: m[None] for u, m in masks.items()}, batch, fill)[0])
+    """The run's reward (--reward: the calibration loss, or the KL to the dense model) of its model under one hard
+    mask (with the run's compensation, if any, or with `fill`'s means)."""
+    return float(run.ctx.rewards({u: m[None] for u, m in masks.items()}, batch, fill)[0])
 
 
 def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.Tensor], keep: float,
@@ -122,6 +122,8 @@ def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.
         with run.masks.weights(masks) as fill:  # (the model the run would export with this mask: --reconstruct)
             return sum(hard_mask_loss(run, masks, b, fill) for b in on) / len(on)
 
+    if loss is None:  # (kl: the dense model's part on every batch, before a refit edits the weights)
+        run.ctx.reward.prepare(run.model, [*batches, *more])
     made: dict[int, tuple] = {}
 
     def score(k: int) -> float:
