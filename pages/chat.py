@@ -9,7 +9,8 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from engine.tools.chat import GenerationSettings, masked_from_run, speed_comparison, stream  # noqa: E402
+from engine.tools.chat import (GenerationSettings, masked_from_run, prompt_problem, speed_comparison,  # noqa: E402
+                               stream)
 from engine.errors import UserError  # noqa: E402
 
 st.title(":material/forum: Chat: dense vs pruned")
@@ -27,15 +28,18 @@ current = _ui.selected_run()
 index = paths.index(current) if current in paths else 0
 run = st.selectbox("Pruned run", finished, index=index, format_func=_ui.run_label,
                    help="A finished run of the Prune page (its masks and sliced export).")
-MODES = {
-    "masked": "Masks on the base model (shares the dense weights)",
-    "sliced": "Sliced export (physically smaller: real speed)",
+MODES = {  # the first is the default: the exported model, as a user would deploy it
+    "sliced": "Sliced export (the exported model: refit, physically smaller)",
     "gguf": "GGUF in llama.cpp (the deployable file)",
+    "masked": "Masks only, no refit (the base model's weights)",
 }
+MASKED_NO_SPEEDUP = ("Masks only, no refit: no speed-up to show (the masks still compute every weight, and the "
+                     "answer is not the exported model's, which is refit). Choose the sliced export or the GGUF.")
 mode = st.radio("Pruned model", list(MODES), format_func=MODES.get, horizontal=True,
-                help="Masked: the dense weights with the pruned units zeroed by hooks; one copy of the weights "
-                     "serves both columns, so the two answers are generated one after the other. "
-                     "Sliced: the exported model whose matrices are physically smaller; it shows the real speed-up. "
+                help="Sliced (the default): the run's exported model, refit and physically smaller, as a user "
+                     "deploys it; it shows the real speed-up. "
+                     "Masks only: the dense weights with the pruned units zeroed by hooks, without the refit (so its "
+                     "answer can differ from the export's); one copy of the weights serves both columns. "
                      "GGUF: the run's model.gguf (written by `prune --export-gguf`, or exported here as f16 the first "
                      "time) in llama.cpp, as a user would deploy it; the dense side is then the dense model as a GGUF "
                      "of the same type in llama.cpp too (converted once, kept beside the runs), so both tokens/s are "
@@ -73,6 +77,9 @@ for turn in history:
     show_turn(turn)
 
 prompt = st.chat_input("Ask both models…")
+if prompt is not None and (empty := prompt_problem([], prompt, settings.max_new_tokens)):
+    st.warning(f"Not sent: {empty}.", icon=":material/block:")
+    prompt = None
 if prompt:
     try:
         if mode == "gguf":  # llama.cpp on both sides: the run's GGUF, and the dense model's of the same type
@@ -84,6 +91,9 @@ if prompt:
                       else _ui.sliced_model(str(run.path), run.modified))
     except UserError as e:
         st.error(f"Cannot load the models: {e}")
+        st.stop()
+    if too_long := prompt_problem([dense, pruned], prompt, settings.max_new_tokens):
+        st.error(f"Not sent: {too_long}.", icon=":material/block:")
         st.stop()
     with st.chat_message("user"):
         st.markdown(prompt)
@@ -101,13 +111,15 @@ if prompt:
                 tps[side] = gen.stats.tokens_per_s
             except UserError as e:
                 st.error(str(e))
-                text, stats = "", "failed"
+                text, stats = "", f"failed: {e}"  # (the turn keeps its reason)
             st.caption(stats)
         turn.update({side: text if isinstance(text, str) else "".join(map(str, text)), side + "_stats": stats,
                      side + "_label": label})
-    if len(tps) == 2:
-        turn["speedup"] = speed_comparison(dense.backend, tps["dense"], pruned.backend, tps["pruned"],
-                                           masked=mode == "masked")
+    if mode == "masked":
+        turn["speedup"] = MASKED_NO_SPEEDUP
+        st.info(turn["speedup"], icon=":material/speed:")
+    elif len(tps) == 2:
+        turn["speedup"] = speed_comparison(dense.backend, tps["dense"], pruned.backend, tps["pruned"])
         st.info(turn["speedup"], icon=":material/speed:")
     history.append(turn)
 

@@ -368,3 +368,34 @@ def test_invalid_settings_block_start_and_the_error_shows_once(tmp_path, monkeyp
     assert len(shown) == 1, shown
     at.number_input(key="steps").set_value(2).run()
     assert not next(b for b in at.button if b.key == "start").disabled
+
+
+@needs_tiny
+def test_chat_talks_to_the_export_and_checks_the_prompt_first(tmp_path, monkeypatch):
+    """Chat's pruned side is the exported model by default (its greedy answer is the sliced export's, token for
+    token); an empty or whitespace prompt is not sent; a prompt over the model's context is one line, nothing sent."""
+    from engine.tools.chat import GenerationSettings, answer, load_sliced
+
+    runs = tmp_path / "runs"
+    run = _finished_run(runs)
+    at = _app(monkeypatch, runs)
+    at.session_state["selected_run"] = str(run)
+    at.switch_page("pages/chat.py").run()
+    assert not at.exception, at.exception
+    mode = next(r for r in at.radio if r.label == "Pruned model")
+    assert mode.value == "sliced" and mode.options[-1].startswith("Masks only, no refit")
+    at.slider[0].set_value(16).run()  # max new tokens
+    at.chat_input[0].set_value("   ").run()
+    assert not at.exception and [w.value for w in at.warning] == ["Not sent: the prompt is empty: type something to send."]
+    assert not [c for c in at.caption if "tokens/s" in c.value]
+    at.chat_input[0].set_value("Once upon a time " * 200).run()  # about 800 tokens; the model has 512 positions
+    lines = [e.value for e in at.error]
+    assert not at.exception and len(lines) == 1 and lines[0].startswith("Not sent: the prompt is ") and \
+        "over the context of 512 tokens" in lines[0], lines
+    assert not [c for c in at.caption if "tokens/s" in c.value]
+    at.chat_input[0].set_value("Once upon a time").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    shown = [m.value for m in at.markdown if m.value and not m.value.startswith("**") and m.value != "Once upon a time"]
+    want, _ = answer(load_sliced(run), "Once upon a time", GenerationSettings(max_new_tokens=16, greedy=True))
+    assert shown[-1].strip() == want.strip() and want.strip()  # the pruned column: the export's greedy answer (markdown trims)
+

@@ -214,7 +214,9 @@ def gguf_chat(path: Path, run_dir: Path, params: int, label: str, threads: int |
     if tok.eos_token_id is not None:
         stop.add(int(tok.eos_token_id))
     llm = llamacpp.open_gguf(path, n_ctx=2048, threads=threads)
-    return ChatModel(LlamaCppGenerator(llm, stop), tok, label, int(params or 0), info={"gguf": str(path)},
+    trained = config.get("max_position_embeddings")
+    context = min(2048, int(trained)) if isinstance(trained, int) and trained > 0 else 2048  # (llama.cpp's window)
+    return ChatModel(LlamaCppGenerator(llm, stop), tok, label, int(params or 0), info={"gguf": str(path), "context": context},
                      backend=f"llama.cpp {gguf_outtype(path) or 'GGUF'}")
 
 
@@ -240,6 +242,30 @@ def speed_comparison(dense_backend: str, dense_tps: float, pruned_backend: str, 
         text += " Masks on the base model compute every weight, so no speed-up is expected: choose the sliced " \
                 "export or the GGUF for the real one."
     return text
+
+
+def context_length(chat: ChatModel) -> int | None:
+    """The tokens a model can attend to: its config's positions (llama.cpp: its window, at most those)."""
+    if chat.info.get("context"):
+        return int(chat.info["context"])
+    n = getattr(getattr(chat.model, "config", None), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def prompt_problem(chats: list[ChatModel], prompt: str, max_new_tokens: int) -> str | None:
+    """None when every model can take the prompt and its answer; else why not, in one line (an empty prompt, or
+    one whose tokens and new tokens are over a model's context)."""
+    if not prompt or not prompt.strip():
+        return "the prompt is empty: type something to send"
+    for chat in chats:
+        ctx = context_length(chat)
+        if ctx is None:
+            continue
+        n = int(build_inputs(chat.tokenizer, prompt).shape[-1])
+        if n + max_new_tokens > ctx:
+            return (f"the prompt is {n:,} tokens; with {max_new_tokens} new tokens that is over the context of "
+                    f"{ctx:,} tokens of {chat.label} ({chat.backend}): shorten it, or ask fewer new tokens")
+    return None
 
 
 def build_inputs(tokenizer, prompt: str) -> torch.Tensor:
