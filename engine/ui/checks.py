@@ -20,7 +20,7 @@ RATE_MIN, RATE_MAX = 0.05, 0.95  # the slider's range at its step of 0.05 (a rat
 def runs_dir_problem(path: str | Path) -> str | None:
     """None when the runs folder is a folder the app can write (made when missing), else what is wrong, in one
     line that names the folder and $PG_PRUNE_RUNS_DIR."""
-    from .jobs import RUNS_DIR_ENV
+    from .paths import RUNS_DIR_ENV
 
     p = Path(path)
     fix = f"set ${RUNS_DIR_ENV} to a writable folder and restart the app"

@@ -27,9 +27,8 @@ from pathlib import Path
 from ..config import PruneConfig
 from ..errors import UserError
 from ..runstate import report_masks
+from .paths import RUNS_DIR_ENV, default_runs_dir  # noqa: F401  (the runs folder: the pages import it from here)
 
-RUNS_DIR_ENV = "PG_PRUNE_RUNS_DIR"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Job status values. "idle": nothing started yet in this process.
 IDLE, LOADING, RUNNING, STOPPING, STOPPED, DONE, FAILED = "idle", "loading", "running", "stopping", "stopped", "done", "failed"
@@ -39,10 +38,6 @@ DAMAGED = "damaged"  # a run folder whose results.json or config.json the pages 
 
 class JobBusy(UserError):
     """A second job was asked for while one runs."""
-
-
-def default_runs_dir() -> Path:
-    return Path(os.environ.get(RUNS_DIR_ENV) or _REPO_ROOT / "runs")
 
 
 def new_run_name(config: PruneConfig, label: str = "") -> str:

@@ -13,12 +13,17 @@ from pathlib import Path
 from ..errors import UserError
 
 APP_FOLDERS_ENV = "PG_PRUNE_APP_FOLDERS"
+RUNS_DIR_ENV = "PG_PRUNE_RUNS_DIR"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_runs_dir() -> Path:
+    """The app's runs folder: $PG_PRUNE_RUNS_DIR, else runs/ in the repository."""
+    return Path(os.environ.get(RUNS_DIR_ENV) or _REPO_ROOT / "runs")
 
 
 def allowed_folders(env=os.environ) -> list[Path]:
     """The runs folder, then each folder of $PG_PRUNE_APP_FOLDERS, resolved (symbolic links followed)."""
-    from .jobs import default_runs_dir
-
     named = [p.strip() for p in env.get(APP_FOLDERS_ENV, "").split(os.pathsep) if p.strip()]
     return [Path(os.path.realpath(Path(p).expanduser())) for p in (str(default_runs_dir()), *named)]
 
