@@ -124,6 +124,10 @@ def reloaded(exported, ids, tmp_path_factory):
         import importlib.util, json, sys
         import torch
         from transformers import AutoModelForCausalLM
+        # (a user who loads the export has no pg-prune: the editable install's finder, `pip install -e .`, goes)
+        sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+        sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in getattr(h, "__module__", "")]
+        sys.path_importer_cache.clear()
         assert importlib.util.find_spec("engine") is None, "engine must not be importable here"
         ids = torch.load("ids.pt")
         for name, folder in json.loads(sys.argv[1]).items():
