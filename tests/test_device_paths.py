@@ -52,6 +52,8 @@ def test_zeroshot_of_a_run_loads_the_base_on_the_configured_device(tmp_path, mon
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(chat, "load_base", load_base)
+    # (the run's masks are read and checked before the base loads: this made-up run has only their metadata)
+    monkeypatch.setattr("engine.export.load_mask_artifact", lambda folder: ({"base_model": "some-model"}, None, None))
     try:
         load_for_zeroshot(ZeroshotConfig(run=str(run), device="cuda:1"))
     except RuntimeError:
