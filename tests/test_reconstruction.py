@@ -258,17 +258,17 @@ def test_best_val_validates_the_masks_as_the_run_would_export_them(val_refit, ti
     """--val-refit: every held-out check runs on the refit weights (the kept columns differ from the dense ones), and
     the init mask's held-out perplexity is the refit model's; --no-val-refit: on the dense weights. Either way the
     weights come back after each check."""
-    import engine.hooks.validation as validation
+    from engine.rewards import CrossEntropy
 
     edited = []
-    real = validation.batch_loss
+    real = CrossEntropy.held_out_means  # (the held-out check's forwards: --reward ce's)
     originals = [p.detach().clone() for p in tiny[0].parameters()]  # (while masked, the layers sit in gates)
 
-    def spy(model, batch):
+    def spy(self, model, batches):
         edited.append(any(not torch.equal(p, o) for p, o in zip(model.parameters(), originals)))
-        return real(model, batch)
+        return real(self, model, batches)
 
-    monkeypatch.setattr(validation, "batch_loss", spy)
+    monkeypatch.setattr(CrossEntropy, "held_out_means", spy)
     results = _run(tiny, tiny_path, small_eval_file, tmp_path / "v", method="pg", init="flap", reconstruct=True,
                    val_refit=val_refit, val_every=3, steps=3, prune_ratio=0.5)
     assert edited and all(e == val_refit for e in edited)
