@@ -100,9 +100,9 @@ def cpu() -> float:
 
 
 def save(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    from engine.io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def complete(done: dict, zeroshot: bool) -> bool:
