@@ -156,12 +156,49 @@ def click_when_free(d, el) -> None:
     wait(attempt, timeout=30 * SLOW, what="a clickable element")
 
 
+def same_value(shown: str | None, value) -> bool:
+    try:
+        return float(shown) == float(value)
+    except (TypeError, ValueError):
+        return shown == str(value)
+
+
 def set_input(d, label: str, value) -> None:
-    el = by_label(d, label)
-    click_when_free(d, el)
-    el.send_keys(Keys.CONTROL, "a")
-    el.send_keys(str(value))
-    el.send_keys(Keys.TAB)
+    """Type a value into an input and wait until the page holds it, retyping while a rerun redraws the input (on a
+    fresh machine the first reruns are slow, and an input disabled by the radio above it is enabled by the next
+    rerun: typing into it early raised 'element not interactable' in CI)."""
+    def attempt():
+        el = by_label(d, label)
+        if not el.is_enabled():
+            return False
+        d.execute_script("arguments[0].scrollIntoView({block: 'center'});", el)
+        el.click()
+        el.send_keys(Keys.CONTROL, "a")
+        el.send_keys(str(value))
+        el.send_keys(Keys.TAB)
+        return wait(lambda: same_value(by_label(d, label).get_attribute("value"), value), timeout=10 * SLOW,
+                    what=f"'{label}' at {value}")
+
+    wait(attempt, timeout=60 * SLOW, what=f"input '{label}' set to {value}")
+
+
+def slide_to(d, label: str, target: float) -> None:
+    """Move a slider to target with the keyboard on its thumb, one key at a time: each key reruns the page, and a key
+    sent while that rerun redraws the slider is lost (CI's fresh machine ended at 0.45 after four keys from 0.30)."""
+    for _ in range(100):
+        el = by_label(d, label)
+        shown = float(el.get_attribute("value"))
+        if abs(shown - target) < 1e-9:
+            return
+        thumb = el.find_element(By.XPATH, "../..")
+        d.execute_script("arguments[0].scrollIntoView({block: 'center'});", thumb)
+        ActionChains(d).click(thumb).send_keys(Keys.ARROW_RIGHT if shown < target else Keys.ARROW_LEFT).perform()
+        try:
+            wait(lambda: float(by_label(d, label).get_attribute("value")) != shown, timeout=10 * SLOW,
+                 what=f"'{label}' to move from {shown}")
+        except AssertionError:
+            pass  # (the key was lost: send it again)
+    raise AssertionError(f"'{label}' did not reach {target}")
 
 
 def click_text(d, text: str, tag: str = "*") -> None:
@@ -385,12 +422,7 @@ def test_browser_end_to_end(server, browser):
     # The rate slider: 0.30 -> 0.50 with the keyboard, on its thumb.
     rate = by_label(d, "Pruning rate")  # the range input inside the slider's thumb
     assert rate.get_attribute("value") == "0.3"
-    thumb = rate.find_element(By.XPATH, "../..")
-    d.execute_script("arguments[0].scrollIntoView({block: 'center'});", thumb)
-    ActionChains(d).click(thumb).perform()
-    for _ in range(4):
-        ActionChains(d).send_keys(Keys.ARROW_RIGHT).perform()
-    wait(lambda: by_label(d, "Pruning rate").get_attribute("value") == "0.5", what="the slider at 0.5")
+    slide_to(d, "Pruning rate", 0.5)
     assert "0.50" in d.find_element(By.CSS_SELECTOR, '[data-testid="stSliderThumbValue"]').text
 
     # A long run: watch the heatmap change, then stop it.
