@@ -13,15 +13,18 @@ cell() {  # one cell, one thread
   OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python bench/reward_study.py "$@" >> "$LOGS/$name.log" 2>&1
   echo "$(date -u +%FT%TZ) end $name rc=$?" >> "$LOGS/lanes.txt"
 }
-lane_a() {  # the one-shot stage on C4, then PG on C4 with both rewards
-  for s in 0 1 2; do cell "oneshot-r30-s$s-data" oneshot --rate 0.3 --seed "$s" --source data; done
+lane_a() {  # PG with kl on C4 first (the question: do the steps pay?), then the one-shot stage's other seeds
+  for s in 0 1 2; do cell "pg-r30-s$s-kl-data-40" pg --rate 0.3 --seed "$s" --source data --reward kl --steps 40; done
+  for s in 1 2; do cell "oneshot-r30-s$s-data" oneshot --rate 0.3 --seed "$s" --source data; done
+  for s in 0 1 2; do cell "pg-r50-s$s-kl-data-40" pg --rate 0.5 --seed "$s" --source data --reward kl --steps 40; done
   for s in 0 1 2; do cell "oneshot-r50-s$s-data" oneshot --rate 0.5 --seed "$s" --source data; done
-  for s in 0 1 2; do for r in kl ce; do cell "pg-r30-s$s-$r-data-40" pg --rate 0.3 --seed "$s" --source data --reward "$r" --steps 40; done; done
 }
-lane_b() {  # the one-shot stage on the model's own text, then PG on it with kl
-  for s in 0 1 2; do cell "oneshot-r30-s$s-self" oneshot --rate 0.3 --seed "$s" --source self; done
-  for s in 0 1 2; do cell "oneshot-r50-s$s-self" oneshot --rate 0.5 --seed "$s" --source self; done
+lane_b() {  # the one-shot stage of seed 0 (the PG cells' init), PG with ce on C4, then the model's own text
+  cell "oneshot-r30-s0-data" oneshot --rate 0.3 --seed 0 --source data
+  for s in 0 1 2; do cell "pg-r30-s$s-ce-data-40" pg --rate 0.3 --seed "$s" --source data --reward ce --steps 40; done
   for s in 0 1 2; do cell "pg-r30-s$s-kl-self-40" pg --rate 0.3 --seed "$s" --source self --reward kl --steps 40; done
+  for s in 0 1 2; do cell "oneshot-r30-s$s-self" oneshot --rate 0.3 --seed "$s" --source self; done
+  for s in 0 1 2; do cell "pg-r50-s$s-ce-data-40" pg --rate 0.5 --seed "$s" --source data --reward ce --steps 40; done
 }
 if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi
 nohup bash -c "$(declare -f cell lane_a); LOGS=$LOGS; lane_a" > /dev/null 2>&1 &
