@@ -125,8 +125,7 @@ class Checkpoints:
             raise UserError(f"checkpoint {path} does not belong to this run ({type(e).__name__}: {e}); "
                             "start again with --overwrite") from e
         self.check_config_unchanged(state)
-        for hook in self.run.hooks:
-            hook.on_resume(state)
+        self.run.call_hooks("on_resume", state)
         self.saved_step = state.step
         return state
 

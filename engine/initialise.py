@@ -141,8 +141,7 @@ def fresh_state(run: "PruneRun") -> RunState:
     with run.phases("init metric"):
         z = initial_metric(run, batches)
     keep0, mix = run.keep_ratio_at(0), None
-    for hook in run.hooks:
-        hook.before_scores(batches)
+    run.call_hooks("before_scores", batches)
     comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
     if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
         first = [] if c.init_data == "all" else list(run.val_batches or [])  # (all: as a one-shot run chooses it)
@@ -159,8 +158,7 @@ def fresh_state(run: "PruneRun") -> RunState:
     state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=run.mask_rng.get_state(),
                      ppl_dense=float("nan"), ppl_init=float("nan"), init_scores={u: s.clone() for u, s in scores.items()},
                      init_metric=z, init_mix=mix, init_mask_scores=run.budget.init_mask_scores(scores))
-    for hook in run.hooks:
-        hook.on_init(state, batches)
+    run.call_hooks("on_init", state, batches)
     run.stats_memo = None  # (the model is masked from here on: no statistic of the dense model is reused)
     state.ppl_dense = run.masks.dense_perplexity()
     state.ppl_init = init_perplexity(run, state)  # (the init mask the app shows)

@@ -34,7 +34,7 @@ from .distributed import World
 from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
 from .errors import UserError
 from .executors import EXECUTORS, resolve_executor
-from .hooks import RUN_HOOKS
+from .hooks import KEEP, RUN_HOOKS, RunChanges, joined_transforms
 from .initialise import fresh_state, metric_cache_folder, start_state
 from .loading import check_positions, load_model, resolve_model
 from .methods import METHODS, method_options
@@ -139,9 +139,9 @@ class PruneRun:
         self.method = METHODS[c.method](self.ctx, method_options(c.method, c.method_options, c))
         self.stages, self.unit_metric, self.stats_memo = [(0, c.prune_ratio)], c.init, None  # (stages: progressive)
         self.hooks = [h(self) for h in RUN_HOOKS if h.applies(c)]
-        for hook in self.hooks:
-            hook.on_setup()
-        self.checkpoints, self.masks, self.phases = Checkpoints(self), RunMasks(self), PhaseClock(self.started)
+        self.call_hooks("on_setup")
+        self.checkpoints, self.phases = Checkpoints(self), PhaseClock(self.started)
+        self.masks = RunMasks(self, joined_transforms(self.hooks))
         self.keep_ratio_at, self.lr_at = self.masks.keep_ratio_at, self.masks.lr_at
         self.hard_masks = self.ctx.hard_masks = self.masks.hard_masks  # (a method may cut its scores, as --unit-block)
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
@@ -155,6 +155,25 @@ class PruneRun:
         return json.dumps([found, self.config.dtype]) if found else None
 
     fill = property(lambda self: self.ctx.fill, doc="Bias compensation's means, once measured (None without it)")
+
+    def call_hooks(self, event: str, *args) -> None:
+        """Every joined hook's `event` (engine/hooks/base.py), in RUN_HOOKS' order, each one's changes applied
+        before the next is called."""
+        for hook in self.hooks:
+            self.apply_changes(getattr(hook, event)(*args))
+
+    def apply_changes(self, changes: RunChanges | None) -> None:
+        """The one place where a hook's event changes the run: what it returned (None: nothing)."""
+        if changes is None:
+            return
+        if changes.steps is not KEEP:
+            self.ctx.steps = changes.steps
+        if changes.fill is not KEEP:
+            self.ctx.fill = changes.fill
+        if changes.stages is not KEEP:
+            self.stages = changes.stages
+        if changes.unit_metric is not KEEP:
+            self.unit_metric = changes.unit_metric
 
     def fresh_state(self) -> RunState:
         return fresh_state(self)
@@ -205,8 +224,7 @@ class PruneRun:
 
             bar = tqdm(total=self.ctx.steps, initial=state.step, desc="pruning", unit="step")
         good, saved_at = self.checkpoints.snapshot(state), time.monotonic()  # the last finished step
-        for hook in self.hooks:
-            hook.on_start(state)
+        self.call_hooks("on_start", state)
         try:
             with open(self.out / METRICS_FILE if self.out else os.devnull, "a", opener=_no_follow) as metrics, self.phases("steps"), (  # (the loop: checkpoints too)
                     contextlib.closing(bar) if bar else contextlib.nullcontext()):
@@ -217,8 +235,8 @@ class PruneRun:
                     # stop at the first NaN/inf, before it reaches metrics.jsonl or a checkpoint
                     check_finite(f"step {state.step}", state.scores, {f"loss of mask sample {j + 1}": x
                                                                       for j, x in enumerate(report.losses)})
-                    for hook in self.hooks:
-                        hook.on_step(state, report)
+                    self.call_hooks("on_step", state, report)
+                    report.total_steps = self.ctx.steps  # (a hook may have changed it: --time-budget, --early-stop)
                     line = report.to_json()
                     good = self.checkpoints.snapshot(state, line)  # from here an interrupt saves this step
                     metrics.write(line + "\n")

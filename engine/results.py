@@ -69,9 +69,7 @@ def finish(run: "PruneRun", state: RunState) -> dict:
     """The final mask from the method's (or a hook's) scores: evaluated, saved, exported as a sliced model."""
     from .export import build_pruned_model, export_pruned, save_mask_artifact
 
-    scores = run.method.final_scores(state)
-    for hook in run.hooks:
-        scores = hook.final_scores(state, scores)
+    scores = run.masks.final_scores(state, run.method.final_scores(state))
     masks = run.final_masks(scores, state.init_metric)
     with run.masks.weights(masks) as fill:  # the model as the hooks finish it (--reconstruct refits the kept columns)
         ppl_pruned = run.masked_perplexity(masks, "pruned", fill)  # (every rank: a data-parallel run shares its forwards)

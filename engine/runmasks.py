@@ -1,5 +1,5 @@
-"""The masks a run takes from its scores (its budget schedule, every hook's rounding and ranking) and what a
-mask costs in perplexity."""
+"""The masks a run takes from its scores (its budget schedule, the hooks' mask transforms in engine.hooks'
+MASK_TRANSFORMS order) and what a mask costs in perplexity."""
 
 from __future__ import annotations
 
@@ -27,10 +27,15 @@ def mask_key(flat_masks: dict[str, torch.Tensor] | None, fill) -> tuple:
 
 
 class RunMasks:
-    def __init__(self, run: "PruneRun"):
-        self.run = run
+    def __init__(self, run: "PruneRun", transforms: list[tuple[str, object]] = ()):
+        # transforms: (transform, hook) in the order they apply (engine.hooks.joined_transforms: MASK_TRANSFORMS' order)
+        self.run, self.transforms = run, list(transforms)
         self.measured: dict[tuple, float] = {}  # mask_key -> perplexity, within this process
         self.longest_eval = 0.0  # wall seconds of the longest evaluation (--time-budget's reserve for the last one)
+
+    def each(self, transform: str) -> list:
+        """The hooks whose `transform` applies, in their order."""
+        return [hook for name, hook in self.transforms if name == transform]
 
     def keep_ratio_at(self, step: int) -> float:
         """The budget at 0-based `step`: the target, or the current stage's (progressive)."""
@@ -44,7 +49,7 @@ class RunMasks:
     def hard_masks(self, scores: dict[str, torch.Tensor], keep_ratio: float | None = None) -> dict[str, torch.Tensor]:
         keep = self.run.config.keep_ratio if keep_ratio is None else keep_ratio
         masks = self.run.budget.hard_masks(scores, keep)
-        for hook in self.run.hooks:
+        for hook in self.each("hard_masks"):
             masks = hook.hard_masks(masks, scores)
         return masks
 
@@ -54,27 +59,45 @@ class RunMasks:
         scores = state.init_mask_scores or state.init_metric
         return None if scores is None else self.hard_masks(scores)
 
+    def final_scores(self, state, scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The scores the final mask is cut from: the method's, then the hooks' (best-val's)."""
+        for hook in self.each("final_scores"):
+            scores = hook.final_scores(state, scores)
+        return scores
+
     def final_masks(self, scores: dict[str, torch.Tensor], metric: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The deterministic final masks: the top keep ratio of the scores per pool (then the hooks')."""
         masks = self.hard_masks(scores)
-        for hook in self.run.hooks:
+        for hook in self.each("final_masks"):
             masks = hook.final_masks(masks, metric)
         return masks
 
     @contextmanager
     def weights(self, masks: dict[str, torch.Tensor]):
         """The model as the run evaluates and exports this hard mask (every hook's weights_for: --reconstruct refits
-        its kept columns), and the compensation fill that goes with it (... for the run's own)."""
+        its kept columns), and the compensation fill that goes with it (... for the run's own). A hook that edits the
+        weights sets the perplexities measured so far aside until they are restored (none of them holds there)."""
         reward = self.run.ctx.reward
         with ExitStack() as stack:
             fill = ...
-            for hook in self.run.hooks:
+            for hook in self.each("weights_for"):
                 fill = stack.enter_context(hook.weights_for(masks, fill))
+                if hook.edits_weights:
+                    stack.enter_context(self.set_aside())
             was, reward.frozen = reward.frozen, True  # (a dense target would read edited weights)
             try:
                 yield fill
             finally:
                 reward.frozen = was
+
+    @contextmanager
+    def set_aside(self):
+        """The perplexities measured so far, set aside (an empty record in their place) and brought back after."""
+        outside, self.measured = self.measured, {}
+        try:
+            yield
+        finally:
+            self.measured = outside
 
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         return {u: self.run.layout.split(u, m) for u, m in flat.items()}

@@ -1,9 +1,15 @@
-"""The hook interface. Each method is a no-op here; a hook overrides the points it needs."""
+"""The hook interface. Each method is a no-op here; a hook overrides the points it needs.
+
+A hook reads its run but never assigns to it (tests/test_hook_state.py reads every hook's source for that): an
+event that changes the run returns a RunChanges, which the run applies in one place (PruneRun.apply_changes)
+before it calls the next hook. The order of the events' hooks is engine.hooks.RUN_HOOKS; the order of the mask
+transforms (hard_masks, final_scores, final_masks, weights_for) is engine.hooks.MASK_TRANSFORMS."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -11,14 +17,17 @@ if TYPE_CHECKING:  # annotations only
     from ..pruner import PruneRun
     from ..runstate import RunState, StepReport
 
-RUN_HOOKS: list[type["RunHook"]] = []
+KEEP: Any = type("Keep", (), {"__repr__": lambda self: "KEEP"})()  # a RunChanges field that changes nothing
 
 
-def register_hook(cls: type["RunHook"]) -> type["RunHook"]:
-    if cls in RUN_HOOKS:
-        raise ValueError(f"run hook {cls.__name__} is already registered")
-    RUN_HOOKS.append(cls)
-    return cls
+@dataclass(frozen=True)
+class RunChanges:
+    """What a hook's event changes in its run (a field left KEEP changes nothing); PruneRun.apply_changes applies it."""
+
+    steps: Any = KEEP  # the run's planned step count, ctx.steps (--time-budget re-plans it, --early-stop ends it)
+    stages: Any = KEEP  # the budget's stages [(from step, prune ratio)] (random-progressive)
+    unit_metric: Any = KEEP  # the init metric of the widths (random-progressive: random)
+    fill: Any = KEEP  # the compensation means every masked forward uses, ctx.fill (None: none)
 
 
 class RunHook:
@@ -33,24 +42,27 @@ class RunHook:
         """Does this run's config ask for the hook?"""
         raise NotImplementedError
 
-    def on_setup(self) -> None:
+    # --- events: each may return a RunChanges (None: the run is unchanged) ------------------------------------
+    def on_setup(self) -> RunChanges | None:
         """The run is built (model, layout and data loaded): check the config against the model, set schedules."""
 
-    def before_scores(self, batches: list[torch.Tensor]) -> None:
+    def before_scores(self, batches: list[torch.Tensor]) -> RunChanges | None:
         """A fresh run: the init metric is computed on `batches`, the initial scores are not yet chosen (the
         joint method's mix is chosen on masked losses that this hook's masking already applies to)."""
 
-    def on_init(self, state: "RunState", batches: list[torch.Tensor]) -> None:
+    def on_init(self, state: "RunState", batches: list[torch.Tensor]) -> RunChanges | None:
         """A fresh state: scores initialised, the init perplexities not yet measured."""
 
-    def on_resume(self, state: "RunState") -> None:
+    def on_resume(self, state: "RunState") -> RunChanges | None:
         """A state read back from the checkpoint."""
 
-    def on_start(self, state: "RunState") -> None:
+    def on_start(self, state: "RunState") -> RunChanges | None:
         """The steps are about to begin (after the init evaluations, or the checkpoint read back)."""
 
-    def on_step(self, state: "RunState", report: "StepReport") -> None:
-        """A step is done; its report is not yet written."""
+    def on_step(self, state: "RunState", report: "StepReport") -> RunChanges | None:
+        """A step is done; its report is not yet written (the run sets its total_steps after every hook's changes)."""
+
+    # --- mask transforms: applied in engine.hooks.MASK_TRANSFORMS' order ------------------------------------------
 
     def hard_masks(self, masks: dict[str, torch.Tensor], scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every hard mask the run takes from scores (reports, validation, the final mask)."""
@@ -70,6 +82,8 @@ class RunHook:
         final mask, its export): the model as it should be for that mask, and the compensation fill to use (`fill`
         as given; ... is the run's own)."""
         yield fill
+
+    edits_weights: bool = False  # weights_for edits the model's weights (RunMasks sets its perplexities aside)
 
     def results(self) -> dict:
         """What this hook adds to results.json."""

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from .base import RunHook, register_hook
+from .base import RunHook
 
 
-@register_hook
 class BestValFinal(RunHook):
     @staticmethod
     def applies(config) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..metrics.activations import input_means
 from ..unit_types import UNIT_TYPES
-from .base import RunHook, register_hook
+from .base import RunChanges, RunHook
 
 
 def compensation_fill(means, unit_types):
@@ -15,7 +15,6 @@ def compensation_fill(means, unit_types):
     return {u: means[u] for u in unit_types if u in means}
 
 
-@register_hook
 class BiasCompensation(RunHook):
     needs_data = True
 
@@ -23,14 +22,14 @@ class BiasCompensation(RunHook):
     def applies(config) -> bool:  # (whole layers alone have no widths to compensate)
         return config.bias_compensation and any(not UNIT_TYPES[u].whole_layer for u in config.units)
 
-    def before_scores(self, batches) -> None:  # (so that the joint method's candidate losses are compensated)
+    def before_scores(self, batches) -> RunChanges:  # (so that the joint method's candidate losses are compensated)
         self.run.log("measuring mean inputs of the output projections (bias compensation)")
         self.means = input_means(self.run.adapter, batches, self.run.world, self.run.stats_memo)
-        self.run.ctx.fill = compensation_fill(self.means, self.run.layout.unit_types)
+        return RunChanges(fill=compensation_fill(self.means, self.run.layout.unit_types))
 
-    def on_init(self, state, batches) -> None:
+    def on_init(self, state, batches) -> RunChanges:
         state.input_means = self.means
-        self.on_resume(state)
+        return self.on_resume(state)
 
-    def on_resume(self, state) -> None:
-        self.run.ctx.fill = compensation_fill(state.input_means, self.run.layout.unit_types)
+    def on_resume(self, state) -> RunChanges:
+        return RunChanges(fill=compensation_fill(state.input_means, self.run.layout.unit_types))

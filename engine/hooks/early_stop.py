@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..runmasks import mask_key
-from .base import RunHook, register_hook
+from .base import RunChanges, RunHook
 
 SATURATED = 0.01  # a score within this of 0 or 1 is saturated
 UNSATURATED_SHARE = 0.01  # the share of scores allowed to be unsaturated
@@ -28,7 +28,6 @@ def still(unchanged: int, patience: int, is_saturated: bool, best_step: int | No
     return not validates or best_step is None or best_step <= step - patience
 
 
-@register_hook
 class EarlyStop(RunHook):
     @staticmethod
     def applies(config) -> bool:
@@ -37,7 +36,7 @@ class EarlyStop(RunHook):
     def on_setup(self) -> None:
         self.digest, self.unchanged = None, 0
 
-    def on_step(self, state, report) -> None:
+    def on_step(self, state, report) -> RunChanges | None:
         run, c = self.run, self.run.config
         digest = mask_key(run.hard_masks(state.scores, run.keep_ratio_at(state.step - 1)), ...)
         self.unchanged = self.unchanged + 1 if digest == self.digest else 0
@@ -47,5 +46,5 @@ class EarlyStop(RunHook):
             run.log(f"stopping early at step {state.step}: the hard mask has not changed for {self.unchanged} steps, "
                     f"the scores are saturated and validation stopped improving (--early-stop {c.early_stop})")
             state.stopped_early = state.step
-            run.ctx.steps = state.step
-            report.total_steps = state.step
+            return RunChanges(steps=state.step)
+        return None

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..units import round_to_multiple
-from .base import RunHook, register_hook
+from .base import RunHook
 
 
-@register_hook
 class UnitMultiples(RunHook):
     @staticmethod
     def applies(config) -> bool:

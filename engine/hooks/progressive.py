@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 from ..policy import progressive_stages
-from .base import RunHook, register_hook
+from .base import RunChanges, RunHook
 
 
-@register_hook
 class ProgressiveSchedule(RunHook):
     @staticmethod
     def applies(config) -> bool:
         return config.init == "random-progressive"
 
-    def on_setup(self) -> None:
+    def on_setup(self) -> RunChanges:
         c = self.run.config
-        self.run.stages = progressive_stages(c.prune_ratio, c.steps, c.progressive_increment)
-        self.run.unit_metric = "random"
+        return RunChanges(stages=progressive_stages(c.prune_ratio, c.steps, c.progressive_increment), unit_metric="random")

@@ -3,14 +3,13 @@ the kept units inside every layer by the init metric."""
 
 from __future__ import annotations
 
-from .base import RunHook, register_hook
+from .base import RunHook
 
 
 def rank_within_layers(layout, masks, metric):
     return {u: layout.ranked_within_layers(u, m, metric[u]) for u, m in masks.items()}
 
 
-@register_hook
 class WithinLayerRanking(RunHook):
     @staticmethod
     def applies(config) -> bool:

@@ -6,10 +6,9 @@ this costs nothing: there is nobody to compare with."""
 
 from __future__ import annotations
 
-from .base import RunHook, register_hook
+from .base import RunHook
 
 
-@register_hook
 class SameStateOnEveryRank(RunHook):
     @staticmethod
     def applies(config) -> bool:

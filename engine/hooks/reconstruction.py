@@ -11,7 +11,7 @@ from contextlib import ExitStack, contextmanager
 
 from ..reconstruction import available_memory, input_moments, moments_bytes, reconstructed
 from ..unit_types import UNIT_TYPES, layer_unit_types
-from .base import RunHook, register_hook
+from .base import RunHook
 from .time_budget import share_of_time_left
 
 STREAM = 5  # the statistics' batches: the calibration documents, seeded seed + STREAM
@@ -19,7 +19,6 @@ STATISTICS_SHARE = 1 / 3  # --time-budget: the statistics take at most this shar
 MIN_BATCHES = 8  # ... and never fewer batches than this (or --reconstruct-batches, if fewer)
 
 
-@register_hook
 class Reconstruction(RunHook):
     final_evaluations = 1  # the final mask before the refit, for results.json
 
@@ -73,17 +72,16 @@ class Reconstruction(RunHook):
         if self.skipped is not None:
             yield fill
             return
-        outside = r.masks.measured  # (perplexities of the unedited weights: set aside while the weights are edited)
-        try:
-            with ExitStack() as stack:
-                moments = self.statistics()
-                with r.phases("refit"):  # (the solves; the weights are restored on leaving)
-                    refit = stack.enter_context(reconstructed(r.adapter, r.layout, masks, moments, c.reconstruct_ridge,
-                                                              c.bias_compensation))
-                r.masks.measured = {}
-                yield refit
-        finally:
-            r.masks.measured = outside
+        with ExitStack() as stack:  # (RunMasks.weights sets the unedited weights' perplexities aside: edits_weights)
+            moments = self.statistics()
+            with r.phases("refit"):  # (the solves; the weights are restored on leaving)
+                refit = stack.enter_context(reconstructed(r.adapter, r.layout, masks, moments, c.reconstruct_ridge,
+                                                          c.bias_compensation))
+            yield refit
+
+    @property
+    def edits_weights(self) -> bool:  # (a skipped refit leaves the weights as they are)
+        return self.skipped is None
 
     def results(self) -> dict:
         c = self.run.config

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 
-from .base import RunHook, register_hook
+from .base import RunChanges, RunHook
 
 EXPORT_SECONDS = 5.0
 RESERVE_FACTOR = 1.15
@@ -30,7 +30,6 @@ def planned_steps(done: int, elapsed: float, limit: float, per_step: float, rese
     return done + max(0, math.floor(room / per_step)) if per_step > 0 else done
 
 
-@register_hook
 class TimeBudget(RunHook):
     @staticmethod
     def applies(config) -> bool:
@@ -52,23 +51,24 @@ class TimeBudget(RunHook):
         self.before, self.eval_seconds = float(used.get("seconds", 0.0)), float(used.get("eval_seconds", 0.0))
         self.resumed_per_step = float(used.get("per_step", 0.0))
 
-    def on_start(self, state) -> None:
+    def on_start(self, state) -> RunChanges | None:
         self.last = self.clock()
         if state.step and self.resumed_per_step:  # a resumed run: planned from the last session's step time
-            self.plan(state, self.resumed_per_step)
+            return RunChanges(steps=self.plan(state, self.resumed_per_step))
+        return None
 
-    def on_step(self, state, report) -> None:
+    def on_step(self, state, report) -> RunChanges:
         now = self.clock()
         self.step_times.append(now - self.last)
         self.last = now
         recent = self.step_times[-RECENT:]  # a slowdown shows here first; the whole mean spreads validations
         per_step = max(sum(self.step_times) / len(self.step_times), sum(recent) / len(recent))
-        self.plan(state, per_step)
-        report.total_steps = self.run.ctx.steps
-        report.eta_seconds = per_step * (self.run.ctx.steps - state.step)
+        planned = self.plan(state, per_step)
+        report.eta_seconds = per_step * (planned - state.step)
+        return RunChanges(steps=planned)
 
-    def plan(self, state, per_step: float) -> None:
-        """The run's step count from here (ctx.steps), and what a checkpoint keeps of the time used."""
+    def plan(self, state, per_step: float) -> int:
+        """The run's step count from here (its new ctx.steps), and what a checkpoint keeps of the time used."""
         self.eval_seconds = max(self.eval_seconds, self.run.masks.longest_eval)
         evaluations = 1 + sum(h.final_evaluations for h in self.run.hooks)  # (--reconstruct: the mask before its refit)
         reserve = RESERVE_FACTOR * evaluations * self.eval_seconds + EXPORT_SECONDS
@@ -78,9 +78,10 @@ class TimeBudget(RunHook):
             self.run.log(f"time budget: {self.elapsed() / 60:.1f} of {self.limit / 60:g} min used at step {state.step}, "
                          f"the end needs about {reserve:.0f} s: no more steps (results.json's seconds_by_phase says where "
                          f"the time went)")
-        self.run.ctx.steps = self.run.world.from_writer(planned, "the time budget's step count")  # (rank 0's clock)
+        planned = self.run.world.from_writer(planned, "the time budget's step count")  # (rank 0's clock)
         state.time_used = {"seconds": self.elapsed(), "eval_seconds": self.eval_seconds, "per_step": per_step,
                            "limit": self.limit}
+        return planned
 
 
 def share_of_time_left(run, share: float, minimum: int):

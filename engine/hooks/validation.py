@@ -15,7 +15,7 @@ import torch
 
 from ..runmasks import mask_key
 from ..runstate import check_finite
-from .base import RunHook, register_hook
+from .base import RunHook
 
 
 def improves(ppl: float, best: float | None, margin: float) -> bool:
@@ -23,7 +23,6 @@ def improves(ppl: float, best: float | None, margin: float) -> bool:
     return best is None or ppl < best * (1.0 - margin)
 
 
-@register_hook
 class Validation(RunHook):
     @staticmethod
     def applies(config) -> bool:
