@@ -1,6 +1,8 @@
 """Run hooks: the cross-cutting options of a run, each in its own file, called at fixed points of the run's
 life (as llm-compressor's modifiers are). A hook joins a run when its `applies(config)` is true; the run loop
-calls every joined hook in RUN_HOOKS' order and never branches on an option's name itself.
+calls every joined hook's events in RUN_HOOKS' order and never branches on an option's name itself. A hook reads
+the run and never assigns to it: an event returns what it changes (a RunChanges), which the run applies before it
+calls the next hook (PruneRun.apply_changes). The masks pass through the hooks' transforms in MASK_TRANSFORMS' order.
 
     ranks          data-parallel runs (torchrun): every rank's state compared after every step
     progressive    random-progressive: the budget raised in stages (a schedule, not an init metric)
@@ -18,7 +20,38 @@ calls every joined hook in RUN_HOOKS' order and never branches on an option's na
 
 from __future__ import annotations
 
-from .base import RUN_HOOKS, RunHook, register_hook
-from . import ranks, progressive, compensation, multiples, time_budget, validation, early_stop, best_val, ranking, reconstruction  # noqa: E402,F401  (in this order)
+from .base import KEEP, RunChanges, RunHook
+from .best_val import BestValFinal
+from .compensation import BiasCompensation
+from .early_stop import EarlyStop
+from .multiples import UnitMultiples
+from .progressive import ProgressiveSchedule
+from .ranking import WithinLayerRanking
+from .ranks import SameStateOnEveryRank
+from .reconstruction import Reconstruction
+from .time_budget import TimeBudget
+from .validation import Validation
 
-__all__ = ["RUN_HOOKS", "RunHook", "register_hook"]
+# every hook, in the order the run calls their events (each hook's RunChanges applied before the next is called)
+RUN_HOOKS: list[type[RunHook]] = [SameStateOnEveryRank, ProgressiveSchedule, BiasCompensation, UnitMultiples, TimeBudget,
+                                  Validation, EarlyStop, BestValFinal, WithinLayerRanking, Reconstruction]
+
+# the mask transforms in the order they apply, at the end of a run: (transform, hook) read top to bottom is the
+# way from the method's final scores to the weights evaluated and exported. Every hard mask the run takes from
+# scores (its steps' reports, validation, early stopping, the init mask) is the budget's cut followed by the
+# "hard_masks" rows alone.
+MASK_TRANSFORMS: list[tuple[str, type[RunHook]]] = [
+    ("final_scores", BestValFinal),  # --final-mask best-val: the best-validated step's scores
+    ("hard_masks", UnitMultiples),  # (the budget's cut, then) each layer keeps a multiple of N units
+    ("final_masks", WithinLayerRanking),  # --within-layer-ranking init-metric: each layer's units by the init metric
+    ("final_masks", Reconstruction),  # --reconstruct: the final mask measured before its refit (results.json)
+    ("weights_for", Reconstruction),  # --reconstruct: the kept columns refit for the evaluation and the export
+]
+
+
+def joined_transforms(hooks: list[RunHook]) -> list[tuple[str, RunHook]]:
+    """(transform, hook) of a run's joined hooks, in MASK_TRANSFORMS' order (engine/runmasks.py applies them)."""
+    return [(name, hook) for name, cls in MASK_TRANSFORMS for hook in hooks if type(hook) is cls]
+
+
+__all__ = ["KEEP", "MASK_TRANSFORMS", "RUN_HOOKS", "RunChanges", "RunHook", "joined_transforms"]
