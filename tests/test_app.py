@@ -257,11 +257,16 @@ def test_compare_starts_matching_uniform_run_and_compares(runs_dir):
 
     at = app()
     at.switch_page("pages/compare.py").run()
-    a, b = at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value
-    assert {a.config["scope"], b.config["scope"]} == {"global", "uniform"}
+    a, b = compared_configs(at, runs_dir)[:2]
+    assert {a["scope"], b["scope"]} == {"global", "uniform"}
     titles = [s["layout"]["title"]["text"] for s in charts(at)]
     assert any("Sparsity per layer" in t for t in titles) and any("Perplexity" in t for t in titles)
-    assert len(at.dataframe) == 1
+    assert not any("Start the matching" in b.label for b in at.button)  # the match exists: not offered again
+
+
+def compared_configs(at: AppTest, runs: Path) -> list[dict]:
+    """The configs of the runs Compare compares, A first (its pick, engine/ui/compare.py's PICK_KEY)."""
+    return [json.loads((runs / name / "config.json").read_text()) for name in at.session_state["cmp_runs"]]
 
 
 # --- Chat ------------------------------------------------------------------------------------
@@ -481,16 +486,17 @@ def test_compare_two_layer_runs_and_warns_when_the_parameters_differ(tmp_path, m
     at = app()
     at.switch_page("pages/compare.py").run()
     assert not at.exception, at.exception
-    a, b = at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value
-    assert {tuple(a.config["units"]), tuple(b.config["units"])} == {("layers",), ("heads", "channels", "layers")}
+    a, b = compared_configs(at, runs)[:2]
+    assert {tuple(a["units"]), tuple(b["units"])} == {("layers",), ("heads", "channels", "layers")}
     assert any("removed different numbers of parameters" in w.value for w in at.warning), [w.value for w in at.warning]
     titles = [s["layout"]["title"]["text"] for s in charts(at)]
     assert any("Sparsity per layer" in t for t in titles)
 
 
 def test_compare_says_why_a_joint_run_has_no_uniform_match(tmp_path, monkeypatch):
-    """A joint run (layers and widths on one parameter budget) exists only in global scope: Compare's button for
-    the matching uniform run says so in one error line and starts nothing (it once started a run that failed)."""
+    """A joint run (layers and widths on one parameter budget) exists only in global scope: Compare offers no
+    matching uniform run, says why in one line, and starts nothing (it once offered one, which failed in flag
+    language)."""
     from engine.config import PruneConfig
     from engine.pruner import PruneRun
 
@@ -502,9 +508,9 @@ def test_compare_says_why_a_joint_run_has_no_uniform_match(tmp_path, monkeypatch
     PruneRun(config, runs / "joint", log=lambda m: None).run(progress=False)
     at = app()
     at.switch_page("pages/compare.py").run()
-    next(b for b in at.button if "Start the matching uniform run" in b.label).click().run()
     assert not at.exception, at.exception
-    assert any(e.value.startswith("Cannot start:") and "--scope global" in e.value for e in at.error), [e.value for e in at.error]
+    assert not any("matching" in b.label for b in at.button), [b.label for b in at.button]
+    assert any(c.value.startswith("No uniform run can match run A") and "global scope" in c.value for c in at.caption)
     assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == ["joint"]
 
 

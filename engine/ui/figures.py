@@ -192,16 +192,17 @@ def loss_figure(history: list[dict], title: str = "") -> go.Figure:
     return _layout(fig, title or "Calibration loss per mask sample, baseline, learning rate", height=400)
 
 
-def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types: list[str]) -> go.Figure:
+def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types: list[str],
+                      colours: list[str] | None = None) -> go.Figure:
     """Fraction pruned per layer, one line per run, one panel per unit type.
 
-    runs: (label, {unit type: kept fraction per layer}).
+    runs: (label, {unit type: kept fraction per layer}); colours: each run's (default: by position).
     """
     unit_types = [u for u in unit_types if any(u in kept for _, kept in runs)] or unit_types
     fig = make_subplots(rows=len(unit_types), cols=1, subplot_titles=[UNIT_TYPES[u].title if u in UNIT_TYPES else u for u in unit_types],
                         vertical_spacing=0.16)
     for k, (label, kept) in enumerate(runs):
-        colour = _RUN_COLOURS[k % len(_RUN_COLOURS)]
+        colour = colours[k] if colours else _RUN_COLOURS[k % len(_RUN_COLOURS)]
         for row, u in enumerate(unit_types, 1):
             if u not in kept:
                 continue
@@ -214,14 +215,16 @@ def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types
     return _layout(fig, "Sparsity per layer (fraction pruned)", height=200 + 240 * len(unit_types))
 
 
-def perplexity_bars(runs: list[tuple[str, dict]]) -> go.Figure:
-    """Dense / init / pruned perplexity of each run (results.json dicts)."""
+def perplexity_bars(runs: list[tuple[str, dict]], colours: list[str] | None = None) -> go.Figure:
+    """Dense / init / pruned perplexity of each run (results.json dicts); colours: each run's (default: by
+    position)."""
     fig = go.Figure()
     for k, (label, res) in enumerate(runs):
         names = ["dense", "init", "pruned"]
         values = [res.get("ppl_dense"), res.get("ppl_init"), res.get("ppl_pruned")]
-        fig.add_bar(x=names, y=values, name=label, marker_color=_RUN_COLOURS[k % len(_RUN_COLOURS)],
-                    text=[f"{v:.1f}" if v is not None else "" for v in values], textposition="outside",
+        fig.add_bar(x=names, y=values, name=label,
+                    marker_color=colours[k] if colours else _RUN_COLOURS[k % len(_RUN_COLOURS)],
+                    text=[f"{v:.2f}" if v is not None else "" for v in values], textposition="outside",
                     hovertemplate="%{x}: %{y:.2f}<extra>" + label + "</extra>")
     fig.update_yaxes(title="WikiText-2 perplexity", rangemode="tozero")
     fig.update_layout(barmode="group")
