@@ -100,6 +100,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("bias_compensation", False)  # nor compensated (the default until FLAP's init became it)
     data.setdefault("reconstruct", False)  # nor refit by least squares (the default since --reconstruct came)
     data.setdefault("mix_refit", data["reconstruct"])  # a refit run scored its joint mix refit
+    data.setdefault("refit_stream", "own")  # and read its refit's statistics on a stream of their own
     data.setdefault("max_windows", None)  # and evaluated every window unless told otherwise
     data.setdefault("best_val_margin", 0.0)  # best-val took any gain
     data.setdefault("val_refit", False)  # and validated the masks unrefit (a resumed run compares like with like)
@@ -253,8 +254,12 @@ class PruneConfig:
                                      "export; results.json keeps the perplexity before it. On by default; whole layers "
                                      "alone have nothing to refit")
     reconstruct_batches: int = setting(64, minimum=1, label="Reconstruction batches",
-                                       help="calibration batches of the reconstruction's statistics (a stream of their own; "
-                                            "more batches cost more forwards; 16 against 64: docs/results.md)")
+                                       help="calibration batches of the reconstruction's statistics (the first batches of "
+                                            "the init stream, read in one pass with the init metric's; more batches cost "
+                                            "more forwards; 16 against 64: docs/results.md)")
+    refit_stream: str = setting("init", choices=("init", "own"), label="Reconstruction stream", help=(
+        "the calibration batches the reconstruction's statistics read: init (the init metric's stream, in one "
+        "statistics pass with it) or own (a stream of their own, as runs before the one pass read)"))
     reconstruct_ridge: float = setting(0.1, minimum=0.0, label="Reconstruction ridge",
                                        help="the regression's ridge, relative to the kept inputs' mean second moment")
     within_layer_ranking: str = setting("scores", choices=WITHIN_LAYER_RANKINGS, label="Within-layer ranking",

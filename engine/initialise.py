@@ -17,6 +17,7 @@ from .metrics import METRICS, MetricContext
 from .metrics.registry import removal_order
 from .joint import choose_mix
 from .metrics.probability import initial_scores, standardize
+from .statistics import STATISTICS, Statistic, statistics_pass
 from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
 from .runfiles import INIT_PROGRESS_DIR
 from .runstate import RunState, check_finite
@@ -47,6 +48,28 @@ def metric_cache_folder() -> str | None:
     return shared
 
 
+def cache_entry(run: "PruneRun", name: str, units: list[str], ctx: MetricContext, folder: str, keep) -> Path:
+    """The file in `folder` that holds the metric's value for ctx (see cached_metric)."""
+    key = [name, units, run.source.path, run.source.gguf_file, keep, ctx.seed, run.config.dtype]
+    if METRICS[name].greedy and ctx.finalists:  # (another order than SLEB's own; entries without finalists keep their key)
+        key.append({"finalists": ctx.finalists})
+    h = hashlib.sha1(json.dumps(key).encode())
+    for b in ctx.batches:
+        h.update(b.numpy().tobytes())
+    return Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
+
+
+def metric_cached(run: "PruneRun", name: str, units: list[str], ctx: MetricContext) -> bool:
+    """Does $PG_PRUNE_METRIC_CACHE hold this metric's value for ctx, so that cached_metric will not compute it? (A
+    greedy metric's order is continued, never skipped: False.) Rank 0's folder answers for every rank."""
+    world = run.world
+    shared = world.from_writer(metric_cache_folder() if world.writes else None, "the metric cache's folder")
+    if not shared or METRICS[name].greedy:
+        return False
+    return bool(world.from_writer(cache_entry(run, name, units, ctx, shared, ctx.keep_ratio).is_file() if world.writes
+                                  else None, "the metric cache's answer"))
+
+
 def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricContext) -> dict[str, list[torch.Tensor]]:
     """METRICS[name] on ctx, or its earlier result from the folder $PG_PRUNE_METRIC_CACHE when one is set (a
     bench's cells share SLEB's 30 CPU minutes this way): keyed by the metric, the unit types, the model, the
@@ -65,13 +88,7 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
         return metric.fn(ctx, units)
 
     def path(keep) -> Path:
-        key = [name, units, run.source.path, run.source.gguf_file, keep, ctx.seed, run.config.dtype]
-        if metric.greedy and ctx.finalists:  # (another order than SLEB's own; entries without finalists keep their key)
-            key.append({"finalists": ctx.finalists})
-        h = hashlib.sha1(json.dumps(key).encode())
-        for b in ctx.batches:
-            h.update(b.numpy().tobytes())
-        return Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
+        return cache_entry(run, name, units, ctx, folder, keep)
 
     def read(found: Path | None):
         return world.from_writer(torch.load(found, weights_only=True) if world.writes and found else None, f"the cached {name} metric")
@@ -115,15 +132,34 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     return out
 
 
-def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The standardized importance metric of every unit type (flat; higher = keep)."""
+def metric_contexts(run: "PruneRun", batches: list[torch.Tensor]) -> list[tuple[str, list[str], MetricContext]]:
+    """(metric, the unit types it scores, its context) for each init metric of the run."""
     c, wanted = run.config, metric_names(run)
-    raw: dict[str, list[torch.Tensor]] = {}
+    out = []
     for name in dict.fromkeys(wanted.values()):
         units = [u for u, m in wanted.items() if m == name]
-        ctx = MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)], keep_ratio=c.keep_ratio,
-                            seed=c.seed + 2, progress=run.progress, log=run.log, world=run.world,
-                            memo=run.stats_memo, finalists=c.sleb_finalists)
+        out.append((name, units, MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)],
+                                               keep_ratio=c.keep_ratio, seed=c.seed + 2, progress=run.progress,
+                                               log=run.log, world=run.world, memo=run.stats_memo,
+                                               finalists=c.sleb_finalists)))
+    return out
+
+
+def statistics_readers(run: "PruneRun", batches: list[torch.Tensor]) -> list[Statistic]:
+    """The readers of a fresh run's one statistics pass (engine/statistics.py): the statistics each init metric
+    reads on its batches (unless the metric cache holds its value) and those each hook wants."""
+    readers = [STATISTICS[s](len(ctx.batches)) for name, units, ctx in metric_contexts(run, batches)
+               for s in METRICS[name].statistics if not metric_cached(run, name, units, ctx)]
+    for hook in run.hooks:
+        readers += hook.statistics_wanted(batches)
+    return readers
+
+
+def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The standardized importance metric of every unit type (flat; higher = keep)."""
+    wanted = metric_names(run)
+    raw: dict[str, list[torch.Tensor]] = {}
+    for name, units, ctx in metric_contexts(run, batches):
         run.log(f"computing the {name} metric for {', '.join(units)}")
         raw.update(cached_metric(run, name, units, ctx))
     return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])
@@ -138,6 +174,7 @@ def fresh_state(run: "PruneRun") -> RunState:
     needs_data = any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())
     n = max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
     batches = [run.init_sampler.next_batch() for _ in range(n)] if needs_data else []
+    statistics_pass(run, batches, statistics_readers(run, batches))  # (the dense model's, before anything is masked)
     with run.phases("init metric"):
         z = initial_metric(run, batches)
     keep0, mix = run.keep_ratio_at(0), None

@@ -25,9 +25,8 @@ from typing import Callable
 import torch
 
 from .arch import ModelAdapter
-from .evaluate import decoder_forward
 from .export import kept_indices
-from .metrics.activations import release_freed_memory
+from .statistics import Statistic, one_pass
 from .unit_types import layer_unit_types
 from .units import UnitLayout
 
@@ -83,52 +82,50 @@ def _groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return out
 
 
-@torch.no_grad()
+class InputMoments(Statistic):
+    """The refit's reader in the one statistics pass (engine/statistics.py): (sum of x x^T, sum of x, tokens) of the
+    inputs of `unit_types`' output projections, per (unit type, layer); summed in float64, kept in float32. The
+    float64 sums of all layers at once may exceed `max_bytes`: then the layers are read in groups, the first with
+    the pass's other readers, each further one in a pass of its own over the same batches. Its float64 sums are
+    added batch by batch as one process adds them, so the ranks of a data-parallel run do not deal its batches out
+    (every rank runs them: one process's sums, bit for bit)."""
+
+    splits = False
+    label = "the refit's input moments"
+
+    def __init__(self, batches: int, unit_types: list[str], max_bytes: int = 2 << 30, stop=None):
+        super().__init__(batches, stop)
+        self.unit_types, self.max_bytes = list(unit_types), max_bytes
+        self.acc: dict = {}
+
+    def groups(self, adapter):
+        keys = [(t, i) for i in range(adapter.num_layers) for t in layer_unit_types() if t.name in self.unit_types]
+        sizes = [8 * t.output_proj(adapter, i).in_features ** 2 for t, i in keys]
+        return [[keys[j] for j in group] for group in _groups(sizes, self.max_bytes)]
+
+    def add(self, key, x) -> None:
+        gram, total = (x.T @ x).double(), x.sum(0).double()
+        if key in self.acc:
+            self.acc[key][0].add_(gram)
+            self.acc[key][1].add_(total)
+        else:
+            self.acc[key] = [gram, total]
+
+    def finish(self, world, split, tokens) -> Moments:
+        out = {k: (v[0].float().cpu(), v[1].cpu(), tokens) for k, v in self.acc.items()}  # (float32 kept: half the memory)
+        self.acc = {}
+        return out
+
+
 def input_moments(adapter: ModelAdapter, batches: list[torch.Tensor], unit_types: list[str],
                   max_bytes: int = 2 << 30, log=lambda s: None, stop: Callable[[int], bool] | None = None) -> Moments:
-    """(sum of x x^T, sum of x, tokens) of the inputs of `unit_types`' output projections, per (unit type, layer),
-    on the model as it is (dense, unmasked); summed in float64, kept in float32. The float64 sums of all layers
-    at once may exceed `max_bytes`: then the batches are run once per group of layers that fits. stop(done),
-    asked after each batch of the first group, ends the statistics there (the batches left are not run; the
-    other groups run as many): --time-budget's share of the time left."""
-    types = [t for t in layer_unit_types() if t.name in unit_types]
-    keys = [(t, i) for i in range(adapter.num_layers) for t in types]
-    sizes = [8 * t.output_proj(adapter, i).in_features ** 2 for t, i in keys]
-    out: Moments = {}
-    groups = _groups(sizes, max_bytes)
-    for g, group in enumerate(groups):
-        if len(groups) > 1:
-            log(f"reconstruction statistics: pass {g + 1} of {len(groups)} (layers that fit {max_bytes >> 20} MiB)")
-        acc: dict = {}
-
-        def recorder(key):
-            def hook(module, args):
-                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-                gram, total = (x.T @ x).double(), x.sum(0).double()
-                if key in acc:
-                    acc[key][0].add_(gram)
-                    acc[key][1].add_(total)
-                else:
-                    acc[key] = [gram, total]
-
-            return hook
-
-        handles = [keys[j][0].output_proj(adapter, keys[j][1]).register_forward_pre_hook(recorder((keys[j][0].name, keys[j][1])))
-                   for j in group]
-        try:
-            for done, batch in enumerate(batches, 1):
-                decoder_forward(adapter.model, batch)
-                release_freed_memory()
-                if g == 0 and stop is not None and done < len(batches) and stop(done):
-                    log(f"reconstruction statistics: stopped at {done} of {len(batches)} batches (the time budget's share)")
-                    batches = batches[:done]
-                    break
-        finally:
-            for h in handles:
-                h.remove()
-        tokens = sum(b.numel() for b in batches)
-        out.update({k: (v[0].float().cpu(), v[1].cpu(), tokens) for k, v in acc.items()})  # (float32 kept: half the memory)
-    return out
+    """InputMoments on `batches` alone (a pass of its own): the moments of the inputs of `unit_types`' output
+    projections on the model as it is (dense, unmasked). stop(done), asked after each batch, ends the statistics
+    there (the batches left are not run; further groups of layers run as many): --time-budget's share of the time
+    left."""
+    reader = InputMoments(len(batches), unit_types, max_bytes, stop)
+    one_pass(adapter, batches, [reader], log=log)
+    return reader.result
 
 
 @contextmanager

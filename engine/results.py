@@ -94,5 +94,13 @@ def report(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl_prun
     for hook in run.hooks:
         results.update(hook.results())
     results["seconds_by_phase"] = run.phases.report()  # (this session's; a resumed run's earlier ones are in time_used)
+    if results.get("reduced"):  # (what the run traded for time, said again where a user reads last)
+        run.log(reduced_line(results["reduced"]))
     run.log(phase_line(results["seconds_by_phase"]))
     return results
+
+
+def reduced_line(reduced: dict) -> str:
+    """results.json's "reduced" ({setting: [asked, used], "why": ...}) as the log's line."""
+    parts = [f"{k.replace('_', '-')} {v[0]} -> {v[1]}" for k, v in reduced.items() if k != "why"]
+    return f"reduced under the time budget: {', '.join(parts)} ({reduced.get('why', '')})"

@@ -105,7 +105,7 @@ def test_resume_of_a_stopped_run_without_its_checkpoint_is_refused(tiny, eval_fi
 
 
 @pytest.mark.parametrize("phase, target", [("init metric", "engine.initialise.initial_metric"),
-                                           ("refit statistics", "engine.hooks.reconstruction.input_moments"),
+                                           ("statistics", "engine.statistics.one_pass"),
                                            ("evaluations", "engine.runmasks.perplexity")])
 def test_an_interrupt_before_the_first_step_says_what_resume_does(phase, target, eval_file, tmp_path, monkeypatch, capfd):
     """Ctrl-C or SIGTERM (the CLI turns it into the same KeyboardInterrupt) in a phase before the first step: the

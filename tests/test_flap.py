@@ -123,23 +123,27 @@ def test_method_flap_is_metric_flap_with_compensation(tiny, tiny_path, small_eva
 
 
 def test_a_compensated_flap_start_forwards_its_init_batches_once(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
-    """FLAP's fluctuation and the compensation's means come from one pass over the init batches (the run's memo
-    of column moments), and the means equal the plain mean of each output-projection input column."""
+    """FLAP's fluctuation and the compensation's means come from one pass over the init batches (the run's one
+    statistics pass, engine/statistics.py, with the refit's; the metric and the compensation read the run's memo),
+    and the means equal the plain mean of each output-projection input column."""
+    from engine import statistics
     from engine.metrics import activations
     from test_methods import run_tiny
 
-    passes = []
-    real = activations.sums_per_batch
+    passes, forwards = [], []
+    real, real_forward = activations.sums_per_batch, statistics.decoder_forward
     monkeypatch.setattr(activations, "sums_per_batch", lambda a, b, stat: passes.append(len(b)) or real(a, b, stat))
-    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap")
-    assert len(passes) == 1  # the metric's pass; the compensation read it from the memo
+    monkeypatch.setattr(statistics, "decoder_forward", lambda m, b: forwards.append(1) or real_forward(m, b))
+    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", init_batches=2, reconstruct=True, refit_stream="init",
+             reconstruct_batches=3)
+    assert passes == [] and len(forwards) == 3  # one pass: the metric's 2 batches are the first of the refit's 3
 
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
     batches = [batch(model, rows=2, seqlen=9, seed=s) for s in (3, 4)]
     memo: dict = {}
     means = input_means(a, batches, memo=memo)
-    assert input_means(a, batches, memo=memo) is not None and len(passes) == 2  # the second call: no forward
+    assert input_means(a, batches, memo=memo) is not None and len(passes) == 1  # the second call: no forward
     for u in ("heads", "channels"):
         t = UNIT_TYPES[u]
         for i in range(a.num_layers):

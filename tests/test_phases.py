@@ -50,9 +50,9 @@ def test_a_run_reports_its_phases(tiny, tiny_path, small_eval_file, tmp_path):
     config = small_config(tiny_path, small_eval_file, reconstruct=True, reconstruct_batches=2)
     results = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=logged.append).run(progress=False)
     phases = results["seconds_by_phase"]
-    assert {"load", "init metric", "refit statistics", "evaluations", "steps", "validation", "refit", "export",
+    assert {"load", "statistics", "init metric", "evaluations", "steps", "validation", "refit", "export",
             "other", "total"} <= set(phases)
     names = list(phases)
-    assert names.index("refit statistics") < names.index("steps")  # taken before the steps: never in a step's time
+    assert names.index("statistics") < names.index("steps")  # taken before the steps: never in a step's time
     assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], abs=0.5)
     assert any(line.startswith("wall time ") for line in logged)

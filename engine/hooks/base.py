@@ -50,6 +50,12 @@ class RunHook:
         """A fresh run: the init metric is computed on `batches`, the initial scores are not yet chosen (the
         joint method's mix is chosen on masked losses that this hook's masking already applies to)."""
 
+    def statistics_wanted(self, batches: list[torch.Tensor]) -> list:
+        """A fresh run, before the init metric: the readers (engine/statistics.py's Statistic) this hook wants in
+        the run's one statistics pass over the init stream, whose first batches are `batches` (each reader says
+        how many of the stream's batches it reads); the pass fills them before before_scores."""
+        return []
+
     def on_init(self, state: "RunState", batches: list[torch.Tensor]) -> RunChanges | None:
         """A fresh state: scores initialised, the init perplexities not yet measured."""
 

@@ -4,6 +4,7 @@ init batches, in the optimisation, the evaluations and the export (as output-pro
 from __future__ import annotations
 
 from ..metrics.activations import input_means
+from ..statistics import ColumnMoments
 from ..unit_types import UNIT_TYPES
 from .base import RunChanges, RunHook
 
@@ -21,6 +22,9 @@ class BiasCompensation(RunHook):
     @staticmethod
     def applies(config) -> bool:  # (whole layers alone have no widths to compensate)
         return config.bias_compensation and any(not UNIT_TYPES[u].whole_layer for u in config.units)
+
+    def statistics_wanted(self, batches) -> list:  # (the means: the column moments of the init batches, in the one pass)
+        return [ColumnMoments(len(batches))]
 
     def before_scores(self, batches) -> RunChanges:  # (so that the joint method's candidate losses are compensated)
         self.run.log("measuring mean inputs of the output projections (bias compensation)")

@@ -1,15 +1,19 @@
 """`--reconstruct`: a hard mask's kept columns refit by least squares (engine/reconstruction.py) wherever the run
 evaluates a mask it would export: the joint mix's candidates (so the mix is the one that loses least once refit),
 the final mask's evaluation and its export; the final mask is also evaluated without the refit, for results.json.
-The statistics are the dense model's, from a calibration stream of their own (seed + 5), taken once a run
-(a resumed one takes them again, from the same stream); under --time-budget they stop at a third of the time
-left when they start (at least 8 batches), and results.json records the batches used."""
+The statistics are the dense model's, on the first --reconstruct-batches batches of the init stream, read in the
+run's one statistics pass with the init metric's (engine/statistics.py; a resumed run reads the same batches
+again, alone; --refit-stream own: a stream of their own, seed + 5, as runs before the one pass read). Under
+--time-budget they stop at a third of the time left when they start (at least 8 batches): the run says so in its
+log, in results.json ("reduced") and in the plan before it starts (engine/plan.py)."""
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack, contextmanager
 
-from ..reconstruction import available_memory, input_moments, moments_bytes, reconstructed
+from ..reconstruction import InputMoments, available_memory, moments_bytes, reconstructed
+from ..statistics import init_stream, one_pass
 from ..unit_types import UNIT_TYPES, layer_unit_types
 from .base import RunHook
 from .time_budget import share_of_time_left
@@ -17,6 +21,18 @@ from .time_budget import share_of_time_left
 STREAM = 5  # the statistics' batches: the calibration documents, seeded seed + STREAM
 STATISTICS_SHARE = 1 / 3  # --time-budget: the statistics take at most this share of the time left when they start
 MIN_BATCHES = 8  # ... and never fewer batches than this (or --reconstruct-batches, if fewer)
+
+
+def batches_within_share(n: int, per_batch: float, seconds_left: float, read_anyway: int = 0) -> int:
+    """The batches of n the statistics read under --time-budget when one costs `per_batch` seconds and
+    `seconds_left` remain when they start, as their stop rule (share_of_time_left) decides: they go on while one
+    more batch stays within STATISTICS_SHARE of that time, never below MIN_BATCHES (or n) nor below the batches the
+    one pass runs for its other readers anyway (`read_anyway`). The plan says it before a run (engine/plan.py)."""
+    floor = min(n, max(MIN_BATCHES, read_anyway))
+    if per_batch <= 0:
+        return n
+    fit = math.floor(STATISTICS_SHARE * max(seconds_left, 0.0) / per_batch + 1e-9)
+    return max(floor, min(n, fit))
 
 
 class Reconstruction(RunHook):
@@ -29,7 +45,7 @@ class Reconstruction(RunHook):
     def on_setup(self) -> None:
         r = self.run
         need, free = moments_bytes(r.adapter, r.layout.unit_types), available_memory()
-        self.moments, self.skipped, self.batches = None, None, 0
+        self.moments, self.skipped, self.batches, self.reader, self.reduced = None, None, 0, None, None
         offloaded = any(t.output_proj(r.adapter, i).weight.device.type == "meta" for t in layer_unit_types()
                         for i in range(r.adapter.num_layers))
         if offloaded:  # (accelerate's offload: the weights live elsewhere and cannot be edited in place)
@@ -40,19 +56,45 @@ class Reconstruction(RunHook):
         if self.skipped:
             r.log(f"reconstruction skipped: {self.skipped} (--no-reconstruct silences this)")
 
+    def new_reader(self) -> InputMoments:
+        """The statistics' reader: --reconstruct-batches batches, under --time-budget at most STATISTICS_SHARE of the
+        time left when it starts."""
+        r, n = self.run, self.run.config.reconstruct_batches
+        stop = share_of_time_left(r, STATISTICS_SHARE, min(MIN_BATCHES, n))
+        return InputMoments(n, r.layout.unit_types, stop=stop)
+
+    def statistics_wanted(self, batches) -> list:
+        if self.moments is not None or self.skipped is not None or self.run.config.refit_stream != "init":
+            return []
+        self.reader = self.new_reader()  # (read in the fresh run's one pass, with the init metric's statistics)
+        return [self.reader]
+
     def statistics(self):
-        """The moments of the output projections' inputs on the dense model, taken before the init scores (the
-        joint mix's candidates are refit) or, resuming, before the steps (--time-budget's step times must not
-        include them); under --time-budget they take at most STATISTICS_SHARE of the time left."""
+        """The moments of the output projections' inputs on the dense model: from the fresh run's one statistics
+        pass (before the init scores: the joint mix's candidates are refit) or, resuming, from a pass of their own
+        before the steps (--time-budget's step times must not include them); under --time-budget they take at
+        most STATISTICS_SHARE of the time left."""
         if self.moments is None and self.skipped is None:
             r, c = self.run, self.run.config
-            sampler = r.sampler.reseeded(c.seed + STREAM)
-            batches = [sampler.next_batch() for _ in range(c.reconstruct_batches)]
-            r.log(f"reconstruction: input statistics of the output projections on {len(batches)} calibration batches")
-            stop = share_of_time_left(r, STATISTICS_SHARE, min(MIN_BATCHES, len(batches)))
-            with r.phases("refit statistics"):
-                self.moments = input_moments(r.adapter, batches, r.layout.unit_types, log=r.log, stop=stop)
-            self.batches = next(iter(self.moments.values()))[2] // batches[0].numel() if self.moments else 0
+            reader = self.reader if self.reader is not None and self.reader.result is not None else None
+            if reader is None:
+                reader = self.new_reader()
+                if c.refit_stream == "init":  # (the batches the fresh run's pass read)
+                    batches = init_stream(r, reader.batches)
+                else:  # (a run from before the one pass: a stream of its own)
+                    sampler = r.sampler.reseeded(c.seed + STREAM)
+                    batches = [sampler.next_batch() for _ in range(reader.batches)]
+                r.log(f"reconstruction: input statistics of the output projections on {len(batches)} calibration batches")
+                with r.phases("statistics"):
+                    one_pass(r.adapter, batches, [reader], r.world, r.log)
+            self.moments, self.batches = reader.result, reader.batches
+            if reader.batches < reader.asked:
+                self.reduced = {"reconstruct_batches": [reader.asked, reader.batches], "why": (
+                    f"--time-budget: the refit's statistics may take a third of the time left when they start, and "
+                    f"{reader.asked} batches would not have fit (at least {MIN_BATCHES} are read); fewer batches, a "
+                    "less exact refit")}
+                r.log(f"reduced: the refit's statistics read {reader.batches} of {reader.asked} batches "
+                      f"({self.reduced['why']})")
         return self.moments
 
     def before_scores(self, batches) -> None:
@@ -87,5 +129,6 @@ class Reconstruction(RunHook):
         c = self.run.config
         if self.skipped is not None:
             return {"reconstruction": {"skipped": self.skipped}}
-        return {"reconstruction": {"ppl_before": self.before, "batches": self.batches,
-                                   "ridge": c.reconstruct_ridge, "intercept": c.bias_compensation}}
+        out = {"reconstruction": {"ppl_before": self.before, "batches": self.batches,
+                                  "ridge": c.reconstruct_ridge, "intercept": c.bias_compensation}}
+        return {**out, "reduced": self.reduced} if self.reduced else out

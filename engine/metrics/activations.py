@@ -93,14 +93,21 @@ def batches_digest(batches: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def moments_key(batches: list[torch.Tensor]) -> tuple[str, str]:
+    """Where column_moments' result for these batches is kept in a memo (engine/statistics.py's one pass puts it
+    there)."""
+    return ("moments", batches_digest(batches))
+
+
 def column_moments(adapter: ModelAdapter, batches: list[torch.Tensor], world: World = World(),
                    memo: dict | None = None, what: str = "the activation statistics") -> tuple[Sums, Sums, int]:
     """(sums of x, sums of x^2, tokens) for every input column x of each unit type's output projection, keyed
     (unit type, layer): one pass over the batches serves FLAP's fluctuation, Wanda-sp's norms and the bias
     compensation's means. `memo` (a dict the caller owns, e.g. a run's during its start, when the model is dense
     and unmasked and its weights do not change) keeps the result for the same batches, so a compensated FLAP
-    run forwards its init batches once, not twice."""
-    key = ("moments", batches_digest(batches))
+    run forwards its init batches once, not twice; a run's one statistics pass (engine/statistics.py) fills it
+    before the metric asks."""
+    key = moments_key(batches)
     if memo is not None and key in memo:
         return memo[key]
     sums, tokens = column_sums(adapter, batches, lambda x: torch.cat([x, x * x], dim=-1), world, what)

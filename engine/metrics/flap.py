@@ -36,7 +36,7 @@ def standardized_units(per_column: torch.Tensor, columns_per_unit: int) -> torch
     return z.view(-1, columns_per_unit).mean(1).float()
 
 
-@register_metric("flap", scores="units", needs_data=True, comparable=True)
+@register_metric("flap", scores="units", needs_data=True, comparable=True, statistics=("column-moments",))
 @torch.no_grad()
 def flap(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Tensor]]:
     """FLAP's fluctuation metric: var(X_j) ||W[:, j]||^2 of every output-projection input column, standardized

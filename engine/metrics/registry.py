@@ -91,6 +91,9 @@ class Metric:
     # removals to a lower keep ratio extend those to a higher one, so the metric cache keeps one order per batches
     # and a metric run continues it (MetricContext.prefix)
     greedy: bool = False
+    # the activation statistics it reads on its batches (engine/statistics.py's STATISTICS names): the run's one
+    # statistics pass takes them with the other readers' before the metric runs
+    statistics: tuple[str, ...] = ()
 
     def scores_units(self) -> bool:
         return self.scores in ("units", "any")
@@ -102,13 +105,14 @@ class Metric:
 METRICS: dict[str, Metric] = {}
 
 
-def register_metric(name: str, scores: str, needs_data: bool, comparable: bool = False, greedy: bool = False):
+def register_metric(name: str, scores: str, needs_data: bool, comparable: bool = False, greedy: bool = False,
+                    statistics: tuple[str, ...] = ()):
     if scores not in ("units", "layers", "any"):
         raise ValueError(f"scores must be units, layers or any, got {scores!r}")
 
     def add(fn: MetricFn) -> MetricFn:
         add_entry(METRICS, name, Metric(name, fn, scores, needs_data, (fn.__doc__ or "").strip().split("\n")[0], comparable,
-                                        greedy), "metric")
+                                        greedy, tuple(statistics)), "metric")
         return fn
 
     return add

@@ -7,7 +7,7 @@ from .registry import MetricContext, register_metric
 from .activations import column_moments
 
 
-@register_metric("wanda-sp", scores="units", needs_data=True)
+@register_metric("wanda-sp", scores="units", needs_data=True, statistics=("column-moments",))
 @torch.no_grad()
 def wanda_sp(ctx: MetricContext, unit_types: list[str]) -> dict[str, list[torch.Tensor]]:
     """Wanda-sp (FLAP's structured Wanda): column j of an output projection W (out x in) with input
