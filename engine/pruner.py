@@ -34,7 +34,7 @@ from .distributed import World
 from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
 from .errors import UserError
 from .executors import EXECUTORS, resolve_executor
-from .hooks import KEEP, RUN_HOOKS, RunChanges, joined_transforms
+from .hooks import KEEP, RUN_HOOKS, RunChanges, RunView, joined_transforms
 from .initialise import fresh_state, metric_cache_folder, start_state
 from .loading import check_positions, load_model, resolve_model
 from .methods import METHODS, method_options
@@ -138,7 +138,7 @@ class PruneRun:
                                reward=REWARDS[c.reward]())
         self.method = METHODS[c.method](self.ctx, method_options(c.method, c.method_options, c))
         self.stages, self.unit_metric, self.stats_memo = [(0, c.prune_ratio)], c.init, None  # (stages: progressive)
-        self.hooks = [h(self) for h in RUN_HOOKS if h.applies(c)]
+        self.hooks = [h(RunView(self)) for h in RUN_HOOKS if h.applies(c)]  # (a hook reads its run, never assigns)
         self.call_hooks("on_setup")
         self.checkpoints, self.phases = Checkpoints(self), PhaseClock(self.started)
         self.masks = RunMasks(self, joined_transforms(self.hooks))

@@ -152,6 +152,52 @@ def test_the_check_leaves_the_hook_its_own_state_and_the_states_it_is_handed():
     assert run_assignments(source) == []
 
 
+# --- what a hook reads: a read-only view of READS --------------------------------------------------------------------
+def run_reads(source: str) -> set[str]:
+    """The names read of the run itself (`self.run.x`, `run.x` for a `run` parameter or a name bound to the run)."""
+    out = set()
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        names = {a.arg for a in fn.args.args if a.arg == "run"}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign):
+                names |= {t.id for target in node.targets for t, v in _pairs(target, node.value)
+                          if isinstance(t, ast.Name) and _is_run(v, names)}
+        out |= {node.attr for node in ast.walk(fn) if isinstance(node, ast.Attribute) and _is_run(node.value, names)}
+    return out
+
+
+def _is_run(node, names: set[str]) -> bool:
+    return (isinstance(node, ast.Name) and node.id in names) or (
+        isinstance(node, ast.Attribute) and node.attr == "run" and isinstance(node.value, ast.Name) and node.value.id == "self")
+
+
+def test_every_name_a_hook_reads_of_its_run_is_in_its_view():
+    from engine.hooks.view import READS
+
+    read = {name for path in HOOKS.glob("*.py") for name in run_reads(path.read_text())}
+    assert {"config", "log", "ctx", "hooks"} <= read  # (the check sees reads)
+    assert read - READS == set(), "add these to engine/hooks/view.py's READS, or read them otherwise"
+    assert run_reads("class H:\n    def f(self, run):\n        r, c = self.run, run.config\n        r.layout.x, c.y\n") == \
+        {"config", "layout"}
+
+
+def test_the_view_reads_through_to_the_run_and_refuses_assignment():
+    from types import SimpleNamespace
+
+    from engine.hooks import RunView
+
+    run = SimpleNamespace(config="c", ctx=SimpleNamespace(steps=3), method="pg")
+    view = RunView(run)
+    run.config = "changed"
+    assert view.config == "changed" and view.ctx.steps == 3  # (read at the moment it is read: a patched run too)
+    for act in (lambda: setattr(view, "config", 1), lambda: delattr(view, "ctx"), lambda: view.method):
+        with pytest.raises(AttributeError):
+            act()
+    assert run.config == "changed"
+
+
 # --- the hooks' changes, applied by the run in one place -------------------------------------------------------------
 def _fake_run(hooks=()):
     from types import SimpleNamespace
@@ -317,6 +363,7 @@ def test_a_run_applies_its_transforms_in_the_listed_order(tiny, tiny_path, small
                           final_mask="best-val")
     run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None)
     assert [type(h) for _, h in run.masks.transforms] == [cls for _, cls in hooks.MASK_TRANSFORMS]
+    assert all(isinstance(h.run, hooks.RunView) for h in run.hooks)  # (what each hook holds: the read-only view)
     calls.clear()
     assert run.run(progress=False)["status"] == "done"
     start = calls.index(("final_scores", hooks.BestValFinal))

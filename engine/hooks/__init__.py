@@ -1,8 +1,9 @@
 """Run hooks: the cross-cutting options of a run, each in its own file, called at fixed points of the run's
 life (as llm-compressor's modifiers are). A hook joins a run when its `applies(config)` is true; the run loop
 calls every joined hook's events in RUN_HOOKS' order and never branches on an option's name itself. A hook reads
-the run and never assigns to it: an event returns what it changes (a RunChanges), which the run applies before it
-calls the next hook (PruneRun.apply_changes). The masks pass through the hooks' transforms in MASK_TRANSFORMS' order.
+the run through a read-only RunView (engine/hooks/view.py) and never assigns to it: an event returns what it
+changes (a RunChanges), which the run applies before it calls the next hook (PruneRun.apply_changes). The masks
+pass through the hooks' transforms in MASK_TRANSFORMS' order.
 
     ranks          data-parallel runs (torchrun): every rank's state compared after every step
     progressive    random-progressive: the budget raised in stages (a schedule, not an init metric)
@@ -31,6 +32,7 @@ from .ranks import SameStateOnEveryRank
 from .reconstruction import Reconstruction
 from .time_budget import TimeBudget
 from .validation import Validation
+from .view import RunView
 
 # every hook, in the order the run calls their events (each hook's RunChanges applied before the next is called)
 RUN_HOOKS: list[type[RunHook]] = [SameStateOnEveryRank, ProgressiveSchedule, BiasCompensation, UnitMultiples, TimeBudget,
@@ -54,4 +56,4 @@ def joined_transforms(hooks: list[RunHook]) -> list[tuple[str, RunHook]]:
     return [(name, hook) for name, cls in MASK_TRANSFORMS for hook in hooks if type(hook) is cls]
 
 
-__all__ = ["KEEP", "MASK_TRANSFORMS", "RUN_HOOKS", "RunChanges", "RunHook", "joined_transforms"]
+__all__ = ["KEEP", "MASK_TRANSFORMS", "RUN_HOOKS", "RunChanges", "RunHook", "RunView", "joined_transforms"]
