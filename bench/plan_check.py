@@ -52,8 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"run {args.run_dir}: {config.steps} steps x N_s {config.num_mask_samples}, {results['eval_windows']} "
           f"evaluation windows, dense perplexity {'cached' if dense_cached else 'evaluated'}")
     print(f"rate: {rate * 1e3:.4f} ms per token (probe)")
-    for phase, seconds in plan.phases.items():
-        print(f"  {phase:<18} {seconds:8.1f} s")
+    if results.get("seconds_by_phase"):  # (the phases the run measured, beside the plan's: engine/runplan.py)
+        from engine.runplan import plan_lines
+
+        print("\n".join(plan_lines(plan.by_phase(), results["seconds_by_phase"])))
+    else:
+        for phase, seconds in plan.phases.items():
+            print(f"  {phase:<18} {seconds:8.1f} s")
     print(f"estimate {plan.total:.0f} s, measured {wall:.0f} s wall: estimate / measured = {plan.total / wall:.2f}")
 
 

@@ -424,6 +424,10 @@ def _prune_writer(args, world) -> int:
             shares = ", ".join(f"{u} {n:,}" for u, n in results["params_removed_by_unit_type"].items())
             print(f"removed {results['params_removed']:,} parameters: {results['removed_of_decoder']:.1%} of the decoder "
                   f"layers, {results['removed_of_model']:.1%} of the model ({shares})")
+            if results.get("seconds_by_phase"):  # the plan it started with against what it measured, per phase
+                from .runplan import PLAN_KEY, plan_lines
+
+                print("\n".join(plan_lines(results.get(PLAN_KEY), results["seconds_by_phase"])))
             if args.export_gguf:
                 from .exporters import export_run
 

@@ -36,6 +36,16 @@ class PhaseClock:
     def _credit(self, entry: list, now: float) -> None:
         self.seconds[entry[0]] = self.seconds.get(entry[0], 0.0) + now - entry[1]
 
+    def so_far(self) -> tuple[str | None, dict[str, float]]:
+        """(the phase open now, innermost, None between phases; seconds per phase until now, the open one's
+        running time included): what a UI shows of a run in progress (read from another thread: a copy)."""
+        now, seconds, stack = self.clock(), dict(self.seconds), list(self.stack)
+        if not stack:
+            return None, seconds
+        name, since = stack[-1]
+        seconds[name] = seconds.get(name, 0.0) + now - since
+        return name, seconds
+
     def report(self) -> dict[str, float]:
         """Seconds per phase in the order first entered, "other" for the rest, and "total" since `started`."""
         total = self.clock() - self.started

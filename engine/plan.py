@@ -8,8 +8,13 @@ run removes, up to one unit (a parameter budget keeps the most likely units whil
 budget by less than one unit's weight); the split between unit types is where the run starts, and a method that
 learns moves it.
 
-Time is an estimate: forward passes counted in tokens, times the seconds one token's forward takes on this
-machine (measured by `probe_seconds_per_token`, or read off the earlier runs of the same model); memory too.
+Time is an estimate of every phase a run records in results.json's `seconds_by_phase` (engine/phases.py), from
+one cost model: each phase's model work counted in forward tokens (a dense forward's tokens, or what costs as
+much: the refit's statistics and solves are counted in the layers' widths), times the seconds one token's forward
+takes on this machine (measured by `probe_seconds_per_token`, or read off the earlier runs of the same model),
+plus what is no forward (loading a GGUF or its cached copy, reading the data, writing the export). A run records
+the plan it starts with (`plan_seconds_by_phase`); docs/app.md's "Plan against actual" shows both. Memory is an
+estimate too.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ LONG_RUN_SECONDS = 600.0  # the app asks before it starts a run estimated longer
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _PROCESS_BYTES = 0.45e9  # python, torch and transformers before any model
 _PROBE_FILE = "forward-speed.json"
-DATA_AND_EXPORT_SECONDS = 5.0  # reading and tokenising the data, writing the export: about 5 s on this machine
 
 
 # --- the model, without its weights -------------------------------------------------------------------------
@@ -47,6 +51,18 @@ class Skeleton:
     @property
     def num_layers(self) -> int:
         return self.adapter.num_layers
+
+    @functools.cached_property
+    def forward_macs(self) -> int:
+        """Multiply-adds of one token's forward in the matrices: the decoder's and the LM head's."""
+        from .budget import decoder_params
+
+        return decoder_params(self.adapter) + self.head_params
+
+    @property
+    def decoder_share(self) -> float:
+        """A forward without the LM head (the decoder alone) against a whole one."""
+        return 1.0 - self.head_params / self.forward_macs
 
 
 def skeleton_of(model, name: str = "", source_kind: str = "folder") -> Skeleton:
@@ -172,29 +188,53 @@ def speedup(skeleton: Skeleton, params_removed: int) -> float:
     return dense / max(dense - params_removed, 1)
 
 
-# --- time ---------------------------------------------------------------------------------------------------
-def _sleb_forwards(b: int, n: int, m: int, config) -> int:
+# --- time: one cost model for every phase a run records ---------------------------------------------------
+# The phases a run's results.json records (engine/phases.py's PhaseClock; "other" and "total" come after them),
+# in the order a fresh run first enters them.
+RUN_PHASES = ("load", "statistics", "init metric", "refit statistics", "joint mix", "validation", "refit",
+              "evaluations", "steps", "export")
+# The constants of the cost model, few and fixed (not fitted per run); calibrated on the default model's
+# 10-minute runs (bench/results/must_show/tb10-*) and on the tiny model's default run, 2 CPU cores:
+DATA_SECONDS = 5.0  # reading and tokenising the calibration documents and WikiText-2 (about 6.5 M characters)
+GRAM_WEIGHT = 1.15  # a multiply-add of the refit's statistics (x x^T and its float64 sums, in the hooks of the
+#                    statistics pass) against one of a forward: the tiny model's pass measured 1.17 forwards a batch
+STEP_SAMPLE_WEIGHT = 1.2  # a step's masked forward against a dense one: the default model's steps took 1.23x the
+#                           probe (2.75 ms a token against 2.24, bench/results/must_show/default30), the tiny
+#                           model's 1.05x to 1.2x. A masked forward is planned at a dense one's cost otherwise: the
+#                           sliced executor computes only the kept units but gathers their weights for every
+#                           sample, and the LM head, attention and the softmax do not shrink
+SOLVE_WEIGHT = 2.0  # ... of a refit's solves (float64: half the float32 rate), against one of a forward
+FINAL_MOVES = 0.5  # the chance that a learning run's final mask is not its init mask (best-val kept step 0 in
+#                    about half of the measured 50-step runs): the unrefit final mask is evaluated only then
+EXPORT_SECONDS, EXPORT_BYTES_PER_SECOND = 0.3, 200e6  # writing the sliced model's safetensors
+GGUF_SECONDS_PER_PARAM, COPY_SECONDS_PER_PARAM = 1.9e-7, 1e-8  # de-quantising a GGUF; reading its cached copy
+
+
+def _sleb_forwards(b: int, n: int, m: int, config, s: "Skeleton") -> float:
     """Per removal, once per layer left (or, with --sleb-finalists, per finalist on most batches)."""
     from .metrics.sleb import sleb_runs
 
     return sleb_runs(n, b, 0, m, config.sleb_finalists)
 
 
-# forward passes of a (batch x seqlen) calibration batch an init metric costs: (batches, layers, layers removed,
-# the run's config)
+# Forwards (in whole-model forwards of one batch x seqlen calibration batch) an init metric costs:
+# (batches, layers, layers removed, the run's config, the skeleton); `decoder_share` is a forward without the LM head
+# (engine/evaluate.py's decoder_forward, which the activation metrics run).
 _METRIC_FORWARDS = {
-    "taylor": lambda b, n, m, c: 3 * b,  # a forward and a backward (about two forwards) per batch
-    "wanda-sp": lambda b, n, m, c: b, "flap": lambda b, n, m, c: b,
-    "magnitude-sp": lambda b, n, m, c: 0, "random": lambda b, n, m, c: 0, "random-progressive": lambda b, n, m, c: 0,
-    "layerwise-ppl": lambda b, n, m, c: n * b,  # the model once per layer removed alone
-    "block-influence": lambda b, n, m, c: b,  # one decoder forward per batch
+    "taylor": lambda b, n, m, c, s: 3 * b,  # a forward and a backward (about two forwards) per batch
+    "wanda-sp": lambda b, n, m, c, s: b * s.decoder_share, "flap": lambda b, n, m, c, s: b * s.decoder_share,
+    "magnitude-sp": lambda b, n, m, c, s: 0, "random": lambda b, n, m, c, s: 0,
+    "random-progressive": lambda b, n, m, c, s: 0,
+    # once the decoder to record each layer's input, then per layer the layers after it and the LM head
+    "layerwise-ppl": lambda b, n, m, c, s: b * (s.decoder_share + n * (s.decoder_share / 2 + 1 - s.decoder_share)),
+    "block-influence": lambda b, n, m, c, s: b * s.decoder_share,
     "sleb": _sleb_forwards,
 }
 
 
 @dataclass
 class TimePlan:
-    phases: dict[str, float]  # phase -> seconds
+    phases: dict[str, float]  # phase (RUN_PHASES' names) -> seconds
     seconds_per_token: float
     rate_source: str  # how the rate was measured, for the label
     dense_cached: bool = False
@@ -203,45 +243,159 @@ class TimePlan:
     def total(self) -> float:
         return sum(self.phases.values())
 
+    def by_phase(self) -> dict[str, float]:
+        """The plan in results.json's `seconds_by_phase` form: the phases, "other" (nothing planned there) and
+        "total", in seconds to 0.1."""
+        out = {k: round(v, 1) for k, v in self.phases.items()}
+        return {**out, "other": 0.0, "total": round(self.total, 1)}
 
-def phase_tokens(config, skeleton: Skeleton) -> dict[str, float]:
-    """Tokens put through the model (forward-equivalent) by each phase of a run with this PruneConfig."""
-    from .joint import MIX_FINALISTS, mix_candidates
+
+def _refit_applies(config) -> bool:
+    from .hooks.reconstruction import Reconstruction
+
+    return Reconstruction.applies(config)
+
+
+def _budget(config, skeleton: Skeleton):
+    from .budget import BUDGETS
+    from .unit_types import unit_sizes
+    from .units import UnitLayout
+
+    sizes = unit_sizes(skeleton.adapter)
+    return BUDGETS[config.budget](UnitLayout({u: sizes[u] for u in config.units}), config.scope, skeleton.adapter)
+
+
+def _width_projections(config, skeleton: Skeleton):
+    """(in_features, out_features) of the output projection of every width unit type the run prunes, per layer."""
+    from .unit_types import layer_unit_types
+
+    a = skeleton.adapter
+    return [(p.in_features, p.out_features) for t in layer_unit_types() if t.name in config.units
+            for p in (t.output_proj(a, i) for i in range(a.num_layers))]
+
+
+def refit_tokens(config, skeleton: Skeleton) -> float:
+    """One refit's solves (engine/reconstruction.py) in forward tokens: per pruned output projection (n inputs,
+    k kept, r = n - k removed, o outputs) a float64 solve, k^3/3 + k^2 r multiply-adds, and the edit W_r A, o r k;
+    at the budget's keep ratio in every layer, over a forward's multiply-adds per token, times SOLVE_WEIGHT."""
+    keep, macs = 1.0 - config.prune_ratio, 0.0
+    for n, o in _width_projections(config, skeleton):
+        k = round(keep * n)
+        macs += k ** 3 / 3 + k * k * (n - k) + o * (n - k) * k
+    return SOLVE_WEIGHT * macs / skeleton.forward_macs
+
+
+def validation_checks(config, done_steps: int | None = None) -> int:
+    """Held-out checks a run makes (engine/hooks/validation.py): the init mask's (a fresh run: done_steps None),
+    every --val-every steps and the last step's (a check of the same mask as the last one reuses it: the plan
+    counts them all)."""
+    if not config.validates:
+        return 0
+    steps = config.steps
+    every = [s for s in range((done_steps or 0) + 1, steps + 1) if s % config.val_every == 0 or s == steps]
+    return len(every) + (1 if done_steps is None else 0)
+
+
+def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_steps: int | None = None) -> dict[str, float]:
+    """Forward tokens (a dense forward's tokens, or what costs as much) of each phase of a run with this
+    PruneConfig that is model work, under the names a run records (RUN_PHASES). done_steps: a resumed session,
+    which starts from its checkpoint at that step (no init metric, no joint mix, no init evaluations); None: a
+    fresh run."""
+    from .joint import MIX_FINALISTS, layer_counts, mix_candidates
     from .methods import METHODS
-    from .policy import keep_count
 
     batch = config.batch_size * config.seqlen
     n, keep = skeleton.num_layers, 1.0 - config.prune_ratio
-    removals = n - keep_count(keep, n)
-    windows = config.max_windows or WIKITEXT2_TEST_TOKENS // config.eval_seqlen
-    evaluation = windows * config.eval_seqlen
-    cost = _METRIC_FORWARDS.get(config.init, lambda b, n, m, c: b)
-    out = {"init metric": cost(config.init_batches, n, removals, config) * batch}
-    if "layers" in config.units:
-        layer_cost = _METRIC_FORWARDS.get(config.layer_init, lambda b, n, m, c: n * b)
-        out["layer metric"] = layer_cost(config.layer_init_batches, n, removals, config) * batch
-        if len(config.units) > 1:
-            scored = mix_candidates(removals + 1, config.mix_search, MIX_FINALISTS if config.mix_refine_batches else 1)
-            out["joint mix"] = config.mix_batches * scored * batch
-            out["joint mix"] += config.mix_refine_batches * min(MIX_FINALISTS, removals + 1) * batch
-    out["dense perplexity"] = evaluation
-    if config.evaluates_init:
-        out["init perplexity"] = evaluation
+    budget = _budget(config, skeleton)
+    removals = n - budget_layers_kept(budget, keep, n)
+    refit = _refit_applies(config)
     optimises = METHODS[config.method].optimises if config.method in METHODS else True
-    if optimises:
-        out["steps"] = config.steps * config.num_mask_samples * batch
-        if config.val_every > 0:
-            out["validation"] = (config.steps // config.val_every + 1) * config.val_batches * batch
-    out["pruned perplexity"] = evaluation
+    fresh = done_steps is None
+    out: dict[str, float] = {}
+    phase, passes, metric_reads = statistics_plan(config, fresh)
+    if fresh:
+        cost = _METRIC_FORWARDS.get(config.init, lambda b, n, m, c, s: b)
+        forwards = cost(config.init_batches, n, removals, config, skeleton) if any(
+            u != "layers" for u in config.units) and not metric_reads else 0
+        if "layers" in config.units:
+            layer_cost = _METRIC_FORWARDS.get(config.layer_init, lambda b, n, m, c, s: n * b)
+            forwards += layer_cost(config.layer_init_batches, n, removals, config, skeleton)
+        out["init metric"] = forwards * batch
+    if passes:  # the dense model's decoder per batch read, and x x^T of every pruned projection's input per token
+        gram = sum(i * i for i, _ in _width_projections(config, skeleton)) if refit else 0
+        out[phase] = batch * (passes * skeleton.decoder_share
+                              + config.reconstruct_batches * GRAM_WEIGHT * gram / skeleton.forward_macs)
+    refits = 1.0 if refit else 0.0  # the final mask's, for its evaluation and the export
+    if fresh and getattr(budget, "nested", False):
+        counts = len(layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)))
+        scored = mix_candidates(counts, config.mix_search, MIX_FINALISTS if config.mix_refine_batches else 1)
+        out["joint mix"] = batch * (config.mix_batches * scored
+                                              + config.mix_refine_batches * min(MIX_FINALISTS, counts))
+        if refit and config.mix_refit:
+            refits += scored
+    checks = validation_checks(config, done_steps)
+    if config.validates:
+        out["validation"] = checks * config.val_batches * batch
+        if refit and config.val_refit:
+            refits += checks
+    if refit:
+        out["refit"] = refits * refit_tokens(config, skeleton)
+    windows = config.max_windows or WIKITEXT2_TEST_TOKENS // config.eval_seqlen
+    moves = FINAL_MOVES if optimises else 0.0
+    init = fresh and config.evaluates_init
+    unrefit_final = moves if init else 1.0  # (the init mask's figure is reused unless the final mask moved)
+    evaluations = (0 if dense_cached or not fresh else 1) + init + unrefit_final + (1 if refit else 0)
+    out["evaluations"] = evaluations * windows * config.eval_seqlen
+    out["steps"] = (max(config.steps - (done_steps or 0), 0) * config.num_mask_samples * batch
+                    * STEP_SAMPLE_WEIGHT if optimises else 0.0)
     return out
 
 
-def load_seconds(skeleton: Skeleton, dtype: str = "float32") -> float:
-    """Loading the weights: a GGUF is dequantised by transformers (about 25 s for SmolLM2-135M's 135 M
-    parameters on this machine's cores) unless the cache holds its de-quantised copy (engine/model_cache.py);
-    a safetensors folder reads at disk speed."""
-    per_param = 1.9e-7 if skeleton.source_kind == "gguf" and not gguf_copied(skeleton.name, dtype) else 1e-8
-    return 1.0 + skeleton.params_total * per_param
+def statistics_plan(config, fresh: bool = True) -> tuple[str, int, bool]:
+    """(the phase the dense model's activation statistics are read in, the batches read there, whether the init
+    metric's statistics are among them). With engine/statistics.py's one pass (a metric that declares its
+    `statistics`), a fresh run reads the init metric's (--init-batches), the bias compensation's means (the init
+    batches) and the refit's moments (--reconstruct-batches, with --refit-stream init) in one pass over the
+    longest, in "statistics"; a refit on a stream of its own, or a resumed run's, passes again. Before it, the
+    refit read its moments alone, in "refit statistics"."""
+    from .hooks.compensation import BiasCompensation
+    from .metrics import METRICS
+    from .metrics.registry import Metric
+
+    refit = _refit_applies(config)
+    if not hasattr(Metric, "statistics"):  # (the refit's own pass)
+        return "refit statistics", config.reconstruct_batches if refit else 0, False
+    widths = any(u != "layers" for u in config.units)
+    metric = METRICS.get(config.init)
+    metric_reads = fresh and widths and bool(metric and metric.statistics)
+    own = refit and (not fresh or getattr(config, "refit_stream", "own") != "init")
+    reads = [config.init_batches] if metric_reads else []
+    if fresh and BiasCompensation.applies(config):  # (the init batches the run draws: the longest metric's)
+        reads.append(max([config.init_batches] + [config.layer_init_batches] * ("layers" in config.units)))
+    if refit and not own:
+        reads.append(config.reconstruct_batches)
+    return "statistics", max(reads, default=0) + (config.reconstruct_batches if own else 0), metric_reads
+
+
+def budget_layers_kept(budget, keep: float, n: int) -> int:
+    """Layers the budget keeps at the start (all of them unless it removes whole layers)."""
+    from .policy import keep_count
+
+    return keep_count(keep, n) if getattr(budget, "layer_type", None) else n
+
+
+def load_seconds(skeleton: Skeleton, dtype: str = "float32", in_memory: bool = False,
+                 dequantise: bool | None = None) -> float:
+    """The run's "load": reading the weights (none for a model given in memory, as the app's kept model) and the
+    data (DATA_SECONDS). A GGUF is dequantised by transformers (about 25 s for SmolLM2-135M's 135 M parameters
+    on this machine's cores) unless the cache holds its de-quantised copy (engine/model_cache.py; dequantise
+    None: look); a safetensors folder reads at disk speed."""
+    if in_memory:
+        return DATA_SECONDS
+    if dequantise is None:
+        dequantise = skeleton.source_kind == "gguf" and not gguf_copied(skeleton.name, dtype)
+    per_param = GGUF_SECONDS_PER_PARAM if dequantise else COPY_SECONDS_PER_PARAM
+    return 1.0 + skeleton.params_total * per_param + DATA_SECONDS
 
 
 def gguf_copied(model: str, dtype: str) -> bool:
@@ -256,14 +410,29 @@ def gguf_copied(model: str, dtype: str) -> bool:
     return bool(source.gguf_file) and model_cache.has_copy(model_cache.copy_folder(source.path, source.gguf_file, dtype))
 
 
+def export_seconds(config, skeleton: Skeleton) -> float:
+    """Writing the sliced model: its kept parameters at disk speed."""
+    removal = plan_removal(skeleton, list(config.units), config.prune_ratio, config.budget, config.scope, config.init)
+    kept = skeleton.params_total - removal.params_removed
+    return EXPORT_SECONDS + kept * _BYTES.get(config.dtype, 4) / EXPORT_BYTES_PER_SECOND
+
+
 def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source: str,
-              dense_cached: bool = False) -> TimePlan:
-    """Seconds of each phase: its tokens (phase_tokens) times the measured seconds per token, plus loading."""
-    phases = {"loading": load_seconds(skeleton, config.dtype), "data and export": DATA_AND_EXPORT_SECONDS}
-    for phase, tokens in phase_tokens(config, skeleton).items():
-        if phase == "dense perplexity" and dense_cached:
-            continue
-        phases[phase] = tokens * seconds_per_token
+              dense_cached: bool = False, in_memory: bool = False, dequantise: bool | None = None,
+              load: float | None = None, done_steps: int | None = None) -> TimePlan:
+    """Seconds of each phase a run records (RUN_PHASES): its forward tokens (phase_tokens) times the measured
+    seconds per token, plus what is no forward: loading (load_seconds; `load`: the seconds it took, where the
+    plan is made once the model and the data are in memory, as a run makes it) and the export. Under
+    --time-budget the steps fill what the budget leaves."""
+    tokens = phase_tokens(config, skeleton, dense_cached, done_steps)
+    phases = {"load": load_seconds(skeleton, config.dtype, in_memory, dequantise) if load is None else load}
+    for phase in RUN_PHASES:
+        if phase in tokens:
+            phases[phase] = tokens[phase] * seconds_per_token
+    phases["export"] = export_seconds(config, skeleton)
+    if config.time_budget and "steps" in phases:
+        rest = sum(v for k, v in phases.items() if k != "steps")
+        phases["steps"] = max(min(phases["steps"], 60 * config.time_budget - rest), 0.0)
     return TimePlan(phases, seconds_per_token, rate_source, dense_cached)
 
 
@@ -303,10 +472,12 @@ def cached_probe(cache: Path | None, key: str) -> float | None:
 
 
 def probe_seconds_per_token(skeleton: Skeleton, dtype: str, batch_size: int, seqlen: int, cache: Path | None = None,
-                            repeats: int = 2) -> float:
+                            repeats: int = 3, model=None, min_seconds: float = 2.0) -> float:
     """Seconds per token of a dense forward on this machine: the model built from its config with random
-    weights (no file is read), one (batch x seqlen) forward to warm up, then the best of `repeats`. Cached in
-    `cache` (a folder) under the model, dtype, batch shape and thread count."""
+    weights (no file is read), or `model` itself (a run's, on its device), one (batch x seqlen) forward to warm
+    up, then the median of `repeats` or more, until they took `min_seconds` (a small model's forwards are many
+    and short: the median of a few would catch a moment of the other work on shared cores, not the typical
+    forward a run gets). Cached in `cache` (a folder) under the model, dtype, batch shape and thread count."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -315,28 +486,40 @@ def probe_seconds_per_token(skeleton: Skeleton, dtype: str, batch_size: int, seq
     key = probe_key(skeleton.name, dtype, batch_size, seqlen)
     if (hit := cached_probe(cache, key)) is not None:
         return hit
-    model = AutoModelForCausalLM.from_config(skeleton.adapter.config, dtype=DTYPES[dtype]).eval()
-    ids = torch.randint(0, skeleton.vocab_size, (batch_size, seqlen))
-    best = math.inf
+    own = model is None
+    if own:
+        model = AutoModelForCausalLM.from_config(skeleton.adapter.config, dtype=DTYPES[dtype]).eval()
+    device = next(model.parameters()).device
+    ids = torch.randint(0, skeleton.vocab_size, (batch_size, seqlen), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
     with torch.no_grad():
-        for i in range(repeats + 1):
+        for i in range(10_000):
+            sync()
             t = time.perf_counter()
             model(input_ids=ids, use_cache=False)
+            sync()
             if i:
-                best = min(best, time.perf_counter() - t)
-    del model
-    rate = best / (batch_size * seqlen)
+                times.append(time.perf_counter() - t)
+            if len(times) >= repeats and sum(times) >= min_seconds:
+                break
+    if own:
+        del model
+    rate = sorted(times)[len(times) // 2] / (batch_size * seqlen)
     if cache is not None:
         from .io import atomic_write_text
 
-        cache.mkdir(parents=True, exist_ok=True)
         try:
-            table = json.loads((cache / _PROBE_FILE).read_text())
-        except (OSError, ValueError):
-            table = {}
-        table = table if isinstance(table, dict) else {}
-        table[key] = rate
-        atomic_write_text(cache / _PROBE_FILE, json.dumps(table, indent=1) + "\n")
+            cache.mkdir(parents=True, exist_ok=True)
+            try:
+                table = json.loads((cache / _PROBE_FILE).read_text())
+            except (OSError, ValueError):
+                table = {}
+            table = table if isinstance(table, dict) else {}
+            table[key] = rate
+            atomic_write_text(cache / _PROBE_FILE, json.dumps(table, indent=1) + "\n")
+        except OSError:  # (an unwritable cache: the rate is measured again next time)
+            pass
     return rate
 
 
@@ -364,3 +547,28 @@ def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
     inter = getattr(skeleton.adapter.config, "intermediate_size", 4 * skeleton.hidden_size)
     parts["activations"] = tokens * (2 * skeleton.vocab_size + 3 * inter) * 4
     return MemoryPlan(parts)
+
+
+# --- what a time budget trades ------------------------------------------------------------------------------
+def budget_trades(config, plan: TimePlan) -> list[str]:
+    """What --time-budget would trade for time, said before Start (a run that does it says so again in its last
+    lines and in results.json's "reduced"): the refit's statistics stop at a third of the time left when they
+    start (engine/hooks/reconstruction.py), which the one statistics pass reaches after loading and the data."""
+    from .hooks.reconstruction import batches_within_share
+    from .metrics import METRICS
+    from .unit_types import UNIT_TYPES
+
+    widths = any(u in UNIT_TYPES and not UNIT_TYPES[u].whole_layer for u in config.units)
+    if config.time_budget is None or not config.reconstruct or not widths:
+        return []
+    reads = config.bias_compensation or bool(getattr(METRICS.get(config.init), "statistics", ()))
+    anyway = config.init_batches if reads and config.refit_stream == "init" else 0
+    before = sum(plan.phases.get(k, 0.0) for k in ("load", "loading", "data and export"))  # (loading and the data)
+    per_batch = config.batch_size * config.seqlen * plan.seconds_per_token
+    n = config.reconstruct_batches
+    kept = batches_within_share(n, per_batch, 60.0 * config.time_budget - before, anyway)
+    if kept >= n:
+        return []
+    return [f"the time budget would cut the refit's statistics (--reconstruct-batches {n}) to about {kept} batches "
+            f"(they may take a third of the time left when they start): a less exact refit, and the pruned perplexity "
+            f"moves with it; a budget of about {(before + 3 * n * per_batch) / 60:.1f} min or more keeps all {n}"]

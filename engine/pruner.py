@@ -40,6 +40,7 @@ from .loading import check_positions, load_model, resolve_model
 from .methods import METHODS, method_options
 from .outdir import folder_lock
 from .phases import PhaseClock
+from .runplan import start_plan
 from .results import finish
 from .memory_check import check_run_fits
 from .tokenize_docs import tokenize_documents
@@ -147,6 +148,8 @@ class PruneRun:
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
         self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
         self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics
+        with self.phases("load"):  # (a probe of the forward's speed, when none is cached, is loading too)
+            self.plan = start_plan(self)  # results.json's plan_seconds_by_phase
 
     def fingerprint(self) -> str | None:
         """The model's files (name, size, mtime) as one string, for caches of what it computes; None for a model
@@ -207,6 +210,8 @@ class PruneRun:
         self.progress = progress
         with _held(self.out):
             state = start_state(self, resume)
+            if "init metric" not in self.phases.seconds:  # (resumed from a checkpoint: this session's plan)
+                self.plan = start_plan(self, done_steps=state.step)
             self.start_masks = self.masks.init_masks(state)  # (what a UI shows as the init mask, with state.init_scores)
             self.init_scores = state.init_scores
             stopped = self._loop(state, observer, stop)

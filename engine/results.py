@@ -11,6 +11,7 @@ from .io import atomic_write_text
 from .loading import count_parameters
 from .phases import phase_line
 from .rundir import MODEL_DIR, RESULTS_FILE
+from .runplan import PLAN_KEY
 from .runstate import RunState, peak_rss_mb
 from .unit_types import UNIT_TYPES
 
@@ -62,6 +63,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "world_size": run.world.size,  # torchrun's ranks in the session that finished the run
         "mask_samples_by_rank": shares(c.num_mask_samples, run.world.size),  # which rank ran which of the N_s samples
         "worlds": state.worlds,  # each session's ranks from the step it started at
+        PLAN_KEY: getattr(run, "plan", None),  # the time plan this session started with (engine/runplan.py)
     }
 
 

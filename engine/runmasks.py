@@ -102,17 +102,26 @@ class RunMasks:
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         return {u: self.run.layout.split(u, m) for u, m in flat.items()}
 
-    def dense_perplexity(self) -> float:
-        """The dense model's perplexity, from the cache (engine/ppl_cache.py) when this model's files, dtype,
-        device and windows were evaluated before."""
+    def cached_dense(self) -> tuple[str | None, float | None, float | None]:
+        """(the dense perplexity's cache key, the cached figure the run takes, its seconds): the figure is None
+        when the cache has none for this model's files, dtype, device and windows, or when a budgeted run that
+        evaluates nothing before its last evaluation needs the evaluation's seconds (its reserve for the last
+        one) and the entry, from before the cache kept them, has none: it is measured again, once."""
         r, c = self.run, self.run.config
         fingerprint = ppl_cache.model_fingerprint(r.source.path, r.source.gguf_file) if r.from_disk else None
         key = ppl_cache.dense_key(fingerprint, c.dtype, c.device, r.windows) if fingerprint else None
         cached = ppl_cache.lookup(key) if key else None
         seconds = ppl_cache.lookup_seconds(key) if cached is not None else None
-        # (a budgeted run that evaluates nothing before its last evaluation reserves time for it by the cached
-        # evaluation's seconds; an entry from before the cache kept them is measured again, once)
-        if cached is not None and (seconds is not None or c.evaluates_init or c.time_budget is None):
+        if cached is not None and not (seconds is not None or c.evaluates_init or c.time_budget is None):
+            cached = None
+        return key, cached, seconds
+
+    def dense_perplexity(self) -> float:
+        """The dense model's perplexity, from the cache (engine/ppl_cache.py) when this model's files, dtype,
+        device and windows were evaluated before."""
+        r = self.run
+        key, cached, seconds = self.cached_dense()
+        if cached is not None:
             r.log(f"dense perplexity: {cached:.3f} (cached: the same model files and windows were evaluated before)")
             self.measured[mask_key(None, ...)] = cached
             self.longest_eval = max(self.longest_eval, seconds or 0.0)

@@ -121,6 +121,44 @@ def removal_text(results: dict | None) -> str | None:
     return text
 
 
+# --- a run's time: its plan against what it measured -------------------------------------------------
+def plan_table(plan: dict, actual: dict, key: str) -> None:
+    """The plan the run started with beside the seconds it measured, per phase (both computed by the engine:
+    engine/runplan.py's plan_rows), in an expander."""
+    from engine.runplan import plan_rows
+
+    rows = [{"phase": k, "planned": fmt_seconds(p), "measured": fmt_seconds(a),
+             "measured / planned": f"{a / p:.2f}" if p and p >= 1 else "—"} for k, p, a in plan_rows(plan, actual)]
+    with st.expander(f"Time: planned {fmt_seconds(plan.get('total'))}, measured {fmt_seconds(actual.get('total'))}"):
+        st.dataframe(rows, hide_index=True, width="stretch", key=f"plan-{key}")
+        st.caption("The plan is the engine's cost model at Start (docs/app.md, “Plan against actual”): forward "
+                   "tokens per phase times this machine's measured seconds per token, plus loading and the export.")
+
+
+def preparing_text(snap) -> str:
+    """A job before its first step: the phase open now by the run's own clock, its time so far, and by the plan
+    the run started with its time left and the run's; then the last message the run logged."""
+    import time
+
+    c = snap.clock
+    if not c:  # (the model is being loaded: the run and its plan do not exist yet)
+        return f"preparing · {fmt_seconds(time.time() - (snap.started_at or time.time()))} · {snap.phase}"
+    parts = [f"{c['phase']} for {fmt_seconds(c['seconds'])}"]
+    if c.get("planned") is not None:
+        parts.append(f"planned {fmt_seconds(c['planned'])}, about {fmt_seconds(c['phase_left'])} left")
+    if c.get("run_left") is not None:
+        parts.append(f"ETA of the run {fmt_seconds(c['run_left'])} by the plan")
+    return "preparing · " + " · ".join(parts) + f" · {snap.phase}"
+
+
+def planned_fraction(snap) -> float:
+    """A job's share done by the plan it started with (0 until the run has one)."""
+    c, plan = snap.clock, snap.plan or {}
+    if not c or c.get("run_left") is None or not plan.get("total"):
+        return 0.0
+    return min(max(1.0 - c["run_left"] / plan["total"], 0.0), 1.0)
+
+
 # --- a run's charts -----------------------------------------------------------------------------
 def render_run(history: list[dict], config: dict, views: list[M.MaskView], results: dict | None,
                key: str, run_dir: str | Path | None = None) -> None:
@@ -148,6 +186,8 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
                        f"{results['ppl_pruned']:.2f} with the kept columns refit ({refit['batches']} batches)")
         if phases := results.get("seconds_by_phase"):  # (runs made before it have none)
             st.caption("W" + phase_line(phases)[1:])  # "Wall time 533 s: load 11, ..."
+            if plan := results.get("plan_seconds_by_phase"):  # (the plan the run started with, beside it)
+                plan_table(plan, phases, key)
         if run_dir is not None:
             deploy_panel(run_dir, key)
     if last is None and not views:
@@ -480,7 +520,7 @@ def _rate(config, skeleton) -> tuple[float, str, bool]:
 def plan_panel(config, problem: str | None) -> float | None:
     """The plan above Start: parameters removed, time, peak memory, speed-up. Returns the estimated seconds."""
     from engine.errors import UserError
-    from engine.plan import model_skeleton, plan_memory, plan_time, probe_seconds_per_token, speedup
+    from engine.plan import budget_trades, model_skeleton, plan_memory, plan_time, probe_seconds_per_token, speedup
     from engine.ppl_cache import cache_dir
     from engine.unit_types import UNIT_TYPES
 
@@ -532,6 +572,8 @@ def plan_panel(config, problem: str | None) -> float | None:
     box.caption(f"Time: {phases}" + (f" (the time budget stops it at {config.time_budget:g} min)" if config.time_budget else "")
                 + f". Rate: {rate * 1e3:.3f} ms per token, from {source}."
                 + (f" Earlier runs of this model peaked at {max(peaks) / 1e3:.1f} GB." if peaks else ""))
+    for trade in budget_trades(config, times):  # (what the time budget would trade for time: said before Start)
+        box.warning(trade[0].upper() + trade[1:] + ".", icon=":material/timer:")
     if not measured and box.button("Measure this machine's speed", key="probe", icon=":material/speed:",
                                    help="One forward of a calibration batch through the model built with random "
                                         "weights (no file is read); remembered for this model and batch shape."):

@@ -219,10 +219,10 @@ def live() -> None:
         sps = S.seconds_per_step(snap.history)
         eta = S.eta_seconds(snap.history, total)
         elapsed = time.time() - (snap.started_at or time.time())
-        st.progress(min(done_steps / total, 1.0),
+        st.progress(min(done_steps / total, 1.0) if last else _ui.planned_fraction(snap),
                     text=f"{done_steps}/{total} steps · {sps:.2f} s/step (mean of the last {min(len(snap.history), 5)}) · "
                          f"ETA {_ui.fmt_seconds(eta)} · running for {_ui.fmt_seconds(elapsed)}"
-                    if last else f"preparing · {snap.phase}")
+                    if last else _ui.preparing_text(snap))
     if last and cfg.get("method") in METHODS and (line := METHODS[cfg["method"]].progress(cfg, done_steps)):
         st.caption(f"{cfg['method']}: {line} · current loss {sum(last['losses']) / len(last['losses']):.3f}")
     saved = M.saved_views(snap.out_dir, snap.result) if snap.status == DONE and snap.out_dir else []

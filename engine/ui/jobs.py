@@ -65,6 +65,8 @@ class JobSnapshot:
     started_at: float | None = None
     finished_at: float | None = None
     resumed_from: int = 0  # steps already done when this job started (resume)
+    clock: dict | None = None  # the run's phase open now, its seconds and its plan (engine/runplan.py's phase_status)
+    plan: dict | None = None  # the time plan the run started with (results.json's plan_seconds_by_phase)
 
     @property
     def active(self) -> bool:
@@ -136,6 +138,7 @@ class JobManager:
         self._stop = threading.Event()
         self._snap = JobSnapshot()
         self._models = _ModelCache(keep_model)
+        self._run = None  # the PruneRun of the current job once it exists: its phase clock and plan are read
 
     # --- control ---------------------------------------------------------------------------
     def start(self, config: PruneConfig | None, out_dir: str | Path, resume: bool = False) -> None:
@@ -159,7 +162,7 @@ class JobManager:
                                 "runs folder ($PG_PRUNE_RUNS_DIR)") from None
             config.validate()
             resolve_model(config.model)  # a missing file or a folder without a model fails here
-            self._stop = threading.Event()
+            self._stop, self._run = threading.Event(), None
             self._snap = JobSnapshot(status=LOADING, phase=f"loading {config.model}", out_dir=str(out),
                                      config=config.to_dict(), started_at=time.time())
             self._thread = threading.Thread(target=self._work, args=(config, out, resume, self._stop),
@@ -177,10 +180,14 @@ class JobManager:
             return True
 
     def snapshot(self) -> JobSnapshot:
+        from ..runplan import phase_status
+
         with self._lock:
-            s = self._snap
+            s, run = self._snap, self._run
+            clock = phase_status(run.plan, run.phases) if run is not None and s.active else None
             return dataclasses.replace(s, history=list(s.history), config=dict(s.config or {}) or None,
-                                       result=dict(s.result) if s.result else None)
+                                       result=dict(s.result) if s.result else None, clock=clock,
+                                       plan=dict(run.plan) if run is not None and run.plan else s.plan)
 
     def wait(self, timeout: float | None = None) -> JobSnapshot:
         """Block until the current job ends (tests, scripts)."""
@@ -221,9 +228,12 @@ class JobManager:
             from ..pruner import PruneRun
             from ..rundir import CHECKPOINT_FILE
 
+            started = time.monotonic()  # (the run's "load" and --time-budget count the model's loading, as the CLI's)
             model, tok = self._models.load(config)
             self._log("reading calibration and evaluation data")
-            run = PruneRun(config, out, model=model, tokenizer=tok, log=self._log)
+            run = PruneRun(config, out, model=model, tokenizer=tok, log=self._log, started=started)
+            with self._lock:
+                self._run = run
             self._models.keep(config, model, tok)
             if resume and (out / CHECKPOINT_FILE).exists():
                 history = _kept_history(run, out)

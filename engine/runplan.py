@@ -1,0 +1,99 @@
+"""The plan a run starts with: engine/plan.py's time plan of this run's phases, computed by the engine when the run
+starts (so a CLI run has it as the app's does), logged, kept for results.json (`plan_seconds_by_phase`) and
+shown beside what the run measured (`seconds_by_phase`) when it ends.
+
+The rate is the probe's cached for this model, dtype, batch shape and thread count ($PG_PRUNE_CACHE, shared with
+the app's plan panel), or a probe of the run's own model, once: a warm-up forward and two timed ones of a
+calibration batch (for the default model about 8 s on 2 cores, counted in the run's load)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from .pruner import PruneRun
+
+PLAN_KEY = "plan_seconds_by_phase"  # results.json's key of the plan the run started with
+
+
+def run_rate(run: "PruneRun", skeleton) -> tuple[float, str]:
+    """(seconds per token of a dense forward, where it comes from)."""
+    from .plan import cached_probe, probe_key, probe_seconds_per_token
+    from .ppl_cache import cache_dir
+
+    c = run.config
+    hit = cached_probe(cache_dir(), probe_key(c.model, c.dtype, c.batch_size, c.seqlen))
+    if hit is not None:
+        return hit, "a probe of this machine (cached)"
+    rate = probe_seconds_per_token(skeleton, c.dtype, c.batch_size, c.seqlen, cache=cache_dir(), model=run.model)
+    return rate, "a probe of this machine (one dense forward of a batch)"
+
+
+def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, float]:
+    """The plan of this session of the run in results.json's form (phase -> seconds, "other", "total"), made once
+    the model and the data are in memory (the probe runs the model; the dense perplexity's cache is keyed by the
+    evaluation windows): its "load" is what loading took until then (the CLI's imports, the model, the data and
+    the probe), the rest is planned. A fresh run (done_steps None) or one resumed at done_steps. Logged."""
+    from .hooks.reconstruction import Reconstruction
+    from .plan import plan_time, skeleton_of
+
+    c = run.config
+    skeleton = skeleton_of(run.model, c.model, "gguf" if run.source.gguf_file else "folder")
+    rate, source = run_rate(run, skeleton)
+    dense_cached = run.masks.cached_dense()[1] is not None
+    plan = plan_time(c, skeleton, rate, source, dense_cached=dense_cached, done_steps=done_steps,
+                     load=time.monotonic() - run.started if done_steps is None else run.phases.seconds["load"])
+    phases = dict(plan.phases)
+    if any(isinstance(h, Reconstruction) and h.skipped for h in run.hooks):  # (no statistics, no refit)
+        phases.pop("refit statistics", None)
+        phases.pop("refit", None)
+    if run.out is None:  # (a run in memory writes no export)
+        phases.pop("export", None)
+    out = {k: round(v, 1) for k, v in phases.items()}
+    out.update(other=0.0, total=round(sum(phases.values()), 1))
+    run.log(f"plan: about {out['total']:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in out.items()
+                                                       if k not in ("other", "total") and v >= 1)
+            + f"); {rate * 1e3:.4f} ms per token from {source}")
+    return out
+
+
+def phase_progress(plan: dict[str, float], seconds: dict[str, float], current: str | None
+                   ) -> tuple[float | None, float]:
+    """(seconds left in the current phase, None when the plan has no such phase; seconds left in the run): the
+    plan's phases against the seconds spent so far in each (`seconds`: PhaseClock.so_far's); a phase past its
+    plan has 0 left, phases not entered yet count whole."""
+    left = {k: max(v - seconds.get(k, 0.0), 0.0) for k, v in plan.items() if k not in ("other", "total")}
+    return (left.get(current) if current else None), sum(left.values())
+
+
+def phase_status(plan: dict[str, float] | None, clock) -> dict:
+    """A run in progress as a UI shows it before its steps: the phase open now (its name, "other" between
+    phases), its seconds so far and planned, the seconds left in it and in the run by the plan (None without a
+    plan)."""
+    current, seconds = clock.so_far()
+    name = current or "other"
+    left, run_left = phase_progress(plan, seconds, current) if plan else (None, None)
+    return {"phase": name, "seconds": round(seconds.get(name, 0.0), 1),
+            "planned": (plan or {}).get(name), "phase_left": left, "run_left": run_left}
+
+
+def plan_rows(plan: dict[str, float] | None, actual: dict[str, float]) -> list[tuple[str, float | None, float]]:
+    """(phase, planned seconds or None, measured seconds) for every phase either names, in the run's order, with
+    "other" and "total" last."""
+    plan = plan or {}
+    names = [k for k in actual if k not in ("other", "total")]
+    names += [k for k in plan if k not in names and k not in ("other", "total")]
+    return [(k, plan.get(k), actual.get(k, 0.0)) for k in names + ["other", "total"] if k in plan or k in actual]
+
+
+def plan_lines(plan: dict[str, float] | None, actual: dict[str, float]) -> list[str]:
+    """The CLI's last lines: plan against actual per phase (phases under a second on both sides left out, but
+    for the total), with the ratio where the plan has the phase."""
+    lines = ["time by phase: planned / measured seconds"]
+    for k, p, a in plan_rows(plan, actual):
+        if k != "total" and a < 1 and (p or 0) < 1:
+            continue
+        ratio = f"  ({a / p:.2f}x the plan)" if p and p >= 1 else ""
+        lines.append(f"  {k:<17} {'—' if p is None else f'{p:.0f}':>6} / {a:.0f}{ratio}")
+    return lines

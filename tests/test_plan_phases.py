@@ -1,0 +1,133 @@
+"""Honest time (issue 49): the plan a run starts with names the phases the run records (engine/phases.py), comes
+from one cost model (engine/plan.py), is kept in results.json beside what the run measured, and a job shows its
+phase and the time left by that plan before its first step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.config import PRESETS, PruneConfig
+from engine.phases import PhaseClock
+from engine.plan import (RUN_PHASES, model_skeleton, phase_tokens, plan_time, refit_tokens, statistics_plan,
+                         validation_checks)
+from engine.pruner import PruneRun
+from engine.runplan import PLAN_KEY, phase_progress, phase_status, plan_lines, plan_rows
+
+from test_pruner import small_config
+
+
+def tiny_run(tiny, config, out) -> dict:
+    return PruneRun(config, out, model=tiny[0], tokenizer=tiny[1], log=lambda m: None).run(progress=False)
+
+
+@pytest.mark.parametrize("preset", ["joint", None], ids=["default preset", "heads and channels"])
+def test_the_plan_names_the_phases_a_run_records(tiny, tiny_path, small_eval_file, tmp_path, preset):
+    """The CLI's default preset (the joint: layers, KV groups and channels, refit on) and the settings' own
+    defaults (KV groups and channels): the plan the engine records at the start has exactly the phases the run's
+    seconds_by_phase has, and the plan made from the config alone (the app's panel) too."""
+    config = small_config(tiny_path, small_eval_file, **{**(PRESETS[preset] if preset else {}), "init_batches": 2})
+    results = tiny_run(tiny, config, tmp_path / "r")
+    recorded, plan = results["seconds_by_phase"], results[PLAN_KEY]
+    assert list(plan) == [k for k in (*RUN_PHASES, "other", "total") if k in plan]  # (the run's order)
+    assert set(plan) == set(recorded), (plan, recorded)
+    panel = plan_time(config, model_skeleton(str(tiny_path)), 1e-5, "test").by_phase()
+    assert set(panel) == set(recorded)
+    assert plan["total"] == pytest.approx(sum(v for k, v in plan.items() if k != "total"), abs=0.3)
+
+
+def test_the_plan_counts_the_refit_and_its_statistics(tiny_path):
+    """--reconstruct (on by default) adds its statistics and its solves; without it they are gone, and a refit
+    per held-out check (--val-refit) and per joint-mix candidate (--mix-refit) is counted."""
+    skeleton = model_skeleton(str(tiny_path))
+    on, off = (phase_tokens(PruneConfig(model=str(tiny_path), reconstruct=r), skeleton) for r in (True, False))
+    phase = statistics_plan(PruneConfig(model=str(tiny_path)))[0]
+    assert on[phase] > 0 and on["refit"] > 0 and "refit" not in off
+    no_val_refit = phase_tokens(PruneConfig(model=str(tiny_path), val_refit=False), skeleton)
+    checks = validation_checks(PruneConfig(model=str(tiny_path)))
+    one = refit_tokens(PruneConfig(model=str(tiny_path)), skeleton)
+    assert checks == 1 + 50 // 10 and on["refit"] - no_val_refit["refit"] == pytest.approx(checks * one)
+    joint = dict(model=str(tiny_path), **PRESETS["joint"], prune_ratio=0.7)  # (a layer can go: two counts scored)
+    mix_refit, plain = (phase_tokens(PruneConfig(**joint, mix_refit=m), skeleton) for m in (True, False))
+    assert mix_refit["refit"] > plain["refit"] and mix_refit["joint mix"] == plain["joint mix"] > 0
+    assert refit_tokens(PruneConfig(model=str(tiny_path), prune_ratio=0.5), skeleton) != one  # (in the widths kept)
+
+
+def test_a_cached_dense_perplexity_and_a_resumed_session_plan_less(tiny_path):
+    skeleton = model_skeleton(str(tiny_path))
+    config = PruneConfig(model=str(tiny_path))
+    fresh, cached = phase_tokens(config, skeleton), phase_tokens(config, skeleton, dense_cached=True)
+    windows = config.max_windows * config.eval_seqlen
+    assert fresh["evaluations"] - cached["evaluations"] == pytest.approx(windows)  # (one dense evaluation)
+    resumed = phase_tokens(config, skeleton, done_steps=40)
+    assert "init metric" not in resumed and resumed["steps"] == pytest.approx(fresh["steps"] / 5)
+    assert validation_checks(config, 40) == 1  # step 50's check only
+
+
+def test_loading_a_gguf_costs_more_than_its_copy_and_a_model_in_memory_less(tiny_path):
+    skeleton = model_skeleton(str(tiny_path))
+    config = PruneConfig(model=str(tiny_path))
+    read, dequantised, given = (plan_time(config, skeleton, 1e-5, "t", in_memory=m, dequantise=d).phases["load"]
+                                for m, d in ((False, False), (False, True), (True, None)))
+    assert given < read < dequantised
+
+
+def test_phase_progress_counts_what_is_left_by_the_plan():
+    plan = {"load": 10.0, "statistics": 20.0, "steps": 30.0, "other": 0.0, "total": 60.0}
+    left, run_left = phase_progress(plan, {"load": 12.0, "statistics": 5.0}, "statistics")
+    assert left == 15.0 and run_left == 45.0  # (load past its plan: nothing left there)
+    t = [100.0]
+    clock = PhaseClock(started=90.0, clock=lambda: t[0])
+    with clock("statistics"):
+        t[0] += 4
+        status = phase_status(plan, clock)
+    assert status == {"phase": "statistics", "seconds": 4.0, "planned": 20.0, "phase_left": 16.0, "run_left": 46.0}
+
+
+def test_plan_and_actual_side_by_side():
+    plan = {"load": 10.0, "statistics": 20.0, "steps": 30.0, "export": 0.4, "other": 0.0, "total": 60.4}
+    actual = {"load": 12.0, "statistics": 25.0, "evaluations": 3.0, "steps": 33.0, "export": 0.2, "other": 0.1,
+              "total": 73.3}
+    rows = plan_rows(plan, actual)
+    assert [r[0] for r in rows] == ["load", "statistics", "evaluations", "steps", "export", "other", "total"]
+    assert rows[2] == ("evaluations", None, 3.0) and rows[-1] == ("total", 60.4, 73.3)
+    lines = plan_lines(plan, actual)
+    assert any(ln.split()[:3] == ["statistics", "20", "/"] and "1.25x" in ln for ln in lines)
+    assert not any(ln.split()[0] == "export" for ln in lines[1:])  # (under a second on both sides)
+
+
+def test_a_job_shows_its_phase_and_eta_before_the_first_step(tiny_path, small_eval_file, tmp_path):
+    """The app's job (engine/ui/jobs.py): before the first step its snapshot carries the run's plan and the phase
+    open now, with its seconds so far and the time left by the plan."""
+    from engine.ui.jobs import DONE, JobManager
+
+    jobs = JobManager(keep_model=False)
+    jobs.start(small_config(tiny_path, small_eval_file, reconstruct=True, reconstruct_batches=4, steps=3),
+               tmp_path / "job")
+    seen = []
+    while (snap := jobs.snapshot()).active:
+        if snap.clock is not None and not snap.history:
+            seen.append(snap)
+        time.sleep(0.01)
+    assert jobs.wait().status == DONE
+    assert seen, "the job never showed a phase before its first step"
+    c, plan = seen[-1].clock, seen[-1].plan
+    assert c["phase"] in plan and c["planned"] == plan[c["phase"]] and c["run_left"] is not None
+    assert jobs.snapshot().result[PLAN_KEY] == plan
+
+
+@pytest.mark.slow
+def test_a_tiny_models_first_run_keeps_to_its_plan(tiny, tiny_path, tmp_path):
+    """The CLI's default run (the joint preset: 50 steps, 256 evaluation windows, refit on) of the tiny model,
+    planned with a probe of its own forward's speed (a fresh cache: measured at the start): the total, and every
+    phase that takes over a second and over 5 % of the run, within 30 % of the plan. (The tiny model's joint mix
+    and validation, 1 to 4 s here, are left out: their few masked forwards of 2 layers are mostly the hooks' fixed
+    work per forward, which the cost model, in forward tokens, does not count; they ran at 1.8x to 2.4x the
+    plan on 2 shared cores. On the default model they are the forwards: docs/app.md.)"""
+    config = PruneConfig(model=str(tiny_path), **PRESETS["joint"])
+    results = tiny_run(tiny, config, tmp_path / "first")
+    plan, actual = results[PLAN_KEY], results["seconds_by_phase"]
+    off = {k: (plan[k], actual[k]) for k in actual if k != "other" and actual[k] > max(1.0, 0.05 * actual["total"])
+           and not 0.7 <= plan[k] / actual[k] <= 1.3}
+    assert not off, f"planned against measured seconds: {off} (all: {plan} / {actual})"
