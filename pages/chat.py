@@ -9,8 +9,8 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from engine.tools.chat import (GenerationSettings, masked_from_run, prompt_problem, speed_comparison,  # noqa: E402
-                               stream)
+from engine.tools.chat import (PROMPTS_FILE, GenerationSettings, masked_from_run, prompt_problem,  # noqa: E402
+                               saved_prompts, speed_comparison, stream)
 from engine.errors import UserError  # noqa: E402
 
 st.title(":material/forum: Chat: dense vs pruned")
@@ -56,8 +56,9 @@ history = st.session_state.setdefault(history_key, [])
 
 
 def stats_line(stats, model) -> str:
+    threads = model.info.get("threads")  # (llama.cpp's own thread count; transformers' is torch's)
     return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tokens/s in {model.backend} · "
-            f"{_ui.fmt_params(model.params)} parameters")
+            f"{_ui.fmt_params(model.params)} parameters" + (f" · {threads} threads" if threads else ""))
 
 
 def show_turn(turn: dict) -> None:
@@ -76,25 +77,22 @@ def show_turn(turn: dict) -> None:
 for turn in history:
     show_turn(turn)
 
-prompt = st.chat_input("Ask both models…")
-if prompt is not None and (empty := prompt_problem([], prompt, settings.max_new_tokens)):
-    st.warning(f"Not sent: {empty}.", icon=":material/block:")
-    prompt = None
-if prompt:
+def load_pair():
+    """(dense, pruned) ChatModels of the chosen mode, or None after saying why they cannot load."""
     try:
         if mode == "gguf":  # llama.cpp on both sides: the run's GGUF, and the dense model's of the same type
-            pruned = _ui.gguf_model(str(run.path), run.modified)
-            dense = _ui.dense_gguf_model(str(run.path), run.modified)
-        else:
-            dense = _ui.base_model(run.config["model"], run.config.get("dtype", "float32"))
-            pruned = (masked_from_run(dense, run.path) if mode == "masked"
-                      else _ui.sliced_model(str(run.path), run.modified))
+            pruned = _ui.gguf_model(str(run.path), run.modified)  # (first: the dense GGUF takes its weight type)
+            return _ui.dense_gguf_model(str(run.path), run.modified), pruned
+        dense = _ui.base_model(run.config["model"], run.config.get("dtype", "float32"))
+        return dense, (masked_from_run(dense, run.path) if mode == "masked"
+                       else _ui.sliced_model(str(run.path), run.modified))
     except UserError as e:
         st.error(f"Cannot load the models: {e}")
-        st.stop()
-    if too_long := prompt_problem([dense, pruned], prompt, settings.max_new_tokens):
-        st.error(f"Not sent: {too_long}.", icon=":material/block:")
-        st.stop()
+        return None
+
+
+def answer(prompt: str, dense, pruned) -> None:
+    """One prompt answered by both models side by side (dense first), streamed, and kept in the history."""
     with st.chat_message("user"):
         st.markdown(prompt)
     turn = {"prompt": prompt}
@@ -122,6 +120,27 @@ if prompt:
         turn["speedup"] = speed_comparison(dense.backend, tps["dense"], pruned.backend, tps["pruned"])
         st.info(turn["speedup"], icon=":material/speed:")
     history.append(turn)
+
+
+saved = saved_prompts()
+run_set = st.button(f"Run the saved prompt set ({len(saved)} prompts)", icon=":material/playlist_play:",
+                    disabled=not saved, help=f"Each prompt of {PROMPTS_FILE.relative_to(PROMPTS_FILE.parents[1])}, "
+                                             "answered by both models side by side, one after the other.")
+prompt = st.chat_input("Ask both models…")
+if prompt is not None and (empty := prompt_problem([], prompt, settings.max_new_tokens)):
+    st.warning(f"Not sent: {empty}.", icon=":material/block:")
+    prompt = None
+asked = saved if run_set else [prompt] if prompt else []
+if asked:
+    pair = load_pair()
+    if pair is None:
+        st.stop()
+    dense, pruned = pair
+    for p in asked:
+        if too_long := prompt_problem([dense, pruned], p, settings.max_new_tokens):
+            st.error(f"Not sent: {too_long}.", icon=":material/block:")
+            continue
+        answer(p, dense, pruned)
 
 if history and st.button("Clear the conversation"):
     st.session_state[history_key] = []

@@ -66,6 +66,22 @@ class ChatModel:
     backend: str = "transformers float32"  # what runs it: its tokens/s compare only with the same backend's
 
 
+PROMPTS_FILE = Path(__file__).resolve().parents[2] / "assets" / "prompts.json"  # the Chat page's saved prompt set
+
+
+def saved_prompts(path: Path = PROMPTS_FILE) -> list[str]:
+    """The saved prompt set's prompts ({"prompts": [...]}): the non-empty strings, in order; none when the file is
+    missing or not that shape (the page then offers no set)."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    prompts = data.get("prompts") if isinstance(data, dict) else None
+    return [p for p in prompts if isinstance(p, str) and p.strip()] if isinstance(prompts, list) else []
+
+
 def load_base(model_name: str, dtype: str = "float32", device: str = "cpu") -> ChatModel:
     from ..arch import ModelAdapter
     from ..loading import load_model, resolve_model
@@ -213,10 +229,11 @@ def gguf_chat(path: Path, run_dir: Path, params: int, label: str, threads: int |
     stop = {int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
     if tok.eos_token_id is not None:
         stop.add(int(tok.eos_token_id))
+    threads = threads or llamacpp.default_threads()
     llm = llamacpp.open_gguf(path, n_ctx=2048, threads=threads)
     trained = config.get("max_position_embeddings")
     context = min(2048, int(trained)) if isinstance(trained, int) and trained > 0 else 2048  # (llama.cpp's window)
-    return ChatModel(LlamaCppGenerator(llm, stop), tok, label, int(params or 0), info={"gguf": str(path), "context": context},
+    return ChatModel(LlamaCppGenerator(llm, stop), tok, label, int(params or 0), info={"gguf": str(path), "context": context, "threads": threads},
                      backend=f"llama.cpp {gguf_outtype(path) or 'GGUF'}")
 
 

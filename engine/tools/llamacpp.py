@@ -31,6 +31,15 @@ def available() -> bool:
     return True
 
 
+def default_threads() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share, not the host's count),
+    which is what llama.cpp should use: more threads than cores only makes them wait on each other."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def open_gguf(path: str | Path, n_ctx: int = 512, logits_all: bool = False, threads: int | None = None,
               kv_f32: bool = False):
     """A quiet llama_cpp.Llama over the file. kv_f32: the KV cache in f32 (llama.cpp's default f16 cache alone
@@ -43,7 +52,7 @@ def open_gguf(path: str | Path, n_ctx: int = 512, logits_all: bool = False, thre
     except ImportError as e:
         raise UserError(f"llama.cpp is not installed: pip install {PIN} (install.sh does it)") from e
     kw = dict(n_ctx=n_ctx, n_batch=n_ctx, logits_all=logits_all, verbose=False,
-              n_threads=threads or max(1, os.cpu_count() or 1))
+              n_threads=threads or default_threads())
     if kv_f32:
         kw.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     try:
