@@ -266,6 +266,29 @@ def test_a_budget_that_cuts_the_refits_statistics_says_so(tiny, tiny_path, small
     assert not any("reduced" in line for line in logged)
 
 
+def test_the_plan_says_what_the_budget_would_cut(tiny_path):
+    from engine.plan import budget_trades, model_skeleton, plan_time
+    from engine.hooks.reconstruction import batches_within_share
+
+    skeleton = model_skeleton(str(tiny_path))
+    base = dict(model=str(tiny_path), reconstruct=True, reconstruct_batches=64, batch_size=8, seqlen=128)
+    rate = 1e-4  # seconds per token: one batch 0.1 s, the refit's 64 batches 6.6 s
+    tight = PruneConfig.of(**base, time_budget=0.2)  # 12 s: a third of what is left after loading is about 2 s
+    said = budget_trades(tight, plan_time(tight, skeleton, rate, "test"))
+    import re
+
+    kept = re.search(r"--reconstruct-batches 64\) to about (\d+) batches", said[0]) if len(said) == 1 else None
+    assert kept and 8 <= int(kept[1]) < 64, said  # (about 19: 2 s over 0.1 s a batch)
+    roomy = PruneConfig.of(**base, time_budget=60.0)
+    assert budget_trades(roomy, plan_time(roomy, skeleton, rate, "test")) == []
+    unbudgeted = PruneConfig.of(**base)
+    assert budget_trades(unbudgeted, plan_time(unbudgeted, skeleton, rate, "test")) == []
+    # the rule the plan applies is the run's stop rule: (done + 1) batches would pass a third of the time left
+    assert batches_within_share(64, 0.1, 30.0) == 64 and batches_within_share(64, 0.1, 6.0) == 20
+    assert batches_within_share(64, 0.1, 0.0) == 8 and batches_within_share(4, 0.1, 0.0) == 4
+    assert batches_within_share(64, 0.1, 0.0, read_anyway=16) == 16
+
+
 # --- torchrun ---------------------------------------------------------------------------------------------------
 @pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 @pytest.mark.parametrize("extra", [["--no-reconstruct"], ["--reconstruct-batches", "3"]], ids=["dealt-out", "every-rank"])
@@ -282,3 +305,17 @@ def test_two_ranks_pass_as_one_process(extra, tmp_path):
                                                              "--init-batches", "3", "--num-mask-samples", "2", *extra])
     ca, cb = (torch.load(d / "checkpoint.pt", weights_only=False) for d in (one, two))
     assert all(torch.equal(ca["init_metric"][u], cb["init_metric"][u]) for u in ca["init_metric"])
+
+
+def test_the_apps_plan_warns_before_start(tmp_path, monkeypatch):
+    """The app's plan panel says the trade before Start (engine.plan.budget_trades), and nothing without a budget."""
+    from test_app import app, fill_prune_form
+
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    at = fill_prune_form(app(), steps=3)
+    at.run()
+    assert not any("refit's statistics" in w.value for w in at.warning)
+    at.number_input(key="time_budget").set_value(0.05).run()  # 3 s: nothing left for the statistics
+    said = [w.value for w in at.warning if "refit's statistics" in w.value]
+    assert len(said) == 1 and "--reconstruct-batches 64) to about 8 batches" in said[0], [w.value for w in at.warning]
