@@ -65,6 +65,25 @@ def test_a_cached_dense_perplexity_and_a_resumed_session_plan_less(tiny_path):
     assert validation_checks(config, 40) == 1  # step 50's check only
 
 
+def test_a_resumed_session_plans_the_steps_left(tiny, tiny_path, small_eval_file, tmp_path):
+    """A run stopped after step 2 of 6 and resumed: the second session plans what it does (no init metric, no
+    joint mix, 4 steps), under the names it records."""
+    import threading
+
+    config = small_config(tiny_path, small_eval_file, reconstruct=True, reconstruct_batches=2, val_every=2)
+    stop = threading.Event()
+    PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None).run(
+        progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 2 else None)
+    run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None)
+    fresh = run.plan
+    results = run.run(resume=True, progress=False)
+    plan, recorded = results[PLAN_KEY], results["seconds_by_phase"]
+    assert "init metric" in fresh and "init metric" not in plan and set(plan) == set(recorded)
+    skeleton = model_skeleton(str(tiny_path))
+    assert plan["steps"] == pytest.approx(fresh["steps"] * 4 / 6, abs=0.15)
+    assert phase_tokens(config, skeleton, done_steps=2)["validation"] == 2 * config.val_batches * config.batch_size * config.seqlen
+
+
 def test_loading_a_gguf_costs_more_than_its_copy_and_a_model_in_memory_less(tiny_path):
     skeleton = model_skeleton(str(tiny_path))
     config = PruneConfig(model=str(tiny_path))
