@@ -81,7 +81,8 @@ def test_a_resumed_session_plans_the_steps_left(tiny, tiny_path, small_eval_file
     assert "init metric" in fresh and "init metric" not in plan and set(plan) == set(recorded)
     skeleton = model_skeleton(str(tiny_path))
     assert plan["steps"] == pytest.approx(fresh["steps"] * 4 / 6, abs=0.15)
-    assert phase_tokens(config, skeleton, done_steps=2)["validation"] == 2 * config.val_batches * config.batch_size * config.seqlen
+    tokens = phase_tokens(config, skeleton, done_steps=2)
+    assert tokens["validation"] == 2 * config.val_batches * config.batch_size * config.seqlen  # (steps 4 and 6)
 
 
 def test_loading_a_gguf_costs_more_than_its_copy_and_a_model_in_memory_less(tiny_path):
@@ -150,3 +151,29 @@ def test_a_tiny_models_first_run_keeps_to_its_plan(tiny, tiny_path, tmp_path):
     off = {k: (plan[k], actual[k]) for k in actual if k != "other" and actual[k] > max(1.0, 0.05 * actual["total"])
            and not 0.7 <= plan[k] / actual[k] <= 1.3}
     assert not off, f"planned against measured seconds: {off} (all: {plan} / {actual})"
+
+
+def test_the_finished_run_shows_plan_and_actual_per_phase(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """The app's finished-run view (pages/_ui.py) shows the engine's plan beside the measured seconds, per phase,
+    as results.json holds them (no figure computed in the page)."""
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
+    results = tiny_run(tiny, small_config(tiny_path, small_eval_file, reconstruct=True, reconstruct_batches=2),
+                       runs / "done")
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    at.session_state["selected_run"] = str(runs / "done")
+    at.switch_page("pages/prune.py").run()
+    assert not at.exception, at.exception
+    plan, actual = results[PLAN_KEY], results["seconds_by_phase"]
+    from pages._ui import fmt_seconds
+
+    label = next(e.label for e in at.expander if e.label.startswith("Time: planned"))
+    assert label == f"Time: planned {fmt_seconds(plan['total'])}, measured {fmt_seconds(actual['total'])}"
+    table = next(d.value for d in at.dataframe)
+    assert list(table["phase"]) == [k for k, _, _ in plan_rows(plan, actual)]
+    assert list(table["planned"]) == [fmt_seconds(plan.get(k)) for k in table["phase"]]
