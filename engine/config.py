@@ -260,6 +260,10 @@ class PruneConfig:
     refit_stream: str = setting("init", choices=("init", "own"), label="Reconstruction stream", help=(
         "the calibration batches the reconstruction's statistics read: init (the init metric's stream, in one "
         "statistics pass with it) or own (a stream of their own, as runs before the one pass read)"))
+    step_refit: bool = setting(False, label="Score samples refit", help=(
+        "with --reconstruct: the steps score every sampled mask as it would be exported, its least-squares refit "
+        "solved per sample before its forward (a solve costs about a third of an 8 x 128 forward of SmolLM2-135M on "
+        "one core: docs/log/reward-study.md); off: samples are scored with the compensation only"))
     reconstruct_ridge: float = setting(0.1, minimum=0.0, label="Reconstruction ridge",
                                        help="the regression's ridge, relative to the kept inputs' mean second moment")
     within_layer_ranking: str = setting("scores", choices=WITHIN_LAYER_RANKINGS, label="Within-layer ranking",
@@ -391,6 +395,8 @@ class PruneConfig:
                 f"drop --time-budget, or use a method that optimises ({', '.join(m for m, k in METHODS.items() if k.optimises)})")
         if self.time_budget is not None and self.init == "random-progressive":
             bad("time budget: random-progressive's stages are fixed by --steps; use --steps with it")
+        if self.step_refit and not self.reconstruct:
+            bad("step refit scores each sample with its least-squares refit: it needs --reconstruct")
         if not METHODS[self.method].optimises and self.init == "random-progressive":
             bad(f"random-progressive is a schedule of the optimisation; method {self.method} has none (use init random)")
         return self

@@ -6,6 +6,7 @@ back-propagate, the mask rng, and the compensation fill once the run has measure
 
     ctx.losses(samples, batch)      # {unit type: (N_s, units) 0/1} -> (N_s,) mean token losses
     ctx.rewards(samples, batch)     # the same samples scored by the run's reward (--reward), as the steps are
+                                    # (--step-refit: each under its own least-squares refit)
     with ctx.masked(masks): ...     # {unit type: (units,) float} applied as hooks for the block
 """
 
@@ -33,6 +34,9 @@ class StepContext:
     fill: dict[str, list[torch.Tensor]] | None = None  # bias compensation's means, once the run measured them
     hard_masks: Callable | None = None  # {unit type: scores} -> the run's hard masks of them at its budget
     reward: Any = field(default_factory=CrossEntropy)  # --reward: what a sample's score is (engine/rewards.py)
+    # --step-refit: {unit type: (units,) hard mask} -> a context manager under which the model carries that mask's
+    # refit weights, yielding its fill (RunMasks.weights); None: samples are scored with the compensation only
+    weights: Callable | None = None
 
     def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> torch.Tensor:
         """Each sample's mean token cross-entropy on the batch (the evaluations' loss, whatever the reward).
@@ -44,8 +48,15 @@ class StepContext:
         """Each sample's score under the run's reward (--reward: ce is `losses`; kl compares with the dense model,
         whose forward on this batch runs first, without the masks, and is shared by the samples)."""
         score = self.reward.scorer(self.model, batch)
-        with MaskHooks(self.adapter) as hooks:
-            return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill, score)
+        if self.weights is None:
+            with MaskHooks(self.adapter) as hooks:
+                return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill, score)
+        out = []  # (--step-refit: each sample scored under its own refit, one solve and one forward a sample)
+        for j in range(next(iter(samples.values())).shape[0]):
+            with self.weights({u: m[j] for u, m in samples.items()}) as refit, MaskHooks(self.adapter) as hooks:
+                out.append(self.executor(hooks, self.layout, batch, {u: m[j:j + 1] for u, m in samples.items()},
+                                         self.fill if refit is ... else refit, score))
+        return torch.cat(out)
 
     @contextmanager
     def masked(self, masks: dict[str, torch.Tensor], fill=...):

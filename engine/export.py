@@ -89,9 +89,11 @@ def mask_meta_problem(meta, tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: ModelAdapter) -> list[tuple[int, dict[str, torch.Tensor]]]:
+def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: ModelAdapter,
+                 empty_ok: bool = False) -> list[tuple[int, dict[str, torch.Tensor]]]:
     """(layer index, {unit type: kept unit indices}) of every kept layer, for each unit type inside
-    layers; a type that was not pruned keeps everything. A whole-layer mask drops layers."""
+    layers; a type that was not pruned keeps everything. A whole-layer mask drops layers. empty_ok: a layer may
+    keep no unit of a type (a sampled mask may; the refit then leaves only the compensation), else it is refused."""
     per_layer = {u: layout.split(u, m) for u, m in masks.items()}
     out = []
     for i in range(adapter.num_layers):
@@ -101,7 +103,7 @@ def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: Mo
         for t in layer_unit_types():
             kept[t.name] = (torch.nonzero(per_layer[t.name][i]).flatten() if t.name in per_layer
                             else torch.arange(t.sizes(adapter)[i]))
-            if len(kept[t.name]) == 0:
+            if len(kept[t.name]) == 0 and not empty_ok:
                 raise ValueError(f"layer {i} would keep no unit of {t.name}")
         out.append((i, kept))
     if not out:

@@ -145,6 +145,11 @@ class PruneRun:
         self.masks = RunMasks(self, joined_transforms(self.hooks))
         self.keep_ratio_at, self.lr_at = self.masks.keep_ratio_at, self.masks.lr_at
         self.hard_masks = self.ctx.hard_masks = self.masks.hard_masks  # (a method may cut its scores, as --unit-block)
+        if c.step_refit:  # (the samples scored as they would be exported: each under its own refit)
+            if self.world.size > 1:
+                raise UserError("--step-refit runs in one process: its per-sample refits are not split across ranks "
+                                "yet (drop --step-refit under torchrun)")
+            self.ctx.weights = self.masks.weights
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
         self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
         self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics

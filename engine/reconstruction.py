@@ -138,7 +138,7 @@ def reconstructed(adapter: ModelAdapter, layout: UnitLayout, masks: dict[str, to
     fill = {t.name: [torch.zeros(t.output_proj(adapter, i).in_features) for i in range(adapter.num_layers)]
             for t in layer_unit_types() if t.name in masks}
     try:
-        for i, kept in kept_indices(layout, masks, adapter):
+        for i, kept in kept_indices(layout, masks, adapter, empty_ok=True):  # (a sampled mask may empty a layer's type)
             for t in layer_unit_types():
                 if t.name not in masks:  # (layer_unit_types: the types inside layers, never whole layers)
                     continue

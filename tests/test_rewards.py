@@ -201,3 +201,36 @@ def test_an_interrupted_generation_goes_on_from_its_last_batch(tiny, tmp_path, m
     docs, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=seen.append)
     assert docs == whole and any("1 documents from an interrupted generation" in m for m in seen)
     assert not partial.exists() and len(list((tmp_path / "cache").iterdir())) == 1
+
+
+# --- --step-refit: samples scored as they would be exported ------------------------------------------
+def test_step_refit_scores_each_sample_under_its_own_refit(tiny, tiny_path, small_eval_file, tmp_path):
+    """With --step-refit a step's sample j scores exactly what the run's refit of mask j scores (RunMasks.weights,
+    as the export is made), the weights are the dense ones again after the step, and the refit moves the scores
+    (so the option is not a no-op); a run with it finishes, and --step-refit without --reconstruct is refused."""
+    from engine.errors import UserError
+    from engine.policy import sample_masks
+
+    model = tiny[0]
+    run = PruneRun(small_config(tiny_path, small_eval_file, step_refit=True, reconstruct=True, reconstruct_batches=2,
+                                steps=2),
+                   tmp_path / "A", model=model, tokenizer=tiny[1], log=quiet)
+    state = run.fresh_state()
+    batch = run.sampler.next_batch()
+    samples = {u: sample_masks(s, 3, torch.Generator().manual_seed(1), False) for u, s in state.scores.items()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    got = run.ctx.rewards(samples, batch)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    weights, run.ctx.weights = run.ctx.weights, None
+    plain = run.ctx.rewards(samples, batch)
+    for j in range(3):
+        one = {u: m[j] for u, m in samples.items()}
+        with run.masks.weights(one) as fill:
+            want = run.ctx.losses({u: m[j:j + 1] for u, m in samples.items()}, batch, fill)
+        assert torch.equal(got[j:j + 1], want), (j, got, want)
+    assert not torch.allclose(got, plain)
+    run.ctx.weights = weights
+    results = run.run(progress=False)
+    assert results["status"] == "done" and results["steps"] == 2
+    with pytest.raises(UserError, match="needs --reconstruct"):
+        small_config(tiny_path, small_eval_file, step_refit=True, reconstruct=False).validate()
