@@ -18,10 +18,14 @@ Stages:
              of the four rules' choice is then evaluated on the held-out measures.
     pg       a policy-gradient run (`python -m engine prune` with the default preset) with one reward and source and
              a step count, then its exported mask on the held-out measures. Resumes a stopped run (--resume).
+    curve    a finished PG cell's hard mask every --every steps (metrics.jsonl), refit and measured on WikiText and
+             held-out C4, with the units it changed from the init mask and the CPU minutes to reach it (step 0:
+             the init mask; a mask the steps did not change is not evaluated again): the figure's points.
     report   the tables (markdown) and the figure (held-out quality against CPU minutes) from the cells done.
 
     OMP_NUM_THREADS=1 python bench/reward_study.py oneshot --rate 0.3 --seed 0 --source data [--zeroshot]
     OMP_NUM_THREADS=1 python bench/reward_study.py pg --rate 0.3 --seed 0 --source data --reward kl --steps 40
+    OMP_NUM_THREADS=1 python bench/reward_study.py curve --rate 0.3 --seed 0 --source data --reward kl --steps 40
     python bench/reward_study.py report
 
 Cells: bench/results/reward_study/{oneshot,pg}/...; a rerun skips what a cell holds.
@@ -59,9 +63,23 @@ def calib_folder() -> Path:
     return folder
 
 
+# a PG cell's variant of the default run: its flags (the cell's name ends in -VARIANT unless it is the default)
+VARIANTS = {
+    "": [],
+    "step-refit": ["--step-refit"],  # every sampled mask scored under its own least-squares refit
+}
+
+
 def cell_argv(rate: float, seed: int, source: str, reward: str = "ce", extra: list[str] = ()) -> list[str]:
+    # (--refit-stream own: the refit's statistics on the stream every cell of the study read before the one
+    # statistics pass made the init stream the default)
     return ["prune", "--prune-ratio", str(rate), "--seed", str(seed), "--calib", str(calib_folder()),
-            "--calib-source", source, "--reward", reward, *extra]
+            "--calib-source", source, "--reward", reward, "--refit-stream", "own", *extra]
+
+
+def pg_name(args) -> str:
+    return (f"r{round(args.rate * 100)}-s{args.seed}-{args.reward}-{args.source}-{args.steps}"
+            + (f"-{args.variant}" if args.variant else ""))
 
 
 def cell_config(argv: list[str]):
@@ -206,11 +224,11 @@ def oneshot(args) -> None:
 def pg_cell(args) -> None:
     from engine.cli import main as engine_main
 
-    name = f"r{round(args.rate * 100)}-s{args.seed}-{args.reward}-{args.source}-{args.steps}"
+    name = pg_name(args)
     folder = OUT / "pg" / name
     folder.parent.mkdir(parents=True, exist_ok=True)
     argv = cell_argv(args.rate, args.seed, args.source, args.reward,
-                     ["--steps", str(args.steps), "--out", str(folder)])
+                     ["--steps", str(args.steps), "--out", str(folder), *VARIANTS[args.variant]])
     t0 = cpu()
     if not (folder / "results.json").is_file():
         resume = (folder / "checkpoint.pt").is_file()
@@ -242,6 +260,107 @@ def evaluate_export(folder: Path, with_zeroshot: bool, cpu_run: float) -> None:
           + (f", zero-shot {ev['zeroshot']['mean']:.4f}" if "zeroshot" in ev else ""), flush=True)
 
 
+# --- curve ------------------------------------------------------------------------------------------------
+def step_masks(folder: Path) -> tuple[dict[int, dict], dict]:
+    """A PG cell's hard masks by step (metrics.jsonl: the mask each step computed) and its init mask
+    (masks.safetensors), as flat 0/1 tensors per unit type."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine.runstate import report_masks
+
+    def flat(rows):
+        return {u: torch.tensor([x for layer in r for x in layer], dtype=torch.float32) for u, r in rows.items()}
+
+    by_step = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        rep = json.loads(line)
+        rows = report_masks(rep)
+        if rows is not None:
+            by_step[int(rep["step"])] = {"masks": flat(rows), "seconds": float(rep.get("seconds") or 0.0)}
+    tensors = load_file(str(folder / "masks.safetensors"))
+    init = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("init_masks.")}
+    return by_step, init
+
+
+def changed(a: dict, b: dict) -> int:
+    """Units whose keep/drop differs between two hard masks."""
+    return int(sum(int(((a[u] > 0.5) != (b[u] > 0.5)).sum()) for u in a))
+
+
+def curve(args) -> None:
+    """The held-out measures of a PG cell's hard mask every --every steps (refit, as the export would be), with the
+    units each step's mask changed from the init mask and the CPU minutes spent to reach it: the figure's points."""
+    import torch
+
+    import engine.initialise as initialise
+    from engine.pruner import PruneRun
+
+    name = pg_name(args)
+    folder = OUT / "pg" / name
+    if not (folder / "heldout.json").is_file():
+        raise SystemExit(f"error: {name} has not finished (run its pg cell first)")
+    dest = folder / "curve.json"
+    done = json.loads(dest.read_text()) if dest.exists() else {"cell": name, "points": {}}
+    by_step, init = step_masks(folder)
+    heldout = json.loads((folder / "heldout.json").read_text())
+    res = json.loads((folder / "results.json").read_text())
+    phases = res.get("seconds_by_phase", {})
+    wall_total = float(phases.get("total") or sum(v for k, v in phases.items() if k != "total"))
+    wall_steps = sum(v["seconds"] for v in by_step.values())
+    cpu_per_wall = heldout["cpu_seconds_run"] / wall_total if wall_total else 1.0
+    fixed = wall_total - wall_steps  # (the run's wall time outside its steps: metrics, mix, evaluations, export)
+    if init:  # (step 0: the init mask, the run's own one-shot joint mix; the baseline every step is judged by)
+        by_step[0] = {"masks": init, "seconds": 0.0}
+    wanted = [k for k in sorted(by_step) if k % args.every == 0 or k == max(by_step)]
+    for k in wanted:
+        p = done["points"].setdefault(str(k), {})
+        p["units_changed_from_init"] = changed(by_step[k]["masks"], init) if init else None
+        p["cpu_minutes"] = cpu_per_wall * (fixed + sum(v["seconds"] for j, v in by_step.items() if j <= k)) / 60
+    done["cpu_minutes_init"] = cpu_per_wall * fixed / 60
+    save(dest, done)
+    last = max(wanted)
+    measures = lambda k: ("wikitext", "c4") + (("zeroshot",) if args.zeroshot and k in (0, last) else ())  # noqa: E731
+    todo = [k for k in wanted if not all(m in done["points"][str(k)] for m in measures(k))
+            and (k == 0 or done["points"][str(k)]["units_changed_from_init"] != 0)]
+    for k in wanted:
+        print(f"{name} step {k}: {done['points'][str(k)]['units_changed_from_init']} units changed from the init mask",
+              flush=True)
+    if not todo:
+        print(f"{name}: curve done", flush=True)
+        return
+    config = cell_config(cell_argv(args.rate, args.seed, args.source, args.reward,
+                                   ["--out", str(OUT / "unused"), *VARIANTS[args.variant]]))
+
+    def evaluate(run_, z, mix_on, keep, comparable=frozenset(), **kw):
+        c4 = heldout_c4_windows(run_.tokenizer)
+        for k in todo:
+            masks, p = by_step[k]["masks"], done["points"][str(k)]
+            with run_.masks.weights(masks) as fill:
+                t0 = cpu()
+                if "wikitext" not in p:
+                    p["wikitext"] = run_.masked_perplexity(masks, f"step {k} (refit)", fill)
+
+                def loss(model, b, masks=masks, fill=fill):
+                    return run_.ctx.losses({u: m[None] for u, m in masks.items()}, b, fill).expand(b.shape[0])
+                if "c4" not in p:
+                    p["c4"] = windows_ppl(run_.model, c4, loss)
+                if args.zeroshot and k in (0, last) and "zeroshot" not in p:  # (minutes a mask: the ends only)
+                    with run_.ctx.masked(masks, fill):
+                        p["zeroshot"] = zeroshot_mean(run_.model, run_.tokenizer)
+                p["cpu_seconds_eval"] = p.get("cpu_seconds_eval", 0.0) + cpu() - t0
+            save(dest, done)
+            print(f"{name} step {k}: WikiText {p['wikitext']:.2f}, held-out C4 {p['c4']:.2f}"
+                  + (f", zero-shot {p['zeroshot']['mean']:.4f}" if "zeroshot" in p else ""), flush=True)
+        raise SystemExit(0)
+
+    import tempfile
+
+    initialise.choose_mix = evaluate  # (the run's refit statistics are gathered by then; its own mix is not needed)
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True)).fresh_state()
+
+
 # --- report -----------------------------------------------------------------------------------------------
 def report(args) -> None:
     lines = ["## The one-shot stage: the joint's layer count chosen by each rule", "",
@@ -269,20 +388,24 @@ def report(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True)
-    for stage in ("oneshot", "pg"):
+    for stage in ("oneshot", "pg", "curve"):
         s = sub.add_parser(stage)
         s.add_argument("--rate", type=positive(float), default=0.3)
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--source", choices=("data", "self", "mix"), default="data")
         s.add_argument("--zeroshot", action="store_true", help="also the zero-shot mean (minutes a mask)")
-        if stage == "pg":
+        if stage in ("pg", "curve"):
             s.add_argument("--reward", choices=("ce", "kl"), default="kl")
             s.add_argument("--steps", type=positive(int), default=40)
+            s.add_argument("--variant", choices=tuple(VARIANTS), default="",
+                           help="the default run's settings, or a variant of them: " + ", ".join(v for v in VARIANTS if v))
+        if stage == "curve":
+            s.add_argument("--every", type=positive(int), default=10, help="evaluate the mask of every N-th step")
     sub.add_parser("report")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))  # (the cells of one seed share metrics)
-    {"oneshot": oneshot, "pg": pg_cell, "report": report}[args.stage](args)
+    {"oneshot": oneshot, "pg": pg_cell, "curve": curve, "report": report}[args.stage](args)
 
 
 if __name__ == "__main__":
