@@ -48,9 +48,9 @@ pick = [n for n in ss[C.PICK_KEY] if n in by_name]
 row_of = {r.name: i for i, r in enumerate(runs)}
 key = f"{C.table_key(list(by_name))}-{ss.get('cmp_generation', 0)}"
 columns = {
-    "run": st.column_config.TextColumn("run", width="large", pinned=True, help="the run's folder"),
+    "run": st.column_config.TextColumn("run", width=310, pinned=True, help="the run's folder"),
     "rate": st.column_config.NumberColumn("rate", format="percent", width="small"),
-    "removed": st.column_config.NumberColumn("removed", format="localized",
+    "removed": st.column_config.NumberColumn("removed", format="localized", width=90,
                                              help="parameters removed (results.json's params_removed: the count the "
                                                   "run's budget removed, as on Prune)"),
     "of decoder": st.column_config.NumberColumn("of decoder", format="percent", width="small",
@@ -82,12 +82,11 @@ labels = {n: f"{C.letter(i)} · {n}" for i, n in enumerate(order)}
 status = {r.name: C.run_status(r, jobs.busy_with(r.path)) for r in chosen}
 a = chosen[0]
 b = chosen[1] if len(chosen) > 1 else None
-head = st.columns([5, 1])
-head[0].markdown("  \n".join(f"**{C.letter(i)}** `{r.name}`: {r.config.get('scope')}, {r.config.get('prune_ratio', 0):.0%}, "
-                             f"{status[r.name]}" for i, r in enumerate(chosen)))
+st.markdown("  \n".join(f"**{C.letter(i)}** `{r.name}`: {r.config.get('scope')}, {r.config.get('prune_ratio', 0):.0%}, "
+                        f"{status[r.name]}" for i, r in enumerate(chosen)))
 if b is not None:
-    head[1].button("Swap A and B", icon=":material/swap_horiz:", key="cmp-swap",
-                   on_click=repick, args=([b.name, a.name, *order[2:]],))
+    st.button("Swap A and B", icon=":material/swap_horiz:", key="cmp-swap",
+              on_click=repick, args=([b.name, a.name, *order[2:]],))
 
 # --- A against B: settings and parameters -----------------------------------------------------------------------
 if b is not None:

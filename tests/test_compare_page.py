@@ -91,7 +91,7 @@ def compare(monkeypatch, runs: Path, url: str | None = None):
 
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)  # (a first run on 2 loaded cores is slow)
     at.run()
     if url is not None:
         at.query_params["runs"] = url
@@ -178,6 +178,11 @@ def test_switching_pages_keeps_run_a(tmp_path, monkeypatch):
         at.switch_page("pages/compare.py").run()
         assert not at.exception, at.exception
         assert picked(at) == ["old-global", "old-uniform"], page
+    next(b for b in at.button if b.label == "Swap A and B").click().run()
+    assert picked(at) == ["old-uniform", "old-global"]
+    at.switch_page("pages/prune.py").run()
+    at.switch_page("pages/compare.py").run()
+    assert picked(at) == ["old-uniform", "old-global"]
 
 
 # --- curves, masks and colours ----------------------------------------------------------------------------------

@@ -111,12 +111,12 @@ def table_rows(runs: list[RunInfo], busy: Callable[[RunInfo], bool], speedup: Ca
     rows = []
     for r in runs:
         c, res = r.config, r.results or {}
-        rows.append({
-            "run": r.name, "status": run_status(r, busy(r)), "scope": c.get("scope"), "method": c.get("method"),
-            "rate": c.get("prune_ratio"), "units": ",".join(c.get("units") or []) or None, "budget": c.get("budget"),
-            "steps": f"{r.steps_done}/{c.get('steps')}", "removed": params_removed(r.results),
+        rows.append({  # the key columns first, so that they fit a 1400 px window
+            "run": r.name, "status": run_status(r, busy(r)), "scope": c.get("scope"), "rate": c.get("prune_ratio"),
+            "removed": params_removed(r.results), "ppl pruned": res.get("ppl_pruned"), "speed-up": speedup(r),
             "of decoder": res.get("removed_of_decoder"), "ppl dense": res.get("ppl_dense"),
-            "ppl init": res.get("ppl_init"), "ppl pruned": res.get("ppl_pruned"), "speed-up": speedup(r),
+            "ppl init": res.get("ppl_init"), "steps": f"{r.steps_done}/{c.get('steps')}", "method": c.get("method"),
+            "units": ",".join(c.get("units") or []) or None, "budget": c.get("budget"),
         })
     return rows
 
@@ -312,11 +312,11 @@ def curves_figure(runs: list[tuple[str, str, dict[str, list]]]):
 
     from .figures import _layout
 
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["Calibration loss (mean of the mask samples)",
-                                                        "Held-out perplexity of the hard mask"],
-                        horizontal_spacing=0.1)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["Calibration loss (sample mean)", "Held-out perplexity"],
+                        horizontal_spacing=0.12)
     for label, colour, cv in runs:
-        fig.add_scatter(x=cv["steps"], y=cv["loss"], name=label, mode="lines", line=dict(color=colour, width=2),
+        fig.add_scatter(x=cv["steps"], y=cv["loss"], name=label, mode="lines+markers", line=dict(color=colour, width=2),
+                        marker=dict(size=5),
                         legendgroup=label, row=1, col=1, hovertemplate="step %{x}: loss %{y:.3f}<extra>" + label + "</extra>")
         fig.add_scatter(x=cv["val_steps"], y=cv["val_ppl"], name=label, mode="lines+markers", showlegend=not cv["steps"],
                         line=dict(color=colour, width=2), marker=dict(size=7, symbol="diamond"), legendgroup=label,
@@ -324,7 +324,8 @@ def curves_figure(runs: list[tuple[str, str, dict[str, list]]]):
     fig.update_xaxes(title="step", tickformat="d", rangemode="tozero")
     fig.update_yaxes(title="loss", row=1, col=1)
     fig.update_yaxes(title="perplexity", row=1, col=2)
-    return _layout(fig, "Loss and held-out curves", height=420)
+    return _layout(fig, "Loss and held-out curves<br><sup>loss: the mean over a step's mask samples; held-out: "
+                        "the hard mask's perplexity on validation steps (step 0: the init mask)</sup>", height=440)
 
 
 # --- masks ------------------------------------------------------------------------------------------------
