@@ -472,7 +472,7 @@ def cached_probe(cache: Path | None, key: str) -> float | None:
 
 
 def probe_seconds_per_token(skeleton: Skeleton, dtype: str, batch_size: int, seqlen: int, cache: Path | None = None,
-                            repeats: int = 3, model=None, min_seconds: float = 2.0) -> float:
+                            repeats: int = 3, model=None, min_seconds: float = 1.0) -> float:
     """Seconds per token of a dense forward on this machine: the model built from its config with random
     weights (no file is read), or `model` itself (a run's, on its device), one (batch x seqlen) forward to warm
     up, then the median of `repeats` or more, until they took `min_seconds` (a small model's forwards are many
