@@ -47,7 +47,7 @@ def test_compare_link_reload_columns_and_colours_at_1400_and_1000_px(browser):
         make_run(runs, "live-run", steps=50, finished=False, losses=[[3.5, 3.4]], age=3)
         d.set_window_size(1400, HEIGHT)
         d.get(url)  # (the server's first page load runs app.py, which lists the pages)
-        wait(lambda: "Prune" in d.find_element(By.TAG_NAME, "h1").text, timeout=120, what="the Prune page")
+        wait(lambda: "Prune" in d.find_element(By.TAG_NAME, "h1").text, timeout=300, what="the Prune page")  # (slow on loaded cores)
         d.get(f"{url}/compare?runs=live-run,a-global,a-uniform")
         head = "A live-run: global, 30%, incomplete"
         wait(lambda: head in page_text(d), timeout=120, what="the picked runs")
