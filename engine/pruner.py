@@ -153,8 +153,7 @@ class PruneRun:
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
         self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
         self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics
-        with self.phases("load"):  # (a probe of the forward's speed, when none is cached, is loading too)
-            self.plan = start_plan(self)  # results.json's plan_seconds_by_phase
+        self.plan = None  # results.json's plan_seconds_by_phase: made by run() (engine/runplan.py)
 
     def fingerprint(self) -> str | None:
         """The model's files (name, size, mtime) as one string, for caches of what it computes; None for a model
@@ -214,8 +213,14 @@ class PruneRun:
         (state saved, resumable). An interrupt (Ctrl-C; SIGTERM in the CLI) checkpoints the last finished step."""
         self.progress = progress
         with _held(self.out):
+            # the time plan of a run that writes a folder (one in memory writes nothing, not even a speed probe's
+            # cache): a fresh run's before its work, a resumed one's once its checkpoint is read (a bad checkpoint
+            # is then the one line a resume prints)
+            if not resume and self.out is not None:
+                with self.phases("load"):  # (a probe of the forward's speed, when none is cached, is loading too)
+                    self.plan = start_plan(self)
             state = start_state(self, resume)
-            if "init metric" not in self.phases.seconds:  # (resumed from a checkpoint: this session's plan)
+            if self.out is not None and "init metric" not in self.phases.seconds:  # (resumed: this session's plan)
                 self.plan = start_plan(self, done_steps=state.step)
             self.start_masks = self.masks.init_masks(state)  # (what a UI shows as the init mask, with state.init_scores)
             self.init_scores = state.init_scores

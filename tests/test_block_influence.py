@@ -5,6 +5,7 @@ transformers' own hidden states, in the registry as a layer metric, and in a run
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,7 +65,9 @@ def test_block_influence_is_a_one_forward_layer_metric():
     m = METRICS["block-influence"]
     assert "block-influence" in layer_metrics() and m.scores_layers() and not m.scores_units()
     assert m.needs_data and not m.greedy
-    assert _METRIC_FORWARDS["block-influence"](2, 30, 9, None) == 2  # one forward per batch, whatever the layers
+    skeleton = SimpleNamespace(decoder_share=1.0)  # (a whole forward's share of the decoder: the plan's unit)
+    forwards = [_METRIC_FORWARDS["block-influence"](2, n, m, None, skeleton) for n, m in ((30, 9), (30, 0), (4, 1))]
+    assert forwards == [2, 2, 2]  # one forward per batch, whatever the layers
 
 
 def test_block_influence_runs_alone_and_in_the_joint(tiny, tiny_path, small_eval_file, tmp_path):

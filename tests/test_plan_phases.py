@@ -13,7 +13,7 @@ from engine.phases import PhaseClock
 from engine.plan import (RUN_PHASES, model_skeleton, phase_tokens, plan_time, refit_tokens, statistics_plan,
                          validation_checks)
 from engine.pruner import PruneRun
-from engine.runplan import PLAN_KEY, phase_progress, phase_status, plan_lines, plan_rows
+from engine.runplan import PLAN_KEY, phase_progress, phase_status, plan_lines, plan_rows, start_plan
 
 from test_pruner import small_config
 
@@ -75,7 +75,8 @@ def test_a_resumed_session_plans_the_steps_left(tiny, tiny_path, small_eval_file
     PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None).run(
         progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 2 else None)
     run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None)
-    fresh = run.plan
+    fresh = start_plan(run)  # (what a fresh run of these settings plans: run() makes it before a fresh run's work)
+    assert run.plan is None  # (a run plans when it runs: a resumed one once its checkpoint is read)
     results = run.run(resume=True, progress=False)
     plan, recorded = results[PLAN_KEY], results["seconds_by_phase"]
     assert "init metric" in fresh and "init metric" not in plan and set(plan) == set(recorded)
