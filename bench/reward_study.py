@@ -113,6 +113,28 @@ def zeroshot_mean(model, tokenizer) -> dict:
     return {"per_task": per_task, "mean": average(per_task)}
 
 
+def measure_refit(run_, masks: dict, what: str, c4, zeroshot: bool, into: dict) -> float:
+    """A mask's held-out measures as it would be exported (the run's refit of it), each one `into` lacks: WikiText
+    (the run's windows), held-out C4 and, with zeroshot, the zero-shot mean. Returns the CPU seconds spent."""
+    with run_.masks.weights(masks) as fill:
+        t0 = cpu()
+        if "wikitext" not in into:
+            into["wikitext"] = run_.masked_perplexity(masks, f"{what} (refit)", fill)
+        if "c4" not in into:
+            def loss(model, b):
+                return run_.ctx.losses({u: m[None] for u, m in masks.items()}, b, fill).expand(b.shape[0])
+            into["c4"] = windows_ppl(run_.model, c4, loss)
+        if zeroshot and "zeroshot" not in into:
+            with run_.ctx.masked(masks, fill):
+                into["zeroshot"] = zeroshot_mean(run_.model, run_.tokenizer)
+        return cpu() - t0
+
+
+def measured_line(ev: dict) -> str:
+    return (f"WikiText {ev['wikitext']:.2f}, held-out C4 {ev['c4']:.2f}"
+            + (f", zero-shot {ev['zeroshot']['mean']:.4f}" if "zeroshot" in ev else ""))
+
+
 def cpu() -> float:
     return time.process_time()
 
@@ -189,22 +211,10 @@ def oneshot(args) -> None:
         c4 = heldout_c4_windows(run_.tokenizer)
         for k in sorted(set(done["chosen"].values())):
             ev = done["evals"].setdefault(str(k), {})
-            masks = masks_of[k]
-            with run_.masks.weights(masks) as fill:
-                t0 = cpu()
-                if "wikitext" not in ev:
-                    ev["wikitext"] = run_.masked_perplexity(masks, f"{k} layers out (refit)", fill)
-                if "c4" not in ev:
-                    def loss(model, b, masks=masks, fill=fill):
-                        return run_.ctx.losses({u: m[None] for u, m in masks.items()}, b, fill).expand(b.shape[0])
-                    ev["c4"] = windows_ppl(run_.model, c4, loss)
-                if args.zeroshot and "zeroshot" not in ev:
-                    with run_.ctx.masked(masks, fill):
-                        ev["zeroshot"] = zeroshot_mean(run_.model, run_.tokenizer)
-                ev["cpu_seconds"] = ev.get("cpu_seconds", 0.0) + cpu() - t0
+            ev["cpu_seconds"] = ev.get("cpu_seconds", 0.0) + measure_refit(run_, masks_of[k], f"{k} layers out", c4,
+                                                                           args.zeroshot, ev)
             save(dest, done)
-            print(f"{name} k={k}: WikiText {ev['wikitext']:.2f}, held-out C4 {ev['c4']:.2f}"
-                  + (f", zero-shot {ev['zeroshot']['mean']:.4f}" if "zeroshot" in ev else ""), flush=True)
+            print(f"{name} k={k}: {measured_line(ev)}", flush=True)
         raise SystemExit(0)
 
     import tempfile
@@ -256,8 +266,7 @@ def evaluate_export(folder: Path, with_zeroshot: bool, cpu_run: float) -> None:
         ev["zeroshot"] = zeroshot_mean(model, tok)
     ev["cpu_seconds_eval"] = ev.get("cpu_seconds_eval", 0.0) + cpu() - t0
     save(dest, ev)
-    print(f"{folder.name}: WikiText {ev['wikitext']:.2f}, held-out C4 {ev['c4']:.2f}"
-          + (f", zero-shot {ev['zeroshot']['mean']:.4f}" if "zeroshot" in ev else ""), flush=True)
+    print(f"{folder.name}: {measured_line(ev)}", flush=True)
 
 
 # --- curve ------------------------------------------------------------------------------------------------
@@ -335,23 +344,12 @@ def curve(args) -> None:
     def evaluate(run_, z, mix_on, keep, comparable=frozenset(), **kw):
         c4 = heldout_c4_windows(run_.tokenizer)
         for k in todo:
-            masks, p = by_step[k]["masks"], done["points"][str(k)]
-            with run_.masks.weights(masks) as fill:
-                t0 = cpu()
-                if "wikitext" not in p:
-                    p["wikitext"] = run_.masked_perplexity(masks, f"step {k} (refit)", fill)
-
-                def loss(model, b, masks=masks, fill=fill):
-                    return run_.ctx.losses({u: m[None] for u, m in masks.items()}, b, fill).expand(b.shape[0])
-                if "c4" not in p:
-                    p["c4"] = windows_ppl(run_.model, c4, loss)
-                if args.zeroshot and k in (0, last) and "zeroshot" not in p:  # (minutes a mask: the ends only)
-                    with run_.ctx.masked(masks, fill):
-                        p["zeroshot"] = zeroshot_mean(run_.model, run_.tokenizer)
-                p["cpu_seconds_eval"] = p.get("cpu_seconds_eval", 0.0) + cpu() - t0
+            p = done["points"][str(k)]
+            zeroshot = args.zeroshot and k in (0, last)  # (minutes a mask: the ends only)
+            p["cpu_seconds_eval"] = p.get("cpu_seconds_eval", 0.0) + measure_refit(run_, by_step[k]["masks"],
+                                                                                   f"step {k}", c4, zeroshot, p)
             save(dest, done)
-            print(f"{name} step {k}: WikiText {p['wikitext']:.2f}, held-out C4 {p['c4']:.2f}"
-                  + (f", zero-shot {p['zeroshot']['mean']:.4f}" if "zeroshot" in p else ""), flush=True)
+            print(f"{name} step {k}: {measured_line(p)}", flush=True)
         raise SystemExit(0)
 
     import tempfile

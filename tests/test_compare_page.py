@@ -12,20 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-import pytest
+from test_app_masks import CALIB, FAST, ROOT, TINY, needs_tiny  # (the app tests' tiny model and fast settings)
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
-CALIB = ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz"
-FAST = dict(max_windows=4, init_batches=2, batch_size=2, seqlen=64, eval_seqlen=64, lr=0.02)
-needs_tiny = pytest.mark.skipif(not TINY.is_dir(), reason=f"tiny model not found at {TINY}")
 SIZES = {"heads": [4, 4], "channels": [384, 384], "layers": [1, 1]}  # the tiny model's units per layer
 
 
