@@ -29,7 +29,7 @@ from engine.unit_types import UNIT_TYPES
 from conftest import SMALL_CALIB
 from test_adapters_export import build_model
 from test_executors import batch
-from test_pruner import assert_same_run, quiet, small_config
+from test_pruner import assert_same_run, quiet, resume_run, small_config, stop_after
 
 # the refit weights of the one pass and of the separate passes: the same float32 sums in the same order, so equal;
 # the tolerance allows the last bits (a reordering of float64 sums that rounded differently would pass)
@@ -210,17 +210,13 @@ def test_the_default_runs_statistics_forwards_counted(tiny, tiny_path, small_eva
 def test_a_run_with_the_one_pass_resumes_as_an_uninterrupted_one(tiny, tiny_path, small_eval_file, tmp_path):
     """A resumed run reads its refit's statistics again, alone, from the start of the init stream: the batches the
     fresh run's one pass read."""
-    import threading
 
     config = small_config(tiny_path, small_eval_file, reconstruct=True, refit_stream="init", reconstruct_batches=3,
                           init_batches=2, bias_compensation=True, init="flap")
     a, b = tmp_path / "A", tmp_path / "B"
     results_a = PruneRun(config, a, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
-    stop = threading.Event()
-    PruneRun(config, b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
-        progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 3 else None)
-    results_b = PruneRun(PruneConfig.load(b / "config.json"), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
-        resume=True, progress=False)
+    stop_after(config, b, tiny, 3)
+    results_b = resume_run(b, tiny)
     assert_same_run(a, b, results_a, results_b)
     assert results_b["reconstruction"] == results_a["reconstruction"]
     assert PruneConfig.from_dict({k: v for k, v in config.to_dict().items() if k != "refit_stream"}).refit_stream == "own"

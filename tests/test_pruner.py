@@ -179,6 +179,19 @@ def uninterrupted(tiny, tiny_path, small_eval_file, tmp_path_factory):
     return out, results
 
 
+def stop_after(config, folder, tiny, step: int) -> dict:
+    """A run of config in folder stopped once `step` steps are done (its checkpoint written): its result."""
+    stop = threading.Event()
+    return PruneRun(config, folder, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
+        progress=False, stop=stop, observer=lambda r: stop.set() if r.step == step else None)
+
+
+def resume_run(folder, tiny) -> dict:
+    """The run in folder resumed from its saved config and checkpoint, to its end: its result."""
+    return PruneRun(PruneConfig.load(folder / "config.json"), folder, model=tiny[0], tokenizer=tiny[1],
+                    log=quiet).run(resume=True, progress=False)
+
+
 def assert_same_run(a, b, results_a, results_b):
     ta, tb = load_file(str(a / "masks.safetensors")), load_file(str(b / "masks.safetensors"))
     assert set(ta) == set(tb)
@@ -243,14 +256,11 @@ def test_unit_blocks_resume_as_an_uninterrupted_run(tiny, tiny_path, small_eval_
     config = small_config(tiny_path, small_eval_file, method_options={"unit_block": 32})
     a, b = tmp_path / "A", tmp_path / "B"
     results_a = PruneRun(config, a, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
-    stop = threading.Event()
-    PruneRun(config, b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
-        progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 3 else None)
+    stop_after(config, b, tiny, 3)
     blocks = torch.load(b / "checkpoint.pt", weights_only=False)["method_state"]["blocks"]
     assert set(blocks) == {"channels"}  # (4 KV groups a layer: fewer than 2 blocks' worth, alone)
     assert 2 * 12 <= int(blocks["channels"].max()) + 1 <= 2 * 13  # 384 channels a layer: 12 blocks, 13 if its cut splits one
-    results_b = PruneRun(PruneConfig.load(b / "config.json"), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
-        resume=True, progress=False)
+    results_b = resume_run(b, tiny)
     assert_same_run(a, b, results_a, results_b)
 
 

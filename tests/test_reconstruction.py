@@ -6,7 +6,6 @@ uninterrupted run, old configs load without it."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from engine.units import UnitLayout
 
 from test_adapters_export import build_model
 from test_executors import batch
-from test_pruner import assert_same_run, quiet, small_config
+from test_pruner import assert_same_run, quiet, resume_run, small_config, stop_after
 
 
 def moments_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,12 +178,8 @@ def test_a_reconstructed_run_exports_what_it_evaluated(compensation, tiny, tiny_
 def test_a_reconstructed_run_resumes_as_an_uninterrupted_one(tiny, tiny_path, small_eval_file, tmp_path):
     a, b = tmp_path / "A", tmp_path / "B"
     results_a = _run(tiny, tiny_path, small_eval_file, a, reconstruct=True)
-    stop = threading.Event()
-    config = small_config(tiny_path, small_eval_file, reconstruct_batches=2, reconstruct=True)
-    PruneRun(config, b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
-        progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 3 else None)
-    results_b = PruneRun(PruneConfig.load(b / "config.json"), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
-        resume=True, progress=False)
+    stop_after(small_config(tiny_path, small_eval_file, reconstruct_batches=2, reconstruct=True), b, tiny, 3)
+    results_b = resume_run(b, tiny)
     assert_same_run(a, b, results_a, results_b)
     assert results_b["reconstruction"] == results_a["reconstruction"]
 

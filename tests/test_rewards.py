@@ -5,7 +5,6 @@ and the self-generated calibration text."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from engine.rewards import REWARDS, DenseKL, row_kl
 
 from test_adapters_export import build_model
 from test_executors import ARCHS, batch, full_layout, random_fill, random_samples
-from test_pruner import assert_same_run, metric_lines, quiet, small_config
+from test_pruner import assert_same_run, metric_lines, quiet, resume_run, small_config, stop_after
 
 
 def context(model, executor: str, reward) -> StepContext:
@@ -125,12 +124,8 @@ def test_a_kl_run_reports_its_reward_and_resumes_as_an_uninterrupted_one(tiny, t
     assert all(x >= 0 for ln in lines for x in ln["losses"])  # KL, not a cross-entropy
     checked = [ln for ln in lines if ln.get("val_ppl")]
     assert checked and all(ln["val_reward"] is not None and ln["val_reward"] < 5 for ln in checked)
-    stop = threading.Event()
-    first = PruneRun(kl_config(tiny_path, small_eval_file), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
-        progress=False, observer=lambda r: r.step == 3 and stop.set(), stop=stop)
-    assert first["status"] == "stopped"
-    results_b = PruneRun(PruneConfig.load(b / "config.json"), b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
-        resume=True, progress=False)
+    assert stop_after(kl_config(tiny_path, small_eval_file), b, tiny, 3)["status"] == "stopped"
+    results_b = resume_run(b, tiny)
     assert_same_run(a, b, results_a, results_b)
 
 
