@@ -328,6 +328,10 @@ def test_differences_name_only_settings_that_apply_to_both():
     c = {**pg, "method_options": {"baseline": "moving-average", "baseline_window": 5}}
     d = {**pg, "method_options": {"baseline": "moving-average", "baseline_window": 9}}
     assert [x[1:] for x in differences(c, d)] == [(5, 9)]
+    # scoring samples refit: a difference only between two refitting runs with steps
+    refit = {**pg, "reconstruct": True}
+    assert [x[1:] for x in differences({**refit, "step_refit": True}, refit)] == [(True, False)]
+    assert differences({**flap, "step_refit": True}, flap) == []  # a one-shot run scores no samples
 
 
 @needs_tiny

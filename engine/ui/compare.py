@@ -166,6 +166,7 @@ APPLIES: dict[str, Callable[[PruneConfig], bool]] = {
     "early_stop": _optimises, "final_mask": _optimises,
     "val_batches": lambda c: c.validates, "best_val_margin": lambda c: c.validates and c.final_mask == "best-val",
     "val_refit": lambda c: c.validates and _refits(c),
+    "step_refit": lambda c: _optimises(c) and _refits(c),
 }
 # a method's option that serves another one's choice only: (method, option) -> when it applies
 OPTION_APPLIES: dict[tuple[str, str], Callable[[dict], bool]] = {
