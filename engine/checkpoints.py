@@ -40,10 +40,11 @@ SAFE_GLOBALS: list = []
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def read_checkpoint(path: Path) -> dict:
-    """The checkpoint's content, unpickled by torch's weights-only reader (tensors, numbers, strings, lists and dicts,
-    plus SAFE_GLOBALS): a checkpoint that names any other Python object is refused in one line (UserError), its code
-    never run. Other failures (garbage, a truncated file) raise as they come."""
+def safe_load(path: Path, what: str, remedy: str):
+    """A file pg-prune wrote with torch.save (a checkpoint, a cached metric), unpickled by torch's weights-only reader
+    (tensors, numbers, strings, lists and dicts, plus SAFE_GLOBALS): a file that names any other Python object is
+    refused in one line (UserError: "refusing WHAT PATH: ... REMEDY"), its code never run. Other failures (garbage,
+    a truncated file) raise as they come."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, weights_only=True)
@@ -51,9 +52,14 @@ def read_checkpoint(path: Path) -> dict:
         found = _GLOBAL_RE.search(str(e))
         if found is None and "weights_only" not in str(e):
             raise
-        what = f"the Python object {found.group(1)}" if found else "Python objects"
-        raise UserError(f"refusing checkpoint {path}: it names {what}, which a pg-prune checkpoint never holds "
-                        "(loading it could run code); it was not read. Start again with --overwrite") from None
+        named = f"the Python object {found.group(1)}" if found else "Python objects"
+        raise UserError(f"refusing {what} {path}: it names {named}, which a pg-prune {what} never holds "
+                        f"(loading it could run code); it was not read. {remedy}") from None
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The checkpoint's content through safe_load: one that names a Python object is refused in one line."""
+    return safe_load(path, "checkpoint", "Start again with --overwrite")
 
 
 def _tensor_bytes(obj) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import UserError
+from .io import atomic_write_text
 from .metrics import METRICS, MetricContext
 from .metrics.registry import removal_order
 from .joint import choose_mix
@@ -91,7 +92,11 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
         return cache_entry(run, name, units, ctx, folder, keep)
 
     def read(found: Path | None):
-        return world.from_writer(torch.load(found, weights_only=True) if world.writes and found else None, f"the cached {name} metric")
+        from .checkpoints import safe_load  # (weights only: an entry naming a Python object is refused, never run)
+
+        value = safe_load(found, "cached metric entry", "Delete it: the metric is computed again") \
+            if world.writes and found else None
+        return world.from_writer(value, f"the cached {name} metric")
 
     def write(dest: Path, value) -> None:
         if world.writes:
@@ -231,5 +236,5 @@ def start_state(run: "PruneRun", resume: bool) -> RunState:
     run.checkpoints.save(state)
     if run.world.writes:
         shutil.rmtree(run.out / INIT_PROGRESS_DIR, ignore_errors=True)  # (the checkpoint holds the init from here on)
-    (run.out / METRICS_FILE).write_text("")
+    atomic_write_text(run.out / METRICS_FILE, "")  # (replaces a link there, never writes its target)
     return state

@@ -90,17 +90,20 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux's /proc/net/tcp")
-def test_the_app_listens_on_127_0_0_1_only(tmp_path):
+@pytest.mark.parametrize("where", ["repo", "elsewhere"])
+def test_the_app_listens_on_127_0_0_1_only(tmp_path, where):
     """`streamlit run app.py` with the repository's .streamlit/config.toml: reachable on 127.0.0.1, and listening on
-    no other address (before: *:8501, every interface)."""
+    no other address (before: *:8501, every interface). "elsewhere": `streamlit run /path/to/app.py` started from
+    another folder (streamlit reads the config beside the script too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
-                             "--server.headless", "true"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    script, cwd = ("app.py", REPO) if where == "repo" else (str(REPO / "app.py"), tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", script, "--server.port", str(port),
+                             "--server.headless", "true"], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=clean_env(PG_PRUNE_RUNS_DIR=str(tmp_path / "runs")), text=True)
     try:
-        deadline, connected = time.monotonic() + 60, False
+        deadline, connected = time.monotonic() + 180, False  # (a busy machine: streamlit's imports take a while)
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -158,19 +161,59 @@ class _CreatesAFile:
         return open, (self.path, "w")
 
 
-def _craft_checkpoint(run: Path, target: Path) -> None:
+class _TouchesAFile(_CreatesAFile):
+    """Unpickling this runs a shell command (os.system("touch PATH"))."""
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.path}'",)
+
+
+PAYLOADS = {"open": (_CreatesAFile, "io.open"), "os.system": (_TouchesAFile, "posix.system")}
+
+
+def _craft_checkpoint(run: Path, target: Path, payload=_CreatesAFile) -> None:
     state = torch.load(run / "checkpoint.pt", weights_only=True)
-    state["method_state"] = {"control_moments": _CreatesAFile(target)}
+    state["method_state"] = {"control_moments": payload(target)}
     torch.save(state, run / "checkpoint.pt")
 
 
-def test_a_crafted_checkpoint_runs_nothing_on_resume_from_the_cli(stopped_run, tmp_path, capfd):
+@pytest.mark.parametrize("payload", list(PAYLOADS))
+def test_a_crafted_checkpoint_runs_nothing_on_resume_from_the_cli(stopped_run, tmp_path, capfd, payload):
     target = tmp_path / "created-by-the-checkpoint"
-    _craft_checkpoint(stopped_run, target)
+    cls, named = PAYLOADS[payload]
+    _craft_checkpoint(stopped_run, target, cls)
     capfd.readouterr()
     assert main(["prune", "--out", str(stopped_run), "--resume"]) == 2
-    one_error(capfd, "refusing checkpoint", "io.open")
+    one_error(capfd, "refusing checkpoint", named)
     assert not target.exists()
+
+
+def test_a_crafted_metric_cache_entry_runs_nothing(tmp_path, monkeypatch):
+    """An entry of $PG_PRUNE_METRIC_CACHE (or of a run folder's init_progress/, read the same way) that would run code
+    when unpickled: refused in one line, nothing created (before: torch's UnpicklingError, a traceback)."""
+    from types import SimpleNamespace
+
+    from engine.arch import ModelAdapter
+    from engine.distributed import World
+    from engine.initialise import cached_metric
+    from engine.metrics import MetricContext
+    from engine.unit_types import unit_sizes
+    from test_methods import _Layout, build_model
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(cache))
+    a = ModelAdapter.for_model(build_model("llama"))
+    batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    run = SimpleNamespace(world=World(), source=SimpleNamespace(path="m", gguf_file=None),
+                          config=SimpleNamespace(dtype="float32"), log=lambda line: None)
+    ctx = lambda: MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=0.67)  # noqa: E731
+    cached_metric(run, "sleb", ["layers"], ctx())
+    (entry,) = cache.iterdir()
+    target = tmp_path / "created-by-the-cache"
+    torch.save({"order": _CreatesAFile(target)}, entry)
+    with pytest.raises(UserError, match="refusing cached metric entry .*io.open") as e:
+        cached_metric(run, "sleb", ["layers"], ctx())
+    assert "\n" not in str(e.value) and not target.exists()
 
 
 def test_a_crafted_checkpoint_runs_nothing_on_the_apps_resume(stopped_run, tmp_path, monkeypatch):
@@ -196,26 +239,100 @@ def test_checkpoints_written_today_load_through_the_safe_path(stopped_run, capfd
     assert json.loads((stopped_run / "results.json").read_text())["steps"] == 3
 
 
+def _custom_code(folder: Path, marker: Path, base: Path = TINY_MODEL) -> Path:
+    """`folder` as a copy of the model `base` whose config.json names an unknown model_type and an auto_map: code of
+    its own (custom.py), which creates `marker` when it is imported."""
+    folder.mkdir(exist_ok=True)
+    for f in base.iterdir():
+        if f.name != "config.json" and f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((base / "config.json").read_text())
+    config.update(model_type="pg-prune-test-custom", auto_map={"AutoConfig": "custom.Config",
+                                                               "AutoModelForCausalLM": "custom.Model",
+                                                               "AutoTokenizer": ["custom.Tokenizer", None]})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    return folder
+
+
 def test_a_model_folder_that_needs_its_own_code_is_refused_without_a_prompt(tmp_path):
     """An unknown model_type with an auto_map: `eval` says so in one line, with a terminal-like stdin attached (a pipe
     that would answer "y"), and runs nothing (transformers would ask "Do you wish to run the custom code? [y/N]")."""
-    folder = tmp_path / "custom"
-    folder.mkdir()
-    for f in TINY_MODEL.iterdir():
-        if f.name != "config.json" and f.is_file():
-            (folder / f.name).write_bytes(f.read_bytes())
-    config = json.loads((TINY_MODEL / "config.json").read_text())
-    config.update(model_type="pg-prune-test-custom", auto_map={"AutoConfig": "custom.Config",
-                                                               "AutoModelForCausalLM": "custom.Model"})
-    (folder / "config.json").write_text(json.dumps(config))
     marker = tmp_path / "the-folder's-code-ran"
-    (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    folder = _custom_code(tmp_path / "custom", marker)
     r = subprocess.run([sys.executable, "-m", "engine", "eval", "--model", str(folder), "--eval-data", str(WIKI_RAW),
                         "--max-windows", "1", "--eval-seqlen", "32"], cwd=REPO, env=clean_env(), input="y\ny\n",
                        capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr[-2000:]
     assert "its own Python code" in lines[0] and "[y/N]" not in r.stdout + r.stderr and not marker.exists()
+
+
+@pytest.fixture
+def answers_yes(monkeypatch):
+    """stdin answers "y" to any question (transformers' "Do you wish to run the custom code? [y/N]" would run it)."""
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))
+
+
+@pytest.mark.parametrize("command", ["prune", "eval", "zeroshot"])
+def test_every_command_refuses_a_model_folder_with_its_own_code(command, tmp_path, eval_file, capfd, answers_yes):
+    """prune, eval and zeroshot --model FOLDER (unknown model_type, auto_map): one error line, nothing asked, the
+    folder's code never imported (the marker it would create is absent)."""
+    marker = tmp_path / "the-folder's-code-ran"
+    folder = str(_custom_code(tmp_path / "custom", marker))
+    argv = {"prune": ["prune", "--model", folder, "--steps", "1", "--batch-size", "2", "--seqlen", "32",
+                      "--eval-seqlen", "32", "--max-windows", "2", "--init-batches", "1", "--calib", str(SMALL_CALIB),
+                      "--eval-data", str(eval_file), "--out", str(tmp_path / "run")],
+            "eval": ["eval", "--model", folder, "--eval-data", str(eval_file), "--max-windows", "1",
+                     "--eval-seqlen", "32"],
+            "zeroshot": ["zeroshot", "--model", folder, "--tasks", "boolq", "--limit", "1",
+                         "--out", str(tmp_path / "zs")]}[command]
+    capfd.readouterr()
+    assert main(argv) == 2
+    captured = capfd.readouterr()
+    errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "its own Python code" in errors[0], captured.err[-2000:]
+    assert "[y/N]" not in captured.out + captured.err and not marker.exists()
+
+
+def test_a_run_whose_model_needs_its_own_code_is_refused_by_export_and_chat(finished_run, tmp_path, capfd, answers_yes):
+    """A run folder (from elsewhere) whose model/ config.json names its own code: `export --format gguf` and the app's
+    Chat page (load_sliced, the sliced export) refuse it in one line and never import it (before: the Chat page
+    raised transformers' several-line ValueError)."""
+    from engine.tools.chat import load_sliced
+
+    marker = tmp_path / "the-folder's-code-ran"
+    _custom_code(finished_run / "model", marker, base=finished_run / "model")
+    capfd.readouterr()
+    assert main(["export", str(finished_run), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
+    one_error(capfd, "its own Python code")
+    with pytest.raises(UserError, match="its own Python code") as e:
+        load_sliced(finished_run)
+    assert "\n" not in str(e.value) and not marker.exists() and not (tmp_path / "m.gguf").exists()
+
+
+def test_the_app_refuses_a_model_folder_with_its_own_code(tmp_path, monkeypatch, answers_yes):
+    """The app's Prune page (its plan: model_skeleton) and its job (JobManager.start of a config naming the folder):
+    one line each, the folder's code never imported."""
+    from engine.plan import model_skeleton
+    from engine.ui.jobs import FAILED, JobManager
+
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))
+    marker = tmp_path / "the-folder's-code-ran"
+    folder = str(_custom_code(tmp_path / "custom", marker))
+    with pytest.raises(UserError, match="its own Python code") as e:
+        model_skeleton(folder)
+    assert "\n" not in str(e.value)
+    jobs = JobManager()
+    try:
+        jobs.start(PruneConfig(model=folder, steps=1, calib=str(SMALL_CALIB)), tmp_path / "runs" / "r")
+        snap = jobs.wait(timeout=300)
+        assert snap.status == FAILED and "its own Python code" in snap.error and "\n" not in snap.error, snap.error
+    except UserError as refused:  # (refused before the job starts: as good)
+        assert "its own Python code" in str(refused) and "\n" not in str(refused)
+    assert not marker.exists()
 
 
 # --- (c) no write through a symbolic link, no deletion on resume -----------------------------------------------
