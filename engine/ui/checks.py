@@ -49,6 +49,11 @@ def _number(x, nullable: bool = False) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool)
 
 
+def _finite(x, nullable: bool = False) -> bool:
+    """A number a page turns into an integer or a duration: NaN and infinity cannot be."""
+    return _number(x, nullable) and (x is None or math.isfinite(x))
+
+
 # what the pages read of a results.json, and the types they need
 _NUMBERS = ("ppl_dense", "ppl_init", "ppl_pruned", "params_dense", "params_pruned")  # required
 _REQUIRED_NULLABLE = ("ppl_init",)  # (null: not evaluated, --time-budget without --eval-init)
@@ -56,7 +61,9 @@ _OPTIONAL_NUMBERS = ("params_removed", "removed_of_decoder", "removed_of_model",
                      "width_removed_of_kept_layers", "peak_rss_mb", "seconds_per_step", "seconds_in_steps", "steps",
                      "prune_ratio", "lr", "eval_windows", "seqlen")
 _NULLABLE_NUMBERS = ("mask_step", "best_val_ppl", "val_ppl_init", "time_budget", "stopped_early")
-_NUMBER_MAPS = ("params_removed_by_unit_type", "seconds_by_phase")
+_FINITE = ("params_dense", "params_pruned", "params_removed", "peak_rss_mb")  # (counted, or shown as integers)
+_DURATION_MAPS = ("seconds_by_phase", "plan_seconds_by_phase")  # phase -> seconds, with the "total"
+_STRING_KEYS = ("final_mask", "model", "method", "init", "scope", "budget")
 
 
 def results_problem(results) -> str | None:
@@ -77,12 +84,26 @@ def results_problem(results) -> str | None:
     for k in _NULLABLE_NUMBERS:
         if k in results and not _number(results[k], nullable=True):
             return f"{k} is {results[k]!r}, not a number"
-    for k in _NUMBER_MAPS:
-        v = results.get(k)
-        if v is not None and not (isinstance(v, dict) and all(_number(x) for x in v.values())):
-            return f"{k} is not a map of numbers"
+    for k in _FINITE:
+        if k in results and not _finite(results[k]):
+            return f"{k} is {results[k]!r}, not a finite number"
+    for k in _STRING_KEYS:
+        if results.get(k) is not None and not isinstance(results[k], str):
+            return f"{k} is {results[k]!r}, not a string"
     if results["params_dense"] <= 0:
         return f"params_dense is {results['params_dense']}"
+    if "params_removed" in results and not all(_number(results.get(k)) for k in ("removed_of_decoder", "removed_of_model")):
+        return "params_removed without removed_of_decoder and removed_of_model"
+    v = results.get("params_removed_by_unit_type", {})  # (a run from before it has none; null is not a map)
+    if not (isinstance(v, dict) and all(_finite(x) for x in v.values())):
+        return "params_removed_by_unit_type is not a map of numbers"
+    for k in _DURATION_MAPS:
+        v = results.get(k)
+        if v is not None and not (isinstance(v, dict) and all(_finite(x) and x >= 0 for x in v.values())
+                                  and "total" in v):
+            return f"{k} is not a map of seconds with a total"
+    if (why := _reduced_problem(results.get("reduced"))) is not None:
+        return why
     kept, sizes = results.get("kept_per_layer"), results.get("units_per_layer")
     if kept is not None or sizes is not None:
         if not isinstance(kept, dict) or not isinstance(sizes, dict):
@@ -97,9 +118,27 @@ def results_problem(results) -> str | None:
     if refit is not None:
         if not isinstance(refit, dict):
             return "reconstruction is not an object"
-        for k in ("ppl_before", "batches"):
-            if k in refit and not _number(refit[k]):
-                return f"reconstruction.{k} is {refit[k]!r}, not a number"
+        if refit.get("skipped") is not None:
+            if not isinstance(refit["skipped"], str):
+                return f"reconstruction.skipped is {refit['skipped']!r}, not a reason"
+        elif refit:  # a refit made: shown as "PPL with the mask alone, ... (N batches)"
+            for k in ("ppl_before", "batches"):
+                if not _number(refit.get(k)):
+                    return f"reconstruction.{k} is {refit.get(k)!r}, not a number"
+    return None
+
+
+def _reduced_problem(reduced) -> str | None:
+    """results.json's "reduced" ({setting: [asked, used], "why": reason}, engine/results.py's reduced_line)."""
+    if reduced is None:
+        return None
+    if not isinstance(reduced, dict):
+        return "reduced is not an object"
+    if not isinstance(reduced.get("why", ""), str):
+        return "reduced.why is not a reason"
+    for k, v in reduced.items():
+        if k != "why" and not (isinstance(v, list) and len(v) == 2):
+            return f"reduced.{k} is {v!r}, not [asked, used]"
     return None
 
 
@@ -107,17 +146,15 @@ def config_problem(config) -> str | None:
     """None when a config.json holds what the pages read of a run's settings with their types; else why not."""
     if not isinstance(config, dict):
         return f"holds a {type(config).__name__}, not an object"
-    ratio = config.get("prune_ratio")
-    if ratio is not None and not _number(ratio):
-        return f"prune_ratio is {ratio!r}, not a number"
-    if "steps" in config and not _number(config["steps"]):
-        return f"steps is {config['steps']!r}, not a number"
-    for k in ("model", "scope", "budget", "method", "init"):
-        if config.get(k) is not None and not isinstance(config[k], str):
+    # (a key may be missing, as in a run from before it; one that is there has its type: null is not a value)
+    for k in ("prune_ratio", "steps"):
+        if k in config and not _finite(config[k]):
+            return f"{k} is {config[k]!r}, not a number"
+    for k in ("model", "scope", "budget", "method", "init", "dtype"):
+        if k in config and not isinstance(config[k], str):
             return f"{k} is {config[k]!r}, not a string"
-    units = config.get("units")
-    if units is not None and not (isinstance(units, list) and all(isinstance(u, str) for u in units)):
-        return f"units is {units!r}, not a list of names"
+    if "units" in config and not (isinstance(config["units"], list) and all(isinstance(u, str) for u in config["units"])):
+        return f"units is {config['units']!r}, not a list of names"
     return None
 
 

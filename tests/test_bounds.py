@@ -1,0 +1,191 @@
+"""Issue 48, bounds and messages (second pass): the app survives any results.json and config.json (every value a
+page reads is checked once, where the run is read: engine/ui/checks.py), an evaluation text with a byte-order mark,
+a $PG_PRUNE_CACHE that names a file. Each test failed on the code before its change."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_MODEL
+
+# A finished run's results.json as the engine writes it (the tiny model's two layers), with every key the pages read:
+# the time plan, what a time budget cut, the refit, the per-layer counts.
+RESULTS = {
+    "status": "done", "model": "tinystories-656k", "method": "pg", "init": "flap", "units": ["heads", "channels"],
+    "scope": "global", "budget": "params", "prune_ratio": 0.3, "seed": 0,
+    "ppl_dense": 20.5, "ppl_init": 30.25, "ppl_pruned": 28.0, "eval_windows": 2, "seqlen": 32,
+    "params_dense": 656_000, "params_pruned": 520_000, "params_removed": 136_000, "params_decoder": 400_000,
+    "removed_of_decoder": 0.3, "removed_of_model": 0.2,
+    "params_removed_by_unit_type": {"heads": 36_000, "channels": 100_000},
+    "kept_per_layer": {"heads": [3, 4], "channels": [300, 250]},
+    "units_per_layer": {"heads": [4, 4], "channels": [384, 384]},
+    "steps": 3, "final_mask": "best-val", "mask_step": 2, "best_val_ppl": 27.5, "val_ppl_init": 29.0, "lr": 0.05,
+    "seconds_per_step": 0.5, "seconds_in_steps": 1.5, "stopped_early": None, "time_budget": 5.0, "peak_rss_mb": 900.0,
+    "reconstruction": {"ppl_before": 30.0, "batches": 4, "ridge": 0.1, "intercept": True},
+    "seconds_by_phase": {"load": 1.0, "init metric": 2.0, "steps": 1.5, "total": 6.0},
+    "plan_seconds_by_phase": {"load": 1.2, "init metric": 1.8, "steps": 2.0, "total": 6.5},
+    "reduced": {"refit_batches": [64, 16], "why": "the time budget"},
+}
+CONFIG = {"model": str(TINY_MODEL), "scope": "global", "budget": "params", "method": "pg", "init": "flap",
+          "units": ["heads", "channels"], "prune_ratio": 0.3, "steps": 3, "dtype": "float32"}
+BAD_VALUES = ["x", [1, 2], {"a": 1}, None, True, math.nan, -math.inf, -1]  # (a string, list, object, null, ...)
+
+
+def _variants(doc: dict, path: tuple = ()):
+    """(where, document) for every single change of one value of doc: each key deleted, or set to each bad value;
+    nested objects changed the same way, one level down."""
+    for key in list(doc):
+        here = (*path, key)
+        gone = copy.deepcopy(doc)
+        del gone[key]
+        yield f"{'.'.join(map(str, here))} deleted", gone
+        for bad in BAD_VALUES:
+            changed = copy.deepcopy(doc)
+            changed[key] = bad
+            yield f"{'.'.join(map(str, here))} = {bad!r}", changed
+        if isinstance(doc[key], dict) and not path:
+            for where, inner in _variants(doc[key], here):
+                yield where, {**copy.deepcopy(doc), key: inner}
+
+
+def _with(doc: dict, where: str, value) -> dict:
+    out = copy.deepcopy(doc)
+    out[where] = value
+    return out
+
+
+def results_variants():
+    yield "whole: a list", [RESULTS]
+    yield "whole: a string", "done"
+    yield "whole: a number", 42
+    yield "whole: null", None
+    yield from _variants(RESULTS)
+    yield "reduced entry a number", _with(RESULTS, "reduced", {"refit_batches": 64})
+    yield "reduced entry one long", _with(RESULTS, "reduced", {"refit_batches": [64]})
+    yield "plan without total", _with(RESULTS, "plan_seconds_by_phase", {"load": 1.0})
+    yield "refit without ppl_before", _with(RESULTS, "reconstruction", {"batches": 4})
+    yield "refit skipped", _with(RESULTS, "reconstruction", {"skipped": "no time left"})
+
+
+def _read_everything(results: dict, config: dict) -> None:
+    """Everything the pages compute from a run's results.json and config.json (a finished run's view, the Runs
+    table's cells, Compare's and Chat's readers), outside a page: Streamlit calls run bare (no script), so what is
+    tested is the pages' own code on these values."""
+    from engine.errors import UserError
+    from engine.ui import compare as C
+    from engine.ui import figures
+    from engine.ui import masks as M
+    from engine.ui.jobs import RunInfo
+    from engine.ui.settings import results_table, settings_table
+    from pages import _ui
+
+    info = RunInfo(path=Path("/nonexistent/run"), name="run", config=config, results=results, steps_done=3,
+                   has_masks=False, has_model=False, has_checkpoint=False, modified=0.0)
+    _ui.run_label(info)
+    _ui.render_run([], config, [], results, key="fuzz")
+    _ui.removed_short(results), _ui.removal_text(results), _ui.speedup_short(config, results)
+    _ui.fmt_params(results.get("params_pruned"))
+    M.mask_source(results)
+    results_table(results), settings_table(config)
+    C.params_removed(results), C.table_rows([info], lambda r: False), C.curves([], results), C.default_pick([info])
+    C.counterpart_problem(info, C.other_scope(config.get("scope"))), C.kept_fractions(info)
+    try:
+        C.matching_config(config, results, C.other_scope(config.get("scope")))
+    except UserError:
+        pass
+    figures.kept_fractions_from_results(results)
+    figures.perplexity_bars([("run", results)])
+    f"{config.get('prune_ratio', 0):.0%}", Path(config.get("model", "")).name, ",".join(config.get("units", []))
+
+
+@pytest.fixture(scope="module")
+def bare_streamlit():
+    import logging
+
+    import pages._ui  # noqa: F401
+
+    for name in list(logging.root.manager.loggerDict):  # ("missing ScriptRunContext", once a call: these run bare)
+        if name.startswith("streamlit"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def test_every_results_json_is_either_damaged_or_shown_without_a_crash(bare_streamlit):
+    """Every single-value change of a finished run's results.json: results_problem says why the run is damaged,
+    or every page's reading of it works (the old check let a plan without "total", a non-list "reduced" entry,
+    a refit without ppl_before, a NaN duration and more through, and the run's view raised)."""
+    from engine.ui.checks import results_problem
+
+    assert results_problem(RESULTS) is None
+    _read_everything(RESULTS, CONFIG)
+    crashed, seen = [], 0
+    for where, results in results_variants():
+        why = results_problem(results)
+        if why is not None:
+            assert isinstance(why, str) and 0 < len(why) < 200, (where, why)
+            continue
+        seen += 1
+        try:
+            _read_everything(results, CONFIG)
+        except Exception as e:  # noqa: BLE001 (any exception is a page's crash)
+            crashed.append(f"{where}: {type(e).__name__}: {e}")
+    assert not crashed, f"{len(crashed)} accepted results.json crash a page:\n" + "\n".join(crashed[:40])
+    assert seen > 50  # (the check refuses what a page cannot show, not every change: optional keys may go)
+
+
+def config_variants():
+    for key in CONFIG:
+        for bad in (None, 5, [], {"a": 1}, "x", math.nan):
+            yield f"{key} = {bad!r}", _with(CONFIG, key, bad)
+
+
+def test_every_config_json_is_either_damaged_or_shown_without_a_crash(bare_streamlit):
+    from engine.ui.checks import config_problem
+
+    assert config_problem(CONFIG) is None
+    crashed = []
+    for where, config in config_variants():
+        if config_problem(config) is not None:
+            continue
+        try:
+            _read_everything(RESULTS, config)
+        except Exception as e:  # noqa: BLE001
+            crashed.append(f"{where}: {type(e).__name__}: {e}")
+    assert not crashed, f"{len(crashed)} accepted config.json crash a page:\n" + "\n".join(crashed[:40])
+
+
+def test_the_pages_list_runs_with_damaged_values_as_damaged(tmp_path, monkeypatch):
+    """Run folders whose results.json or config.json hold values the old check let through: every page renders,
+    and Runs lists them as damaged with the reason."""
+    from streamlit.testing.v1 import AppTest
+
+    runs = tmp_path / "runs"
+    cases = {"good": (CONFIG, RESULTS),
+             "plan-as-list": (CONFIG, _with(RESULTS, "plan_seconds_by_phase", [1, 2])),
+             "phases-no-total": (CONFIG, _with(RESULTS, "seconds_by_phase", {"load": 1.0})),
+             "reduced-number": (CONFIG, _with(RESULTS, "reduced", {"refit_batches": 64})),
+             "null-ratio": (_with(CONFIG, "prune_ratio", None), RESULTS),
+             "null-units": (_with(CONFIG, "units", None), RESULTS)}
+    for name, (config, results) in cases.items():
+        (runs / name).mkdir(parents=True)
+        (runs / name / "config.json").write_text(json.dumps(config))
+        (runs / name / "results.json").write_text(json.dumps(results))
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=300)
+    at.run()
+    assert not at.exception, at.exception
+    for page in ("pages/runs.py", "pages/compare.py", "pages/chat.py"):
+        at.switch_page(page).run()
+        assert not at.exception, (page, at.exception)
+    at.switch_page("pages/runs.py").run()
+    table = at.dataframe[0].value
+    damaged = dict(zip(table["run"], table["damaged"]))
+    assert sorted(n for n, why in damaged.items() if why) == sorted(set(cases) - {"good"}), damaged
+    assert "plan_seconds_by_phase" in damaged["plan-as-list"] and "total" in damaged["phases-no-total"]
+    assert "prune_ratio" in damaged["null-ratio"] and "units" in damaged["null-units"]
+
