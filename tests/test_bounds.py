@@ -189,3 +189,18 @@ def test_the_pages_list_runs_with_damaged_values_as_damaged(tmp_path, monkeypatc
     assert "plan_seconds_by_phase" in damaged["plan-as-list"] and "total" in damaged["phases-no-total"]
     assert "prune_ratio" in damaged["null-ratio"] and "units" in damaged["null-units"]
 
+
+# --- evaluation text with a byte-order mark ------------------------------------------------------------
+def test_an_evaluation_text_with_a_utf8_bom_is_read_without_it(tmp_path):
+    """A .txt/.raw evaluation file a Windows editor saved starts with a BOM: read as text, it was kept as a
+    U+FEFF character at the start of the evaluation text (a token the model never saw)."""
+    from engine.data import load_eval_text
+
+    for name in ("wiki.txt", "wiki.raw"):
+        folder = tmp_path / name.replace(".", "-")
+        folder.mkdir()
+        (folder / name).write_bytes("\ufeff".encode() + b" = Robert Boulter = \n\nRobert Boulter is an actor .\n")
+        for given in (folder / name, folder):  # the file, or the folder holding it
+            text, _ = load_eval_text(str(given))
+            assert text == " = Robert Boulter = \n\nRobert Boulter is an actor .\n", (given, text[:5])
+
