@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
 from .io import atomic_write_text
 
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".model")
@@ -27,6 +28,20 @@ def cache_dir() -> Path | None:
     if value is not None and value.strip().lower() in ("", "off", "0", "none"):
         return None
     return Path(value).expanduser() if value else Path.home() / ".cache" / "pg-prune"
+
+
+def check_cache_dir() -> None:
+    """A $PG_PRUNE_CACHE that names something other than a folder (a file, or a path through one) is refused in one
+    line when a run starts: every cache under it (the dense perplexity, the time probe, model copies) would be
+    skipped without a word."""
+    folder = cache_dir()
+    if folder is None:
+        return
+    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        what = "is a file" if blocker == folder else f"lies under {blocker}, a file"
+        raise UserError(f"$PG_PRUNE_CACHE is {folder}, which {what}, not a folder: point it at a folder "
+                        "(or set PG_PRUNE_CACHE=off)")
 
 
 def model_fingerprint(path: str, gguf_file: str | None = None) -> list | None:

@@ -124,6 +124,7 @@ class PruneRun:
         check_positions(model.config, {"seqlen": c.seqlen, "eval seqlen": c.eval_seqlen})
         check_run_fits(c, model)  # (before the data: a batch whose logits cannot fit is refused in one line)
         metric_cache_folder()  # (a $PG_PRUNE_METRIC_CACHE that is a file: refused now, not after the model's work)
+        ppl_cache.check_cache_dir()  # (and a $PG_PRUNE_CACHE that is one)
         sizes = unit_sizes(self.adapter)
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)

@@ -204,3 +204,22 @@ def test_an_evaluation_text_with_a_utf8_bom_is_read_without_it(tmp_path):
             text, _ = load_eval_text(str(given))
             assert text == " = Robert Boulter = \n\nRobert Boulter is an actor .\n", (given, text[:5])
 
+
+# --- caches named by the environment ----------------------------------------------------------------------
+def test_a_pg_prune_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch, capfd):
+    """$PG_PRUNE_CACHE (the dense perplexity, the time probe and the model copies) naming a file: one error line at
+    the run's start (before: every cache silently skipped, or a NotADirectoryError deep in a write)."""
+    from engine.cli import main
+
+    cache = tmp_path / "cache-file"
+    cache.write_text("mine")
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(cache))
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert main(["prune", "--model", str(TINY_MODEL), "--steps", "1", "--out", str(out)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
+    assert "$PG_PRUNE_CACHE" in errors[0] and "not a folder" in errors[0] and len(errors[0]) < 300
+    assert cache.read_text() == "mine" and not out.exists()
+
