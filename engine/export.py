@@ -79,6 +79,8 @@ def mask_meta_problem(meta, tensors: dict[str, torch.Tensor]) -> str | None:
         return "no list of unit_types"
     sizes = meta.get("units_per_layer")
     for u in meta["unit_types"]:
+        if not isinstance(u, str) or u not in UNIT_TYPES:
+            return f"unit type {shorten(repr(u), 40)} is not one this tool knows ({', '.join(UNIT_TYPES)})"
         if not isinstance(sizes, dict) or not isinstance(sizes.get(u), list) or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes[u]):
             return f"units_per_layer of {u} is missing or not a list of whole numbers"

@@ -223,3 +223,31 @@ def test_a_pg_prune_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch, capf
     assert "$PG_PRUNE_CACHE" in errors[0] and "not a folder" in errors[0] and len(errors[0]) < 300
     assert cache.read_text() == "mine" and not out.exists()
 
+
+# --- a damaged masks.json or results.json under zeroshot --run and chat --------------------------------------
+def test_a_masks_json_naming_an_odd_unit_type_is_damaged_not_a_traceback():
+    """masks.json's unit_types holding a list (unhashable: a TypeError) or a name no unit type has: the run's
+    masks are damaged, said in the one line load_mask_artifact raises (zeroshot --run, chat, export)."""
+    import torch
+
+    from engine.export import mask_meta_problem
+
+    tensors = {"masks.heads": torch.ones(8), "scores.heads": torch.zeros(8)}
+    good = {"unit_types": ["heads"], "units_per_layer": {"heads": [4, 4]}}
+    assert mask_meta_problem(good, tensors) is None
+    for odd in (["heads"], {"a": 1}, 5, "nonesuch"):
+        why = mask_meta_problem({**good, "unit_types": [odd]}, tensors)
+        assert why is not None and "unit type" in why and len(why) < 200, (odd, why)
+
+
+def test_the_parameters_a_damaged_results_json_records_are_counted_instead(tmp_path):
+    """chat's and zeroshot --run's masked model reads the pruned parameters from results.json: one that holds a
+    list (TypeError before), a string or a negative number is not used (the masked model's are counted)."""
+    from engine.tools.chat import recorded_params
+
+    assert recorded_params(tmp_path) is None  # no results.json
+    for text, want in (('{"params_pruned": 520000}', 520000), ('[{"params_pruned": 520000}]', None),
+                       ('{"params_pruned": "520000"}', None), ('{"params_pruned": -1}', None), ('"done"', None),
+                       ('{"params_pruned": 5', None), ('{"params_pruned": true}', None)):
+        (tmp_path / "results.json").write_text(text)
+        assert recorded_params(tmp_path) == want, text

@@ -94,8 +94,6 @@ def load_base(model_name: str, dtype: str = "float32", device: str = "cpu") -> C
 
 def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
     """The base model with a finished run's masks applied as hooks (shares the base weights)."""
-    import json
-
     from ..export import load_mask_artifact
     from ..units import UnitLayout
 
@@ -108,13 +106,22 @@ def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
     for u in layout.unit_types:
         if layout.sizes[u] != sizes[u]:
             raise UserError(f"the masks of {Path(run_dir).name} do not fit this model ({u}: {layout.sizes[u]} vs {sizes[u]})")
-    try:
-        params = json.loads((Path(run_dir) / RESULTS_FILE).read_text())["params_pruned"]
-    except (OSError, ValueError, KeyError):
-        params = _effective_params(base.model, layout, masks)
+    params = recorded_params(run_dir) or _effective_params(base.model, layout, masks)
     return ChatModel(base.model, base.tokenizer, f"pruned (masks on base): {Path(run_dir).name}", params,
                      layer_masks={u: layout.split(u, m) for u, m in masks.items()}, info={"meta": meta},
                      backend=base.backend)
+
+
+def recorded_params(run_dir: str | Path) -> int | None:
+    """The pruned model's parameters as the run's results.json records them; None when it does not (no file, not
+    JSON, not an object, not a count): they are then counted."""
+    import json
+
+    try:
+        value = json.loads((Path(run_dir) / RESULTS_FILE).read_text())["params_pruned"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _effective_params(model, layout, masks) -> int:
