@@ -333,15 +333,18 @@ class _Finished(UserError):
     """A bare --resume of a finished run (one process): nothing to do, said in one line, exit 0."""
 
 
-def _check_unfinished(out: Path) -> None:
-    """A bare --resume (no --steps, no --export-gguf) of a run that finished, results.json and model/ written, has
-    nothing to do: raise _Finished saying so, rather than evaluate and export model/ again."""
+def _check_unfinished(out: Path, steps: int | None = None) -> None:
+    """A bare --resume (no --steps, or --steps the run already did; no --export-gguf) of a run that finished,
+    results.json and model/ written, has nothing to do: raise _Finished saying so, rather than evaluate and export
+    model/ again."""
     from .rundir import MODEL_DIR, RESULTS_FILE
 
     try:
         results = json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return
+    if steps is not None and isinstance(results, dict) and results.get("steps") != steps:
+        return  # (--steps N beyond the steps done: the run continues)
     if isinstance(results, dict) and results.get("status") == "done" and (out / MODEL_DIR).is_dir():
         raise _Finished(f"the run in {out} is finished ({RESULTS_FILE}: {results.get('steps')} steps, model/ "
                         "exported); nothing to resume: --resume --steps N continues it to N steps, --overwrite "
@@ -383,8 +386,8 @@ def _prune_writer(args, world) -> int:
             run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr), started=IMPORTED, world=world)
             if args.resume and (out / CHECKPOINT_FILE).exists():
                 run.load_checkpoint()  # an edited config.json or a --steps below the checkpoint fail here
-                if world.size == 1 and not getattr(args, "steps_given", True) and not args.export_gguf:
-                    _check_unfinished(out)  # (a bare --resume of a finished run: nothing to do)
+                if world.size == 1 and not args.export_gguf:  # (a bare --resume of a finished run: nothing to do)
+                    _check_unfinished(out, config.steps if getattr(args, "steps_given", True) else None)
             if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
                 from .exporters.gguf import check_exportable
 
@@ -448,12 +451,10 @@ class _Interrupted(Exception):
 
 def cmd_export(args) -> int:
     from .exporters import export_run
-    from .rundir import MODEL_DIR, enclosing_run
+    from .rundir import check_export_destination
 
-    found = enclosing_run(Path(args.out)) if args.out else None
-    if found is not None and found[1] not in ("", MODEL_DIR):  # a run's own file (RUN/model/...: export_run refuses)
-        raise UserError(f"--out {args.out}: {found[1]} belongs to the run around it (its --overwrite and --resume "
-                        "replace it); choose another name, or a folder outside the run")
+    if args.out:
+        check_export_destination(Path(args.out))
     info = export_run(args.run, args.format, args.out, args.outtype)
     print(f"wrote {info['path']}")
     return 0

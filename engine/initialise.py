@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import UserError
+from .io import atomic_write_text
 from .metrics import METRICS, MetricContext
 from .metrics.registry import removal_order
 from .joint import choose_mix
@@ -235,5 +236,5 @@ def start_state(run: "PruneRun", resume: bool) -> RunState:
     run.checkpoints.save(state)
     if run.world.writes:
         shutil.rmtree(run.out / INIT_PROGRESS_DIR, ignore_errors=True)  # (the checkpoint holds the init from here on)
-    (run.out / METRICS_FILE).write_text("")
+    atomic_write_text(run.out / METRICS_FILE, "")  # (replaces a link there, never writes its target)
     return state

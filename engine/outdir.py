@@ -26,8 +26,11 @@ from pathlib import Path
 
 from .errors import UserError
 from .io import atomic_write_text
+from .runfiles import INIT_PROGRESS_DIR, MODEL_DIR, RUN_FILES, RUN_MARKER, has_run_marker
 
 LOCK_FILE = ".pg-prune.lock"
+# a prune run's own names in its folder: what it writes, and what its --overwrite or --resume removes or replaces
+RUN_OWN_NAMES = (*RUN_FILES, MODEL_DIR, INIT_PROGRESS_DIR, RUN_MARKER, LOCK_FILE)
 _WRITE_PROBE = ".pg-prune-write-test."
 # What a model export (save_pretrained of a model and its tokenizer, plus the pruned model's code) puts in
 # its folder: an owned model/ folder is removed by --overwrite only when it holds nothing else.
@@ -95,10 +98,25 @@ def remove_owned(out: Path, files: tuple[str, ...], dirs: tuple[str, ...]) -> No
         shutil.rmtree(out / d, ignore_errors=True)
 
 
+def check_not_in_run_files(out: Path, flag: str = "--out") -> None:
+    """`out` never lies inside a prune run's own file or folder (RUN/model/..., RUN/init_progress/...): that run's
+    --overwrite or --resume would delete it, or refuse to go on beside it. A folder of its own beside the run's
+    files (RUN/zeroshot) is fine."""
+    real = Path(os.path.realpath(out))
+    for parent in real.parents:
+        if has_run_marker(parent):
+            top = real.relative_to(parent).parts[0]
+            if top in RUN_OWN_NAMES:
+                raise UserError(f"{flag} {out} lies inside {parent / top}, which belongs to the run in {parent} (its "
+                                "--overwrite and --resume replace it); choose a path outside it")
+            return
+
+
 def check_output_folder(out: Path, kind: OutputKind, overwrite: bool, flag: str = "--out") -> None:
     """The rule, checked without touching anything: `out` is absent, empty, or (with --overwrite) this
-    kind's own folder whose owned sub-folders hold only what it wrote."""
+    kind's own folder whose owned sub-folders hold only what it wrote; and never inside a run's own files."""
     out = Path(out)
+    check_not_in_run_files(out, flag)
     if out.exists() and not out.is_dir():
         raise UserError(f"{flag} {out} exists and is not a folder")
     if not out.exists() or not entries(out):

@@ -47,7 +47,7 @@ from .tokenize_docs import tokenize_documents
 from .rewards import REWARDS
 from . import ppl_cache
 from .runmasks import RunMasks
-from .rundir import METRICS_FILE
+from .rundir import METRICS_FILE, MODEL_DIR, check_no_links, check_removable
 from .runstate import RunState, StepReport, check_finite, mask_rows  # noqa: F401  (StepReport: part of the run's API)
 from .unit_types import UNIT_TYPES
 from .units import UnitLayout
@@ -214,6 +214,9 @@ class PruneRun:
         (state saved, resumable). An interrupt (Ctrl-C; SIGTERM in the CLI) checkpoints the last finished step."""
         self.progress = progress
         with _held(self.out):
+            if self.out is not None:  # (the CLI and the app check this first; the API's PruneRun here)
+                check_no_links(self.out)  # no write of the run goes through a link (metrics.jsonl, init_progress/...)
+                check_removable(self.out, (MODEL_DIR,), "--resume" if resume else "the run")  # (finish replaces model/)
             # the time plan of a run that writes a folder (one in memory writes nothing, not even a speed probe's
             # cache): a fresh run's before its work, a resumed one's once its checkpoint is read (a bad checkpoint
             # is then the one line a resume prints)

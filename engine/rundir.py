@@ -18,7 +18,7 @@ from pathlib import Path
 from .config import PruneConfig
 from .errors import UserError
 from .io import atomic_write_text
-from .outdir import LOCK_FILE, check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401  (the CLI's)
+from .outdir import LOCK_FILE, RUN_OWN_NAMES, check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401  (the CLI's)
 from .runfiles import (CHECKPOINT_FILE, CONFIG_FILE, GGUF_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE,  # noqa: F401
                        RUN_FILES, RUN_FORMAT_VERSION, RUN_MARKER, INIT_PROGRESS_DIR)
 
@@ -76,7 +76,8 @@ def remove_leftovers(out: Path) -> None:
         name = p.name
         if name.startswith(".") and any(name.startswith(f".{n}.") for n in (*RUN_FILES, MODEL_DIR, RUN_MARKER)) \
                 and (name.endswith(".tmp") or name == f".{MODEL_DIR}.old"):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            # (a link is removed, never what it points at: rmtree refuses a link and would leave it in the way)
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
 
 def remove_run_files(out: Path) -> None:
@@ -100,7 +101,7 @@ def trim_metrics(path: Path, step: int, last_line: str | None = None) -> list[di
     if not path.exists() and last_line is None:
         return []
     kept: dict[int, str] = {}
-    text = path.read_text() if path.exists() else ""
+    text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""  # (garbage bytes: skipped lines)
     for ln in [*text.splitlines(), *([last_line] if last_line else [])]:
         try:
             record = json.loads(ln)
@@ -114,8 +115,7 @@ def trim_metrics(path: Path, step: int, last_line: str | None = None) -> list[di
     return [json.loads(ln) for ln in lines]
 
 
-# a run's own names in its folder: what it writes, and what --overwrite or --resume replaces
-_OWN_NAMES = (*RUN_FILES, MODEL_DIR, INIT_PROGRESS_DIR, RUN_MARKER, LOCK_FILE)
+_OWN_NAMES = RUN_OWN_NAMES  # (a run's own names in its folder: what --overwrite or --resume replaces)
 
 
 def check_no_links(out: Path) -> None:
@@ -149,6 +149,16 @@ def check_not_in_run(out: Path, flag: str = "--out") -> None:
     if found is not None:
         raise UserError(f"{flag} {out} lies inside the run folder {found[0]}, whose --overwrite or --resume could "
                         "delete it; choose a folder outside it")
+
+
+def check_export_destination(dest: Path, flag: str = "--out") -> None:
+    """An export (the CLI's, the app's copy of a model) never writes one of a run's own names (RUN/model.gguf,
+    RUN/results.json, RUN/init_progress/...): that run's --overwrite would delete it, its --resume replace it. A name
+    of the user's own beside the run (RUN/mine.gguf) survives both; RUN/model/... is export_run's to refuse."""
+    found = enclosing_run(Path(dest))
+    if found is not None and found[1] not in ("", MODEL_DIR):
+        raise UserError(f"{flag} {dest}: {found[1]} belongs to the run around it (its --overwrite and --resume "
+                        "replace it); choose another name, or a folder outside the run")
 
 
 def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) -> None:

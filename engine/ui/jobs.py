@@ -387,10 +387,12 @@ def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:
     exporter's copy, the same as `python -m engine export RUN --format hf`. dest must lie in the runs folder or a
     folder of $PG_PRUNE_APP_FOLDERS (engine/ui/paths.py): it is typed in the page."""
     from ..exporters import export_run
+    from ..rundir import check_export_destination
     from ..runfiles import MODEL_DIR
     from .paths import app_path
 
     dest = app_path(dest, "the export folder")
+    check_export_destination(dest, "the export folder")  # (never a run's own name: its --overwrite would delete it)
     if not (Path(run_dir) / MODEL_DIR).is_dir():
         raise UserError(f"{Path(run_dir).name} has no exported model yet (finish the run first)")
     if dest.exists():

@@ -1,0 +1,208 @@
+"""A run's folder (issue 48, run folders and resume): no write of a run goes through a symbolic link, whichever way the
+run is started (the CLI, the app, the API's PruneRun); what the user put in model/ or exported beside a run is never
+deleted by it; a finished run's --resume says it is finished; a damaged metrics.jsonl never ends a resume in a
+traceback. Each test failed on the code before its change (tests/test_security.py and tests/test_faults_truth.py hold
+the CLI's cases of the same issue)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.config import PruneConfig
+from engine.errors import UserError
+
+from conftest import SMALL_CALIB, TINY_MODEL, WIKI_RAW
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+def one_error(capfd, *needles: str) -> str:
+    err = capfd.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("error:")]
+    assert len(errors) == 1 and not any("Traceback" in ln for ln in err), err
+    for n in needles:
+        assert n in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("rundir-data") / "wiki.small.txt"
+    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    return path
+
+
+def tiny_config(eval_file: Path, **kw) -> PruneConfig:
+    base = dict(model=str(TINY_MODEL), steps=2, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
+                init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),
+                checkpoint_every=1)
+    return PruneConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def finished_template(tiny, eval_file, tmp_path_factory) -> Path:
+    from engine.pruner import PruneRun
+
+    out = tmp_path_factory.mktemp("rundir") / "finished"
+    PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    return out
+
+
+@pytest.fixture
+def finished(finished_template, tmp_path) -> Path:
+    """A copy of a finished 2-step run of the tiny model, this test's own."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_template, out)
+    return out
+
+
+def user_files(folder: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --- no write through a link, however the run is started -------------------------------------------------------
+def test_a_run_started_through_the_api_writes_nothing_through_a_linked_metrics_file(tiny, eval_file, tmp_path):
+    """PruneRun (the API the app's jobs use) into a folder whose metrics.jsonl is a link to a user's file: refused in
+    one line naming the link, the user's file byte for byte as it was (before: start_state emptied it through the
+    link, write_text following it)."""
+    from engine.pruner import PruneRun
+
+    user = tmp_path / "user" / "notes.txt"
+    user.parent.mkdir()
+    user.write_bytes(b"the user's own lines\n" * 4)
+    before = user_files(user.parent)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to(user)
+    with pytest.raises(UserError, match="metrics.jsonl.*symbolic link") as refused:
+        PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    assert "\n" not in str(refused.value)
+    assert user_files(user.parent) == before and (out / "metrics.jsonl").is_symlink()
+
+
+def test_the_first_metrics_file_replaces_a_link_never_its_target(tiny, eval_file, tmp_path, monkeypatch):
+    """The write itself (not only the check before it): start_state's empty metrics.jsonl replaces a link that
+    appeared there, atomically, and the linked file stays as it was."""
+    from engine.pruner import PruneRun
+
+    user = tmp_path / "user.txt"
+    user.write_text("mine\n")
+    out = tmp_path / "run"
+
+    def link_then_save(state):  # the first checkpoint's write: a link appears beside it just before
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / "metrics.jsonl").symlink_to(user)
+        return original(state)
+
+    run = PruneRun(tiny_config(eval_file, steps=1), out, model=tiny[0], tokenizer=tiny[1], log=quiet)
+    original = run.checkpoints.save
+    monkeypatch.setattr(run.checkpoints, "save", link_then_save)
+    run.run(progress=False)
+    assert user.read_text() == "mine\n"
+    assert not (out / "metrics.jsonl").is_symlink() and len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_an_api_resume_keeps_the_users_files_in_model(finished, tiny, eval_file):
+    """PruneRun(...).run(resume=True) of a finished run re-exports model/: the user's notes and sub-folder there are
+    refused as --overwrite refuses them, and nothing is deleted (before: the export replaced model/ with them)."""
+    from engine.pruner import PruneRun
+
+    (finished / "model" / "notes.txt").write_text("mine\n")
+    (finished / "model" / "sub").mkdir()
+    (finished / "model" / "sub" / "x.bin").write_bytes(b"1")
+    with pytest.raises(UserError, match=r"--resume refused: .*notes\.txt.*nothing was deleted"):
+        PruneRun(tiny_config(eval_file, steps=3), finished, model=tiny[0], tokenizer=tiny[1],
+                 log=quiet).run(resume=True, progress=False)
+    assert (finished / "model" / "notes.txt").read_text() == "mine\n"
+    assert (finished / "model" / "sub" / "x.bin").read_bytes() == b"1"
+
+
+# --- what the user exports beside a run survives it ----------------------------------------------------------
+@pytest.mark.parametrize("name", ["model.gguf", "init_progress", "model.f16.gguf"])
+def test_the_apps_export_into_a_runs_own_names_is_refused(finished, name):
+    """The Runs page's "Copy the sliced model to a new folder" into RUN/model.gguf (or another of the run's own
+    names) is refused as the CLI's export is: the run's --overwrite would delete it (before: it was written)."""
+    from engine.rundir import remove_run_files
+    from engine.ui.jobs import export_run_model
+
+    with pytest.raises(UserError, match=f"{name} belongs to the run around it") as refused:
+        export_run_model(finished, finished / name)
+    assert "\n" not in str(refused.value) and not (finished / name).exists()
+    mine = export_run_model(finished, finished / "mine")  # a name of the user's own beside the run: written ...
+    remove_run_files(finished)  # ... and left by the run's --overwrite
+    assert (mine / "config.json").is_file()
+
+
+# --- a finished run's resume says it is finished ------------------------------------------------------------
+def test_resume_with_the_steps_a_finished_run_did_says_it_is_finished(finished, capfd):
+    """`prune --resume --steps 2` of a finished 2-step run asks for nothing new: like a bare --resume it says the run
+    is finished, and model/ and results.json stay as they were (before: evaluated and exported again, silently)."""
+    model = {p.name: p.stat().st_mtime_ns for p in (finished / "model").iterdir()}
+    results = (finished / "results.json").read_bytes()
+    capfd.readouterr()
+    assert main(["prune", "--out", str(finished), "--resume", "--steps", "2"]) == 0
+    err = capfd.readouterr().err.strip().splitlines()
+    said = [ln for ln in err if "is finished" in ln]
+    assert len(said) == 1 and "--steps N continues it" in said[0] and not any("exporting" in ln for ln in err), err
+    assert {p.name: p.stat().st_mtime_ns for p in (finished / "model").iterdir()} == model
+    assert (finished / "results.json").read_bytes() == results
+
+
+# --- a damaged metrics.jsonl ------------------------------------------------------------------------------
+def test_a_metrics_file_with_bytes_that_are_not_utf8_keeps_its_good_lines(tmp_path):
+    """trim_metrics (what --resume does to metrics.jsonl) on a file whose tail is garbage bytes (a copy cut short, a
+    damaged disk): the good step lines are kept, the garbage dropped (before: UnicodeDecodeError, a traceback)."""
+    from engine.rundir import trim_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": n, "losses": [1.0]}) for n in (1, 2, 3)]
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe\x00garbage\x9c\n")
+    kept = trim_metrics(path, 2)
+    assert [r["step"] for r in kept] == [1, 2]
+    assert path.read_text(encoding="utf-8").splitlines() == lines[:2]
+
+
+def test_a_linked_leftover_is_removed_and_its_target_kept(tmp_path):
+    """remove_leftovers (run by --resume and --overwrite) on a .model.old that is a link to a user's folder: the link
+    goes, the folder stays whole (before: rmtree refused the link silently, and the next export's rename onto it
+    failed)."""
+    from engine.rundir import remove_leftovers
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "keep.txt").write_text("mine\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".model.old").symlink_to(user, target_is_directory=True)
+    (out / ".config.json.pid1.x.tmp").symlink_to(user / "keep.txt")
+    remove_leftovers(out)
+    assert not (out / ".model.old").is_symlink() and not (out / ".config.json.pid1.x.tmp").is_symlink()
+    assert (user / "keep.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("inside", ["model/ft", "init_progress/ft", "results.json/ft"])
+def test_no_output_of_another_kind_starts_inside_a_runs_own_files(tmp_path, inside):
+    """A fine-tune's (or zero-shot's, measure's) --out inside RUN/model/ or another of the run's own names is refused
+    in one line before anything is written, as a prune run there is: the run's --overwrite would delete it
+    (init_progress/), or its --resume refuse to go on beside it (model/). A folder of its own beside the run's files
+    is fine (before: every one of them was made)."""
+    from engine.outdir import output_folder
+    from engine.tools.finetune import FINETUNE_OUTPUT
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "pg-prune-run").write_text("pg-prune run, format version 1\n")
+    with pytest.raises(UserError, match="belongs to the run in") as refused:
+        with output_folder(run / inside, FINETUNE_OUTPUT):
+            pass
+    assert "\n" not in str(refused.value) and not (run / inside).exists()
+    with output_folder(run / "ft", FINETUNE_OUTPUT) as out:
+        (out / "x.txt").write_text("1")
+    assert (run / "ft" / "x.txt").is_file()
