@@ -12,6 +12,7 @@ import copy
 import gzip
 import json
 import os
+import sys
 import zlib
 from pathlib import Path
 
@@ -195,12 +196,22 @@ def load_eval_text(path: str | None = None) -> tuple[str, str]:
 
 
 DEFAULT_EVAL_WINDOWS = 256  # the results tables' protocol (32,768 tokens of 128); 0 or None: all of them
+# An evaluation text up to this many characters is tokenized whole, as always (WikiText-2's test split: 1.3 M); a
+# longer one in pieces (engine/tokenize_docs.py), and only until the windows asked for are filled: a fast
+# tokenizer holds tens of bytes per character at once (issue 48: ~100x a 200 MB text)
+EVAL_WHOLE_CHARS = 1 << 22
 
 
 def eval_windows(tokenizer, text: str, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
     """Non-overlapping seqlen-token windows of the tokenized text, the first `max_windows` of them (0 or None:
     all): (n_windows, seqlen)."""
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if len(text) <= EVAL_WHOLE_CHARS:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    else:
+        from .tokenize_docs import long_document_ids
+
+        cap = max_windows * seqlen if max_windows else sys.maxsize
+        ids = torch.tensor(long_document_ids(tokenizer, text, cap=cap), dtype=torch.long)
     n = ids.numel() // seqlen
     if max_windows:
         n = min(n, max_windows)

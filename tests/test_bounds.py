@@ -1,6 +1,7 @@
 """Issue 48, bounds and messages (second pass): the app survives any results.json and config.json (every value a
 page reads is checked once, where the run is read: engine/ui/checks.py), an evaluation text with a byte-order mark,
-a $PG_PRUNE_CACHE that names a file. Each test failed on the code before its change."""
+a $PG_PRUNE_CACHE that names a file, odd masks.json unit types, a huge evaluation text in bounded memory. Each test
+failed on the code before its change."""
 
 from __future__ import annotations
 
@@ -251,3 +252,32 @@ def test_the_parameters_a_damaged_results_json_records_are_counted_instead(tmp_p
                        ('{"params_pruned": 5', None), ('{"params_pruned": true}', None)):
         (tmp_path / "results.json").write_text(text)
         assert recorded_params(tmp_path) == want, text
+
+
+# --- a huge evaluation text ----------------------------------------------------------------------------------
+def test_a_huge_evaluation_text_is_tokenized_in_bounded_pieces():
+    """An evaluation text over 4 M characters was handed to the tokenizer whole (~100x its size in memory, as the
+    calibration line of issue 48); now in pieces of at most CHUNK_CHARS, and only until the windows asked for
+    are filled. The first windows are the whole text's; texts up to EVAL_WHOLE_CHARS (WikiText-2's test split)
+    take the old path unchanged."""
+    from transformers import AutoTokenizer
+
+    from engine.data import EVAL_WHOLE_CHARS, eval_windows
+    from engine.tokenize_docs import CHUNK_CHARS
+
+    from conftest import WIKI_RAW
+
+    tok, longest = AutoTokenizer.from_pretrained(TINY_MODEL), [0]
+
+    class Watching:  # the tokenizer, noting the longest text it is handed at once
+        def __call__(self, texts, **kw):
+            longest[0] = max([longest[0]] + [len(t) for t in ([texts] if isinstance(texts, str) else texts)])
+            return tok(texts, **kw)
+
+    text = WIKI_RAW.read_text(encoding="utf-8")
+    assert len(text) <= EVAL_WHOLE_CHARS  # (the results' evaluation text: tokenized whole, as before)
+    big = text * (EVAL_WHOLE_CHARS // len(text) + 1)
+    windows = eval_windows(Watching(), big, 32, 4)
+    assert longest[0] <= CHUNK_CHARS < len(big)
+    first = tok(text[:20_000], add_special_tokens=False)["input_ids"][:4 * 32]
+    assert windows.shape == (4, 32) and windows.flatten().tolist() == first
