@@ -159,6 +159,19 @@ def planned_fraction(snap) -> float:
     return min(max(1.0 - c["run_left"] / plan["total"], 0.0), 1.0)
 
 
+def reduced_text(results: dict) -> str | None:
+    """What the time budget cut from the run's settings (results.json's "reduced"), as the run's log says it."""
+    from engine.results import reduced_line
+
+    if not (isinstance(reduced := results.get("reduced"), dict) and reduced):
+        return None
+    try:
+        line = reduced_line(reduced)
+    except (TypeError, IndexError, KeyError):  # (a results.json edited by hand: said nothing, never a crash)
+        return None
+    return line[0].upper() + line[1:]
+
+
 # --- a run's charts -----------------------------------------------------------------------------
 def render_run(history: list[dict], config: dict, views: list[M.MaskView], results: dict | None,
                key: str, run_dir: str | Path | None = None) -> None:
@@ -188,6 +201,8 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
             st.caption("W" + phase_line(phases)[1:])  # "Wall time 533 s: load 11, ..."
             if plan := results.get("plan_seconds_by_phase"):  # (the plan the run started with, beside it)
                 plan_table(plan, phases, key)
+        if line := reduced_text(results):
+            st.caption(line)
         if run_dir is not None:
             deploy_panel(run_dir, key)
     if last is None and not views:

@@ -84,6 +84,8 @@ with t1:
 with t2:
     if run.results:
         st.markdown(_ui.removal_text(run.results) or "")
+        if line := _ui.reduced_text(run.results):
+            st.caption(line)
         st.dataframe(results_table(run.results), hide_index=True, width="stretch")
     elif run.damaged:
         st.info(f"No results to show: {run.damaged}.")

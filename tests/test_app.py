@@ -576,6 +576,30 @@ def test_the_plan_matches_what_the_run_removes_and_settings_persist(runs_dir):
     assert abs(results["params_removed"] - planned) <= max(tolerance, 1)
 
 
+def test_a_run_the_time_budget_cut_says_what_it_cut(runs_dir):
+    from engine.results import reduced_line
+
+    done = finished_run(runs_dir, "global")
+    saved = (done / "results.json").read_text()  # (the module's runs are shared: put it back after)
+    results = {**json.loads(saved), "reduced": {"init_batches": [64, 16], "why": "the pre-step phases' plan"}}
+    (done / "results.json").write_text(json.dumps(results))
+    try:
+        at = app()
+        at.switch_page("pages/runs.py").run()
+        at.selectbox[0].select_index(next(i for i, o in enumerate(at.selectbox[0].options) if done.name in o)).run()
+        line = reduced_line(results["reduced"])
+        line = line[0].upper() + line[1:]
+        assert not at.exception, at.exception
+        assert [c.value for c in at.caption if "time budget" in c.value] == [line]  # the Results tab
+        next(b for b in at.button if "Load into the pages" in b.label).click().run()
+        at.switch_page("pages/prune.py").run()  # and beside the run's charts
+        assert not at.exception, at.exception
+        assert [c.value for c in at.caption if "time budget" in c.value] == [line]
+    finally:
+        (done / "results.json").write_text(saved)
+    assert "init-batches 64 -> 16" in line
+
+
 def test_steps_0_is_one_clear_error(runs_dir):
     at = fill_prune_form(app(), steps=0)
     at.run()
