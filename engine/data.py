@@ -185,7 +185,7 @@ def load_eval_text(path: str | None = None) -> tuple[str, str]:
             raise UserError(f"{p}: not a parquet file with a 'text' column ({type(e).__name__})") from e
     else:
         try:
-            text = p.read_text(encoding="utf-8-sig")  # (a byte-order mark at the start, as Windows editors write: skipped)
+            text = p.read_text(encoding="utf-8-sig")  # (a byte-order mark, as Windows editors write one: skipped)
         except UnicodeDecodeError as e:
             raise UserError(f"{p}: not UTF-8 text") from e
         except OSError as e:

@@ -281,3 +281,43 @@ def test_a_huge_evaluation_text_is_tokenized_in_bounded_pieces():
     assert longest[0] <= CHUNK_CHARS < len(big)
     first = tok(text[:20_000], add_special_tokens=False)["input_ids"][:4 * 32]
     assert windows.shape == (4, 32) and windows.flatten().tolist() == first
+
+
+# --- a huge calibration line, measured ------------------------------------------------------------------------
+_PEAK = """
+import json, resource, sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from engine import pruner
+from engine.config import PruneConfig
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+config = PruneConfig(model=sys.argv[1], calib=sys.argv[2], eval_data=sys.argv[3], seqlen=32, eval_seqlen=32,
+                     max_windows=2, batch_size=2, steps=3, val_every=0, final_mask="last").validate()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sampler = pruner._run_data(tok, config)[0]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"growth_kb": after - before, "longest": max(len(d) for d in sampler.docs)}))
+"""
+
+
+def test_a_20_mb_calibration_line_is_read_in_bounded_memory(tmp_path):
+    """Issue 48: one 200 MB calibration line peaked at 19.7 GB RSS (99x the file). The run's data for a 20 MB
+    line, in a fresh interpreter: its peak RSS grows by less than 15x the file (the line and its decoded text, a
+    document's capped token ids, the tokenizer's pieces), where tokenizing it whole took ~100x."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, WIKI_RAW, clean_env
+
+    calib = tmp_path / "one-line.jsonl"
+    words = "the cat sat on a mat and ran over the hill to see the dog. "
+    calib.write_text(json.dumps({"text": words * (20_000_000 // len(words))}) + "\n")
+    eval_file = tmp_path / "wiki.txt"
+    eval_file.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    p = subprocess.run([sys.executable, "-c", _PEAK, str(TINY_MODEL), str(calib), str(eval_file)], cwd=REPO,
+                       env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr[-2000:]
+    found = json.loads(p.stdout.strip().splitlines()[-1])
+    file_kb = calib.stat().st_size / 1024
+    assert found["growth_kb"] < 15 * file_kb, (found, file_kb)
+    assert found["longest"] >= 1_000_000  # (the document is kept, up to its cap: the run draws from it)

@@ -92,7 +92,8 @@ def results_problem(results) -> str | None:
             return f"{k} is {results[k]!r}, not a string"
     if results["params_dense"] <= 0:
         return f"params_dense is {results['params_dense']}"
-    if "params_removed" in results and not all(_number(results.get(k)) for k in ("removed_of_decoder", "removed_of_model")):
+    if "params_removed" in results and not all(_number(results.get(k))
+                                               for k in ("removed_of_decoder", "removed_of_model")):
         return "params_removed without removed_of_decoder and removed_of_model"
     v = results.get("params_removed_by_unit_type", {})  # (a run from before it has none; null is not a map)
     if not (isinstance(v, dict) and all(_finite(x) for x in v.values())):
@@ -153,8 +154,9 @@ def config_problem(config) -> str | None:
     for k in ("model", "scope", "budget", "method", "init", "dtype"):
         if k in config and not isinstance(config[k], str):
             return f"{k} is {config[k]!r}, not a string"
-    if "units" in config and not (isinstance(config["units"], list) and all(isinstance(u, str) for u in config["units"])):
-        return f"units is {config['units']!r}, not a list of names"
+    units = config.get("units", [])
+    if not (isinstance(units, list) and all(isinstance(u, str) for u in units)):
+        return f"units is {units!r}, not a list of names"
     return None
 
 
