@@ -366,20 +366,29 @@ def _prune_writer(args, world) -> int:
         config = _resume_config(args, out) if args.resume else _config_from_args(args)
         return config.validate()
 
+    created: list[Path] = []
+    claimed = contextlib.ExitStack()  # torchrun: rank 0 holds the folder's lock from before the start (below)
     if world.size > 1:  # the other ranks start from what rank 0 resolved or refused
-        try:
+        try:  # (a folder another process writes, a one-process run or the app's, refuses every rank with its holder)
             config, error = resolve(), None
+            created = prepare_out_dir(out)
+            claimed.enter_context(folder_lock(out, what="prune into"))
         except UserError as e:
             config, error = None, str(e)
         files = {n: (out / n).read_bytes() for n in _RESUME_FILES if args.resume and (out / n).is_file()} if not error else {}
-        world.from_writer({"error": error, "config": config.to_dict() if config else None, "files": files}, "the run's start")
-        if error:
-            raise UserError(error)
-        config = _start_together(world, lambda: config)
+        try:
+            world.from_writer({"error": error, "config": config.to_dict() if config else None, "files": files}, "the run's start")
+            if error:
+                raise UserError(error)
+            config = _start_together(world, lambda: config)
+        except BaseException:
+            claimed.close()
+            cleanup_out_dir(created)
+            raise
     else:
         config = resolve()
-    created = prepare_out_dir(out)  # --out exists and is writable before the slow model load
-    with contextlib.ExitStack() as held:
+        created = prepare_out_dir(out)  # --out exists and is writable before the slow model load
+    with claimed, contextlib.ExitStack() as held:
         try:
             held.enter_context(folder_lock(out, what="prune into"))  # held to the end: one writer at a time
             check_out_dir(out, args.resume, args.overwrite, clear=False)  # again, now that nobody else writes

@@ -108,8 +108,8 @@ def digest(*parts: Any) -> int:
 
 
 def token_digest(value: Any) -> int:
-    """A 63-bit digest of token ids, fast for many documents: tensors, lists of ints (a tokenizer's input_ids), and
-    lists of either, nested."""
+    """A 63-bit digest of token ids or texts, fast for many documents: tensors, lists of ints (a tokenizer's
+    input_ids), strings, and lists of these, nested."""
     h = hashlib.blake2b(digest_size=8)
 
     def add(x: Any) -> None:
@@ -117,6 +117,10 @@ def token_digest(value: Any) -> int:
             t = x.detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, str):  # (a document, or the evaluation text: its bytes, not a repr's copy)
+            data = x.encode("utf-8", "surrogatepass")
+            h.update(f"str{len(data)}".encode())
+            h.update(data)
         elif isinstance(x, (list, tuple)) and x and all(isinstance(i, int) for i in x):
             h.update(f"ids{len(x)}".encode())
             h.update(array("q", x).tobytes())
@@ -318,17 +322,43 @@ class World(Collectives):
             dist.destroy_process_group()
 
 
+PARENT_GRACE_SECONDS = 30.0  # after SIGTERM, how long a rank whose launcher died has to start acting on it
+SAVE_GRACE_SECONDS = 600.0  # and, once its main thread acts on it (rank 0 saves its last step), to end
+
+
 def end_with_parent(interval: float = 1.0) -> threading.Thread:
     """A rank ends when the launcher that started it dies (a kill -9 of torchrun leaves no one to stop the ranks): a
     daemon thread polls the parent's process id and, once the rank has been handed to another parent, sends this
     process SIGTERM, which the CLI turns into an interrupt (rank 0 saves its last finished step; the other ranks'
-    collectives end as their peers go)."""
+    collectives end as their peers go). A rank whose main thread does not act on it within PARENT_GRACE_SECONDS
+    (it waits in C code that never returns to Python: a NCCL collective whose peer is gone), or that has not ended
+    SAVE_GRACE_SECONDS after acting on it (a hung write), is ended by the thread itself, with one line saying why:
+    no rank outlives its launcher for long. Call it from the main thread, after the SIGTERM handler is set."""
     parent = os.getppid()
+    acted = threading.Event()
+    previous = signal.getsignal(signal.SIGTERM)
+    if callable(previous):  # (the CLI's handler: it runs in the main thread only once that thread is in Python)
+        def on_sigterm(signum, frame):
+            acted.set()
+            return previous(signum, frame)
+
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:  # (not the main thread: no handler to watch)
+            pass
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
         os.kill(os.getpid(), signal.SIGTERM)
+        if acted.wait(PARENT_GRACE_SECONDS):
+            time.sleep(SAVE_GRACE_SECONDS)
+            why = f"SIGTERM did not end this rank within {SAVE_GRACE_SECONDS:g} s"
+        else:
+            why = f"SIGTERM was not acted on within {PARENT_GRACE_SECONDS:g} s (the rank waits in C code)"
+        os.write(2, f"error: rank {os.environ.get('RANK', '?')}: its launcher (process {parent}) is gone and {why}; "
+                    "ending it now\n".encode())
+        os._exit(128 + signal.SIGTERM)
 
     thread = threading.Thread(target=watch, name="pg-prune-parent-watch", daemon=True)
     thread.start()

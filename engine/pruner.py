@@ -80,12 +80,16 @@ def _no_follow(path: str, flags: int) -> int:
 
 
 def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | None = None, log=print,
-              calib: list[str] | None = None):
+              calib: list[str] | None = None, check: Callable[[dict], None] | None = None):
     """(calibration sampler, init sampler, held-out validation batches, evaluation windows, where the data came
     from {"calib_data", "eval_data"}). With validation on, every 10th calibration document is held out from the
     steps; the init metric (and the joint mix) read every document with --init-data all, as a one-shot run of the
-    seed does, so that the run starts from that run's mask; the init sampler is the calibration sampler otherwise."""
+    seed does, so that the run starts from that run's mask; the init sampler is the calibration sampler otherwise.
+    check (torchrun: World.check_data) sees the texts as read, before any forward (--calib-source self generates)."""
     texts, calib_source = load_calibration_texts(config.calib) if calib is None else (calib, "in memory")
+    text, eval_source = load_eval_text(config.eval_data)
+    if check is not None:
+        check({"calibration data": (texts, calib_source), "evaluation data": (text, eval_source)})
     texts, scored_on = CALIB_SOURCES[config.calib_source](texts, model, tokenizer, config, fingerprint, log=log)
     ids = tokenize_documents(tokenizer, texts)  # (once: the samplers below share documents; bounded memory)
     val_batches, init_sampler = [], None
@@ -101,7 +105,6 @@ def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | Non
         if config.init_data == "all":
             init_sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
         ids = kept
-    text, eval_source = load_eval_text(config.eval_data)
     sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
     windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
     return sampler, init_sampler or sampler, val_batches, windows, {"calib_data": calib_source, "eval_data": eval_source,
@@ -130,7 +133,7 @@ class PruneRun:
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
         self.budget.fixed_layers = c.fixed_layers
         self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources = _run_data(
-            tokenizer, c, model, self.fingerprint(), log, calib)
+            tokenizer, c, model, self.fingerprint(), log, calib, check=self.world.check_data)
         self.world.check_data({  # (torchrun: every rank read the same token ids, before the steps' first forward)
             "calibration data": ([self.sampler.docs, self.init_sampler.docs, self.val_batches], self.sources["calib_data"]),
             "evaluation data": (self.windows, self.sources["eval_data"])})
