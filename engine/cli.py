@@ -333,18 +333,15 @@ class _Finished(UserError):
     """A bare --resume of a finished run (one process): nothing to do, said in one line, exit 0."""
 
 
-def _check_unfinished(out: Path, steps: int | None = None) -> None:
-    """A bare --resume (no --steps, or --steps the run already did; no --export-gguf) of a run that finished,
-    results.json and model/ written, has nothing to do: raise _Finished saying so, rather than evaluate and export
-    model/ again."""
+def _check_unfinished(out: Path) -> None:
+    """A bare --resume (no --steps, no --export-gguf) of a run that finished, results.json and model/ written, has
+    nothing to do: raise _Finished saying so, rather than evaluate and export model/ again."""
     from .rundir import MODEL_DIR, RESULTS_FILE
 
     try:
         results = json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return
-    if steps is not None and isinstance(results, dict) and results.get("steps") != steps:
-        return  # (--steps N beyond the steps done: the run continues)
     if isinstance(results, dict) and results.get("status") == "done" and (out / MODEL_DIR).is_dir():
         raise _Finished(f"the run in {out} is finished ({RESULTS_FILE}: {results.get('steps')} steps, model/ "
                         "exported); nothing to resume: --resume --steps N continues it to N steps, --overwrite "
@@ -395,8 +392,8 @@ def _prune_writer(args, world) -> int:
             run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr), started=IMPORTED, world=world)
             if args.resume and (out / CHECKPOINT_FILE).exists():
                 run.load_checkpoint()  # an edited config.json or a --steps below the checkpoint fail here
-                if world.size == 1 and not args.export_gguf:  # (a bare --resume of a finished run: nothing to do)
-                    _check_unfinished(out, config.steps if getattr(args, "steps_given", True) else None)
+                if world.size == 1 and not getattr(args, "steps_given", True) and not args.export_gguf:
+                    _check_unfinished(out)  # (a bare --resume of a finished run: nothing to do)
             if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
                 from .exporters.gguf import check_exportable
 

@@ -1,6 +1,6 @@
 """A run's folder (issue 48, run folders and resume): no write of a run goes through a symbolic link, whichever way the
 run is started (the CLI, the app, the API's PruneRun); what the user put in model/ or exported beside a run is never
-deleted by it; a finished run's --resume says it is finished; a damaged metrics.jsonl never ends a resume in a
+deleted by it, and no output starts inside a run's own files; a damaged metrics.jsonl never ends a resume in a
 traceback. Each test failed on the code before its change (tests/test_security.py and tests/test_faults_truth.py hold
 the CLI's cases of the same issue)."""
 
@@ -138,21 +138,6 @@ def test_the_apps_export_into_a_runs_own_names_is_refused(finished, name):
     mine = export_run_model(finished, finished / "mine")  # a name of the user's own beside the run: written ...
     remove_run_files(finished)  # ... and left by the run's --overwrite
     assert (mine / "config.json").is_file()
-
-
-# --- a finished run's resume says it is finished ------------------------------------------------------------
-def test_resume_with_the_steps_a_finished_run_did_says_it_is_finished(finished, capfd):
-    """`prune --resume --steps 2` of a finished 2-step run asks for nothing new: like a bare --resume it says the run
-    is finished, and model/ and results.json stay as they were (before: evaluated and exported again, silently)."""
-    model = {p.name: p.stat().st_mtime_ns for p in (finished / "model").iterdir()}
-    results = (finished / "results.json").read_bytes()
-    capfd.readouterr()
-    assert main(["prune", "--out", str(finished), "--resume", "--steps", "2"]) == 0
-    err = capfd.readouterr().err.strip().splitlines()
-    said = [ln for ln in err if "is finished" in ln]
-    assert len(said) == 1 and "--steps N continues it" in said[0] and not any("exporting" in ln for ln in err), err
-    assert {p.name: p.stat().st_mtime_ns for p in (finished / "model").iterdir()} == model
-    assert (finished / "results.json").read_bytes() == results
 
 
 # --- a damaged metrics.jsonl ------------------------------------------------------------------------------
