@@ -482,6 +482,9 @@ def cmd_eval(args) -> int:
     check_positions(model.config, {"eval seqlen": args.eval_seqlen})
     text, src = load_eval_text(args.eval_data)
     windows = eval_windows(tok, text, args.eval_seqlen, args.max_windows)
+    from .memory_check import check_eval_fits
+
+    check_eval_fits(model, int(windows.shape[0]), args.eval_batch_size, args.eval_seqlen, args.device)  # (one line)
     ppl = perplexity(model, windows, args.eval_batch_size, progress=not args.json)
     if not math.isfinite(ppl):
         raise UserError(f"perplexity of {args.model} is {ppl}: the model's outputs are not finite (try another --dtype)")

@@ -42,7 +42,8 @@ def available_bytes(device: str = "cpu") -> int | None:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:,.1f} GiB"
+    """A size in GiB, or in MiB under one GiB (a test's or a tiny model's sizes)."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def check_forwards_fit(forwards: dict[str, tuple[int, int]], vocab: int, available: int | None) -> None:
@@ -57,11 +58,22 @@ def check_forwards_fit(forwards: dict[str, tuple[int, int]], vocab: int, availab
                             f"({vocab:,}-token vocabulary), more than the {gib(available)} available; lower them")
 
 
+def vocab_of(model) -> int:
+    """The rows of the model's output layer (its logits' last dimension)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def check_eval_fits(model, windows: int, batch_size: int, seqlen: int, device: str) -> None:
+    """`eval`'s forwards: batches of --eval-batch-size of the `windows` evaluation windows."""
+    check_forwards_fit({"an evaluation batch (--eval-batch-size x --eval-seqlen)": (min(batch_size, windows), seqlen)},
+                       vocab_of(model), available_bytes(device))
+
+
 def check_run_fits(config, model) -> None:
     """A prune run's forwards: a step's (its calibration batch; the batched executor repeats it per mask sample,
     so this is the least) and an evaluation's (no more rows than --max-windows), against config.device's memory."""
-    vocab = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
-        else int(model.config.vocab_size)
+    vocab = vocab_of(model)
     eval_rows = min(config.eval_batch_size, config.max_windows or config.eval_batch_size)
     check_forwards_fit({"a step's batch (--batch-size x --seqlen)": (config.batch_size, config.seqlen),
                         "an evaluation batch (--eval-batch-size x --eval-seqlen)": (eval_rows, config.eval_seqlen)},

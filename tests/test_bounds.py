@@ -321,3 +321,29 @@ def test_a_20_mb_calibration_line_is_read_in_bounded_memory(tmp_path):
     file_kb = calib.stat().st_size / 1024
     assert found["growth_kb"] < 15 * file_kb, (found, file_kb)
     assert found["longest"] >= 1_000_000  # (the document is kept, up to its cap: the run draws from it)
+
+
+# --- eval's batch, checked before it is allocated -----------------------------------------------------------
+def test_an_eval_batch_whose_logits_cannot_fit_is_one_line(tmp_path, monkeypatch, capfd):
+    """`eval` checked nothing: a --eval-batch-size whose logits do not fit ended in the allocator's traceback
+    (prune checks the same in PruneRun). With 1 MiB available, 8 windows of 32 tokens need 4 MiB of logits."""
+    from engine import memory_check
+    from engine.cli import main
+
+    from conftest import WIKI_RAW
+
+    eval_file = tmp_path / "wiki.txt"
+    eval_file.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    flags = ["eval", "--model", str(TINY_MODEL), "--eval-data", str(eval_file), "--eval-seqlen", "32",
+             "--max-windows", "8", "--eval-batch-size", "100000"]
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device="cpu": 1 << 20)
+    capfd.readouterr()
+    assert main(flags) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
+    assert "an evaluation batch (--eval-batch-size x --eval-seqlen) of 8 x 32 tokens needs at least 4.0 MiB" \
+        in errors[0] and "more than the 1.0 MiB available" in errors[0]
+    assert len(errors[0]) < 300
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device="cpu": 4 << 20)  # exactly enough: taken
+    assert main(flags) == 0
