@@ -64,7 +64,7 @@ def finished(finished_template, tmp_path) -> Path:
 
 
 def user_files(folder: Path) -> dict[str, bytes]:
-    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".pg-prune.lock"}
 
 
 # --- no write through a link, however the run is started -------------------------------------------------------
@@ -191,3 +191,18 @@ def test_no_output_of_another_kind_starts_inside_a_runs_own_files(tmp_path, insi
     with output_folder(run / "ft", FINETUNE_OUTPUT) as out:
         (out / "x.txt").write_text("1")
     assert (run / "ft" / "x.txt").is_file()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_resume_with_a_damaged_checkpoint_is_one_line_naming_it(finished, capfd, damage):
+    """`prune --resume` whose checkpoint.pt is cut short (a copy interrupted) or garbage: one `error:` line naming the
+    file, no traceback, nothing rewritten."""
+    ckpt = finished / "checkpoint.pt"
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x80\x02garbage" * 100)
+    before = user_files(finished)
+    capfd.readouterr()
+    for extra in ([], ["--steps", "3"]):
+        assert main(["prune", "--out", str(finished), "--resume", *extra]) == 2
+        one_error(capfd, str(ckpt), "damaged")
+    assert user_files(finished) == before
