@@ -80,11 +80,21 @@ def remove_leftovers(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
 
+def check_run_files_are_files(out: Path, flag: str = "--overwrite") -> None:
+    """A run writes its RUN_FILES as files: a folder under one of those names (RUN/model.f16.gguf/) is the user's,
+    and is refused before anything is deleted (an unlink of it would fail midway, half the run's files gone)."""
+    folders = [n for n in RUN_FILES if (Path(out) / n).is_dir() and not (Path(out) / n).is_symlink()]
+    if folders:
+        raise UserError(f"{flag} refused: {Path(out) / folders[0]} is a folder, which the run never writes (it writes a "
+                        "file there); move it elsewhere first (nothing was deleted)")
+
+
 def remove_run_files(out: Path) -> None:
     """Remove what a run wrote (RUN_FILES, model/, init_progress/, leftovers of interrupted atomic writes, the marker);
     anything else in the folder stays. Refused, before anything is deleted, when model/ holds anything a
-    model export does not write (a user's copy, notes)."""
+    model export does not write (a user's copy, notes), or when one of the run's file names is a folder."""
     check_removable(out, (MODEL_DIR,))
+    check_run_files_are_files(out)
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
     for d in (MODEL_DIR, INIT_PROGRESS_DIR):  # (a link is removed, never what it points at)
@@ -192,6 +202,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) 
     if overwrite:
         if holds_run:
             check_removable(out, (MODEL_DIR,))
+            check_run_files_are_files(out)
             if clear:
                 remove_run_files(out)
             return

@@ -206,3 +206,24 @@ def test_resume_with_a_damaged_checkpoint_is_one_line_naming_it(finished, capfd,
         assert main(["prune", "--out", str(finished), "--resume", *extra]) == 2
         one_error(capfd, str(ckpt), "damaged")
     assert user_files(finished) == before
+
+
+def test_overwrite_refuses_a_folder_under_a_run_files_name_before_deleting_anything(tmp_path, capfd):
+    """A folder of the user's named like one of the run's files (RUN/model.f16.gguf/, an old export): --overwrite (and
+    the app's delete, remove_run_files) refuse in one line before deleting anything (before: config.json, metrics.jsonl
+    and the rest were deleted, then unlink failed on the folder: IsADirectoryError, a traceback, half a run left)."""
+    from engine.rundir import check_out_dir, remove_run_files
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "pg-prune-run").write_text("pg-prune run, format version 1\n")
+    (run / "config.json").write_text("{}\n")
+    (run / "metrics.jsonl").write_text("")
+    (run / "model.f16.gguf").mkdir()
+    (run / "model.f16.gguf" / "mine.txt").write_text("mine\n")
+    before = user_files(run)
+    for attempt in (lambda: remove_run_files(run), lambda: check_out_dir(run, resume=False, overwrite=True)):
+        with pytest.raises(UserError, match=r"--overwrite refused: .*model\.f16\.gguf is a folder") as refused:
+            attempt()
+        assert "\n" not in str(refused.value)
+        assert user_files(run) == before
