@@ -193,11 +193,18 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
     return pruned
 
 
+def weight_bytes(model) -> int:
+    """The bytes of a model's weights as save_pretrained writes them: a tensor shared by two names (tied
+    embeddings) once. A lower bound of the folder's size (the free-space check refuses nothing that fits)."""
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    return sum(seen.values())
+
+
 def export_pruned(model, tokenizer, layout: UnitLayout, masks: dict[str, torch.Tensor], dest: str | Path,
                   fill: dict[str, list[torch.Tensor]] | None = None) -> dict:
     """Write the sliced model to `dest` atomically; returns {"params": ...}."""
     pruned = build_pruned_model(model, layout, masks, fill)
-    with atomic_dir(Path(dest), sum(t.numel() * t.element_size() for t in pruned.state_dict().values())) as tmp:
+    with atomic_dir(Path(dest), weight_bytes(pruned)) as tmp:
         pruned.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if getattr(pruned.config, "auto_map", None):

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,10 +82,16 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
 
 
+def _host() -> str:
+    """This machine's short name, as a temporary name carries it (a folder shared between machines: a pid is only
+    checked on its own machine)."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0]) or "host"
+
+
 def _temp_prefix(path: Path) -> str:
-    """An atomic write's temporary name beside `path`: .NAME.pidPID.XXXX.tmp, so that what a killed process left
-    is recognised as its (remove_stale_temps)."""
-    return f".{path.name}.pid{os.getpid()}."
+    """An atomic write's temporary name beside `path`: .NAME.pidPID@HOST.XXXX.tmp, so that what a killed process
+    left is recognised as its (remove_stale_temps)."""
+    return f".{path.name}.pid{os.getpid()}@{_host()}."
 
 
 def _alive(pid: int) -> bool:
@@ -99,16 +106,17 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_temps(path: Path) -> list[Path]:
     """Remove what atomic writes to `path` left beside it when their process was killed (kill -9 leaves no
-    chance to clean up): .NAME.pidPID.*.tmp of a process that is gone. A live process's are left alone.
-    Returns what was removed."""
+    chance to clean up): .NAME.pidPID[@HOST].*.tmp of a process that is gone. A live process's, and another
+    machine's, are left alone. Returns what was removed."""
     path, removed = Path(path), []
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.pid(\d+)\..*\.tmp")
+    # (two dots: an atomic write to a temporary name of this pattern, as the app's GGUF export makes)
+    pattern = re.compile(rf"\.\.?{re.escape(path.name)}\.pid(\d+)(?:@([A-Za-z0-9-]+))?\..*\.tmp")
     try:
-        siblings = [p for p in path.parent.iterdir() if pattern.fullmatch(p.name)]
+        siblings = [(p, pattern.fullmatch(p.name)) for p in path.parent.iterdir()]
     except OSError:
         return removed
-    for p in siblings:
-        if not _alive(int(pattern.fullmatch(p.name).group(1))):
+    for p, m in siblings:
+        if m is not None and m.group(2) in (None, _host()) and not _alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
             removed.append(p)
     return removed
@@ -137,20 +145,60 @@ def is_disk_full(e: BaseException, folder: Path | None = None, needed: int | Non
     return isinstance(e, (OSError, RuntimeError)) and free is not None and free < needed
 
 
+def check_space(folder: Path, what: str, needed: int | None) -> None:
+    """Refuse a write of `needed` bytes (a lower bound, so that nothing that fits is refused) into `folder` before
+    it starts, when the folder's device has less free: the full-disk line, and nothing half-written."""
+    free = free_space(folder) if needed else None
+    if free is not None and free < needed:
+        raise disk_full_error(folder, what, needed)
+
+
+def temp_name(path: Path, tag: str = "export") -> Path:
+    """A temporary name beside `path` that remove_stale_temps recognises once its process is gone (for a write
+    that is not an atomic_file's own)."""
+    path = Path(path)
+    return path.with_name(f"{_temp_prefix(path)}{tag}.tmp")
+
+
+def append_line(fh, line: str, folder: Path, name: str) -> None:
+    """Append a line to a file opened unbuffered in binary mode (open(path, "ab", buffering=0)): every byte is
+    written or the write raises, and a full disk is the one full-disk line (no buffer left to fail again on
+    close). A line that does not fit is cut off again: the file ends with its last whole line."""
+    data = memoryview((line + "\n").encode())
+    start = os.fstat(fh.fileno()).st_size
+    try:
+        while data:
+            data = data[fh.write(data):]
+    except OSError as e:
+        if is_disk_full(e):
+            try:
+                os.ftruncate(fh.fileno(), start)
+            except OSError:
+                pass  # (trim_metrics drops a line cut short when the run resumes)
+            raise disk_full_error(folder, name, len(line) + 1) from None
+        raise
+
+
 def disk_full_error(folder: Path, what: str, needed: int | None) -> UserError:
     """The one line for a full disk: the folder, what was being written, the space it needs and the space free."""
     free = free_space(folder)
-    need = f"about {_size(needed)}" if needed else "more space"
+    size = _size
+    if needed and free is not None and _size(needed) == _size(free):  # (1.0 MiB against 1.0 MiB says nothing)
+        size = "{:,} bytes".format
+    need = f"about {size(needed)}" if needed else "more space"
     return UserError(f"no space left on the device of {folder} while writing {what} (nothing was written): it needs "
-                     f"{need}{f', {_size(free)} free' if free is not None else ''}; free some space there, or write "
+                     f"{need}{f', {size(free)} free' if free is not None else ''}; free some space there, or write "
                      "to another folder")
 
 
 @contextmanager
 def atomic_file(path: Path, needed: int | None = None):
-    """Yields a temporary path beside `path`; it replaces `path` only if the block succeeds. A full disk ends in
-    one UserError naming the folder and `needed` bytes (see is_disk_full)."""
+    """Yields a temporary path beside `path`; it replaces `path` only if the block succeeds. `needed` (bytes, a lower
+    bound) is checked against the free space first; a full disk ends in one UserError naming the folder and
+    `needed` bytes (see is_disk_full). What a killed write to `path` left is removed first."""
     path = Path(path)
+    remove_stale_temps(path)  # (what a write to the same path left when its process was killed)
+    check_space(path.parent, path.name, needed)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     os.close(fd)
     try:
@@ -166,10 +214,13 @@ def atomic_file(path: Path, needed: int | None = None):
 
 @contextmanager
 def atomic_dir(path: Path, needed: int | None = None):
-    """Yields a temporary folder beside `path`; it becomes `path` (replacing an old one) only on success. A full
-    disk ends in one UserError naming the folder and `needed` bytes (see is_disk_full)."""
+    """Yields a temporary folder beside `path`; it becomes `path` (replacing an old one) only on success. `needed`
+    (bytes, a lower bound) is checked against the free space first; a full disk ends in one UserError naming the
+    folder and `needed` bytes (see is_disk_full). What a killed write to `path` left is removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)  # (what a write to the same path left when its process was killed)
+    check_space(path.parent, path.name + "/", needed)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp"))
     try:
         yield tmp

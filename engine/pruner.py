@@ -47,6 +47,7 @@ from .tokenize_docs import tokenize_documents
 from .rewards import REWARDS
 from . import ppl_cache
 from .runmasks import RunMasks
+from .io import append_line
 from .rundir import METRICS_FILE, MODEL_DIR, check_no_links, check_removable
 from .runstate import RunState, StepReport, check_finite, mask_rows  # noqa: F401  (StepReport: part of the run's API)
 from .unit_types import UNIT_TYPES
@@ -248,7 +249,7 @@ class PruneRun:
         good, saved_at = self.checkpoints.snapshot(state), time.monotonic()  # the last finished step
         self.call_hooks("on_start", state)
         try:
-            with open(self.out / METRICS_FILE if self.out else os.devnull, "a", opener=_no_follow) as metrics, self.phases("steps"), (  # (the loop: checkpoints too)
+            with open(self.out / METRICS_FILE if self.out else os.devnull, "ab", buffering=0, opener=_no_follow) as metrics, self.phases("steps"), (  # (the loop: checkpoints too; unbuffered: a full disk fails once, in append_line)
                     contextlib.closing(bar) if bar else contextlib.nullcontext()):
                 while self.method.optimises and state.step < self.ctx.steps:  # (--time-budget re-plans ctx.steps)
                     if stop is not None and stop.is_set():
@@ -261,8 +262,7 @@ class PruneRun:
                     report.total_steps = self.ctx.steps  # (a hook may have changed it: --time-budget, --early-stop)
                     line = report.to_json()
                     good = self.checkpoints.snapshot(state, line)  # from here an interrupt saves this step
-                    metrics.write(line + "\n")
-                    metrics.flush()
+                    append_line(metrics, line, self.out, METRICS_FILE)  # (a full disk: one line)
                     if bar is not None:
                         bar.total = self.ctx.steps
                         bar.update(1)

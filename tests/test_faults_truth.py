@@ -413,11 +413,14 @@ def test_a_full_disk_while_writing_the_checkpoint_is_one_line(tiny, eval_file, t
 
     from engine import io
 
-    def cut_short(*a, **kw):
+    filled = []
+
+    def cut_short(*a, **kw):  # (the disk fills while it writes: the space checked before the write was there)
+        filled.append(1)
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
 
     monkeypatch.setattr(torch, "save", cut_short)
-    monkeypatch.setattr(io, "free_space", lambda folder: 1000)  # 1000 bytes free: less than the checkpoint needs
+    monkeypatch.setattr(io, "free_space", lambda folder: 1000 if filled else 10 ** 12)  # then less than it needs
     out = tmp_path / "run"
     with pytest.raises(UserError, match=rf"no space left on the device of {out} while writing checkpoint\.pt "
                                         r"\(nothing was written\): it needs about [\d.]+ KiB, 1000 bytes free"):

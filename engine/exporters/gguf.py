@@ -187,6 +187,16 @@ def _add(writer, name: str, t: torch.Tensor | np.ndarray, outtype: str) -> None:
         writer.add_tensor(name, data.astype(np.float16))
 
 
+def _close_quietly(writer) -> None:
+    """Close a GGUFWriter's files after a failed write (their last buffered bytes may fail to flush again)."""
+    for fout in writer.fout or []:
+        try:
+            fout.close()
+        except OSError:
+            pass
+    writer.fout = None
+
+
 @torch.no_grad()
 def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | None = None,
                tokenizer_json: Path | None = None, name: str = "pruned") -> dict:
@@ -217,58 +227,62 @@ def write_gguf(model, dest: Path, outtype: str = "f16", tokenizer_gguf: Path | N
     needed = int(sum(p.numel() for p in model.parameters()) * _BYTES_PER_WEIGHT[outtype])  # (about: norms stay f32)
     with atomic_file(Path(dest), needed) as tmp:
         w = gguf.GGUFWriter(str(tmp), _ARCH)
-        w.add_name(name)
-        w.add_file_type(int(file_type))
-        w.add_block_count(len(layers))
-        w.add_context_length(_context_length(c))
-        w.add_embedding_length(int(c.hidden_size))
-        w.add_feed_forward_length([n for _, _, n in layers])
-        w.add_head_count([n for n, _, _ in layers])
-        w.add_head_count_kv([n for _, n, _ in layers])
-        w.add_key_length(hd)
-        w.add_value_length(hd)
-        w.add_rope_dimension_count(hd)
-        theta, rope_kind, rope_params = _rope(c)
-        w.add_rope_freq_base(theta)
-        if rope_kind == "linear":
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(rope_params["factor"]))
-        w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-        w.add_vocab_size(int(c.vocab_size))
-        if tokenizer_gguf is not None:
-            copy_tokenizer_from_gguf(w, tokenizer_gguf)
-        elif tokenizer_json is not None:
-            tokenizer_from_json(w, tokenizer_json, c)
-        else:
-            raise UserError("no tokenizer for the GGUF (neither a base GGUF nor a tokenizer.json)")
-        _add(w, "token_embd.weight", a.embedding().weight, outtype)
-        _add(w, "output_norm.weight", a.final_norm().weight, outtype)
-        if not getattr(c, "tie_word_embeddings", False):
-            _add(w, "output.weight", a.lm_head().weight, outtype)
-        for i, (n_head, n_kv, _) in enumerate(layers):
-            att, mlp = a.attention(i), a.mlp(i)
-            attn_norm, ffn_norm = a.norms(a.layer(i))
-            gate, up = mlp.inputs
-            tensors = [("attn_norm.weight", attn_norm.weight),
-                       ("attn_q.weight", permute_rows(_numpy(att.query.weight), n_head)),
-                       ("attn_k.weight", permute_rows(_numpy(att.key.weight), n_kv)),
-                       ("attn_v.weight", att.value.weight), ("attn_output.weight", att.output.weight),
-                       ("ffn_norm.weight", ffn_norm.weight), ("ffn_gate.weight", gate.weight),
-                       ("ffn_up.weight", up.weight), ("ffn_down.weight", mlp.output.weight)]
-            if att.query.bias is not None:
-                tensors.append(("attn_q.bias", permute_rows(_numpy(att.query.bias), n_head)))
-            if att.key.bias is not None:
-                tensors.append(("attn_k.bias", permute_rows(_numpy(att.key.bias), n_kv)))
-            tensors += [(f"{name}.bias", lin.bias) for name, lin in (
-                ("attn_v", att.value), ("attn_output", att.output), ("ffn_gate", gate), ("ffn_up", up),
-                ("ffn_down", mlp.output)) if lin.bias is not None]
-            for tensor, t in tensors:
-                _add(w, f"blk.{i}.{tensor}", t, outtype)
-        if rope_kind == "llama3":
-            _add(w, "rope_freqs.weight", llama3_rope_factors(theta, hd, rope_params), outtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        try:
+            w.add_name(name)
+            w.add_file_type(int(file_type))
+            w.add_block_count(len(layers))
+            w.add_context_length(_context_length(c))
+            w.add_embedding_length(int(c.hidden_size))
+            w.add_feed_forward_length([n for _, _, n in layers])
+            w.add_head_count([n for n, _, _ in layers])
+            w.add_head_count_kv([n for _, n, _ in layers])
+            w.add_key_length(hd)
+            w.add_value_length(hd)
+            w.add_rope_dimension_count(hd)
+            theta, rope_kind, rope_params = _rope(c)
+            w.add_rope_freq_base(theta)
+            if rope_kind == "linear":
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(float(rope_params["factor"]))
+            w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+            w.add_vocab_size(int(c.vocab_size))
+            if tokenizer_gguf is not None:
+                copy_tokenizer_from_gguf(w, tokenizer_gguf)
+            elif tokenizer_json is not None:
+                tokenizer_from_json(w, tokenizer_json, c)
+            else:
+                raise UserError("no tokenizer for the GGUF (neither a base GGUF nor a tokenizer.json)")
+            _add(w, "token_embd.weight", a.embedding().weight, outtype)
+            _add(w, "output_norm.weight", a.final_norm().weight, outtype)
+            if not getattr(c, "tie_word_embeddings", False):
+                _add(w, "output.weight", a.lm_head().weight, outtype)
+            for i, (n_head, n_kv, _) in enumerate(layers):
+                att, mlp = a.attention(i), a.mlp(i)
+                attn_norm, ffn_norm = a.norms(a.layer(i))
+                gate, up = mlp.inputs
+                tensors = [("attn_norm.weight", attn_norm.weight),
+                           ("attn_q.weight", permute_rows(_numpy(att.query.weight), n_head)),
+                           ("attn_k.weight", permute_rows(_numpy(att.key.weight), n_kv)),
+                           ("attn_v.weight", att.value.weight), ("attn_output.weight", att.output.weight),
+                           ("ffn_norm.weight", ffn_norm.weight), ("ffn_gate.weight", gate.weight),
+                           ("ffn_up.weight", up.weight), ("ffn_down.weight", mlp.output.weight)]
+                if att.query.bias is not None:
+                    tensors.append(("attn_q.bias", permute_rows(_numpy(att.query.bias), n_head)))
+                if att.key.bias is not None:
+                    tensors.append(("attn_k.bias", permute_rows(_numpy(att.key.bias), n_kv)))
+                tensors += [(f"{name}.bias", lin.bias) for name, lin in (
+                    ("attn_v", att.value), ("attn_output", att.output), ("ffn_gate", gate), ("ffn_up", up),
+                    ("ffn_down", mlp.output)) if lin.bias is not None]
+                for tensor, t in tensors:
+                    _add(w, f"blk.{i}.{tensor}", t, outtype)
+            if rope_kind == "llama3":
+                _add(w, "rope_freqs.weight", llama3_rope_factors(theta, hd, rope_params), outtype)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        except BaseException:  # (a full disk: the open file would hold the space written so far)
+            _close_quietly(w)
+            raise
         w.close()
         read_gguf_header(tmp, str(dest))  # (the file reads back whole before it is called written)
     return {"path": str(dest), "layers": layers, "outtype": outtype}

@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import UserError
+from ..io import remove_stale_temps, temp_name
 from ..runfiles import GGUF_FILE, MODEL_DIR
 from ..tools.gguf_cache import (DENSE_GGUF_DIR, check_outtype, dense_gguf, dense_gguf_path, file_lock,  # noqa: F401
                                 gguf_outtype)
@@ -74,7 +75,8 @@ def ensure_run_gguf(run_dir: str | Path, outtype: str) -> Path:
     path = run_gguf_path(run_dir, outtype)
     with file_lock(path):
         if not path.is_file() or path.stat().st_mtime < _newest(folder):  # missing, or older than the model
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (a leftover of a crash: rundir cleans it)
+            remove_stale_temps(path)  # (what an export killed with kill -9 left: the next export cleans it)
+            tmp = temp_name(path)
             tmp.unlink(missing_ok=True)
             try:
                 export_run(run_dir, "gguf", tmp, outtype)
