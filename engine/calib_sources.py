@@ -43,6 +43,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pg-prune" / "self-calib")
 
 
+def check_cache_dir() -> None:
+    """A $PG_PRUNE_SELF_CALIB_CACHE that names a file: one line when a run that generates its text starts (the
+    generation's minutes would otherwise be spent again by every run, with a "not cached" line)."""
+    from .ppl_cache import check_folder
+
+    if os.environ.get(CACHE_ENV):
+        check_folder(CACHE_ENV, cache_dir())
+
+
 @register_calib_source("data")
 def data_documents(texts, model, tokenizer, config, fingerprint, log=print):
     return texts, "the calibration documents"

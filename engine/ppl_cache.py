@@ -34,14 +34,17 @@ def check_cache_dir() -> None:
     """A $PG_PRUNE_CACHE that names something other than a folder (a file, or a path through one) is refused in one
     line when a run starts: every cache under it (the dense perplexity, the time probe, model copies) would be
     skipped without a word."""
-    folder = cache_dir()
+    check_folder("PG_PRUNE_CACHE", cache_dir(), " (or set PG_PRUNE_CACHE=off)")
+
+
+def check_folder(env: str, folder: Path | None, hint: str = "") -> None:
+    """A cache folder ($env) that names a file, or a path through one, refused in one line (None: no cache)."""
     if folder is None:
         return
     blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         what = "is a file" if blocker == folder else f"lies under {blocker}, a file"
-        raise UserError(f"$PG_PRUNE_CACHE is {folder}, which {what}, not a folder: point it at a folder "
-                        "(or set PG_PRUNE_CACHE=off)")
+        raise UserError(f"${env} is {folder}, which {what}, not a folder: point it at a folder{hint}")
 
 
 def model_fingerprint(path: str, gguf_file: str | None = None) -> list | None:

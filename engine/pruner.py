@@ -26,7 +26,7 @@ import torch
 
 from .arch import ModelAdapter
 from .budget import BUDGETS
-from .calib_sources import CALIB_SOURCES
+from .calib_sources import CALIB_SOURCES, check_cache_dir as check_self_calib_cache
 from .checkpoints import Checkpoints
 from .config import PruneConfig
 from .context import StepContext
@@ -129,6 +129,8 @@ class PruneRun:
         check_run_fits(c, model)  # (before the data: a batch whose logits cannot fit is refused in one line)
         metric_cache_folder()  # (a $PG_PRUNE_METRIC_CACHE that is a file: refused now, not after the model's work)
         ppl_cache.check_cache_dir()  # (and a $PG_PRUNE_CACHE that is one)
+        if c.calib_source != "data":  # (and the self-generated text's cache)
+            check_self_calib_cache()
         sizes = unit_sizes(self.adapter)
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)

@@ -347,3 +347,21 @@ def test_an_eval_batch_whose_logits_cannot_fit_is_one_line(tmp_path, monkeypatch
     assert len(errors[0]) < 300
     monkeypatch.setattr(memory_check, "available_bytes", lambda device="cpu": 4 << 20)  # exactly enough: taken
     assert main(flags) == 0
+
+
+def test_a_self_calib_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch, capfd):
+    """$PG_PRUNE_SELF_CALIB_CACHE naming a file, on a run that generates its calibration text: one error line at the
+    run's start (before: the generation ran, then "not cached", and every later run generated it again)."""
+    from engine.cli import main
+
+    cache = tmp_path / "self-cache-file"
+    cache.write_text("mine")
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(cache))
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert main(["prune", "--model", str(TINY_MODEL), "--steps", "1", "--calib-source", "self", "--out", str(out)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
+    assert "$PG_PRUNE_SELF_CALIB_CACHE" in errors[0] and "not a folder" in errors[0] and len(errors[0]) < 300
+    assert cache.read_text() == "mine" and not out.exists()
