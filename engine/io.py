@@ -128,10 +128,13 @@ def _size(n: int) -> str:
 
 
 def free_space(folder: Path) -> int | None:
+    """The free bytes of the folder's device; None when unknown (a pseudo filesystem such as /proc reports a size
+    of 0: its writes fail for their own reason, never for want of space)."""
     try:
-        return shutil.disk_usage(folder).free
+        usage = shutil.disk_usage(folder)
     except OSError:
         return None
+    return usage.free if usage.total > 0 else None
 
 
 def is_disk_full(e: BaseException, folder: Path | None = None, needed: int | None = None) -> bool:

@@ -76,7 +76,7 @@ def test_results_problem_names_what_is_wrong():
 
     good = {"status": "done", "ppl_dense": 10.0, "ppl_init": 12.0, "ppl_pruned": 11.0, "params_dense": 100,
             "params_pruned": 70, "kept_per_layer": {"heads": [3, 4]}, "units_per_layer": {"heads": [4, 4]},
-            "mask_step": None, "seconds_by_phase": {"load": 1.0}}
+            "mask_step": None, "seconds_by_phase": {"load": 1.0, "total": 1.0}}
     assert checks.results_problem(good) is None
     assert checks.results_problem([1, 2]) == "holds a list, not an object"
     assert "no ppl_pruned" in checks.results_problem({k: v for k, v in good.items() if k != "ppl_pruned"})
