@@ -69,7 +69,7 @@ def make_run(runs: Path, name: str, *, scope: str = "global", units=("heads", "c
                    "params_removed_by_unit_type": {u: params_removed // len(units) for u in units},
                    "kept_per_layer": {u: [sum(r) for r in rows] for u, rows in masks.items()},
                    "units_per_layer": {u: SIZES[u] for u in units}, "steps": steps, "final_mask": "last",
-                   "mask_step": steps, "val_ppl_init": 50.0, "seconds_by_phase": {"load": 1.0}}
+                   "mask_step": steps, "val_ppl_init": 50.0, "seconds_by_phase": {"load": 1.0, "total": 1.0}}
         atomic_write_text(run / "results.json", json.dumps(results, indent=2) + "\n")
     t = time.time() - 1000 + age  # list_runs orders by config.json's time: a larger age is newer
     os.utime(run / "config.json", (t, t))
