@@ -36,6 +36,7 @@ PLAIN_RUNS = {
     "gumbel_lr.py": (["--model", TINY, "--batches", "1"], ["Gumbel lr matching PG"]),  # (it had rotted: the gumbel
     # method was made from the run, not its step context)
     "plain_copy.py": (["{tmp}/copy", "--model", TINY], ["plain copy in"]),
+    "plan_phases.py": (["--model", TINY], ["| measured / planned |", "outside 0.7x-1.3x of the plan"]),
 }
 
 

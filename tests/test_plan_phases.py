@@ -138,20 +138,19 @@ def test_a_job_shows_its_phase_and_eta_before_the_first_step(tiny_path, small_ev
     assert jobs.snapshot().result[PLAN_KEY] == plan
 
 
-@pytest.mark.slow
-def test_a_tiny_models_first_run_keeps_to_its_plan(tiny, tiny_path, tmp_path):
-    """The CLI's default run (the joint preset: 50 steps, 256 evaluation windows, refit on) of the tiny model,
-    planned with a probe of its own forward's speed (a fresh cache: measured at the start): the total, and every
-    phase that takes over a second and over 5 % of the run, within 30 % of the plan. (The tiny model's joint mix
-    and validation, 1 to 4 s here, are left out: their few masked forwards of 2 layers are mostly the hooks' fixed
-    work per forward, which the cost model, in forward tokens, does not count; they ran at 1.8x to 2.4x the
-    plan on 2 shared cores. On the default model they are the forwards: docs/app.md.)"""
-    config = PruneConfig(model=str(tiny_path), **PRESETS["joint"])
-    results = tiny_run(tiny, config, tmp_path / "first")
-    plan, actual = results[PLAN_KEY], results["seconds_by_phase"]
-    off = {k: (plan[k], actual[k]) for k in actual if k != "other" and actual[k] > max(1.0, 0.05 * actual["total"])
-           and not 0.7 <= plan[k] / actual[k] <= 1.3}
-    assert not off, f"planned against measured seconds: {off} (all: {plan} / {actual})"
+def test_off_plan_names_the_phases_outside_the_band():
+    """bench/plan_phases.py's verdict (the plan within 30 % per phase is a speed figure, so it is printed by the
+    bench script, not asserted here): phases under a second or 5 % of the run are left out, and a phase the plan
+    lacks is off."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from plan_phases import off_plan
+
+    plan = {"load": 2.0, "steps": 10.0, "evaluations": 5.0, "mix": 0.5, "total": 17.5}
+    actual = {"load": 2.5, "steps": 14.0, "evaluations": 5.1, "mix": 0.9, "refit": 3.0, "other": 9.0, "total": 34.5}
+    assert off_plan(plan, actual) == {"steps": (10.0, 14.0), "refit": (0.0, 3.0), "total": (17.5, 34.5)}
 
 
 def test_the_finished_run_shows_plan_and_actual_per_phase(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
