@@ -96,3 +96,20 @@ def small_eval_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "wiki.small.txt"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def quiet(_msg: str) -> None:
+    """A run's log, dropped."""
+
+
+def one_error(capfd, *needles: str) -> str:
+    """Exactly one `error:` line on stderr, no traceback, under MAX_LINE characters, holding every needle."""
+    from engine.errors import MAX_LINE
+
+    err = capfd.readouterr().err.strip().splitlines()
+    errors = [ln for ln in err if ln.startswith("error:")]
+    assert len(errors) == 1 and not any("Traceback" in ln for ln in err), err
+    assert len(errors[0]) < MAX_LINE, (len(errors[0]), errors[0])
+    for n in needles:
+        assert n in errors[0], errors[0]
+    return errors[0]

@@ -23,6 +23,8 @@ from engine.units import UnitLayout
 from test_adapters_export import build_model
 from engine.unit_types import UNIT_TYPES, unit_sizes
 
+from conftest import quiet
+
 ARCHS = ("llama", "mistral", "qwen2")
 
 
@@ -179,10 +181,6 @@ def test_all_ones_masks_ignore_the_fill():
         with MaskHooks(ModelAdapter.for_model(model)) as hooks:
             hooks.set({u: layout.split(u, m) for u, m in ones.items()}, random_fill(model, 2))
             torch.testing.assert_close(model(input_ids=ids).logits, dense, rtol=0, atol=0)
-
-
-def quiet(_msg: str) -> None:
-    pass
 
 
 @pytest.mark.parametrize("options", [

@@ -23,7 +23,7 @@ from engine.pruner import PruneRun, StepReport
 from engine.outdir import LOCK_FILE
 from engine.rundir import RUN_MARKER
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, quiet
 
 TIMING = ("seconds", "eta_seconds")
 STEPS = 30
@@ -32,10 +32,6 @@ METHODS = {  # name -> CLI arguments beyond the shared ones
     "gumbel": ["--method", "gumbel", "--lr", "0.5"],
     "random-progressive": ["--init", "random-progressive", "--progressive-increment", "0.1"],
 }
-
-
-def quiet(_msg: str) -> None:
-    pass
 
 
 def metric_lines(out: Path) -> list[dict]:

@@ -23,13 +23,9 @@ from engine.errors import UserError
 from engine.outdir import LOCK_FILE, OutputKind, check_output_folder, folder_lock, output_folder
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, one_error, quiet
 
 TIMING = ("seconds", "eta_seconds")
-
-
-def quiet(_msg: str) -> None:
-    pass
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
@@ -43,15 +39,6 @@ def metric_lines(out: Path) -> list[dict]:
 
 def no_timing(lines: list[dict]) -> list[dict]:
     return [{k: v for k, v in ln.items() if k not in TIMING} for ln in lines]
-
-
-def one_error(capfd, *needles: str) -> str:
-    err = capfd.readouterr().err.strip().splitlines()
-    errors = [ln for ln in err if ln.startswith("error:")]
-    assert len(errors) == 1 and not any("Traceback" in ln for ln in err), err
-    for n in needles:
-        assert n in errors[0], errors[0]
-    return errors[0]
 
 
 @pytest.fixture(scope="module")

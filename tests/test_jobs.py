@@ -16,11 +16,7 @@ from engine.errors import UserError
 from engine.ui.jobs import DONE, FAILED, LOADING, RUNNING, STOPPED, JobBusy, JobManager, delete_run
 from engine.pruner import PruneRun, StepReport
 
-from conftest import SMALL_CALIB, TINY_MODEL
-
-
-def quiet(_msg: str) -> None:
-    pass
+from conftest import SMALL_CALIB, TINY_MODEL, quiet
 
 
 @pytest.fixture(scope="module")

@@ -24,16 +24,12 @@ from engine.pruner import PruneRun, StepReport
 from engine.runstate import report_masks
 from engine.rundir import RUN_FORMAT_VERSION, RUN_MARKER, check_out_dir, is_run_dir, run_marker_version, write_run_marker
 
-from conftest import DATA_DIR, SMALL_CALIB
+from conftest import DATA_DIR, SMALL_CALIB, quiet
 
 STEP_FIELDS = {f.name for f in dataclasses.fields(StepReport)}
 RESULT_KEYS = {"ppl_dense", "ppl_init", "ppl_pruned", "eval_windows", "seqlen", "params_dense", "params_pruned",
                "seconds_per_step", "peak_rss_mb"}
 TIMING_FIELDS = ("seconds", "eta_seconds")
-
-
-def quiet(_msg: str) -> None:
-    pass
 
 
 def metric_lines(out) -> list[dict]:

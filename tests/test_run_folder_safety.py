@@ -16,20 +16,7 @@ from engine.cli import main
 from engine.config import PruneConfig
 from engine.errors import UserError
 
-from conftest import SMALL_CALIB, TINY_MODEL, WIKI_RAW
-
-
-def quiet(_msg: str) -> None:
-    pass
-
-
-def one_error(capfd, *needles: str) -> str:
-    err = capfd.readouterr().err.strip().splitlines()
-    errors = [ln for ln in err if ln.startswith("error:")]
-    assert len(errors) == 1 and not any("Traceback" in ln for ln in err), err
-    for n in needles:
-        assert n in errors[0], errors[0]
-    return errors[0]
+from conftest import SMALL_CALIB, TINY_MODEL, WIKI_RAW, one_error, quiet
 
 
 @pytest.fixture(scope="module")

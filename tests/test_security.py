@@ -20,20 +20,7 @@ from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
-
-
-def quiet(_msg: str) -> None:
-    pass
-
-
-def one_error(capfd, *needles: str) -> str:
-    err = capfd.readouterr().err.strip().splitlines()
-    errors = [ln for ln in err if ln.startswith("error:")]
-    assert len(errors) == 1 and not any("Traceback" in ln for ln in err), err
-    for n in needles:
-        assert n in errors[0], errors[0]
-    return errors[0]
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, one_error, quiet
 
 
 @pytest.fixture(scope="module")
