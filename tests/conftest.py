@@ -113,3 +113,43 @@ def one_error(capfd, *needles: str) -> str:
     for n in needles:
         assert n in errors[0], errors[0]
     return errors[0]
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory) -> Path:
+    """The first 6,000 characters of WikiText-2's test split: a small evaluation text, one per test module."""
+    path = tmp_path_factory.mktemp("eval-data") / "wiki.small.txt"
+    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    return path
+
+
+def tiny_config(eval_file: Path, **kw):
+    """A 3-step run of the tiny model on the small calibration and evaluation files, checkpointed every step."""
+    from engine.config import PruneConfig
+
+    base = dict(model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
+                init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),
+                checkpoint_every=1)
+    return PruneConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def finished_template(request, tiny, eval_file, tmp_path_factory) -> Path:
+    """A finished tiny_config run, one per module (of the module's FINISHED_STEPS steps, 3 unless it says)."""
+    from engine.pruner import PruneRun
+
+    steps = getattr(request.module, "FINISHED_STEPS", 3)
+    out = tmp_path_factory.mktemp("finished") / "finished"
+    PruneRun(tiny_config(eval_file, steps=steps), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    return out
+
+
+@pytest.fixture
+def finished(finished_template, tmp_path) -> Path:
+    """A copy of the module's finished run, this test's own."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(finished_template, out)
+    return out
+

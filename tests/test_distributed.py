@@ -142,12 +142,6 @@ def test_world_helpers_on_two_ranks(tmp_path):
 
 
 # --- runs ---------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("dp-data") / "wiki.small.txt"
-    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    return path
-
 
 def flags(eval_file: Path, steps: int, *extra: str) -> list[str]:
     return ["--model", str(TINY_MODEL), "--steps", str(steps), "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32",

@@ -48,13 +48,6 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("faults-data") / "wiki.small.txt"
-    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    return path
-
-
 def cli_args(out: Path, eval_file: Path, method: str) -> list[str]:
     return ["prune", "--model", str(TINY_MODEL), "--out", str(out), "--steps", str(STEPS), "--batch-size", "4",
             "--seqlen", "64", "--eval-seqlen", "64", "--max-windows", "2", "--init-batches", "1", "--lr", "0.05",

@@ -41,13 +41,6 @@ def no_timing(lines: list[dict]) -> list[dict]:
     return [{k: v for k, v in ln.items() if k not in TIMING} for ln in lines]
 
 
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("faults22-data") / "wiki.small.txt"
-    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    return path
-
-
 def tiny_flags(eval_file: Path, steps: int = 3) -> list[str]:
     return ["--model", str(TINY_MODEL), "--steps", str(steps), "--batch-size", "2", "--seqlen", "32",
             "--eval-seqlen", "32", "--max-windows", "2", "--init-batches", "1", "--num-mask-samples", "2",

@@ -20,42 +20,13 @@ from engine.config import MAX_TIME_BUDGET, PruneConfig
 from engine.errors import MAX_LINE, UserError
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, one_error, quiet
-
-
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("faults48-data") / "wiki.small.txt"
-    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    return path
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, one_error, quiet, tiny_config
 
 
 def tiny_flags(eval_file: Path, steps: int = 3) -> list[str]:
     return ["--model", str(TINY_MODEL), "--steps", str(steps), "--batch-size", "2", "--seqlen", "32",
             "--eval-seqlen", "32", "--max-windows", "2", "--init-batches", "1", "--num-mask-samples", "2",
             "--lr", "0.05", "--calib", str(SMALL_CALIB), "--eval-data", str(eval_file)]
-
-
-def tiny_config(eval_file: Path, **kw) -> PruneConfig:
-    base = dict(model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
-                init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),
-                checkpoint_every=1)
-    return PruneConfig(**{**base, **kw})
-
-
-@pytest.fixture(scope="module")
-def finished_template(tiny, eval_file, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults48") / "finished"
-    PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
-    return out
-
-
-@pytest.fixture
-def finished(finished_template, tmp_path) -> Path:
-    """A copy of a finished 3-step run of the tiny model (checkpointed every step), this test's own."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_template, out)
-    return out
 
 
 def files_of(folder: Path) -> dict[str, bytes]:

@@ -19,15 +19,6 @@ from engine.pruner import PruneRun, StepReport
 from conftest import SMALL_CALIB, TINY_MODEL, quiet
 
 
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    from conftest import WIKI_RAW
-
-    path = tmp_path_factory.mktemp("jobs-data") / "wiki.small.txt"
-    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    return path
-
-
 def config(eval_file, **kw) -> PruneConfig:
     base = dict(model=str(TINY_MODEL), steps=4, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=1, init_batches=1,
                 checkpoint_every=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file))

@@ -7,47 +7,16 @@ the CLI's cases of the same issue)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from engine.cli import main
-from engine.config import PruneConfig
 from engine.errors import UserError
 
-from conftest import SMALL_CALIB, TINY_MODEL, WIKI_RAW, one_error, quiet
+from conftest import SMALL_CALIB, TINY_MODEL, one_error, quiet, tiny_config
 
-
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("rundir-data") / "wiki.small.txt"
-    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    return path
-
-
-def tiny_config(eval_file: Path, **kw) -> PruneConfig:
-    base = dict(model=str(TINY_MODEL), steps=2, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
-                init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),
-                checkpoint_every=1)
-    return PruneConfig(**{**base, **kw})
-
-
-@pytest.fixture(scope="module")
-def finished_template(tiny, eval_file, tmp_path_factory) -> Path:
-    from engine.pruner import PruneRun
-
-    out = tmp_path_factory.mktemp("rundir") / "finished"
-    PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
-    return out
-
-
-@pytest.fixture
-def finished(finished_template, tmp_path) -> Path:
-    """A copy of a finished 2-step run of the tiny model, this test's own."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_template, out)
-    return out
+FINISHED_STEPS = 2  # (the finished run's steps: a resume to 3 continues it)
 
 
 def user_files(folder: Path) -> dict[str, bytes]:
@@ -69,7 +38,7 @@ def test_a_run_started_through_the_api_writes_nothing_through_a_linked_metrics_f
     out.mkdir()
     (out / "metrics.jsonl").symlink_to(user)
     with pytest.raises(UserError, match="metrics.jsonl.*symbolic link") as refused:
-        PruneRun(tiny_config(eval_file), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+        PruneRun(tiny_config(eval_file, steps=2), out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
     assert "\n" not in str(refused.value)
     assert user_files(user.parent) == before and (out / "metrics.jsonl").is_symlink()
 

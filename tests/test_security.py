@@ -20,21 +20,7 @@ from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, one_error, quiet
-
-
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("security-data") / "wiki.small.txt"
-    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    return path
-
-
-def tiny_config(eval_file: Path, **kw) -> PruneConfig:
-    base = dict(model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
-                init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),
-                checkpoint_every=1)
-    return PruneConfig(**{**base, **kw})
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, one_error, quiet, tiny_config
 
 
 @pytest.fixture

@@ -105,12 +105,6 @@ def test_a_rank_that_sigterm_does_not_end_ends_after_its_launcher_dies(tmp_path)
 
 
 # --- two ranks, started as torchrun starts them (its environment variables) ------------------------------------------
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("trs-data") / "wiki.small.txt"
-    path.write_text(WIKI_RAW.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    return path
-
 
 def _tiny(eval_file: Path, out: Path, *extra: str) -> list[str]:
     return ["--model", str(TINY_MODEL), "--steps", "2", "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32",
