@@ -153,3 +153,11 @@ def finished(finished_template, tmp_path) -> Path:
     shutil.copytree(finished_template, out)
     return out
 
+
+def calib_data_dir(root: Path, docs: list[str]) -> Path:
+    """A $PG_PRUNE_DATA_DIR whose c4/ holds these calibration documents, one JSON line each."""
+    import json
+
+    (root / "c4").mkdir(parents=True)
+    (root / "c4" / "calib.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return root

@@ -20,7 +20,7 @@ from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, one_error, quiet, tiny_config
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env, one_error, quiet, tiny_config
 
 
 @pytest.fixture
@@ -404,12 +404,6 @@ def test_a_bare_resume_of_a_finished_run_says_it_is_finished(finished_run, capfd
 
 
 # --- (d) torchrun: the ranks read the same data ----------------------------------------------------------------
-def _data_dir(root: Path, docs: list[str]) -> Path:
-    (root / "c4").mkdir(parents=True)
-    (root / "c4" / "calib.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
-    return root
-
-
 @pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_ranks_that_read_different_calibration_data_are_refused(eval_file, tmp_path):
     """Two gloo ranks with the same command but each its own $PG_PRUNE_DATA_DIR (no --calib): refused before the first
@@ -418,7 +412,7 @@ def test_ranks_that_read_different_calibration_data_are_refused(eval_file, tmp_p
 
     with gzip.open(SMALL_CALIB, "rt", encoding="utf-8") as fh:
         docs = [json.loads(ln)["text"] for ln in fh if ln.strip()][:60]
-    dirs = [_data_dir(tmp_path / "data0", docs), _data_dir(tmp_path / "data1", docs[::-1][:50])]
+    dirs = [calib_data_dir(tmp_path / "data0", docs), calib_data_dir(tmp_path / "data1", docs[::-1][:50])]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env
 
 LINUX = Path("/proc/1/stat").exists()
 
@@ -131,12 +131,6 @@ def _two_ranks(argv: list[str], envs: list[dict[str, str]], timeout: float = 600
                 p.kill()
 
 
-def _data_dir(root: Path, docs: list[str]) -> Path:
-    (root / "c4").mkdir(parents=True)
-    (root / "c4" / "calib.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
-    return root
-
-
 @pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_ranks_that_read_different_texts_are_refused_before_any_forward(eval_file, tmp_path):
     """--calib-source self generates its calibration documents with the model, from prompts cut from the documents
@@ -145,7 +139,7 @@ def test_ranks_that_read_different_texts_are_refused_before_any_forward(eval_fil
     texts, rank 0 cached them, and only then were the ranks refused)."""
     with gzip.open(SMALL_CALIB, "rt", encoding="utf-8") as fh:
         docs = [json.loads(ln)["text"] for ln in fh if ln.strip()][:40]
-    dirs = [_data_dir(tmp_path / "data0", docs), _data_dir(tmp_path / "data1", docs[1:])]  # (one document less)
+    dirs = [calib_data_dir(tmp_path / "data0", docs), calib_data_dir(tmp_path / "data1", docs[1:])]  # (one document less)
     cache = tmp_path / "self-cache"
     argv = _tiny(eval_file, tmp_path / "run", "--calib-source", "self", "--self-docs", "4", "--self-tokens", "40",
                  "--val-every", "0", "--final-mask", "last")
