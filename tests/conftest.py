@@ -161,3 +161,12 @@ def calib_data_dir(root: Path, docs: list[str]) -> Path:
     (root / "c4").mkdir(parents=True)
     (root / "c4" / "calib.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     return root
+
+
+def process_alive(pid: int) -> bool:
+    """The process runs (a zombie, ended and waiting for its reaper, does not; Linux's /proc)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

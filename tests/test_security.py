@@ -20,7 +20,7 @@ from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env, one_error, quiet, tiny_config
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env, one_error, process_alive, quiet, tiny_config
 
 
 @pytest.fixture
@@ -446,14 +446,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 @pytest.mark.skipif(not Path("/proc/1/stat").exists(), reason="needs Linux's /proc")
 def test_the_ranks_end_when_torchrun_is_killed(eval_file, tmp_path):
@@ -484,12 +476,12 @@ def test_the_ranks_end_when_torchrun_is_killed(eval_file, tmp_path):
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+        while time.monotonic() < deadline and any(process_alive(p) for p in ranks):
             time.sleep(0.5)
-        assert not any(_alive(p) for p in ranks), "the ranks outlived their launcher"
+        assert not any(process_alive(p) for p in ranks), "the ranks outlived their launcher"
     finally:
         for p in [*ranks, *(_children(launcher.pid) if launcher.poll() is None else [])]:
-            if _alive(p):
+            if process_alive(p):
                 os.kill(p, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()

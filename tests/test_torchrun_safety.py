@@ -17,18 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env, process_alive
 
 LINUX = Path("/proc/1/stat").exists()
-
-
-def _alive(pid: int) -> bool:
-    """The process runs (a zombie, ended and waiting for its reaper, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -87,18 +78,18 @@ def test_a_rank_that_sigterm_does_not_end_ends_after_its_launcher_dies(tmp_path)
         line = launcher.stdout.readline()  # (the rank's, through the pipe it shares with its launcher)
         assert line.startswith("rank "), (line, launcher.stderr.read() if launcher.poll() is not None else "")
         rank = int(line.split()[1])
-        assert _alive(rank)
+        assert process_alive(rank)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and _alive(rank):
+        while time.monotonic() < deadline and process_alive(rank):
             time.sleep(0.2)
-        assert not _alive(rank), "the rank outlived its launcher"
+        assert not process_alive(rank), "the rank outlived its launcher"
         err = launcher.stderr.read()  # (the rank's stderr: the pipe closes as it ends)
         errors = _errors(err)
         assert len(errors) == 1 and "launcher" in errors[0] and "was not acted on" in errors[0], err
     finally:
-        if rank is not None and _alive(rank):
+        if rank is not None and process_alive(rank):
             os.kill(rank, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
