@@ -19,6 +19,13 @@ SMALL_CALIB = DATA_DIR / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.g
 WIKI_RAW = DATA_DIR / "wikitext-2-raw-v1" / "wiki.test.raw"
 # The app reads models from and writes exports to the runs folder and $PG_PRUNE_APP_FOLDERS only (engine/ui/paths.py):
 # the tests' models and temporary folders are such folders (tests/test_security.py narrows it).
+# Under pytest-xdist (`-n 2`, as README command 2 runs the suite) each worker computes on one thread, and so do the
+# processes it starts: two workers on two cores, not four threads fighting over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 os.environ.setdefault("PG_PRUNE_APP_FOLDERS", os.pathsep.join([str(REPO.parent / "shared"), tempfile.gettempdir()]))
 
 
