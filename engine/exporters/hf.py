@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, shorten
 from ..io import atomic_dir
 from .checks import model_folder_problem
 from ..runfiles import MODEL_DIR
@@ -23,5 +23,6 @@ def export_hf(run_dir: Path, dest: Path, outtype: str) -> dict:
     with atomic_dir(dest, sum(f.stat().st_size for f in source.rglob("*") if f.is_file())) as tmp:
         shutil.copytree(source, tmp, dirs_exist_ok=True)
         if (problem := model_folder_problem(tmp)) is not None:  # (the copy itself, before it is called written)
-            raise UserError(f"the copy of {source} does not load ({problem}); nothing was written to {dest}")
+            raise UserError(f"the copy of the run's {MODEL_DIR}/ does not load ({shorten(problem, 100)}); nothing was "
+                            f"written to {dest}")  # (the library's words shortened, so the remedy stays whole)
     return {"path": str(dest)}
