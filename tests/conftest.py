@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -70,6 +71,38 @@ def run_engine(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess
     """`python -m engine ARGS` in a fresh interpreter, run from the repository root."""
     return subprocess.run([sys.executable, "-m", "engine", *args], cwd=cwd, env=clean_env(), capture_output=True,
                           text=True, timeout=timeout)
+
+
+@dataclasses.dataclass
+class Ran:
+    """What a command left: its exit status and its stderr."""
+    returncode: int
+    stderr: str
+
+
+def engine_in_process(*args: str) -> Ran:
+    """`python -m engine ARGS` run in this process through the CLI's own entry point, with clean_env's settings and
+    on one thread, as a child of an xdist worker runs: for a test about what a command does or writes, not about its
+    process (a fresh interpreter imports torch and transformers again: 5-8 s on 2 shared cores)."""
+    import contextlib
+    import io
+
+    import torch
+
+    from engine.cli import main
+
+    saved, threads, err = dict(os.environ), torch.get_num_threads(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(clean_env())
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(saved)
+    return Ran(code, err.getvalue())
 
 
 @pytest.fixture(autouse=True)

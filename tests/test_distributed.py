@@ -18,7 +18,7 @@ import torch
 
 from engine.distributed import World, dealt, digest, launched, on_cpu, share, shares
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, Ran, clean_env, engine_in_process
 
 TIMING = ("seconds", "eta_seconds")
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "masks.safetensors", "masks.json", "results.json")
@@ -153,9 +153,10 @@ def env(**extra: str) -> dict[str, str]:
     return clean_env(**{"OMP_NUM_THREADS": "1", "PG_PRUNE_DIST_TIMEOUT": "60", **extra})
 
 
-def single(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine", "prune", *args], cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+def single(args: list[str]) -> Ran:
+    """`pg-prune prune ARGS` in one process: this one (the ranks are the processes under test; a fresh interpreter
+    for each reference run would only import torch and transformers again)."""
+    return engine_in_process("prune", *args)
 
 
 def torchrun(args: list[str], k: int = 2, timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
@@ -301,7 +302,7 @@ def test_a_killed_rank_ends_the_run_with_one_line_and_resumes_on_one(eval_file, 
     """kill -9 of rank 1 mid-run: rank 0 exits at once (gloo sees the connection close; a rank that hangs instead
     meets the timeout) with one `error:` line and the last finished step checkpointed; --resume in one process
     finishes the run with each step recorded once, and ends where an uninterrupted run ends, bit for bit."""
-    steps, extra = 150, ["--num-mask-samples", "3", "--baseline", "moving-average", "--lr-schedule", "constant"]
+    steps, extra = 60, ["--num-mask-samples", "3", "--baseline", "moving-average", "--lr-schedule", "constant"]
     out, ref = tmp_path / "dp", tmp_path / "ref"
     ranks = start_ranks([flags(eval_file, steps, *extra, "--out", str(out))] * 2, timeout="30")
     try:
