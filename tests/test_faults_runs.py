@@ -23,7 +23,7 @@ from engine.errors import UserError
 from engine.outdir import LOCK_FILE, OutputKind, check_output_folder, folder_lock, output_folder
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, one_error, quiet
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, engine_in_process, one_error, quiet
 
 TIMING = ("seconds", "eta_seconds")
 
@@ -326,8 +326,7 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_is_stale(eval_file, 
         b_args = ["prune", *tiny_flags(eval_file), "--seed", "1", "--prune-ratio", "0.5", "--overwrite", "--out", str(out)]
         for args in (b_args, ["prune", "--out", str(out), "--resume"],
                      ["export", str(out), "--format", "hf", "--out", str(tmp_path / "copy")]):
-            b = subprocess.run([sys.executable, "-m", "engine", *args], cwd=REPO, env=clean_env(), capture_output=True,
-                               text=True, timeout=300)
+            b = engine_in_process(*args)  # (the holder is another process: this one is the second writer)
             err = b.stderr.strip().splitlines()
             assert b.returncode == 2 and len(err) == 1, b.stderr[-2000:]
             assert err[0].startswith("error:") and f"in use by process {a.pid}" in err[0], err
@@ -336,8 +335,7 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_is_stale(eval_file, 
         a.send_signal(signal.SIGKILL)
         a.communicate()
     assert (out / LOCK_FILE).read_text().strip() == f"process {a.pid}"  # the dead holder's file stays: stale
-    b = subprocess.run([sys.executable, "-m", "engine", *b_args], cwd=REPO, env=clean_env(), capture_output=True,
-                       text=True, timeout=300)
+    b = engine_in_process(*b_args)
     assert b.returncode == 0, b.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     config = PruneConfig.load(out / "config.json")
@@ -374,7 +372,7 @@ METHODS = {"pg": [], "gumbel": ["--method", "gumbel", "--lr", "0.5"],
 @pytest.fixture(scope="module")
 def interrupted(eval_file, tmp_path_factory) -> dict[str, dict]:
     """For each method, in parallel: a 50-step run (default checkpoints: every 50 steps or 2 minutes) sent
-    SIGINT (SIGTERM for gumbel) once 4 steps are in metrics.jsonl, then --resume in a new process."""
+    SIGINT (SIGTERM for gumbel) once 4 steps are in metrics.jsonl, then --resume."""
     base = tmp_path_factory.mktemp("interrupted")
     runs = {m: {"out": base / m} for m in METHODS}
     for m, r in runs.items():
@@ -392,11 +390,9 @@ def interrupted(eval_file, tmp_path_factory) -> dict[str, dict]:
         _, r["err"] = r["proc"].communicate(timeout=120)
         r["rc"], r["lines"] = r["proc"].returncode, len(metric_lines(r["out"]))
         r["ckpt_step"] = torch.load(r["out"] / "checkpoint.pt", weights_only=False)["step"]
-    for r in runs.values():
-        r["resume"] = popen(["prune", "--out", str(r["out"]), "--resume"])
-    for r in runs.values():
-        _, r["resume_err"] = r["resume"].communicate(timeout=300)
-        r["resume_rc"] = r["resume"].returncode
+    for r in runs.values():  # (through the CLI in this process: the interrupted one is gone, and a fresh
+        resumed = engine_in_process("prune", "--out", str(r["out"]), "--resume")  # interpreter costs its imports)
+        r["resume_rc"], r["resume_err"] = resumed.returncode, resumed.stderr
     return runs
 
 
