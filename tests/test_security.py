@@ -20,7 +20,8 @@ from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env, one_error, process_alive, quiet, tiny_config
+from conftest import (REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env, engine_in_process, one_error,
+                      process_alive, quiet, tiny_config)
 
 
 @pytest.fixture
@@ -470,8 +471,7 @@ def test_the_ranks_end_when_torchrun_is_killed(eval_file, tmp_path):
             time.sleep(0.5)
         ranks = _children(launcher.pid)
         assert len(ranks) == 2, ranks
-        other = subprocess.run([sys.executable, "-m", "engine", "prune", "--out", str(out), "--resume"], cwd=REPO,
-                               env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+        other = engine_in_process("prune", "--out", str(out), "--resume")  # (a process other than the ranks)
         assert other.returncode == 2 and "is in use by process" in other.stderr, other.stderr[-2000:]  # (rank 0's lock)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
@@ -487,8 +487,7 @@ def test_the_ranks_end_when_torchrun_is_killed(eval_file, tmp_path):
             launcher.kill()
     step = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
     assert step >= 2
-    r = subprocess.run([sys.executable, "-m", "engine", "prune", "--out", str(out), "--resume", "--steps", str(step + 1)],
-                       cwd=REPO, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    r = engine_in_process("prune", "--out", str(out), "--resume", "--steps", str(step + 1))
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((out / "results.json").read_text())["steps"] == step + 1
 
