@@ -164,7 +164,8 @@ class PruneConfig:
                                "back-propagation through the model (for comparison); metric: no optimisation, keep the top "
                                "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, "
                                "Layerwise-PPL, SLEB); flap: FLAP one-shot (= metric with --init flap and "
-                               "--bias-compensation)")
+                               "--bias-compensation); pg-alloc: policy gradient over each layer's allocation, one "
+                               "logit offset per unit type and layer (--alloc-sigma, --alloc-step)")
     init: str = setting("flap", choices=_INITS, label="Initial scores",
                         help="initial scores of KV groups and channels. flap (FLAP's fluctuation metric, forward "
                              "passes only, with --bias-compensation; how the inits compare: docs/results.md); taylor "

@@ -199,7 +199,8 @@ class PruneRun:
         t0, batch = time.perf_counter(), self.sampler.next_batch()
         keep, lr = self.keep_ratio_at(state.step), self.lr_at(state.step)
         g = self.method.gradient(state, batch)
-        state.scores = self.budget.project(self.method.next_scores(state, g.grads, lr), keep)
+        proposed = self.method.next_scores(state, g.grads, lr)
+        state.scores = self.budget.project(proposed, keep) if self.method.projects else proposed  # (Method.projects)
         state.step += 1
         seconds = time.perf_counter() - t0
         state.seconds_in_steps += seconds

@@ -5,12 +5,13 @@
     metric  no optimisation: the init metric's ranking
     flap    FLAP, one-shot: its fluctuation metric, adaptive structure and bias compensation
     bonsai  Bonsai: sub-models sampled at the target sparsity, a regression of their losses, pruning in rounds
+    pg-alloc  policy gradient over each layer's allocation: one logit offset per (unit type, layer)
 """
 
 from __future__ import annotations
 
 from .base import Method, StepGradient  # noqa: F401
 from .registry import method_options, METHODS, register_method  # noqa: F401
-from . import pg, gumbel, metric, flap, bonsai  # noqa: E402,F401  (register in this order)
+from . import pg, gumbel, metric, flap, bonsai, alloc  # noqa: E402,F401  (register in this order)
 
 __all__ = ["METHODS", "Method", "StepGradient", "method_options", "register_method"]

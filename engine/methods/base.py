@@ -36,6 +36,9 @@ class Method:
     optimises: ClassVar[bool] = True
     Options: ClassVar[type | None] = None  # the dataclass of this method's own settings, if any
     implies: ClassVar[dict] = {}  # run settings this method fixes (FLAP: its metric and compensation)
+    # False: the run keeps next_scores' scores as they are, unprojected (pg-alloc: they are a view whose budget cut,
+    # ctx.hard_masks, is the method's mask; a projection would move that cut)
+    projects: ClassVar[bool] = True
 
     def __init__(self, ctx: "StepContext", options: Any = None):
         self.ctx = ctx
