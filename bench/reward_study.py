@@ -71,6 +71,10 @@ VARIANTS = {
     # about 5 % of them where sigmoid-norm's flips a quarter (its samples score far from the mask they vary)
     "sharp": ["--prob-map", "sigmoid-cut"],
     "sharp-step-refit": ["--prob-map", "sigmoid-cut", "--step-refit"],
+    # PG over each layer's allocation only (engine/methods/alloc.py): one logit offset per (unit type, layer), about
+    # 54 on the default model where single units are 47k; every sample the budget's exact cut of the shifted scores
+    "alloc": ["--method", "pg-alloc"],
+    "alloc-step-refit": ["--method", "pg-alloc", "--step-refit"],
 }
 
 
