@@ -229,3 +229,14 @@ def test_an_alloc_flag_needs_the_method(capfd, tmp_path):
 
     assert main(["prune", "--model", str(TINY_MODEL), "--alloc-sigma", "0.3", "--out", str(tmp_path / "r")]) == 2
     one_error(capfd, "--alloc-sigma applies to --method pg-alloc")
+
+
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
+def test_two_ranks_give_the_single_process_run_bit_for_bit(eval_file, tmp_path):
+    """The default preset (the joint) with --reward kl: each rank scores its share of the 4 samples; masks, mu and
+    every report equal the one-process run's."""
+    from test_distributed import checkpoint, one_and_two_ranks
+
+    one, two, _ = one_and_two_ranks(eval_file, tmp_path, 3, ["--method", "pg-alloc", "--num-mask-samples", "4",
+                                                             "--reward", "kl"])
+    assert float(checkpoint(two)["method_state"]["alloc"]["mu"].abs().sum()) > 0
