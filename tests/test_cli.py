@@ -15,7 +15,7 @@ import pytest
 from engine.cli import main
 from engine.config import PruneConfig
 
-from conftest import write_llama_gguf, REPO, SMALL_CALIB, WIKI_RAW, clean_env, run_engine
+from conftest import write_llama_gguf, REPO, SMALL_CALIB, WIKI_RAW, clean_env, engine_in_process, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +78,15 @@ def test_prune_cli_end_to_end(cli_run):
     assert (out / "model" / "model.safetensors").is_file()
 
 
-def test_eval_cli_json_matches_run(cli_run):
+def test_eval_cli_json_matches_run(cli_run, capfd):
+    """(The command in this process: the prune run above is the fresh interpreter.)"""
     out, proc = cli_run
     assert proc.returncode == 0
     results = json.loads((out / "results.json").read_text())
-    ev = run_engine("eval", "--model", str(out / "model"), "--json", "--max-windows", "4")
+    capfd.readouterr()
+    ev = engine_in_process("eval", "--model", str(out / "model"), "--json", "--max-windows", "4")
     assert ev.returncode == 0, ev.stderr[-3000:]
-    lines = [ln for ln in ev.stdout.splitlines() if ln.strip()]
+    lines = [ln for ln in capfd.readouterr().out.splitlines() if ln.strip()]
     assert len(lines) == 1
     data = json.loads(lines[0])
     assert data["ppl"] == pytest.approx(results["ppl_pruned"], rel=1e-5)
