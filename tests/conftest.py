@@ -130,6 +130,34 @@ def tiny(tiny_path):
 
 
 @pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory) -> dict:
+    """{"root": a $PG_PRUNE_CACHE folder whose models/ holds the default model's de-quantised copy
+    (engine/model_cache.py), "dequantised": (model, tokenizer) as this worker read them from the GGUF, or None}.
+    The copy is made once for the whole run: the xdist workers share the folder under a lock, so the GGUF is
+    de-quantised (about 35 s on 2 shared cores) by the first worker that asks, not by every test that loads it."""
+    from filelock import FileLock
+
+    from engine import model_cache
+    from engine.loading import DEFAULT_MODEL, load_model, resolve_model
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "default-model-cache"
+    source, made, saved = resolve_model(DEFAULT_MODEL), None, os.environ.get("PG_PRUNE_CACHE")
+    with FileLock(f"{root}.lock"):
+        os.environ["PG_PRUNE_CACHE"] = str(root)
+        try:
+            if source.gguf_file and not model_cache.has_copy(model_cache.copy_folder(source.path, source.gguf_file,
+                                                                                      "float32")):
+                made = load_model(source)  # (writes the copy)
+        finally:
+            if saved is None:
+                del os.environ["PG_PRUNE_CACHE"]
+            else:
+                os.environ["PG_PRUNE_CACHE"] = saved
+    return {"root": root, "dequantised": made}
+
+
+@pytest.fixture(scope="session")
 def small_eval_file(tmp_path_factory) -> Path:
     """The first ~40k characters of WikiText-2 raw test (about 20 windows of 128 tiny-model tokens)."""
     text = WIKI_RAW.read_text(encoding="utf-8")[:40_000]

