@@ -172,30 +172,51 @@ def test_export_without_layers_reloads_with_plain_transformers(arch, ids, tmp_pa
     assert torch.equal(cached, uncached)
 
 
+READ_BACK = textwrap.dedent("""
+    import sys, torch, traceback
+    from transformers import AutoModelForCausalLM
+    ids = torch.load(sys.argv[1])
+    for folder in sys.argv[2:]:
+        try:
+            m = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+            with torch.no_grad():
+                torch.save(m(input_ids=ids).logits.float(), folder + ".logits.pt")
+        except Exception:
+            open(folder + ".error.txt", "w").write(traceback.format_exc())
+""")
+
+
+@pytest.fixture(scope="module")
+def exports_with_layers(ids, tiny, tmp_path_factory) -> dict:
+    """Per architecture: a model whose layers, KV groups and channels are pruned together, exported; then every
+    export read back in one fresh interpreter without the engine (one start for all: ~5 s each on 2 shared cores;
+    each folder's failure is its own, in FOLDER.error.txt). arch -> (export folder, the masked model's logits)."""
+    root, made = tmp_path_factory.mktemp("exports-with-layers"), {}
+    for arch in ("llama", "qwen2"):
+        model = build_model(arch)
+        layout = layer_layout(model)
+        g = torch.Generator().manual_seed(5)
+        masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in ("heads", "channels")}
+        masks["layers"] = torch.tensor([0.0, 1.0, 1.0])
+        export_pruned(model, tiny[1], layout, masks, root / arch)
+        made[arch] = (root / arch, masked_logits(model, layout, masks, ids))
+    torch.save(ids, root / "ids.pt")
+    proc = subprocess.run([sys.executable, "-c", READ_BACK, str(root / "ids.pt"), *(str(f) for f, _ in made.values())],
+                          cwd=root, capture_output=True, text=True, timeout=300,
+                          env=clean_env(HF_MODULES_CACHE=str(root / "hf_modules")))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return made
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_export_layers_heads_channels_together(arch, ids, tmp_path, tiny):
-    model = build_model(arch)
-    layout = layer_layout(model)
-    g = torch.Generator().manual_seed(5)
-    masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in ("heads", "channels")}
-    masks["layers"] = torch.tensor([0.0, 1.0, 1.0])
-    export_pruned(model, tiny[1], layout, masks, tmp_path / "m")
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
+def test_export_layers_heads_channels_together(arch, exports_with_layers):
+    folder, expected = exports_with_layers[arch]
+    config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == f"pruned_{arch}" and config["num_hidden_layers"] == 2
     assert len(config["kv_heads_per_layer"]) == 2
-    script = textwrap.dedent("""
-        import sys, torch
-        from transformers import AutoModelForCausalLM
-        m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-        with torch.no_grad():
-            torch.save(m(input_ids=torch.load(sys.argv[2])).logits.float(), sys.argv[3])
-    """)
-    torch.save(ids, tmp_path / "ids.pt")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m"), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=clean_env(HF_MODULES_CACHE=str(tmp_path / "hf_modules")))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert torch.allclose(torch.load(tmp_path / "out.pt"), masked_logits(model, layout, masks, ids), atol=1e-5)
+    error = folder.with_name(folder.name + ".error.txt")
+    assert not error.exists(), error.read_text()[-2000:]
+    assert torch.allclose(torch.load(folder.with_name(folder.name + ".logits.pt")), expected, atol=1e-5)
 
 
 # --- metrics --------------------------------------------------------------------------------------
