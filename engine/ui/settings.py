@@ -58,6 +58,8 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
     """The PruneConfig the form's values describe, on top of `base` (a config dict: the settings the form does
     not show; today's defaults when None, as the command line's: not an old config's, which
     PruneConfig.from_dict would read into missing fields). Not validated (PruneConfig.validate says what is wrong)."""
+    from ..methods import METHODS
+
     data = dict(base) if base else PruneConfig().to_dict()
     data.pop("method_options", None)
     for key, field in DIRECT.items():
@@ -89,8 +91,9 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
         fixed = data.get("layer_score_const") == 1.0
         data["layer_score_const"] = 1.0 if values["fixed_layers"] else (None if fixed else data.get("layer_score_const"))
     method = data.get("method", PruneConfig.method)
-    prefix = option_key(method, "")
-    options = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+    cls = METHODS[method].Options if method in METHODS else None  # (its own fields by name: "opt-pg-" also
+    names = [f.name for f in dataclasses.fields(cls)] if cls is not None else []  # begins pg-alloc's keys)
+    options = {n: values[option_key(method, n)] for n in names if option_key(method, n) in values}
     if not options and base and base.get("method") == method:
         options = dict(base.get("method_options") or {})
     data["method_options"] = options
