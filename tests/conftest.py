@@ -105,6 +105,16 @@ def engine_in_process(*args: str) -> Ran:
     return Ran(code, err.getvalue())
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests of tests/heavy_tests.txt (over 3 s in a measured run; tests/heavy_tests.py writes it) are marked
+    `heavy`: the fast tier deselects them (docs/testing.md)."""
+    listed = Path(__file__).with_name("heavy_tests.txt").read_text(encoding="utf-8").splitlines()
+    heavy = {t for t in listed if t and not t.startswith("#")}
+    for item in items:
+        if item.nodeid in heavy:
+            item.add_marker(pytest.mark.heavy)
+
+
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path_factory, monkeypatch):
     """Every test its own dense-perplexity cache (engine/ppl_cache.py), so no test reads another's figure (child

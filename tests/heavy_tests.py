@@ -1,0 +1,41 @@
+"""Writes tests/heavy_tests.txt: the tests whose phases (setup, call, teardown) took over THRESHOLD seconds in a
+suite run's `--durations=0` report. conftest.py marks them `heavy`, and the fast tier deselects them
+(docs/testing.md). Regenerate it after a full run:
+
+    python -m pytest -q -n 2 --dist loadfile --durations=0 > suite.log; python tests/heavy_tests.py suite.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter
+from pathlib import Path
+
+THRESHOLD = 3.0
+LIST = Path(__file__).with_name("heavy_tests.txt")
+LINE = re.compile(r"^([0-9.]+)s (setup|call|teardown)\s+(\S+)")
+
+
+def heavy(report: str, threshold: float = THRESHOLD) -> list[str]:
+    """The test ids of a --durations report whose phases sum to more than `threshold` seconds, sorted."""
+    seconds = Counter()
+    for line in report.splitlines():
+        if m := LINE.match(line):
+            seconds[m.group(3)] += float(m.group(1))
+    return sorted(t for t, s in seconds.items() if s > threshold)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("log", type=Path, help="the output of a pytest run with --durations=0")
+    p.add_argument("--threshold", type=float, default=THRESHOLD, help="seconds (default %(default)s)")
+    args = p.parse_args()
+    ids = heavy(args.log.read_text(encoding="utf-8", errors="replace"), args.threshold)
+    LIST.write_text(f"# tests over {args.threshold:g} s in {args.log.name} (tests/heavy_tests.py); marked heavy\n"
+                    + "".join(f"{t}\n" for t in ids), encoding="utf-8")
+    print(f"{len(ids)} heavy tests written to {LIST}")
+
+
+if __name__ == "__main__":
+    main()
