@@ -116,6 +116,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def no_earlier_app_job():
+    """The app's job manager is one per process (pages/_ui.py, st.cache_resource), as on a server: a test's AppTest
+    would show the last job of an earlier test in the same worker (its failure, its run). Each test starts without."""
+    yield
+    ui = sys.modules.get("_ui")
+    if ui is not None and hasattr(ui, "job_manager"):
+        ui.job_manager.clear()
+
+
+@pytest.fixture(autouse=True)
 def own_cache(tmp_path_factory, monkeypatch):
     """Every test its own dense-perplexity cache (engine/ppl_cache.py), so no test reads another's figure (child
     processes inherit it through the environment)."""
