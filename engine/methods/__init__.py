@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from .base import Method, StepGradient  # noqa: F401
-from .registry import method_options, METHODS, register_method  # noqa: F401
+from .registry import method_options, METHODS, option_fields, register_method  # noqa: F401
 from . import pg, gumbel, metric, flap, bonsai, alloc  # noqa: E402,F401  (register in this order)
 
-__all__ = ["METHODS", "Method", "StepGradient", "method_options", "register_method"]
+__all__ = ["METHODS", "Method", "StepGradient", "method_options", "option_fields", "register_method"]

@@ -23,6 +23,13 @@ def register_method(name: str):
     return add
 
 
+def option_fields(name: str) -> tuple[dataclasses.Field, ...]:
+    """The fields of method `name`'s Options dataclass: none for a method without options or an unknown name (a
+    config or form that names a method no longer registered)."""
+    cls = METHODS[name].Options if name in METHODS else None
+    return dataclasses.fields(cls) if cls is not None else ()
+
+
 def method_options(name: str, values: dict, config=None):
     """The method's Options dataclass filled from a config's method_options (None for a method
     without options), checked against its fields' declarations and its own validate(config) (the run's

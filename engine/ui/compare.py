@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..config import PruneConfig
 from ..errors import UserError
-from ..methods import METHODS
+from ..methods import METHODS, option_fields
 from ..unit_types import UNIT_TYPES
 from . import masks as M
 from .jobs import RunInfo, read_metrics
@@ -215,8 +215,7 @@ def differences(a: dict, b: dict, ignore: tuple[str, ...] = NOT_COMPARED) -> lis
 
 
 def _option_differences(method: str, a: dict, b: dict) -> list[tuple[str, object, object]]:
-    cls = METHODS[method].Options if method in METHODS else None
-    fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
+    fields = {f.name: f for f in option_fields(method)}
     defaults = {n: f.default for n, f in fields.items() if f.default is not dataclasses.MISSING}
     oa, ob = {**defaults, **a}, {**defaults, **b}
     out = []

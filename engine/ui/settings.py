@@ -35,7 +35,7 @@ def option_key(method: str, name: str) -> str:
 
 def form_values(config: dict | PruneConfig) -> dict:
     """The Prune form's widget values that show this config (a config.json dict or a PruneConfig)."""
-    from ..methods import METHODS
+    from ..methods import option_fields
 
     c = PruneConfig.from_dict(dict(config)) if isinstance(config, dict) else config
     values = {k: getattr(c, f) for k, f in DIRECT.items()}
@@ -45,10 +45,9 @@ def form_values(config: dict | PruneConfig) -> dict:
     values["max_windows"] = c.max_windows or 0
     values["channel_multiple"] = int(c.unit_multiple.get("channels", 1))
     values["fixed_layers"] = c.layer_score_const == 1.0
-    cls = METHODS[c.method].Options if c.method in METHODS else None
-    if cls is not None:
-        options = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                   for f in dataclasses.fields(cls)}
+    fields = option_fields(c.method)
+    if fields:
+        options = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields}
         options.update(c.method_options or {})
         values.update({option_key(c.method, k): v for k, v in options.items() if k in options})
     return values
@@ -58,7 +57,7 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
     """The PruneConfig the form's values describe, on top of `base` (a config dict: the settings the form does
     not show; today's defaults when None, as the command line's: not an old config's, which
     PruneConfig.from_dict would read into missing fields). Not validated (PruneConfig.validate says what is wrong)."""
-    from ..methods import METHODS
+    from ..methods import option_fields
 
     data = dict(base) if base else PruneConfig().to_dict()
     data.pop("method_options", None)
@@ -91,8 +90,7 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
         fixed = data.get("layer_score_const") == 1.0
         data["layer_score_const"] = 1.0 if values["fixed_layers"] else (None if fixed else data.get("layer_score_const"))
     method = data.get("method", PruneConfig.method)
-    cls = METHODS[method].Options if method in METHODS else None  # (its own fields by name: "opt-pg-" also
-    names = [f.name for f in dataclasses.fields(cls)] if cls is not None else []  # begins pg-alloc's keys)
+    names = [f.name for f in option_fields(method)]  # (its own fields by name: "opt-pg-" also begins pg-alloc's keys)
     options = {n: values[option_key(method, n)] for n in names if option_key(method, n) in values}
     if not options and base and base.get("method") == method:
         options = dict(base.get("method_options") or {})
@@ -103,12 +101,11 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
 def preset_values(name: str, method: str = "pg") -> dict:
     """The widget values a preset sets (engine/config.py's PRESETS): its run settings and, for the options of
     `method` it names (e.g. pg's baseline), the option widgets."""
-    from ..methods import METHODS
+    from ..methods import option_fields
 
     preset, out = PRESETS[name], {}
     fields = {f.name for f in dataclasses.fields(PruneConfig)}
-    cls = METHODS[method].Options if method in METHODS else None
-    options = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+    options = {f.name for f in option_fields(method)}
     keys = {f: k for k, f in DIRECT.items()}
     for field, value in preset.items():
         if field == "layer_score_const":  # shown as the checkbox "fixed layers" (c = 1)
