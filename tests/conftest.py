@@ -108,8 +108,9 @@ def engine_in_process(*args: str) -> Ran:
 def pytest_collection_modifyitems(config, items):
     """The tests of tests/heavy_tests.txt (over 3 s in a measured run; tests/heavy_tests.py writes it) are marked
     `heavy`: the fast tier deselects them (docs/testing.md)."""
-    listed = Path(__file__).with_name("heavy_tests.txt").read_text(encoding="utf-8").splitlines()
-    heavy = {t for t in listed if t and not t.startswith("#")}
+    from heavy_tests import listed
+
+    heavy = listed()
     for item in items:
         if item.nodeid in heavy:
             item.add_marker(pytest.mark.heavy)
@@ -162,18 +163,12 @@ def default_model_cache(tmp_path_factory) -> dict:
 
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "default-model-cache"
-    source, made, saved = resolve_model(DEFAULT_MODEL), None, os.environ.get("PG_PRUNE_CACHE")
-    with FileLock(f"{root}.lock"):
-        os.environ["PG_PRUNE_CACHE"] = str(root)
-        try:
-            if source.gguf_file and not model_cache.has_copy(model_cache.copy_folder(source.path, source.gguf_file,
-                                                                                      "float32")):
-                made = load_model(source)  # (writes the copy)
-        finally:
-            if saved is None:
-                del os.environ["PG_PRUNE_CACHE"]
-            else:
-                os.environ["PG_PRUNE_CACHE"] = saved
+    source, made = resolve_model(DEFAULT_MODEL), None
+    with FileLock(f"{root}.lock"), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PG_PRUNE_CACHE", str(root))
+        copy = model_cache.copy_folder(source.path, source.gguf_file, "float32") if source.gguf_file else None
+        if copy is not None and not model_cache.has_copy(copy):
+            made = load_model(source)  # (writes the copy)
     return {"root": root, "dequantised": made}
 
 

@@ -26,6 +26,11 @@ def heavy(report: str, threshold: float = THRESHOLD) -> list[str]:
     return sorted(t for t, s in seconds.items() if s > threshold)
 
 
+def listed(path: Path = LIST) -> set[str]:
+    """The test ids the list names (its comment lines skipped)."""
+    return {t for t in path.read_text(encoding="utf-8").splitlines() if t and not t.startswith("#")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log", type=Path, help="the output of a pytest run with --durations=0")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import REPO
-from heavy_tests import LIST, heavy
+from heavy_tests import heavy, listed
 
 
 def test_a_tests_phases_are_summed_against_the_threshold():
@@ -15,10 +15,10 @@ def test_a_tests_phases_are_summed_against_the_threshold():
 
 
 def test_the_listed_tests_are_marked_heavy(request):
-    listed = [t for t in LIST.read_text(encoding="utf-8").splitlines() if t and not t.startswith("#")]
-    assert listed and all((REPO / t.split("::")[0]).parent == REPO / "tests" for t in listed)
+    ids = listed()
+    assert ids and all((REPO / t.split("::")[0]).parent == REPO / "tests" for t in ids)
     items = request.session.items
     marked = {i.nodeid for i in items if i.get_closest_marker("heavy")}
-    assert marked <= set(listed)
-    assert {i.nodeid for i in items if i.nodeid in set(listed)} <= marked
+    assert marked <= ids
+    assert {i.nodeid for i in items if i.nodeid in ids} <= marked
 
