@@ -14,6 +14,11 @@
 #   bash bench/must_show.sh width 0 1 2    # the same with --units heads,channels (the default run before 2026-11-27)
 #   bash bench/must_show.sh joint 0 1 2    # the README's quickstart: the 10-minute run with --preset joint (Layerwise-PPL's
 #                                          # layers fixed, FLAP's widths on 16 batches, PG on the widths), per seed
+#   bash bench/must_show.sh warm           # a small run that fills this machine's caches (the GGUF's de-quantised
+#                                          # copy, the dense perplexity, the speed probes) before the timed runs
+#   bash bench/must_show.sh oneshot 0 1 2  # issue 51: the default run without --time-budget to its final mask, one step
+#                                          # (--steps 1: the phases before the steps are the 50-step run's), each seed
+#                                          # with the one-shot passes in float32 and in bfloat16 (--pass-dtype)
 #   bash bench/must_show.sh default        # issue 25: the default run (python -m engine prune --prune-ratio 0.3), whose
 #                                          # duration bench/plan_check.py compares with the app's estimate
 set -euo pipefail
@@ -34,11 +39,16 @@ case $what in
   flap-again) run "flap30-$(git rev-parse --short HEAD)" --method flap --units heads,channels --prune-ratio 0.3 ;;
   flap16) run "flap30-b16-$(git rev-parse --short HEAD)" --method flap --units heads,channels --prune-ratio 0.3 --init-batches 16 ;;
   default) run default30 --prune-ratio 0.3 ;;
+  warm) run "warm-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --steps 1 --init-batches 1 --layer-init-batches 1 \
+          --reconstruct-batches 1 --mix-batches 1 --val-every 0 --no-eval-init ;;
+  oneshot) for seed in "$@"; do for dtype in float32 bfloat16; do
+             run "oneshot-$dtype-s$seed-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --steps 1 --seed "$seed" \
+               --pass-dtype "$dtype"; done; done ;;
   budget) for seed in "$@"; do run "tb10-s$seed" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
   budget-again) for seed in "$@"; do run "tb10-s$seed-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --time-budget 10 --seed "$seed"; done ;;
   width) for seed in "$@"; do run "tb10-width-s$seed-$(git rev-parse --short HEAD)" --units heads,channels --prune-ratio 0.3 \
            --time-budget 10 --seed "$seed"; done ;;
   joint) for seed in "$@"; do run "tb10-joint-s$seed-$(git rev-parse --short HEAD)" --preset joint --prune-ratio 0.3 \
            --time-budget 10 --seed "$seed"; done ;;
-  *) echo "usage: bash bench/must_show.sh flap | flap-again | flap16 | default | budget SEED... | budget-again SEED... | width SEED... | joint SEED..." >&2; exit 2 ;;
+  *) echo "usage: bash bench/must_show.sh flap | flap-again | flap16 | default | warm | oneshot SEED... | budget SEED... | budget-again SEED... | width SEED... | joint SEED..." >&2; exit 2 ;;
 esac

@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> None:
         config.steps = int(results["steps"])
     skeleton = model_skeleton(config.model)
     rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache_dir())
-    plan = plan_time(config, skeleton, rate, "a probe of this machine", dense_cached=dense_cached)
+    passes = results.get("pass_dtype")  # (the one-shot passes' dtype where the run says: their own rate)
+    pass_rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache_dir(),
+                                        passes=passes) if passes and passes != config.dtype else None
+    plan = plan_time(config, skeleton, rate, "a probe of this machine", dense_cached=dense_cached,
+                     pass_seconds_per_token=pass_rate)
     wall = args.wall if args.wall is not None else wall_seconds(args.run_dir)
     print(f"run {args.run_dir}: {config.steps} steps x N_s {config.num_mask_samples}, {results['eval_windows']} "
           f"evaluation windows, dense perplexity {'cached' if dense_cached else 'evaluated'}")

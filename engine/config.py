@@ -16,6 +16,7 @@ from .executors import EXECUTORS
 from .fields import check_fields, check_settings, setting
 from .joint import MIX_SEARCHES
 from .loading import DEFAULT_MODEL, DTYPES
+from .precision import PASS_DTYPES
 from .methods import METHODS, method_options
 from .metrics import layer_metrics, unit_metrics
 from .metrics.probability import PROB_MAPS
@@ -105,6 +106,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("best_val_margin", 0.0)  # best-val took any gain
     data.setdefault("val_refit", False)  # and validated the masks unrefit (a resumed run compares like with like)
     data.setdefault("init_data", "training")  # and the init read the calibration documents the steps read
+    data.setdefault("pass_dtype", "float32")  # and ran its one-shot passes in its weights' dtype
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -302,6 +304,10 @@ class PruneConfig:
                                            "tables' protocol; 0: all of them, about 2,400 of 128 tokens and 9x the time)")
     eval_batch_size: int = setting(8, minimum=1, label="Evaluation batch size", help="windows per forward")
     dtype: str = setting("float32", choices=tuple(DTYPES), label="dtype", help="weights dtype")
+    pass_dtype: str = setting("auto", choices=PASS_DTYPES, label="dtype of the one-shot passes", help=(
+        "the matrix products of the statistics pass, the init metric and the joint mix (autocast; the weights, the "
+        "sums, the evaluations and the steps keep --dtype): auto is bfloat16 on a CPU that runs it natively "
+        "(AVX-512 BF16 or AMX) for float32 weights, else --dtype; float32 keeps --dtype"))
     device: str = setting("cpu", label="Device", help="cpu, cuda, cuda:N, or auto (accelerate device_map)")
     checkpoint_every: int = setting(50, minimum=1, label="Checkpoint every N steps", help="save state every N steps")
     checkpoint_minutes: float = setting(2.0, minimum=0.0, label="Checkpoint every N minutes",

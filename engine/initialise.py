@@ -18,6 +18,7 @@ from .metrics import METRICS, MetricContext
 from .metrics.registry import removal_order
 from .joint import choose_mix
 from .metrics.probability import initial_scores, standardize
+from .precision import run_pass_dtype, run_passes
 from .statistics import STATISTICS, Statistic, statistics_pass
 from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
 from .runfiles import INIT_PROGRESS_DIR
@@ -52,6 +53,8 @@ def metric_cache_folder() -> str | None:
 def cache_entry(run: "PruneRun", name: str, units: list[str], ctx: MetricContext, folder: str, keep) -> Path:
     """The file in `folder` that holds the metric's value for ctx (see cached_metric)."""
     key = [name, units, run.source.path, run.source.gguf_file, keep, ctx.seed, run.config.dtype]
+    if (passes := run_pass_dtype(run.config, run.model)) != run.config.dtype:  # (float32 passes keep their old keys)
+        key.append({"passes": passes})
     if METRICS[name].greedy and ctx.finalists:  # (another order than SLEB's own; entries without finalists keep their key)
         key.append({"finalists": ctx.finalists})
     h = hashlib.sha1(json.dumps(key).encode())
@@ -179,18 +182,19 @@ def fresh_state(run: "PruneRun") -> RunState:
     needs_data = any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())
     n = max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
     batches = [run.init_sampler.next_batch() for _ in range(n)] if needs_data else []
-    statistics_pass(run, batches, statistics_readers(run, batches))  # (the dense model's, before anything is masked)
-    with run.phases("init metric"):
-        z = initial_metric(run, batches)
+    with run_passes(run):  # (bfloat16 matrix products where the CPU runs them natively: --pass-dtype)
+        statistics_pass(run, batches, statistics_readers(run, batches))  # (the dense model's, before any mask)
+        with run.phases("init metric"):
+            z = initial_metric(run, batches)
+        run.call_hooks("before_scores", batches)
     keep0, mix = run.keep_ratio_at(0), None
-    run.call_hooks("before_scores", batches)
     comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
     if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
         first = [] if c.init_data == "all" else list(run.val_batches or [])  # (all: as a one-shot run chooses it)
         wanted = c.mix_batches + c.mix_refine_batches
         mix_on = (first + batches)[:wanted]
         mix_on += [run.init_sampler.next_batch() for _ in range(wanted - len(mix_on))]  # (metrics without data)
-        with run.phases("joint mix"):
+        with run.phases("joint mix"), run_passes(run):
             scores, mix = choose_mix(run, z, mix_on[:c.mix_batches], keep0, comparable=frozenset(comparable),
                                      more=mix_on[c.mix_batches:])
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all

@@ -193,6 +193,7 @@ def speedup(skeleton: Skeleton, params_removed: int) -> float:
 # in the order a fresh run first enters them.
 RUN_PHASES = ("load", "statistics", "init metric", "refit statistics", "joint mix", "validation", "refit",
               "evaluations", "steps", "export")
+PASS_PHASES = ("statistics", "init metric", "refit statistics", "joint mix")  # the one-shot passes (--pass-dtype)
 # The constants of the cost model, few and fixed (not fitted per run); calibrated on the default model's
 # 10-minute runs (bench/results/must_show/tb10-*) and on the tiny model's default run, 2 CPU cores:
 DATA_SECONDS = 5.0  # reading and tokenising the calibration documents and WikiText-2 (about 6.5 M characters)
@@ -419,16 +420,19 @@ def export_seconds(config, skeleton: Skeleton) -> float:
 
 def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source: str,
               dense_cached: bool = False, in_memory: bool = False, dequantise: bool | None = None,
-              load: float | None = None, done_steps: int | None = None) -> TimePlan:
+              load: float | None = None, done_steps: int | None = None,
+              pass_seconds_per_token: float | None = None) -> TimePlan:
     """Seconds of each phase a run records (RUN_PHASES): its forward tokens (phase_tokens) times the measured
-    seconds per token, plus what is no forward: loading (load_seconds; `load`: the seconds it took, where the
-    plan is made once the model and the data are in memory, as a run makes it) and the export. Under
+    seconds per token (the one-shot passes' own rate where their --pass-dtype was measured apart:
+    `pass_seconds_per_token`), plus what is no forward: loading (load_seconds; `load`: the seconds it took, where
+    the plan is made once the model and the data are in memory, as a run makes it) and the export. Under
     --time-budget the steps fill what the budget leaves."""
     tokens = phase_tokens(config, skeleton, dense_cached, done_steps)
     phases = {"load": load_seconds(skeleton, config.dtype, in_memory, dequantise) if load is None else load}
     for phase in RUN_PHASES:
         if phase in tokens:
-            phases[phase] = tokens[phase] * seconds_per_token
+            rate = pass_seconds_per_token if phase in PASS_PHASES and pass_seconds_per_token else seconds_per_token
+            phases[phase] = tokens[phase] * rate
     phases["export"] = export_seconds(config, skeleton)
     if config.time_budget and "steps" in phases:
         rest = sum(v for k, v in phases.items() if k != "steps")
@@ -454,10 +458,21 @@ def rate_from_runs(runs: list[tuple[dict, dict]], model: str, dtype: str) -> tup
     return rates[len(rates) // 2], len(rates)
 
 
-def probe_key(model: str, dtype: str, batch_size: int, seqlen: int) -> str:
+def probe_key(model: str, dtype: str, batch_size: int, seqlen: int, passes: str | None = None) -> str:
+    """The probe cache's key; `passes`: a forward autocast to that dtype (the one-shot passes', when not `dtype`)."""
     import torch
 
-    return f"{model}|{dtype}|{batch_size}x{seqlen}|{torch.get_num_threads()} threads"
+    return (f"{model}|{dtype}|{batch_size}x{seqlen}|{torch.get_num_threads()} threads"
+            + (f"|passes {passes}" if passes and passes != dtype else ""))
+
+
+def pass_dtype_of(config) -> str | None:
+    """The dtype a config's one-shot passes run in where it is not its weights' (their rate is probed apart), else
+    None."""
+    from .precision import resolve_pass_dtype
+
+    passes = resolve_pass_dtype(config.pass_dtype, config.dtype, str(config.device).split(":")[0])
+    return passes if passes != config.dtype else None
 
 
 def cached_probe(cache: Path | None, key: str) -> float | None:
@@ -472,18 +487,20 @@ def cached_probe(cache: Path | None, key: str) -> float | None:
 
 
 def probe_seconds_per_token(skeleton: Skeleton, dtype: str, batch_size: int, seqlen: int, cache: Path | None = None,
-                            repeats: int = 3, model=None, min_seconds: float = 1.0) -> float:
+                            repeats: int = 3, model=None, min_seconds: float = 1.0, passes: str | None = None) -> float:
     """Seconds per token of a dense forward on this machine: the model built from its config with random
     weights (no file is read), or `model` itself (a run's, on its device), one (batch x seqlen) forward to warm
     up, then the median of `repeats` or more, until they took `min_seconds` (a small model's forwards are many
     and short: the median of a few would catch a moment of the other work on shared cores, not the typical
-    forward a run gets). Cached in `cache` (a folder) under the model, dtype, batch shape and thread count."""
+    forward a run gets). Cached in `cache` (a folder) under the model, dtype, batch shape and thread count.
+    passes: the forwards autocast to that dtype (the one-shot passes' rate, engine/precision.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from .loading import DTYPES
+    from .precision import pass_precision
 
-    key = probe_key(skeleton.name, dtype, batch_size, seqlen)
+    key = probe_key(skeleton.name, dtype, batch_size, seqlen, passes)
     if (hit := cached_probe(cache, key)) is not None:
         return hit
     own = model is None
@@ -493,7 +510,7 @@ def probe_seconds_per_token(skeleton: Skeleton, dtype: str, batch_size: int, seq
     ids = torch.randint(0, skeleton.vocab_size, (batch_size, seqlen), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
-    with torch.no_grad():
+    with torch.no_grad(), pass_precision(passes or dtype, device.type):
         for i in range(10_000):
             sync()
             t = time.perf_counter()

@@ -10,6 +10,7 @@ from .distributed import shares
 from .io import atomic_write_text
 from .loading import count_parameters
 from .phases import phase_line
+from .precision import run_pass_dtype
 from .rundir import MODEL_DIR, RESULTS_FILE
 from .runplan import PLAN_KEY
 from .runstate import RunState, peak_rss_mb
@@ -60,6 +61,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "time_budget": c.time_budget,  # minutes, or None
         "time_used": state.time_used,  # --time-budget: the wall seconds at the last step, all sessions
         "peak_rss_mb": peak_rss_mb(),  # (of rank 0 in a data-parallel run)
+        "pass_dtype": run_pass_dtype(c, run.model),  # the one-shot passes' matrix products (--pass-dtype)
         "world_size": run.world.size,  # torchrun's ranks in the session that finished the run
         "mask_samples_by_rank": shares(c.num_mask_samples, run.world.size),  # which rank ran which of the N_s samples
         "worlds": state.worlds,  # each session's ranks from the step it started at

@@ -17,16 +17,18 @@ if TYPE_CHECKING:  # annotations only
 PLAN_KEY = "plan_seconds_by_phase"  # results.json's key of the plan the run started with
 
 
-def run_rate(run: "PruneRun", skeleton) -> tuple[float, str]:
-    """(seconds per token of a dense forward, where it comes from)."""
+def run_rate(run: "PruneRun", skeleton, passes: str | None = None) -> tuple[float, str]:
+    """(seconds per token of a dense forward, where it comes from); passes: of one autocast to that dtype (the
+    one-shot passes', engine/precision.py)."""
     from .plan import cached_probe, probe_key, probe_seconds_per_token
     from .ppl_cache import cache_dir
 
     c = run.config
-    hit = cached_probe(cache_dir(), probe_key(c.model, c.dtype, c.batch_size, c.seqlen))
+    hit = cached_probe(cache_dir(), probe_key(c.model, c.dtype, c.batch_size, c.seqlen, passes))
     if hit is not None:
         return hit, "a probe of this machine (cached)"
-    rate = probe_seconds_per_token(skeleton, c.dtype, c.batch_size, c.seqlen, cache=cache_dir(), model=run.model)
+    rate = probe_seconds_per_token(skeleton, c.dtype, c.batch_size, c.seqlen, cache=cache_dir(), model=run.model,
+                                   passes=passes)
     return rate, "a probe of this machine (one dense forward of a batch)"
 
 
@@ -36,14 +38,17 @@ def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, floa
     evaluation windows): its "load" is what loading took until then (the CLI's imports, the model, the data and
     the probe), the rest is planned. A fresh run (done_steps None) or one resumed at done_steps. Logged."""
     from .hooks.reconstruction import Reconstruction
-    from .plan import plan_time, skeleton_of
+    from .plan import pass_dtype_of, plan_time, skeleton_of
 
     c = run.config
     skeleton = skeleton_of(run.model, c.model, "gguf" if run.source.gguf_file else "folder")
     rate, source = run_rate(run, skeleton)
+    passes = pass_dtype_of(c)  # (the one-shot passes' own rate, when they run in another dtype)
+    pass_rate = run_rate(run, skeleton, passes)[0] if passes else None
     dense_cached = run.masks.cached_dense()[1] is not None
     plan = plan_time(c, skeleton, rate, source, dense_cached=dense_cached, done_steps=done_steps,
-                     load=time.monotonic() - run.started if done_steps is None else run.phases.seconds["load"])
+                     load=time.monotonic() - run.started if done_steps is None else run.phases.seconds["load"],
+                     pass_seconds_per_token=pass_rate)
     phases = dict(plan.phases)
     if any(isinstance(h, Reconstruction) and h.skipped for h in run.hooks):  # (no statistics, no refit)
         phases.pop("refit statistics", None)
@@ -54,7 +59,8 @@ def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, floa
     out.update(other=0.0, total=round(sum(phases.values()), 1))
     run.log(f"plan: about {out['total']:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in out.items()
                                                        if k not in ("other", "total") and v >= 1)
-            + f"); {rate * 1e3:.4f} ms per token from {source}")
+            + f"); {rate * 1e3:.4f} ms per token from {source}"
+            + (f" ({pass_rate * 1e3:.4f} in the one-shot passes' {passes})" if pass_rate else ""))
     return out
 
 

@@ -535,7 +535,8 @@ def _rate(config, skeleton) -> tuple[float, str, bool]:
 def plan_panel(config, problem: str | None) -> float | None:
     """The plan above Start: parameters removed, time, peak memory, speed-up. Returns the estimated seconds."""
     from engine.errors import UserError
-    from engine.plan import budget_trades, model_skeleton, plan_memory, plan_time, probe_seconds_per_token, speedup
+    from engine.plan import (budget_trades, cached_probe, model_skeleton, pass_dtype_of, plan_memory, plan_time,
+                             probe_key, probe_seconds_per_token, speedup)
     from engine.ppl_cache import cache_dir
     from engine.unit_types import UNIT_TYPES
 
@@ -552,10 +553,18 @@ def plan_panel(config, problem: str | None) -> float | None:
         box.error(f"error: {e}")
         return None
     rate, source, measured = _rate(config, skeleton)
+    passes = pass_dtype_of(config)  # (the one-shot passes in bfloat16: their own rate, once probed)
     if not measured and skeleton.params_total < 20e6:  # a small model: probing costs well under a second
         rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache_dir())
         source, measured = "a probe of this machine (one dense forward of a batch)", True
-    times = plan_time(config, skeleton, rate, source)
+    pass_rate = None
+    if passes:
+        pass_rate = cached_probe(cache_dir(), probe_key(config.model, config.dtype, config.batch_size, config.seqlen,
+                                                        passes))
+        if pass_rate is None and measured and skeleton.params_total < 20e6:
+            pass_rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen,
+                                                cache=cache_dir(), passes=passes)
+    times = plan_time(config, skeleton, rate, source, pass_seconds_per_token=pass_rate)
     total = config.time_budget * 60 if config.time_budget else times.total
     memory = plan_memory(config, skeleton)
     peaks = [r.results["peak_rss_mb"] for r in runs() if r.results and r.results.get("peak_rss_mb")
@@ -585,7 +594,9 @@ def plan_panel(config, problem: str | None) -> float | None:
                     removal.layers_removed else "") + ".")
     phases = " · ".join(f"{k} {fmt_seconds(v)}" for k, v in times.phases.items() if v >= 0.5)
     box.caption(f"Time: {phases}" + (f" (the time budget stops it at {config.time_budget:g} min)" if config.time_budget else "")
-                + f". Rate: {rate * 1e3:.3f} ms per token, from {source}."
+                + f". Rate: {rate * 1e3:.3f} ms per token, from {source}"
+                + (f"; the one-shot passes in {passes}: {pass_rate * 1e3:.3f}" if pass_rate else
+                   f"; the one-shot passes will run in {passes} (planned at this rate)" if passes else "") + "."
                 + (f" Earlier runs of this model peaked at {max(peaks) / 1e3:.1f} GB." if peaks else ""))
     for trade in budget_trades(config, times):  # (what the time budget would trade for time: said before Start)
         box.warning(trade[0].upper() + trade[1:] + ".", icon=":material/timer:")
@@ -593,7 +604,9 @@ def plan_panel(config, problem: str | None) -> float | None:
                                    help="One forward of a calibration batch through the model built with random "
                                         "weights (no file is read); remembered for this model and batch shape."):
         with st.spinner("Measuring one forward…"):
-            probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache_dir())
+            for dtype in dict.fromkeys([None, passes]):
+                probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache_dir(),
+                                        passes=dtype)
         st.rerun()
     return total
 

@@ -27,13 +27,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+# "auto" one-shot passes run in float32 on any CPU (engine/precision.py): the same results on an AVX-512 BF16 machine as
+# elsewhere; tests/test_precision.py sets it per test
+os.environ["PG_PRUNE_NATIVE_BF16"] = "0"
 os.environ.setdefault("PG_PRUNE_APP_FOLDERS", os.pathsep.join([str(REPO.parent / "shared"), tempfile.gettempdir()]))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """Environment for child processes: offline, quiet, and without the repository on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PG_PRUNE_DATA_DIR")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               PG_PRUNE_NATIVE_BF16="0")  # (engine_in_process builds it from an emptied environment)
     env.update(extra)
     return env
 

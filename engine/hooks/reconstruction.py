@@ -13,6 +13,7 @@ import math
 from contextlib import ExitStack, contextmanager
 
 from ..reconstruction import InputMoments, available_memory, moments_bytes, reconstructed
+from ..precision import run_passes
 from ..statistics import init_stream, one_pass
 from ..unit_types import UNIT_TYPES, layer_unit_types
 from .base import RunHook
@@ -85,7 +86,7 @@ class Reconstruction(RunHook):
                     sampler = r.sampler.reseeded(c.seed + STREAM)
                     batches = [sampler.next_batch() for _ in range(reader.batches)]
                 r.log(f"reconstruction: input statistics of the output projections on {len(batches)} calibration batches")
-                with r.phases("statistics"):
+                with r.phases("statistics"), run_passes(r):
                     one_pass(r.adapter, batches, [reader], r.world, r.log)
             self.moments, self.batches = reader.result, reader.batches
             if reader.batches < reader.asked:

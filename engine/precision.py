@@ -1,0 +1,82 @@
+"""The dtype of a fresh run's one-shot passes: the statistics pass, the init metric and the joint mix.
+
+These passes only rank and measure (FLAP's moments, the refit's moments, Layerwise-PPL's losses, the mix's scores);
+where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), torch's autocast runs their matrix products in
+bfloat16 at about 3x the float32 speed, the weights and every sum staying float32. The evaluations, the steps and
+the refit's solve keep the run's --dtype.
+
+    with pass_precision(resolve_pass_dtype("auto", "float32", "cpu"), "cpu"):
+        ...  # forwards whose matrix products run in bfloat16 on a CPU with native bfloat16, else as before
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+PASS_DTYPES = ("auto", "float32", "bfloat16")
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names for a CPU that multiplies bfloat16 itself
+NATIVE_ENV = "PG_PRUNE_NATIVE_BF16"
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The feature flags of the first processor in a /proc/cpuinfo text (empty when it has none)."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def native_bf16_cpu(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Does this CPU run bfloat16 matrix products natively (AVX-512 BF16 or AMX)? False where it cannot say.
+    $PG_PRUNE_NATIVE_BF16 (1 or 0) answers instead of the CPU (the test suite sets 0: the same runs on any CPU)."""
+    told = os.environ.get(NATIVE_ENV, "").strip()
+    if told in ("0", "1"):
+        return told == "1"
+    return _cpu_has_bf16(cpuinfo_path)
+
+
+@functools.cache
+def _cpu_has_bf16(cpuinfo_path: str) -> bool:
+    try:
+        flags = cpu_flags(Path(cpuinfo_path).read_text())
+    except OSError:
+        return False
+    return any(f in flags for f in NATIVE_BF16_FLAGS)
+
+
+def resolve_pass_dtype(setting: str, weights_dtype: str, device: str, native: bool | None = None) -> str:
+    """The dtype the one-shot passes run in: float32 or bfloat16. auto is bfloat16 for float32 weights on a CPU with
+    native bfloat16 (native: that answer, default this machine's), else the weights' own (float32 there: nothing
+    changes); float32 is the weights' own dtype, whatever it is; bfloat16 asks for it anywhere."""
+    if setting == "bfloat16":
+        return "bfloat16"
+    if setting == "auto" and weights_dtype == "float32" and device == "cpu":
+        return "bfloat16" if (native_bf16_cpu() if native is None else native) else weights_dtype
+    return weights_dtype
+
+
+def pass_precision(dtype: str, device_type: str = "cpu"):
+    """The context the one-shot passes run in: torch's autocast to bfloat16, or nothing for any other dtype."""
+    if dtype != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def run_pass_dtype(config, model) -> str:
+    """A run's one-shot passes' dtype (its --pass-dtype resolved on the device its model is on)."""
+    from .loading import model_device
+
+    return resolve_pass_dtype(config.pass_dtype, config.dtype, model_device(model).type)
+
+
+def run_passes(run):
+    """The context of a run's one-shot passes (run_pass_dtype's autocast)."""
+    from .loading import model_device
+
+    return pass_precision(run_pass_dtype(run.config, run.model), model_device(run.model).type)

@@ -1,0 +1,111 @@
+"""Issue 51, item 5: the one-shot passes (the statistics pass, the init metric, the joint mix) in bfloat16 where the
+CPU runs it natively (engine/precision.py, --pass-dtype); the evaluations, the steps and the weights keep --dtype."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from engine import precision
+from engine.arch import ModelAdapter
+from engine.config import PRESETS, PruneConfig
+from engine.precision import cpu_flags, native_bf16_cpu, pass_precision, resolve_pass_dtype
+from engine.pruner import PruneRun
+from engine.statistics import ColumnMoments, one_pass
+
+from test_adapters_export import build_model
+from test_one_pass import stream_of
+from test_pruner import quiet, small_config
+
+ZEN5 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni\nbugs\t\t: none\n"
+AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+SAPPHIRE = "flags\t\t: avx512f amx_bf16 amx_tile\n"
+
+
+def test_cpu_flags_are_read_from_the_first_flags_line():
+    assert "avx512_bf16" in cpu_flags(ZEN5) and "avx2" in cpu_flags(AVX2)
+    assert cpu_flags("processor\t: 0\n") == set()
+
+
+@pytest.mark.parametrize("text, native", [(ZEN5, True), (AVX2, False), (SAPPHIRE, True)], ids=["avx512-bf16", "avx2", "amx"])
+def test_the_cpu_says_whether_it_runs_bfloat16_natively(text, native, tmp_path, monkeypatch):
+    monkeypatch.delenv(precision.NATIVE_ENV, raising=False)
+    info = tmp_path / "cpuinfo"
+    info.write_text(text)
+    assert native_bf16_cpu(str(info)) is native
+    assert native_bf16_cpu(str(tmp_path / "missing")) is False  # (a machine that cannot say: float32)
+    monkeypatch.setenv(precision.NATIVE_ENV, "0" if native else "1")  # (the environment answers instead)
+    assert native_bf16_cpu(str(info)) is not native
+
+
+@pytest.mark.parametrize("setting, weights, device, native, expected", [
+    ("auto", "float32", "cpu", True, "bfloat16"),
+    ("auto", "float32", "cpu", False, "float32"),
+    ("auto", "float32", "cuda", True, "float32"),  # (a GPU: the weights' dtype unless asked)
+    ("auto", "float16", "cpu", True, "float16"),  # (weights in a half type: nothing to gain)
+    ("float32", "float32", "cpu", True, "float32"),
+    ("bfloat16", "float32", "cpu", False, "bfloat16"),  # (asked for: anywhere, even emulated)
+])
+def test_the_pass_dtype_resolves(setting, weights, device, native, expected):
+    assert resolve_pass_dtype(setting, weights, device, native) == expected
+
+
+def test_the_bfloat16_context_autocasts_matrix_products_and_float32_changes_nothing():
+    layer, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
+    with pass_precision("bfloat16"):
+        assert layer(x).dtype == torch.bfloat16
+    with pass_precision("float32"):
+        assert torch.equal(layer(x), layer(x)) and layer(x).dtype == torch.float32
+    assert layer(x).dtype == torch.float32  # (the context ends with its block)
+
+
+def test_statistics_in_bfloat16_are_close_to_float32():
+    """FLAP's column moments from a bfloat16 pass: within bfloat16's rounding of the float32 pass's (its 8-bit
+    mantissa: about 0.4 % a product), never equal to them (the pass did run in bfloat16)."""
+    model = build_model("llama")
+    adapter, stream = ModelAdapter.for_model(model), stream_of(model, 3)
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        reader = ColumnMoments(3)
+        with pass_precision(dtype):
+            one_pass(adapter, stream, [reader])
+        got[dtype] = reader.result
+    (m32, s32, n32), (m16, s16, n16) = got["float32"], got["bfloat16"]
+    assert n32 == n16 and m32.keys() == m16.keys()
+    for k in s32:
+        assert torch.allclose(s16[k], s32[k], rtol=0.05, atol=1e-3 * float(s32[k].abs().max())), k
+    assert any(not torch.equal(s16[k], s32[k]) for k in s32)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native-bf16-cpu", "other-cpu"])
+def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, tiny, tiny_path, small_eval_file, tmp_path,
+                                                                   monkeypatch):
+    """The default --pass-dtype auto on a CPU with native bfloat16: the statistics pass, Layerwise-PPL and the joint
+    mix's forwards multiply in bfloat16; the evaluations and the steps in float32; results.json says which. On
+    another CPU every phase is float32."""
+    monkeypatch.setenv(precision.NATIVE_ENV, native)
+    model, tokenizer = tiny
+    config = small_config(tiny_path, small_eval_file, **{**PRESETS["joint"], "init_batches": 2}, steps=2, budget="params", prune_ratio=0.6, reconstruct=True,
+                          reconstruct_batches=2, refit_stream="init", mix_batches=2, pass_dtype="auto")
+    assert PruneConfig().pass_dtype == "auto"  # (the default; a config saved before it was float32's: .of migrates)
+    run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tokenizer, log=quiet)
+    seen: dict[str, set] = defaultdict(set)
+
+    def record(module, args, out):
+        seen[run.phases.stack[-1][0] if run.phases.stack else None].add(out.dtype)
+
+    handles = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        results = run.run(progress=False)
+    finally:
+        for h in handles:
+            h.remove()
+    passes = torch.bfloat16 if native == "1" else torch.float32
+    assert results["pass_dtype"] == str(passes).removeprefix("torch.")
+    for phase in ("statistics", "init metric", "joint mix"):
+        assert seen[phase] == {passes}, (phase, str(dict(seen)))
+    for phase in ("evaluations", "steps"):
+        assert seen[phase] == {torch.float32}, (phase, dict(seen))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
