@@ -19,6 +19,7 @@
 #   bash bench/must_show.sh oneshot 0 1 2  # issue 51: the default run without --time-budget to its final mask, one step
 #                                          # (--steps 1: the phases before the steps are the 50-step run's), each seed
 #                                          # with the one-shot passes in float32 and in bfloat16 (--pass-dtype)
+#   bash bench/must_show.sh oneshot-rb 128 0 1 2  # the same in bfloat16 with the refit's statistics on 128 batches
 #   bash bench/must_show.sh default        # issue 25: the default run (python -m engine prune --prune-ratio 0.3), whose
 #                                          # duration bench/plan_check.py compares with the app's estimate
 set -euo pipefail
@@ -40,7 +41,10 @@ case $what in
   flap16) run "flap30-b16-$(git rev-parse --short HEAD)" --method flap --units heads,channels --prune-ratio 0.3 --init-batches 16 ;;
   default) run default30 --prune-ratio 0.3 ;;
   warm) run "warm-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --steps 1 --init-batches 1 --layer-init-batches 1 \
-          --reconstruct-batches 1 --mix-batches 1 --val-every 0 --no-eval-init ;;
+          --reconstruct-batches 1 --mix-batches 1 --val-batches 1 --no-eval-init ;;
+  oneshot-rb) batches=$1; shift; for seed in "$@"; do
+                run "oneshot-bfloat16-rb$batches-s$seed-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --steps 1 \
+                  --seed "$seed" --pass-dtype bfloat16 --reconstruct-batches "$batches"; done ;;
   oneshot) for seed in "$@"; do for dtype in float32 bfloat16; do
              run "oneshot-$dtype-s$seed-$(git rev-parse --short HEAD)" --prune-ratio 0.3 --steps 1 --seed "$seed" \
                --pass-dtype "$dtype"; done; done ;;
@@ -50,5 +54,5 @@ case $what in
            --time-budget 10 --seed "$seed"; done ;;
   joint) for seed in "$@"; do run "tb10-joint-s$seed-$(git rev-parse --short HEAD)" --preset joint --prune-ratio 0.3 \
            --time-budget 10 --seed "$seed"; done ;;
-  *) echo "usage: bash bench/must_show.sh flap | flap-again | flap16 | default | warm | oneshot SEED... | budget SEED... | budget-again SEED... | width SEED... | joint SEED..." >&2; exit 2 ;;
+  *) echo "usage: bash bench/must_show.sh flap | flap-again | flap16 | default | warm | oneshot SEED... | oneshot-rb BATCHES SEED... | budget SEED... | budget-again SEED... | width SEED... | joint SEED..." >&2; exit 2 ;;
 esac

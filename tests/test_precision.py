@@ -109,3 +109,18 @@ def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, tiny, 
     for phase in ("evaluations", "steps"):
         assert seen[phase] == {torch.float32}, (phase, dict(seen))
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_bench_counts_mask_differences_as_the_model_runs_them(monkeypatch):
+    """bench/pass_dtype.py: a channel inside a removed layer is removed whatever its own mask says, so two masks
+    that differ only there do not differ."""
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from pass_dtype import mask_differences
+
+    a = {"layers": torch.tensor([1.0, 0.0]), "channels": torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0])}
+    b = {"layers": torch.tensor([1.0, 0.0]), "channels": torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])}
+    assert mask_differences(a, b) == {"channels": 1, "layers": 0}  # (channel 1; 3-5 are in the removed layer)
+    b["layers"] = torch.tensor([1.0, 1.0])
+    assert mask_differences(a, b) == {"channels": 3, "layers": 1}  # (1, and 4 and 5 in the layer b now keeps)
