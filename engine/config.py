@@ -256,10 +256,10 @@ class PruneConfig:
                                      "its constant term), for the joint mix's candidates, the final evaluation and the "
                                      "export; results.json keeps the perplexity before it. On by default; whole layers "
                                      "alone have nothing to refit")
-    reconstruct_batches: int = setting(64, minimum=1, label="Reconstruction batches",
+    reconstruct_batches: int = setting(128, minimum=1, label="Reconstruction batches",
                                        help="calibration batches of the reconstruction's statistics (the first batches of "
                                             "the init stream, read in one pass with the init metric's; more batches cost "
-                                            "more forwards; 16 against 64: docs/results.md)")
+                                            "more forwards and fit the refit better: docs/results.md)")
     refit_stream: str = setting("init", choices=("init", "own"), label="Reconstruction stream", help=(
         "the calibration batches the reconstruction's statistics read: init (the init metric's stream, in one "
         "statistics pass with it) or own (a stream of their own, as runs before the one pass read)"))

@@ -189,22 +189,22 @@ def test_the_one_pass_run_is_the_separate_passes_run(case, model_and_tokenizer, 
 
 
 def test_the_default_runs_statistics_forwards_counted(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
-    """The default run's batch counts (the joint preset: FLAP on 16 init batches, compensation, the refit on 64):
-    80 statistics forwards in separate passes (FLAP's 16, the compensation reading FLAP's from the memo, the refit's
-    64), 64 in one pass. Counted on the tiny model; the count does not depend on the model while the refit's
+    """The default run's batch counts (the joint preset: FLAP on 16 init batches, compensation, the refit on 128):
+    144 statistics forwards in separate passes (FLAP's 16, the compensation reading FLAP's from the memo, the
+    refit's 128), 128 in one pass. Counted on the tiny model; the count does not depend on the model while the refit's
     float64 sums fit in one group (2 GiB: SmolLM2-135M's are 0.65 GiB)."""
     defaults = PruneConfig()
     config = config_for(tiny_path, small_eval_file, "joint", init_batches=PRESETS["joint"]["init_batches"],
                         reconstruct_batches=defaults.reconstruct_batches, layer_init_batches=defaults.layer_init_batches,
                         batch_size=2, seqlen=16, steps=1, val_every=0, final_mask="last", mix_refit=defaults.mix_refit)
-    assert (config.init_batches, config.reconstruct_batches) == (16, 64)
+    assert (config.init_batches, config.reconstruct_batches) == (16, 128)
     seen = counting(monkeypatch)
     run(tiny[0], tiny[1], config, tmp_path / "one")
     one = len(seen)
     seen.clear()
     monkeypatch.setattr(initialise, "statistics_pass", lambda *a, **kw: None)
     run(tiny[0], tiny[1], config, tmp_path / "separate")
-    assert (one, len(seen)) == (64, 80)
+    assert (one, len(seen)) == (128, 16 + 128)
 
 
 def test_a_run_with_the_one_pass_resumes_as_an_uninterrupted_one(tiny, tiny_path, small_eval_file, tmp_path):
@@ -314,4 +314,5 @@ def test_the_apps_plan_warns_before_start(tmp_path, monkeypatch):
     assert not any("refit's statistics" in w.value for w in at.warning)
     at.number_input(key="time_budget").set_value(0.05).run()  # 3 s: nothing left for the statistics
     said = [w.value for w in at.warning if "refit's statistics" in w.value]
-    assert len(said) == 1 and "--reconstruct-batches 64) to about 8 batches" in said[0], [w.value for w in at.warning]
+    wanted = f"--reconstruct-batches {PruneConfig().reconstruct_batches}) to about 8 batches"
+    assert len(said) == 1 and wanted in said[0], [w.value for w in at.warning]
