@@ -83,9 +83,11 @@ VARIANTS = {
 
 def cell_argv(rate: float, seed: int, source: str, reward: str = "ce", extra: list[str] = ()) -> list[str]:
     # (--refit-stream own: the refit's statistics on the stream every cell of the study read before the one
-    # statistics pass made the init stream the default; --pass-dtype float32 and --reconstruct-batches 64: what every cell ran, on any CPU, before they changed)
+    # statistics pass made the init stream the default; --pass-dtype float32 and --reconstruct-batches 64: what
+    # every cell ran, on any CPU, before they changed)
     return ["prune", "--prune-ratio", str(rate), "--seed", str(seed), "--calib", str(calib_folder()),
-            "--calib-source", source, "--reward", reward, "--refit-stream", "own", "--pass-dtype", "float32", "--reconstruct-batches", "64", *extra]
+            "--calib-source", source, "--reward", reward, "--refit-stream", "own", "--pass-dtype", "float32",
+            "--reconstruct-batches", "64", *extra]
 
 
 def pg_name(args) -> str:
