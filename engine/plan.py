@@ -469,9 +469,9 @@ def probe_key(model: str, dtype: str, batch_size: int, seqlen: int, passes: str 
 def pass_dtype_of(config) -> str | None:
     """The dtype a config's one-shot passes run in where it is not its weights' (their rate is probed apart), else
     None."""
-    from .precision import resolve_pass_dtype
+    from .precision import run_pass_dtype
 
-    passes = resolve_pass_dtype(config.pass_dtype, config.dtype, str(config.device).split(":")[0])
+    passes = run_pass_dtype(config)
     return passes if passes != config.dtype else None
 
 

@@ -68,11 +68,13 @@ def pass_precision(dtype: str, device_type: str = "cpu"):
     return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
-def run_pass_dtype(config, model) -> str:
-    """A run's one-shot passes' dtype (its --pass-dtype resolved on the device its model is on)."""
+def run_pass_dtype(config, model=None) -> str:
+    """A run's one-shot passes' dtype: its --pass-dtype resolved on the device its model is on (without a model,
+    on its --device: what a plan made before loading says)."""
     from .loading import model_device
 
-    return resolve_pass_dtype(config.pass_dtype, config.dtype, model_device(model).type)
+    device = model_device(model).type if model is not None else str(config.device).split(":")[0]
+    return resolve_pass_dtype(config.pass_dtype, config.dtype, device)
 
 
 def run_passes(run):

@@ -359,7 +359,8 @@ def test_the_metric_cache_extends_sleb_s_order(tmp_path, monkeypatch):
     batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
     logged: list[str] = []
     run = SimpleNamespace(world=World(), source=SimpleNamespace(path="m", gguf_file=None),
-                          config=SimpleNamespace(dtype="float32"), log=logged.append)
+                          config=SimpleNamespace(dtype="float32", pass_dtype="float32", device="cpu"), model=None,
+                          log=logged.append)
 
     def sleb(keep):
         logged.clear()
@@ -393,7 +394,8 @@ def test_sleb_stores_its_order_after_each_removal(tmp_path, monkeypatch):
     a = ModelAdapter.for_model(build_model("llama"))
     batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
     run = SimpleNamespace(world=World(), source=SimpleNamespace(path="m", gguf_file=None),
-                          config=SimpleNamespace(dtype="float32"), log=lambda line: None)
+                          config=SimpleNamespace(dtype="float32", pass_dtype="float32", device="cpu"), model=None,
+                          log=lambda line: None)
     ctx = lambda: MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=0.34)  # noqa: E731 (2 removals)
     reference = cached_metric(run, "sleb", ["layers"], ctx())
     (entry,) = tmp_path.iterdir()
@@ -434,7 +436,8 @@ def test_without_a_cache_sleb_keeps_its_order_in_the_run_folder_until_the_first_
     batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
     logged: list[str] = []
     run = SimpleNamespace(world=World(), source=SimpleNamespace(path="m", gguf_file=None), out=tmp_path / "run",
-                          config=SimpleNamespace(dtype="float32"), log=logged.append)
+                          config=SimpleNamespace(dtype="float32", pass_dtype="float32", device="cpu"), model=None,
+                          log=logged.append)
     ctx = lambda keep: MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=keep)  # noqa: E731
     first = initialise.cached_metric(run, "sleb", ["layers"], ctx(0.67))
     (entry,) = (tmp_path / "run" / INIT_PROGRESS_DIR).iterdir()

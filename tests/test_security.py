@@ -179,7 +179,8 @@ def test_a_crafted_metric_cache_entry_runs_nothing(tmp_path, monkeypatch):
     a = ModelAdapter.for_model(build_model("llama"))
     batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
     run = SimpleNamespace(world=World(), source=SimpleNamespace(path="m", gguf_file=None),
-                          config=SimpleNamespace(dtype="float32"), log=lambda line: None)
+                          config=SimpleNamespace(dtype="float32", pass_dtype="float32", device="cpu"), model=None,
+                          log=lambda line: None)
     ctx = lambda: MetricContext(a, _Layout(unit_sizes(a)), batches, keep_ratio=0.67)  # noqa: E731
     cached_metric(run, "sleb", ["layers"], ctx())
     (entry,) = cache.iterdir()
