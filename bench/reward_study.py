@@ -384,12 +384,16 @@ def report(args) -> None:
             lines.append(f"| {d['cell']} | {rule} | {d['counts'][str(k)]['layers_removed']} | "
                          f"{ev.get('wikitext', float('nan')):.2f} | {ev.get('c4', float('nan')):.2f} | "
                          f"{'' if zs is None else f'{zs:.4f}'} |")
-    lines += ["", "## PG cells", "", "| cell | steps | init WikiText | WikiText | held-out C4 | zero-shot | CPU min |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "## PG cells", "", "(the init refit: the curve stage's step 0, where it ran; the final mask refit)", "",
+              "| cell | steps | init WikiText (unrefit) | init refit: WikiText / held-out C4 | WikiText | held-out C4 "
+              "| zero-shot | CPU min |", "|---|---|---|---|---|---|---|---|"]
     for f in sorted((OUT / "pg").glob("*/heldout.json")):
         ev, res = json.loads(f.read_text()), json.loads((f.parent / "results.json").read_text())
         zs = ev.get("zeroshot", {}).get("mean")
-        lines.append(f"| {f.parent.name} | {res['steps']} | {res['ppl_init']:.2f} | {ev['wikitext']:.2f} | "
+        curve = f.parent / "curve.json"
+        p0 = json.loads(curve.read_text())["points"].get("0", {}) if curve.is_file() else {}
+        init = f"{p0['wikitext']:.2f} / {p0['c4']:.2f}" if "wikitext" in p0 and "c4" in p0 else ""
+        lines.append(f"| {f.parent.name} | {res['steps']} | {res['ppl_init']:.2f} | {init} | {ev['wikitext']:.2f} | "
                      f"{ev['c4']:.2f} | {'' if zs is None else f'{zs:.4f}'} | {ev['cpu_seconds_run'] / 60:.1f} |")
     text = "\n".join(lines) + "\n"
     (OUT / "table.md").write_text(text)

@@ -122,3 +122,27 @@ def test_step_cost_passes_its_settings_to_its_workers_as_they_parse_them(monkeyp
         for key, value in vars(parent).items():
             if key not in step_cost.PARENT_ONLY:
                 assert getattr(worker, key) == value, key
+
+
+def test_the_reward_study_report_puts_a_pg_cells_refit_init_beside_its_final_mask(monkeypatch, tmp_path, capsys):
+    """bench/reward_study.py report: a PG cell's row has its init refit (the curve stage's step 0) where the curve ran,
+    and an empty cell there where it did not."""
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reward_study
+
+    monkeypatch.setattr(reward_study, "OUT", tmp_path)
+    for name, curve in (("r30-s0-kl-data-24-alloc", {"points": {"0": {"wikitext": 143.96, "c4": 97.39}}}),
+                        ("r30-s0-ce-data-40", None)):
+        cell = tmp_path / "pg" / name
+        cell.mkdir(parents=True)
+        (cell / "heldout.json").write_text(json.dumps({"wikitext": 132.74, "c4": 90.21, "cpu_seconds_run": 1878.0}))
+        (cell / "results.json").write_text(json.dumps({"steps": 24, "ppl_init": 177.09}))
+        if curve:
+            (cell / "curve.json").write_text(json.dumps(curve))
+    reward_study.report(None)
+    rows = {ln.split(" | ")[0].strip("| "): ln for ln in (tmp_path / "table.md").read_text().splitlines()
+            if ln.startswith("| r30")}
+    assert "| 143.96 / 97.39 | 132.74 | 90.21 |" in rows["r30-s0-kl-data-24-alloc"]
+    assert "| 177.09 |  | 132.74 |" in rows["r30-s0-ce-data-40"]
