@@ -46,10 +46,11 @@ PRESETS: dict[str, dict] = {
     "converged": dict(steps=300, lr=0.02, num_mask_samples=8, baseline="leave-one-out"),
     # the best mask per CPU minute measured on the default model (docs/results.md, the default run in 10 minutes):
     # whole layers and widths in one budget, the layers from Layerwise-PPL's order (level with SLEB's there, at a
-    # quarter of its cost), the widths from FLAP on 16 batches, their mix chosen on calibration loss; the mix's
-    # layers stay fixed and the steps learn the kept layers' widths
+    # quarter of its cost), the widths from FLAP on 16 batches, their mix chosen by the KL divergence from the dense
+    # model with each candidate refit; the mix's layers stay fixed and the steps learn how much of each kept layer's
+    # width stays (pg-alloc), every sample scored by its KL under its own refit, as it would be exported
     "joint": dict(units=["layers", "heads", "channels"], layer_init="layerwise-ppl", layer_score_const=1.0,
-                  init_batches=16),
+                  init_batches=16, method="pg-alloc", reward="kl", step_refit=True, mix_refit=True),
 }
 # the preset a command-line run starts from when it names none (default_preset): the joint, the best mask per CPU
 # minute measured and the lowest perplexity of the table at 30, 40 and 50 % (docs/results.md)
@@ -264,7 +265,7 @@ class PruneConfig:
         "the calibration batches the reconstruction's statistics read: init (the init metric's stream, in one "
         "statistics pass with it) or own (a stream of their own, as runs before the one pass read)"))
     step_refit: bool = setting(False, label="Score samples refit", help=(
-        "with --reconstruct: the steps score every sampled mask as it would be exported, its least-squares refit "
+        "with --reconstruct (without it: nothing to refit, ignored): the steps score every sampled mask as it would be exported, its least-squares refit "
         "solved per sample before its forward (a solve costs about a third of an 8 x 128 forward of SmolLM2-135M on "
         "one core: docs/log/reward-study.md); off: samples are scored with the compensation only"))
     reconstruct_ridge: float = setting(0.1, minimum=0.0, label="Reconstruction ridge",
@@ -402,8 +403,6 @@ class PruneConfig:
                 f"drop --time-budget, or use a method that optimises ({', '.join(m for m, k in METHODS.items() if k.optimises)})")
         if self.time_budget is not None and self.init == "random-progressive":
             bad("time budget: random-progressive's stages are fixed by --steps; use --steps with it")
-        if self.step_refit and not self.reconstruct:
-            bad("step refit scores each sample with its least-squares refit: it needs --reconstruct")
         if not METHODS[self.method].optimises and self.init == "random-progressive":
             bad(f"random-progressive is a schedule of the optimisation; method {self.method} has none (use init random)")
         return self

@@ -37,6 +37,10 @@ class StepContext:
     # --step-refit: {unit type: (units,) hard mask} -> a context manager under which the model carries that mask's
     # refit weights, yielding its fill (RunMasks.weights); None: samples are scored with the compensation only
     weights: Callable | None = None
+    # with weights: the executor of this process's own samples, and (n, value) -> (n,) value(j) of every sample j,
+    # each rank of a torchrun computing its share (World.spread); one process: the executor, and all of them
+    own_executor: Callable | None = None
+    spread: Callable | None = None
 
     def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> torch.Tensor:
         """Each sample's mean token cross-entropy on the batch (the evaluations' loss, whatever the reward).
@@ -51,12 +55,15 @@ class StepContext:
         if self.weights is None:
             with MaskHooks(self.adapter) as hooks:
                 return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill, score)
-        out = []  # (--step-refit: each sample scored under its own refit, one solve and one forward a sample)
-        for j in range(next(iter(samples.values())).shape[0]):
+        executor = self.own_executor or self.executor
+
+        def one(j: int) -> torch.Tensor:  # (--step-refit: each sample scored under its own refit, a solve and a forward)
             with self.weights({u: m[j] for u, m in samples.items()}) as refit, MaskHooks(self.adapter) as hooks:
-                out.append(self.executor(hooks, self.layout, batch, {u: m[j:j + 1] for u, m in samples.items()},
-                                         self.fill if refit is ... else refit, score))
-        return torch.cat(out)
+                return executor(hooks, self.layout, batch, {u: m[j:j + 1] for u, m in samples.items()},
+                                self.fill if refit is ... else refit, score)
+
+        n = next(iter(samples.values())).shape[0]
+        return self.spread(n, one) if self.spread else torch.cat([one(j) for j in range(n)])
 
     @contextmanager
     def masked(self, masks: dict[str, torch.Tensor], fill=...):

@@ -297,6 +297,13 @@ class World(Collectives):
                 out[j] = x
         return out
 
+    def spread(self, n: int, value: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """(n,) float64: value(j) for every sample j, in order, this rank computing its share (share()) and the
+        others' gathered; one process computes them all."""
+        mine = range(n) if self.size == 1 else share(n, self.size, self.rank)
+        local = torch.cat([value(j).double().reshape(-1) for j in mine]) if len(mine) else torch.empty(0, dtype=torch.float64)
+        return local if self.size == 1 else self.gather_shares(local, n)
+
     def share_executor(self, executor: Callable) -> Callable:
         """An executor (engine/executors.py) that evaluates only this rank's share of the samples and returns
         every sample's loss. One process: the executor itself."""

@@ -339,17 +339,34 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
         out["validation"] = checks * config.val_batches * batch
         if refit and config.val_refit:
             refits += checks
+    per_step, refit_per_step = step_tokens(config, skeleton)
+    left = max(config.steps - (done_steps or 0), 0)
     if refit:
-        out["refit"] = refits * refit_tokens(config, skeleton)
+        out["refit"] = refits * refit_tokens(config, skeleton) + left * refit_per_step
     windows = config.max_windows or WIKITEXT2_TEST_TOKENS // config.eval_seqlen
     moves = FINAL_MOVES if optimises else 0.0
     init = fresh and config.evaluates_init
     unrefit_final = moves if init else 1.0  # (the init mask's figure is reused unless the final mask moved)
     evaluations = (0 if dense_cached or not fresh else 1) + init + unrefit_final + (1 if refit else 0)
     out["evaluations"] = evaluations * windows * config.eval_seqlen
-    out["steps"] = (max(config.steps - (done_steps or 0), 0) * config.num_mask_samples * batch
-                    * STEP_SAMPLE_WEIGHT if optimises else 0.0)
+    out["steps"] = left * per_step
     return out
+
+
+def step_tokens(config, skeleton: Skeleton) -> tuple[float, float]:
+    """One step's forward tokens: (its N_s masked forwards, and the dense forward a reward that reads the dense
+    model needs for the step's batch; its N_s refits under --step-refit, which a run records as refit). (0, 0) for
+    a method that takes no steps."""
+    from .methods import METHODS
+    from .rewards import REWARDS
+
+    if config.method in METHODS and not METHODS[config.method].optimises:
+        return 0.0, 0.0
+    batch = config.batch_size * config.seqlen
+    dense = batch if config.reward in REWARDS and REWARDS[config.reward].needs_dense else 0.0
+    refits = config.num_mask_samples * refit_tokens(config, skeleton) if (
+        config.step_refit and _refit_applies(config)) else 0.0
+    return config.num_mask_samples * batch * STEP_SAMPLE_WEIGHT + dense, refits
 
 
 def statistics_plan(config, fresh: bool = True) -> tuple[str, int, bool]:
@@ -434,9 +451,18 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
             rate = pass_seconds_per_token if phase in PASS_PHASES and pass_seconds_per_token else seconds_per_token
             phases[phase] = tokens[phase] * rate
     phases["export"] = export_seconds(config, skeleton)
-    if config.time_budget and "steps" in phases:
+    if config.time_budget and "steps" in phases:  # (the steps, with their refits, fill what the rest leaves)
+        per_step, refit_per_step = (t * seconds_per_token for t in step_tokens(config, skeleton))
+        left = max(config.steps - (done_steps or 0), 0)
+        phases["refit"] = phases.get("refit", 0.0) - left * refit_per_step
         rest = sum(v for k, v in phases.items() if k != "steps")
-        phases["steps"] = max(min(phases["steps"], 60 * config.time_budget - rest), 0.0)
+        fit = min(float(left), max(60 * config.time_budget - rest, 0.0) / (per_step + refit_per_step)) if (
+            per_step + refit_per_step) > 0 else 0.0
+        phases["steps"] = fit * per_step
+        if refit_per_step:
+            phases["refit"] += fit * refit_per_step
+        if not phases.get("refit"):
+            phases.pop("refit", None)
     return TimePlan(phases, seconds_per_token, rate_source, dense_cached)
 
 

@@ -141,7 +141,8 @@ class PruneRun:
             "calibration data": ([self.sampler.docs, self.init_sampler.docs, self.val_batches], self.sources["calib_data"]),
             "evaluation data": (self.windows, self.sources["eval_data"])})
         self.mask_rng = torch.Generator().manual_seed(c.seed + 1)
-        self.sample_losses = self.world.share_executor(EXECUTORS[resolve_executor(c.sample_forward, c.device)])
+        own = EXECUTORS[resolve_executor(c.sample_forward, c.device)]
+        self.sample_losses = self.world.share_executor(own)
         self.ctx = StepContext(model, self.adapter, self.layout, self.sample_losses, self.mask_rng, c.num_mask_samples, c.steps,
                                reward=REWARDS[c.reward]())
         self.method = METHODS[c.method](self.ctx, method_options(c.method, c.method_options, c))
@@ -152,11 +153,8 @@ class PruneRun:
         self.masks = RunMasks(self, joined_transforms(self.hooks))
         self.keep_ratio_at, self.lr_at = self.masks.keep_ratio_at, self.masks.lr_at
         self.hard_masks = self.ctx.hard_masks = self.masks.hard_masks  # (a method may cut its scores, as --unit-block)
-        if c.step_refit:  # (the samples scored as they would be exported: each under its own refit)
-            if self.world.size > 1:
-                raise UserError("--step-refit runs in one process: its per-sample refits are not split across ranks "
-                                "yet (drop --step-refit under torchrun)")
-            self.ctx.weights = self.masks.weights
+        if c.step_refit and c.reconstruct:  # (the samples scored as they would be exported: each under its own refit, a rank its share)
+            self.ctx.weights, self.ctx.own_executor, self.ctx.spread = self.masks.weights, own, self.world.spread
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
         self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
         self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics

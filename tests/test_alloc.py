@@ -6,6 +6,8 @@ and bad options are one error line."""
 
 from __future__ import annotations
 
+import json
+
 import math
 import threading
 
@@ -227,16 +229,18 @@ def test_bad_options_are_one_error_line(flags, needle, capfd, tmp_path):
 def test_an_alloc_flag_needs_the_method(capfd, tmp_path):
     from engine.cli import main
 
-    assert main(["prune", "--model", str(TINY_MODEL), "--alloc-sigma", "0.3", "--out", str(tmp_path / "r")]) == 2
+    assert main(["prune", "--model", str(TINY_MODEL), "--method", "pg", "--alloc-sigma", "0.3",
+                 "--out", str(tmp_path / "r")]) == 2
     one_error(capfd, "--alloc-sigma applies to --method pg-alloc")
 
 
 @pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 def test_two_ranks_give_the_single_process_run_bit_for_bit(eval_file, tmp_path):
-    """The default preset (the joint) with --reward kl: each rank scores its share of the 4 samples; masks, mu and
-    every report equal the one-process run's."""
+    """The default preset (the joint: pg-alloc, --reward kl, --step-refit): each rank refits and scores its share
+    of the 4 samples; masks, mu and every report equal the one-process run's."""
     from test_distributed import checkpoint, one_and_two_ranks
 
     one, two, _ = one_and_two_ranks(eval_file, tmp_path, 3, ["--method", "pg-alloc", "--num-mask-samples", "4",
-                                                             "--reward", "kl"])
+                                                             "--reward", "kl", "--step-refit"])
+    assert json.loads((two / "config.json").read_text())["step_refit"] is True
     assert float(checkpoint(two)["method_state"]["alloc"]["mu"].abs().sum()) > 0

@@ -277,8 +277,8 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
         "finetune lr nan": (["finetune", "--model", tiny_path, "--out", out, "--lr", "nan"], "lr must be a finite"),
         "finetune seqlen 1": (["finetune", "--model", tiny_path, "--out", out, "--seqlen", "1"], "at least 2"),
         # issue 12
-        "antithetic pairs with an odd N_s": (prune_args(tiny_path, out, "--mask-sampling", "antithetic",
-                                                        "--num-mask-samples", "3"), "must be even"),
+        "antithetic pairs with an odd N_s": (prune_args(tiny_path, out, "--method", "pg", "--mask-sampling",
+                                                        "antithetic", "--num-mask-samples", "3"), "must be even"),
         # issue 16
         "config file missing": (prune_args(tiny_path, out, "--config", tmp / "gone.json"), "gone.json"),
         "config file not json": (prune_args(tiny_path, out, "--config", bad_json), "run_config.json"),

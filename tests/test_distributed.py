@@ -143,7 +143,8 @@ def test_world_helpers_on_two_ranks(tmp_path):
 def flags(eval_file: Path, steps: int, *extra: str) -> list[str]:
     return ["--model", str(TINY_MODEL), "--steps", str(steps), "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32",
             "--max-windows", "2", "--init-batches", "1", "--lr", "0.05", "--calib", str(SMALL_CALIB),
-            "--eval-data", str(eval_file), "--checkpoint-every", "1", *extra]
+            "--eval-data", str(eval_file), "--checkpoint-every", "1", "--method", "pg", *extra]  # (pg: a --method in
+    #                                                                        extra overrides it; the default is pg-alloc)
 
 
 def env(**extra: str) -> dict[str, str]:

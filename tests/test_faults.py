@@ -28,9 +28,9 @@ from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, engine_
 TIMING = ("seconds", "eta_seconds")
 STEPS = 30
 METHODS = {  # name -> CLI arguments beyond the shared ones
-    "pg": [],
+    "pg": ["--method", "pg"],  # (named: the default preset's method is pg-alloc)
     "gumbel": ["--method", "gumbel", "--lr", "0.5"],
-    "random-progressive": ["--init", "random-progressive", "--progressive-increment", "0.1"],
+    "random-progressive": ["--method", "pg", "--init", "random-progressive", "--progressive-increment", "0.1"],
 }
 
 

@@ -365,8 +365,9 @@ def test_folder_lock_in_one_process(tmp_path):
 
 
 # 6. Ctrl-C at step 4 of a 50-step run, then --resume continues from there
-METHODS = {"pg": [], "gumbel": ["--method", "gumbel", "--lr", "0.5"],
-           "random-progressive": ["--init", "random-progressive", "--progressive-increment", "0.1"]}
+METHODS = {"pg": ["--method", "pg"], "gumbel": ["--method", "gumbel", "--lr", "0.5"],  # (pg named: the default
+           "random-progressive": ["--method", "pg", "--init", "random-progressive", "--progressive-increment", "0.1"]}
+#                                                                                    preset's method is pg-alloc)
 
 
 @pytest.fixture(scope="module")

@@ -106,6 +106,29 @@ def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
     assert taylor.total - wanda.total == pytest.approx(taylor.parts["gradients (Taylor init)"])
 
 
+def test_the_steps_count_their_dense_forward_and_their_refits(skeleton, tiny_path):
+    """--reward kl adds the step batch's dense forward to each step; --step-refit adds each sample's refit to the
+    refit phase (where a run records it); under --time-budget the steps and their refits share what is left."""
+    from engine.plan import refit_tokens
+
+    base = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor")
+    kl = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor", reward="kl")
+    refit = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor", step_refit=True)
+    t_base, t_kl, t_refit = (phase_tokens(c, skeleton) for c in (base, kl, refit))
+    batch = base.batch_size * base.seqlen
+    assert t_kl["steps"] - t_base["steps"] == pytest.approx(10 * batch)
+    assert t_refit["steps"] == t_base["steps"]
+    assert t_refit["refit"] - t_base["refit"] == pytest.approx(10 * base.num_mask_samples * refit_tokens(base, skeleton))
+    rate = 1e-4
+    free = plan_time(refit, skeleton, rate, "test").phases
+    fixed = t_base["refit"] * rate  # (the refits that are not the steps': validation's, the final mask's)
+    limit = sum(free.values()) - 0.5 * (free["steps"] + free["refit"] - fixed)  # (room for about half the steps)
+    budget = plan_time(PruneConfig.of(**{**refit.to_dict(), "time_budget": limit / 60}), skeleton, rate, "test").phases
+    share = budget["steps"] / free["steps"]
+    assert 0 < share < 1 and (budget["refit"] - fixed) / (free["refit"] - fixed) == pytest.approx(share)
+    assert sum(v for k, v in budget.items()) == pytest.approx(limit)
+
+
 def test_the_probe_is_measured_once_and_cached(skeleton, tmp_path):
     rate = probe_seconds_per_token(skeleton, "float32", 2, 16, cache=tmp_path)
     assert rate > 0

@@ -202,8 +202,7 @@ def test_an_interrupted_generation_goes_on_from_its_last_batch(tiny, tmp_path, m
 def test_step_refit_scores_each_sample_under_its_own_refit(tiny, tiny_path, small_eval_file, tmp_path):
     """With --step-refit a step's sample j scores exactly what the run's refit of mask j scores (RunMasks.weights,
     as the export is made), the weights are the dense ones again after the step, and the refit moves the scores
-    (so the option is not a no-op); a run with it finishes, and --step-refit without --reconstruct is refused."""
-    from engine.errors import UserError
+    (so the option is not a no-op); a run with it finishes, and without --reconstruct it scores no refit."""
     from engine.policy import sample_masks
 
     model = tiny[0]
@@ -227,5 +226,7 @@ def test_step_refit_scores_each_sample_under_its_own_refit(tiny, tiny_path, smal
     run.ctx.weights = weights
     results = run.run(progress=False)
     assert results["status"] == "done" and results["steps"] == 2
-    with pytest.raises(UserError, match="needs --reconstruct"):
-        small_config(tiny_path, small_eval_file, step_refit=True, reconstruct=False).validate()
+    # without --reconstruct there is no refit to score under (as --mix-refit): the samples get the compensation only
+    plain_run = PruneRun(small_config(tiny_path, small_eval_file, step_refit=True, reconstruct=False, steps=1), None,
+                         model=model, tokenizer=tiny[1], log=quiet)
+    assert plain_run.ctx.weights is None

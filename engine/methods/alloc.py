@@ -113,9 +113,9 @@ def scale_free_step(mu: torch.Tensor, g: torch.Tensor, size: float) -> torch.Ten
 class AllocOptions:
     """pg-alloc's own settings."""
 
-    sigma: float = setting(0.5, minimum=0.0, exclusive=True, flag="--alloc-sigma", label="Offset noise sigma",
+    sigma: float = setting(0.1, minimum=0.0, exclusive=True, flag="--alloc-sigma", label="Offset noise sigma",
                            help="the standard deviation of the sampled per-(unit type, layer) logit offsets around "
-                                "their mean")
+                                "their mean (0.1 moves about a tenth of a layer's channels a sample)")
     step: float = setting(0.25, minimum=0.0, exclusive=True, flag="--alloc-step", label="Offset step alpha",
                           help="each step moves the offsets by alpha * sigma (root mean square over the offsets), "
                                "times the learning-rate schedule's factor")

@@ -19,7 +19,8 @@ from ..loading import DEFAULT_MODEL
 
 # the run settings under "Hyperparameters": widgets made from their declarations in PruneConfig (key = field)
 HYPERPARAMETERS = ("lr", "lr_schedule", "num_mask_samples", "batch_size", "seqlen", "prob_map", "eval_seqlen",
-                   "init_batches", "bias_compensation", "seed", "val_every", "checkpoint_every")
+                   "init_batches", "bias_compensation", "seed", "val_every", "checkpoint_every", "reward",
+                   "step_refit", "mix_refit")
 # widget key -> PruneConfig field, for the widgets that show one field as it is
 DIRECT = {"units": "units", "rate": "prune_ratio", "budget": "budget", "scope": "scope", "init": "init",
           "steps": "steps", "time_budget": "time_budget", "method": "method", "layer_init": "layer_init",
