@@ -201,7 +201,7 @@ class PruneConfig:
     mix_refit: bool = setting(False, label="Joint mix scored refit",
                               help="joint method with --reconstruct: score the mix's candidates with the least-squares "
                                    "refit (a refit per candidate), or without it (the run's compensation only; the "
-                                   "chosen mask is refit at the end all the same); why it is off: docs/results.md")
+                                   "chosen mask is refit at the end all the same); how the two choose: docs/results.md")
     mix_search: str = setting("grid", choices=lambda: tuple(MIX_SEARCHES), label="Joint mix search",
                               help="joint method: which layer counts the mix scores. grid: every other count and the "
                                    "last, then the neighbours of the best until both are scored (the exhaustive scan's "

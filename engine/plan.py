@@ -193,6 +193,7 @@ def speedup(skeleton: Skeleton, params_removed: int) -> float:
 # in the order a fresh run first enters them.
 RUN_PHASES = ("load", "statistics", "init metric", "refit statistics", "joint mix", "validation", "refit",
               "evaluations", "steps", "export")
+MIX_REFITS = "joint mix refits"  # phase_tokens' part of the joint mix that is solves, not passes (--mix-refit)
 PASS_PHASES = ("statistics", "init metric", "refit statistics", "joint mix")  # the one-shot passes (--pass-dtype)
 # The constants of the cost model, few and fixed (not fitted per run); calibrated on the default model's
 # 10-minute runs (bench/results/must_show/tb10-*) and on the tiny model's default run, 2 CPU cores:
@@ -332,8 +333,8 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
         scored = mix_candidates(counts, config.mix_search, MIX_FINALISTS if config.mix_refine_batches else 1)
         out["joint mix"] = batch * (config.mix_batches * scored
                                               + config.mix_refine_batches * min(MIX_FINALISTS, counts))
-        if refit and config.mix_refit:
-            refits += scored
+        if refit and config.mix_refit:  # (a refit per candidate: float64 solves in the mix's phase, at the steps' rate)
+            out[MIX_REFITS] = scored * refit_tokens(config, skeleton)
     checks = validation_checks(config, done_steps)
     if config.validates:
         out["validation"] = checks * config.val_batches * batch
@@ -450,6 +451,8 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
         if phase in tokens:
             rate = pass_seconds_per_token if phase in PASS_PHASES and pass_seconds_per_token else seconds_per_token
             phases[phase] = tokens[phase] * rate
+    if MIX_REFITS in tokens:
+        phases["joint mix"] += tokens[MIX_REFITS] * seconds_per_token
     phases["export"] = export_seconds(config, skeleton)
     if config.time_budget and "steps" in phases:  # (the steps, with their refits, fill what the rest leaves)
         per_step, refit_per_step = (t * seconds_per_token for t in step_tokens(config, skeleton))

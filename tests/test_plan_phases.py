@@ -10,8 +10,8 @@ import pytest
 
 from engine.config import PRESETS, PruneConfig
 from engine.phases import PhaseClock
-from engine.plan import (RUN_PHASES, model_skeleton, phase_tokens, plan_time, refit_tokens, statistics_plan,
-                         validation_checks)
+from engine.plan import (MIX_REFITS, RUN_PHASES, model_skeleton, phase_tokens, plan_time, refit_tokens,
+                         statistics_plan, validation_checks)
 from engine.pruner import PruneRun
 from engine.runplan import PLAN_KEY, phase_progress, phase_status, plan_lines, plan_rows, start_plan
 
@@ -51,7 +51,10 @@ def test_the_plan_counts_the_refit_and_its_statistics(tiny_path):
     joint = {**PRESETS["joint"], "model": str(tiny_path), "prune_ratio": 0.7}  # (a layer can go: two counts scored)
     joint.pop("mix_refit")
     mix_refit, plain = (phase_tokens(PruneConfig(**joint, mix_refit=m), skeleton) for m in (True, False))
-    assert mix_refit["refit"] > plain["refit"] and mix_refit["joint mix"] == plain["joint mix"] > 0
+    assert mix_refit["refit"] == plain["refit"] and mix_refit["joint mix"] == plain["joint mix"] > 0
+    assert mix_refit[MIX_REFITS] == pytest.approx(2 * refit_tokens(PruneConfig(**joint), skeleton))  # (two counts)
+    assert (plan_time(PruneConfig(**joint, mix_refit=True), skeleton, 1e-4, "t").phases["joint mix"]
+            > plan_time(PruneConfig(**joint), skeleton, 1e-4, "t").phases["joint mix"])
     assert refit_tokens(PruneConfig(model=str(tiny_path), prune_ratio=0.5), skeleton) != one  # (in the widths kept)
 
 
