@@ -46,11 +46,12 @@ PRESETS: dict[str, dict] = {
     "converged": dict(steps=300, lr=0.02, num_mask_samples=8, baseline="leave-one-out"),
     # the best mask per CPU minute measured on the default model (docs/results.md, the default run in 10 minutes):
     # whole layers and widths in one budget, the layers from Layerwise-PPL's order (level with SLEB's there, at a
-    # quarter of its cost), the widths from FLAP on 16 batches, their mix chosen by the KL divergence from the dense
-    # model with each candidate refit; the mix's layers stay fixed and the steps learn how much of each kept layer's
-    # width stays (pg-alloc), every sample scored by its KL under its own refit, as it would be exported
+    # quarter of its cost), the widths from FLAP on 16 batches, their mix chosen on calibration loss (CE, the
+    # compensation only: KL with each candidate refit took no layer out on seed 0, docs/results.md); the mix's layers
+    # stay fixed and the steps learn how much of each kept layer's width stays (pg-alloc), every sample scored by its
+    # KL to the dense model under its own refit, as it would be exported
     "joint": dict(units=["layers", "heads", "channels"], layer_init="layerwise-ppl", layer_score_const=1.0,
-                  init_batches=16, method="pg-alloc", reward="kl", step_refit=True, mix_refit=True),
+                  init_batches=16, method="pg-alloc", reward="kl", step_refit=True, mix_reward="ce"),
 }
 # the preset a command-line run starts from when it names none (default_preset): the joint, the best mask per CPU
 # minute measured and the lowest perplexity of the table at 30, 40 and 50 % (docs/results.md)
@@ -198,6 +199,9 @@ class PruneConfig:
                                help="joint method: calibration batches the starting mix of layers and widths is chosen "
                                     "on (the first init batches; with --init-data training, the held-out ones first; "
                                     "a forward pass per candidate and batch)")
+    mix_reward: str = setting("run", choices=lambda: ("run", *REWARDS), label="Joint mix reward",
+                              help="joint method: what the mix's candidates are scored by: run (the run's --reward) "
+                                   "or a reward's name (ce: the calibration text's cross-entropy)")
     mix_refit: bool = setting(False, label="Joint mix scored refit",
                               help="joint method with --reconstruct: score the mix's candidates with the least-squares "
                                    "refit (a refit per candidate), or without it (the run's compensation only; the "

@@ -48,11 +48,14 @@ class StepContext:
         with MaskHooks(self.adapter) as hooks:
             return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill)
 
-    def rewards(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> torch.Tensor:
+    def rewards(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=..., refit: bool = True,
+                reward=None) -> torch.Tensor:
         """Each sample's score under the run's reward (--reward: ce is `losses`; kl compares with the dense model,
-        whose forward on this batch runs first, without the masks, and is shared by the samples)."""
-        score = self.reward.scorer(self.model, batch)
-        if self.weights is None:
+        whose forward on this batch runs first, without the masks, and is shared by the samples), or under `reward`.
+        refit=False: the model as it is (no refit, or a caller that holds the sample's refit), never a refit per
+        sample."""
+        score = (reward or self.reward).scorer(self.model, batch)
+        if self.weights is None or not refit:
             with MaskHooks(self.adapter) as hooks:
                 return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill, score)
         executor = self.own_executor or self.executor

@@ -99,10 +99,20 @@ def mix_candidates(n: int, search: str, best: int = 1) -> int:
     return n if first >= n else min(n, first + 2 * best)
 
 
-def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> float:
-    """The run's reward (--reward: the calibration loss, or the KL to the dense model) of its model under one hard
-    mask (with the run's compensation, if any, or with `fill`'s means)."""
-    return float(run.ctx.rewards({u: m[None] for u, m in masks.items()}, batch, fill)[0])
+def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=...,
+                   refit: bool = True, reward=None) -> float:
+    """The run's reward (--reward: the calibration loss, or the KL to the dense model), or `reward`, of its model
+    under one hard mask (with the run's compensation, if any, or with `fill`'s means; under --step-refit, refit
+    unless refit=False: the model as it is)."""
+    return float(run.ctx.rewards({u: m[None] for u, m in masks.items()}, batch, fill, refit, reward)[0])
+
+
+def mix_reward(run: "PruneRun"):
+    """The reward the joint mix scores its candidates by (--mix-reward: the run's own, or a reward by name)."""
+    from .rewards import REWARDS
+
+    name = run.config.mix_reward
+    return run.ctx.reward if name in ("run", run.config.reward) else REWARDS[name]()
 
 
 def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.Tensor], keep: float,
@@ -117,13 +127,14 @@ def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.
     def mean_loss(masks, on: list[torch.Tensor]) -> float:
         if loss is not None:
             return sum(loss(masks, b) for b in on) / len(on)
-        if not c.mix_refit:  # (the run's compensation alone; the chosen mask is refit at the end)
-            return sum(hard_mask_loss(run, masks, b) for b in on) / len(on)
-        with run.masks.weights(masks) as fill:  # (the model the run would export with this mask: --reconstruct)
-            return sum(hard_mask_loss(run, masks, b, fill) for b in on) / len(on)
+        if not c.mix_refit:  # (the compensation alone, never --step-refit's refit; the chosen mask is refit at the end)
+            return sum(hard_mask_loss(run, masks, b, refit=False, reward=reward) for b in on) / len(on)
+        with run.masks.weights(masks) as fill:  # (the model the run would export with this mask: one refit a candidate)
+            return sum(hard_mask_loss(run, masks, b, fill, refit=False, reward=reward) for b in on) / len(on)
 
+    reward = mix_reward(run) if loss is None else None
     if loss is None:  # (kl: the dense model's part on every batch, before a refit edits the weights)
-        run.ctx.reward.prepare(run.model, [*batches, *more])
+        reward.prepare(run.model, [*batches, *more])
     made: dict[int, tuple] = {}
 
     def score(k: int) -> float:

@@ -49,7 +49,7 @@ def test_the_plan_counts_the_refit_and_its_statistics(tiny_path):
     one = refit_tokens(PruneConfig(model=str(tiny_path)), skeleton)
     assert checks == 1 + 50 // 10 and on["refit"] - no_val_refit["refit"] == pytest.approx(checks * one)
     joint = {**PRESETS["joint"], "model": str(tiny_path), "prune_ratio": 0.7}  # (a layer can go: two counts scored)
-    joint.pop("mix_refit")
+    joint.pop("mix_refit", None)
     mix_refit, plain = (phase_tokens(PruneConfig(**joint, mix_refit=m), skeleton) for m in (True, False))
     assert mix_refit["refit"] == plain["refit"] and mix_refit["joint mix"] == plain["joint mix"] > 0
     assert mix_refit[MIX_REFITS] == pytest.approx(2 * refit_tokens(PruneConfig(**joint), skeleton))  # (two counts)

@@ -205,9 +205,9 @@ def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypa
     seen = []
     real = joint.hard_mask_loss
 
-    def spy(run, masks, batch, fill=...):
+    def spy(run, masks, batch, fill=..., **kw):
         seen.append(see(run, masks, fill, dense))
-        return real(run, masks, batch, fill)
+        return real(run, masks, batch, fill, **kw)
 
     monkeypatch.setattr(joint, "hard_mask_loss", spy)
     results = _run(tiny, tiny_path, small_eval_file, out, method="flap", units=["layers", "heads", "channels"],
@@ -245,6 +245,22 @@ def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refit
     seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, False)
     assert seen and all(seen)
     assert results["init_mix"] and results["reconstruction"]["ppl_before"] != results["ppl_pruned"]
+
+
+def test_step_refit_does_not_refit_the_mix_candidates_twice(tiny, tiny_path, small_eval_file, tmp_path):
+    """--mix-refit with --step-refit: each candidate is scored under one refit, as with --mix-refit alone (the
+    samples' own refit is not applied again on top of it); --step-refit alone leaves the mix unrefit. --mix-reward
+    ce (the default preset's) scores the mix by cross-entropy whatever --reward the steps take."""
+    def mix(name: str, **kw) -> list[dict]:
+        return _run(tiny, tiny_path, small_eval_file, tmp_path / name, method="flap", units=["layers", "heads", "channels"],
+                    layer_init="layerwise-ppl", reconstruct=True, mix_batches=2, budget="params", prune_ratio=0.5,
+                    **kw)["init_mix"]
+
+    alone, both = mix("a", mix_refit=True), mix("b", mix_refit=True, step_refit=True)
+    plain, steps_only = mix("c"), mix("d", step_refit=True)
+    assert alone and both == alone and steps_only == plain
+    ce, kl_by_ce, kl = mix("e", reward="ce"), mix("f", reward="kl", mix_reward="ce"), mix("g", reward="kl")
+    assert kl_by_ce == ce and kl != ce
 
 
 @pytest.mark.parametrize("val_refit", [True, False], ids=["refit", "unrefit"])
