@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_browser import (SLOW, browser, button, by_label, check_contrast, click_text,  # noqa: E402,F401
                           click_when_free, fill_form, heatmap_reading, marks_of, newest_run, open_expander, page_text,
-                          planned_removal, saved_head_mask, serve, set_input, shown_step_masks, status_line, wait)
+                          planned_removal, saved_head_mask, serve, set_input, shown_step_masks, start_run, status_line, wait)
 from selenium.webdriver.common.by import By  # noqa: E402  (after test_browser: it skips without Chromium)
 
 pytestmark = pytest.mark.browser
@@ -34,12 +34,7 @@ def test_browser_heatmap_marks_are_the_runs_masks(browser):
         wait(lambda: "No run yet" in page_text(d), timeout=180 * SLOW, what="the empty run panel")  # (the plan first)
         assert by_label(d, "Pruning rate").get_attribute("value") == "0.3"
         fill_form(d, steps=5000)
-        click_when_free(d, button(d, "Start pruning"))  # (a redraw on a busy machine may cover it)
-        asked = wait(lambda: [b for b in d.find_elements(By.TAG_NAME, "button") if "Yes, start it" in b.text
-                              and b.is_displayed()] or "Running" in status_line(d) or "Loading" in status_line(d),
-                     timeout=120 * SLOW, what="the start")  # (both browser tests at once: 60 s was short)
-        if isinstance(asked, list):
-            asked[0].click()
+        start_run(d, timeout=180)  # (both browser tests at once: 60 s was short)
         wait(lambda: "Running" in status_line(d) and heatmap_reading(d), timeout=300 * SLOW, what="the live heatmap")
         run = newest_run(runs)
         config = json.loads((run / "config.json").read_text())
