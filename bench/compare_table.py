@@ -13,7 +13,8 @@ seed at the others; one-shot rows run the first seed.
 
 Every cell is one `python -m engine prune` run in its own process (bench/paper_tables.run_cell: a cell with
 results.json is done, one with a checkpoint resumes, two queues side by side share the cells through lock
-files). Each cell's CPU and wall seconds (summed over its resumes) go to cells/<cell>.time.json.
+files). Each cell's CPU and wall seconds (summed over its resumes) go to cells/<cell>.time.json; git keeps
+them all in times.json and the cells' configs in configs.json (main writes both with the table).
 Two queues at one thread each on 2 cores:
 
     OMP_NUM_THREADS=1 python bench/compare_table.py &  OMP_NUM_THREADS=1 python bench/compare_table.py &
@@ -210,6 +211,7 @@ def order(todo: list[Cell], rates: list[float], seeds: list[int]) -> list[Cell]:
 
 
 TIMES_FILE = "times.json"  # every cell's CPU and wall seconds, in one file (cell_times)
+CONFIGS_FILE = "configs.json"  # every cell's config.json, in one file (cell_configs): git keeps it, not 137 files
 
 
 def timed_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
@@ -237,6 +239,31 @@ def cell_times(cells_dir: Path) -> dict[str, dict]:
     for f in sorted(cells_dir.glob("*.time.json")):
         times[f.name[:-len(".time.json")]] = json.loads(f.read_text())
     return times
+
+
+def cell_configs(cells_dir: Path) -> dict[str, dict]:
+    """Each cell's run config: cells/<cell>/config.json as its run writes it (a working file, not in git), over
+    configs.json beside cells/, the one file git keeps of them all (main rewrites it with the table)."""
+    merged = cells_dir.parent / CONFIGS_FILE
+    configs = json.loads(merged.read_text()) if merged.exists() else {}
+    for f in sorted(cells_dir.glob("*/config.json")):
+        if (f.parent / "results.json").exists():  # (a cell done: one that never finished has no figures)
+            configs[f.parent.name] = json.loads(f.read_text())
+    return configs
+
+
+def cell_config_file(cell: Path) -> Path:
+    """A cell's config.json (what bench/joint_counts.py and bench/oneshot_on_pg_data.py read): the cell's own, or,
+    in a fresh clone, written back into the cell from configs.json. Raises FileNotFoundError for neither."""
+    own = cell / "config.json"
+    if not own.is_file():
+        merged = cell.parent.parent / CONFIGS_FILE
+        configs = json.loads(merged.read_text()) if merged.is_file() else {}
+        if cell.name not in configs:
+            raise FileNotFoundError(own)
+        cell.mkdir(parents=True, exist_ok=True)
+        own.write_text(json.dumps(configs[cell.name], indent=2) + "\n")
+    return own
 
 
 def report(todo: list[Cell], args, cells_dir: Path) -> str:
@@ -277,7 +304,7 @@ def report(todo: list[Cell], args, cells_dir: Path) -> str:
             cols.append(f"{ppl} [{seeds}] ({statistics.mean(cpu):.0f} CPU min{extra})" if cpu else f"{ppl} [{seeds}]{extra}")
         lines.append(f"| {row} | " + " | ".join(cols) + " |")
     lines += ["", "Removed (parameters, % of the decoder) per finished cell:", ""]
-    for c in todo:
+    for c in sorted(todo, key=lambda c: c.rate):  # (by rate, as the columns: the same list for any --rates order)
         k = cell_key(c, args)
         if k in got:
             res = got[k][0]
@@ -332,6 +359,7 @@ def main() -> None:
     text = report(todo, args, cells_dir)
     (out / "table.md").write_text(text)
     (out / TIMES_FILE).write_text(json.dumps(cell_times(cells_dir), indent=1, sort_keys=True) + "\n")
+    (out / CONFIGS_FILE).write_text(json.dumps(cell_configs(cells_dir), indent=1, sort_keys=True) + "\n")
     if args.write_docs:
         write_docs(text, ROOT / "docs" / "results.md")
     print(text)

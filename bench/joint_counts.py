@@ -59,9 +59,12 @@ def main() -> None:
     from engine.pruner import PruneRun
     from widths_after_layers import layer_compensation, layer_mean_deltas, widths_after_layers
 
-    if not (args.cell / "config.json").is_file():
-        raise UserError(f"{args.cell} holds no config.json (a cell of bench/compare_table.py)")
-    config = PruneConfig.load(args.cell / "config.json")
+    from compare_table import cell_config_file
+
+    try:  # (git keeps the cells' configs in compare_table/configs.json: the cell's own is written back from it)
+        config = PruneConfig.load(cell_config_file(args.cell))
+    except FileNotFoundError:
+        raise UserError(f"{args.cell} holds no config.json (a cell of bench/compare_table.py)") from None
     if "layers" not in config.units or len(config.units) < 2:
         raise UserError(f"{args.cell} is not a joint cell (units {','.join(config.units)})")
     args.out.mkdir(parents=True, exist_ok=True)

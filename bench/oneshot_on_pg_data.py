@@ -34,9 +34,12 @@ def main() -> None:
     from engine.errors import UserError
     from engine.pruner import PruneRun
 
-    if not (args.cell / "config.json").is_file():
-        raise UserError(f"{args.cell} holds no config.json (a cell of bench/compare_table.py)")
-    config = PruneConfig.load(args.cell / "config.json")
+    from compare_table import cell_config_file
+
+    try:  # (git keeps the cells' configs in compare_table/configs.json: the cell's own is written back from it)
+        config = PruneConfig.load(cell_config_file(args.cell))
+    except FileNotFoundError:
+        raise UserError(f"{args.cell} holds no config.json (a cell of bench/compare_table.py)") from None
     t0, cpu0 = time.monotonic(), time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         r = PruneRun(config, tmp)

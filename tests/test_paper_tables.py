@@ -153,6 +153,35 @@ def test_the_comparison_tables_cells_are_valid_runs_and_its_docs_block_is_replac
     assert doc.read_text() == "head\n<!-- compare_table -->\nprotocol\n\n| a | b |\n<!-- /compare_table -->\ntail\n"
 
 
+def test_the_comparison_cells_configs_live_in_one_file_and_come_back_into_a_cell(tmp_path):
+    """Git keeps compare_table's cell configs in configs.json (not one file a cell): cell_configs merges the
+    finished cells' own over it, and cell_config_file writes a fresh clone's cell config back from it, equal."""
+    import json
+
+    import compare_table as ct
+
+    cells = tmp_path / "cells"
+    for name, done in (("a-cell", True), ("b-cell", False)):
+        (cells / name).mkdir(parents=True)
+        (cells / name / "config.json").write_text(json.dumps({"seed": len(name), "name": name}))
+        if done:
+            (cells / name / "results.json").write_text("{}")
+    (tmp_path / ct.CONFIGS_FILE).write_text(json.dumps({"old-cell": {"seed": 7}}))
+    merged = ct.cell_configs(cells)
+    assert merged == {"old-cell": {"seed": 7}, "a-cell": {"seed": 6, "name": "a-cell"}}  # (b-cell never finished)
+    (tmp_path / ct.CONFIGS_FILE).write_text(json.dumps(merged))
+    (cells / "a-cell" / "config.json").unlink()  # a fresh clone: git brought results.json, not config.json
+    back = ct.cell_config_file(cells / "a-cell")
+    assert json.loads(back.read_text()) == {"seed": 6, "name": "a-cell"}
+    assert ct.cell_config_file(cells / "b-cell") == cells / "b-cell" / "config.json"  # (its own, untouched)
+    with pytest.raises(FileNotFoundError):
+        ct.cell_config_file(cells / "no-such-cell")
+    real = ct.ROOT / "bench" / "results" / "compare_table"
+    kept = json.loads((real / ct.CONFIGS_FILE).read_text())
+    assert all(PruneConfig.from_dict(dict(kept[d.name])) for d in (real / "cells").iterdir()
+               if (d / "results.json").is_file())  # every finished cell of the table has its config in git
+
+
 def test_a_cell_started_in_another_clone_is_cleared_and_anything_else_is_kept(tmp_path):
     started = tmp_path / "cell"  # what git brings back of a started cell: its kept files, no checkpoint, no marker
     started.mkdir()
