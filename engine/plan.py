@@ -23,7 +23,7 @@ import functools
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import UserError
@@ -194,21 +194,31 @@ def speedup(skeleton: Skeleton, params_removed: int) -> float:
 RUN_PHASES = ("load", "statistics", "init metric", "refit statistics", "joint mix", "validation", "refit",
               "evaluations", "steps", "export")
 MIX_REFITS = "joint mix refits"  # phase_tokens' part of the joint mix that is solves, not passes (--mix-refit)
+SCORED = " scoring"  # phase_tokens' "<phase> scoring": that phase's scores over the vocabulary (the loss's or
+#                      the reward's softmax; float32 work, at the run's rate even where the passes are bfloat16)
+FIXED = " fixed seconds"  # phase_tokens' "<phase> fixed seconds": seconds, not tokens (per batch a statistics
+#                           pass reads, per projection a refit solves: what a small model's phases are made of)
 PASS_PHASES = ("statistics", "init metric", "refit statistics", "joint mix")  # the one-shot passes (--pass-dtype)
 # The constants of the cost model, few and fixed (not fitted per run); calibrated on the default model's
 # 10-minute runs (bench/results/must_show/tb10-*) and on the tiny model's default run, 2 CPU cores:
 DATA_SECONDS = 5.0  # reading and tokenising the calibration documents and WikiText-2 (about 6.5 M characters)
 GRAM_WEIGHT = 1.15  # a multiply-add of the refit's statistics (x x^T and its float64 sums, in the hooks of the
 #                    statistics pass) against one of a forward: the tiny model's pass measured 1.17 forwards a batch
-STEP_SAMPLE_WEIGHT = 1.2  # a step's masked forward against a dense one: the default model's steps took 1.23x the
-#                           probe (2.75 ms a token against 2.24, bench/results/must_show/default30), the tiny
-#                           model's 1.05x to 1.2x. A masked forward is planned at a dense one's cost otherwise: the
+STEP_SAMPLE_WEIGHT = 1.1  # a step's masked forward against a dense one, its reward's scoring apart: the default
+#                           model's CE steps took 1.23x the probe with their CE (2.75 ms a token against 2.24,
+#                           bench/results/must_show/default30), its KL steps 18.7 s for 8 x 1,024 tokens at
+#                           1.48 ms (2026-11-28, with 4.0 s of the KL's softmax), the tiny model's 1.05x to 1.2x.
+#                           A masked forward is planned at a dense one's cost otherwise: the
 #                           sliced executor computes only the kept units but gathers their weights for every
 #                           sample, and the LM head, attention and the softmax do not shrink
-SOLVE_WEIGHT = 2.0  # ... of a refit's solves (float64: half the float32 rate), against one of a forward
+SOLVE_WEIGHT = 1.4  # ... of a refit's solves (float64), against one of a forward: the default run's 92 refits
+#                    (88 of them --step-refit's) took 0.66 s each, 61.8 s (2 idle Zen 5 cores, 2026-11-28)
+SOLVE_SECONDS = 0.6e-3  # a projection's solve, besides its multiply-adds: the tiny model's 1,628 took 1.4 s
+PASS_BATCH_SECONDS = 5e-3  # a batch of a statistics pass, besides its forward: its hooks' Python (tiny model)
 FINAL_MOVES = 0.5  # the chance that a learning run's final mask is not its init mask (best-val kept step 0 in
 #                    about half of the measured 50-step runs): the unrefit final mask is evaluated only then
-EXPORT_SECONDS, EXPORT_BYTES_PER_SECOND = 0.3, 200e6  # writing the sliced model's safetensors
+EXPORT_SECONDS, EXPORT_BYTES_PER_SECOND = 0.3, 330e6  # writing the sliced model's safetensors (the default
+#                                                        model's 380 MB in 1.2-1.8 s)
 GGUF_SECONDS_PER_PARAM, COPY_SECONDS_PER_PARAM = 1.9e-7, 1e-8  # de-quantising a GGUF; reading its cached copy
 
 
@@ -232,6 +242,30 @@ _METRIC_FORWARDS = {
     "block-influence": lambda b, n, m, c, s: b * s.decoder_share,
     "sleb": _sleb_forwards,
 }
+
+
+# Batches of one calibration forward each whose logits an init metric scores by the CE (the rest score nothing
+# over the vocabulary, or, as Taylor's backward, are counted in their forwards).
+_METRIC_SCORED = {
+    "layerwise-ppl": lambda b, n, m, c, s: b * n, "sleb": _sleb_forwards, "taylor": lambda b, n, m, c, s: b,
+}
+
+
+def _reward(name: str):
+    from .rewards import REWARDS
+
+    return REWARDS.get(name) or REWARDS["ce"]
+
+
+def scoring_tokens(skeleton: "Skeleton", tokens: float, reward: str = "ce", dense: bool = False) -> float:
+    """Scoring `tokens` tokens by a reward (the CE: a loss; dense: the reward's dense target), in forward tokens
+    at the float32 rate: the reward's score_heads (engine/rewards.py) LM heads' multiply-adds a token."""
+    r = _reward(reward)
+    return tokens * (r.dense_heads if dense else r.score_heads) * skeleton.head_params / skeleton.forward_macs
+
+
+def _mix_reward_name(config) -> str:
+    return config.reward if config.mix_reward == "run" else config.mix_reward
 
 
 @dataclass
@@ -315,43 +349,76 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
     fresh = done_steps is None
     out: dict[str, float] = {}
     phase, passes, metric_reads = statistics_plan(config, fresh)
+    widths = any(u != "layers" for u in config.units)
     if fresh:
         cost = _METRIC_FORWARDS.get(config.init, lambda b, n, m, c, s: b)
-        forwards = cost(config.init_batches, n, removals, config, skeleton) if any(
-            u != "layers" for u in config.units) and not metric_reads else 0
+        none = lambda b, n, m, c, s: 0  # noqa: E731
+        forwards = cost(config.init_batches, n, removals, config, skeleton) if widths and not metric_reads else 0
+        scored = _METRIC_SCORED.get(config.init, none)(config.init_batches, n, removals, config, skeleton) if (
+            widths and not metric_reads) else 0
         if "layers" in config.units:
             layer_cost = _METRIC_FORWARDS.get(config.layer_init, lambda b, n, m, c, s: n * b)
             forwards += layer_cost(config.layer_init_batches, n, removals, config, skeleton)
+            scored += _METRIC_SCORED.get(config.layer_init, none)(config.layer_init_batches, n, removals, config,
+                                                                  skeleton)
         out["init metric"] = forwards * batch
+        out["init metric" + SCORED] = scoring_tokens(skeleton, scored * batch)
     if passes:  # the dense model's decoder per batch read, and x x^T of every pruned projection's input per token
         gram = sum(i * i for i, _ in _width_projections(config, skeleton)) if refit else 0
         out[phase] = batch * (passes * skeleton.decoder_share
                               + config.reconstruct_batches * GRAM_WEIGHT * gram / skeleton.forward_macs)
+        out[phase + FIXED] = passes * PASS_BATCH_SECONDS
+    solves = len(_width_projections(config, skeleton))  # (a refit's solves: one per pruned output projection)
     refits = 1.0 if refit else 0.0  # the final mask's, for its evaluation and the export
     if fresh and getattr(budget, "nested", False):
         counts = len(layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)))
         scored = mix_candidates(counts, config.mix_search, MIX_FINALISTS if config.mix_refine_batches else 1)
-        out["joint mix"] = batch * (config.mix_batches * scored
-                                              + config.mix_refine_batches * min(MIX_FINALISTS, counts))
+        mix_batches = config.mix_batches * scored + config.mix_refine_batches * min(MIX_FINALISTS, counts)
+        mix = _mix_reward_name(config)
+        out["joint mix"] = batch * mix_batches
+        out["joint mix" + SCORED] = scoring_tokens(skeleton, batch * mix_batches, mix)
+        if _reward(mix).needs_dense:  # (its dense target on each batch it scores on, once)
+            dense = batch * (config.mix_batches + config.mix_refine_batches)
+            out["joint mix"] += dense
+            out["joint mix" + SCORED] += scoring_tokens(skeleton, dense, mix, dense=True)
         if refit and config.mix_refit:  # (a refit per candidate: float64 solves in the mix's phase, at the steps' rate)
             out[MIX_REFITS] = scored * refit_tokens(config, skeleton)
+            out["joint mix" + FIXED] = scored * solves * SOLVE_SECONDS
     checks = validation_checks(config, done_steps)
     if config.validates:
-        out["validation"] = checks * config.val_batches * batch
+        reward = _reward(config.reward)
+        held_out = checks * config.val_batches * batch  # (a check: a forward a batch, its CE and its reward)
+        out["validation"] = held_out
+        out["validation" + SCORED] = scoring_tokens(skeleton, held_out) + (
+            scoring_tokens(skeleton, held_out, config.reward) if reward.own_held_out else 0.0)
+        if reward.needs_dense and checks:  # (the held-out batches' dense target, once a session)
+            out["validation"] += config.val_batches * batch
+            out["validation" + SCORED] += scoring_tokens(skeleton, config.val_batches * batch, config.reward, True)
         if refit and config.val_refit:
             refits += checks
     per_step, refit_per_step = step_tokens(config, skeleton)
     left = max(config.steps - (done_steps or 0), 0)
     if refit:
         out["refit"] = refits * refit_tokens(config, skeleton) + left * refit_per_step
+        out["refit" + FIXED] = (refits + left * step_refits(config)) * solves * SOLVE_SECONDS
     windows = config.max_windows or WIKITEXT2_TEST_TOKENS // config.eval_seqlen
     moves = FINAL_MOVES if optimises else 0.0
     init = fresh and config.evaluates_init
     unrefit_final = moves if init else 1.0  # (the init mask's figure is reused unless the final mask moved)
     evaluations = (0 if dense_cached or not fresh else 1) + init + unrefit_final + (1 if refit else 0)
     out["evaluations"] = evaluations * windows * config.eval_seqlen
+    out["evaluations" + SCORED] = scoring_tokens(skeleton, out["evaluations"])
     out["steps"] = left * per_step
     return out
+
+
+def step_refits(config) -> int:
+    """Refits a step makes: one per mask sample under --step-refit (where the run refits at all), else none."""
+    from .methods import METHODS
+
+    if config.method in METHODS and not METHODS[config.method].optimises:
+        return 0
+    return config.num_mask_samples if config.step_refit and _refit_applies(config) else 0
 
 
 def step_tokens(config, skeleton: Skeleton) -> tuple[float, float]:
@@ -364,10 +431,11 @@ def step_tokens(config, skeleton: Skeleton) -> tuple[float, float]:
     if config.method in METHODS and not METHODS[config.method].optimises:
         return 0.0, 0.0
     batch = config.batch_size * config.seqlen
+    samples = config.num_mask_samples * batch
     dense = batch if config.reward in REWARDS and REWARDS[config.reward].needs_dense else 0.0
-    refits = config.num_mask_samples * refit_tokens(config, skeleton) if (
-        config.step_refit and _refit_applies(config)) else 0.0
-    return config.num_mask_samples * batch * STEP_SAMPLE_WEIGHT + dense, refits
+    scoring = scoring_tokens(skeleton, samples, config.reward) + (
+        scoring_tokens(skeleton, dense, config.reward, dense=True) if dense else 0.0)
+    return samples * STEP_SAMPLE_WEIGHT + dense + scoring, step_refits(config) * refit_tokens(config, skeleton)
 
 
 def statistics_plan(config, fresh: bool = True) -> tuple[str, int, bool]:
@@ -445,22 +513,39 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
     `pass_seconds_per_token`), plus what is no forward: loading (load_seconds; `load`: the seconds it took, where
     the plan is made once the model and the data are in memory, as a run makes it) and the export. Under
     --time-budget the steps fill what the budget leaves."""
-    tokens = phase_tokens(config, skeleton, dense_cached, done_steps)
-    phases = {"load": load_seconds(skeleton, config.dtype, in_memory, dequantise) if load is None else load}
-    for phase in RUN_PHASES:
-        if phase in tokens:
-            rate = pass_seconds_per_token if phase in PASS_PHASES and pass_seconds_per_token else seconds_per_token
-            phases[phase] = tokens[phase] * rate
-    if MIX_REFITS in tokens:
-        phases["joint mix"] += tokens[MIX_REFITS] * seconds_per_token
-    phases["export"] = export_seconds(config, skeleton)
+    def seconds(config) -> dict[str, float]:
+        tokens = phase_tokens(config, skeleton, dense_cached, done_steps)
+        phases = {"load": load_seconds(skeleton, config.dtype, in_memory, dequantise) if load is None else load}
+        for phase in RUN_PHASES:
+            if phase in tokens:
+                rate = pass_seconds_per_token if phase in PASS_PHASES and pass_seconds_per_token else seconds_per_token
+                phases[phase] = tokens[phase] * rate
+        for key, value in tokens.items():  # (the scoring at the float32 rate; fixed seconds as they are)
+            if key == MIX_REFITS or key.endswith(SCORED):
+                phase = "joint mix" if key == MIX_REFITS else key[:-len(SCORED)]
+                phases[phase] = phases.get(phase, 0.0) + value * seconds_per_token
+            elif key.endswith(FIXED):
+                phases[key[:-len(FIXED)]] = phases.get(key[:-len(FIXED)], 0.0) + value
+        phases["export"] = export_seconds(config, skeleton)
+        return phases
+
+    phases = seconds(config)
     if config.time_budget and "steps" in phases:  # (the steps, with their refits, fill what the rest leaves)
         per_step, refit_per_step = (t * seconds_per_token for t in step_tokens(config, skeleton))
-        left = max(config.steps - (done_steps or 0), 0)
-        phases["refit"] = phases.get("refit", 0.0) - left * refit_per_step
-        rest = sum(v for k, v in phases.items() if k != "steps")
-        fit = min(float(left), max(60 * config.time_budget - rest, 0.0) / (per_step + refit_per_step)) if (
-            per_step + refit_per_step) > 0 else 0.0
+        refit_per_step += step_refits(config) * len(_width_projections(config, skeleton)) * SOLVE_SECONDS
+        done = done_steps or 0
+        left = max(config.steps - done, 0)
+        fit, fitted = float(left), config
+        for _ in range(4):  # (the held-out checks are the ones the steps that fit make: fitted again, until stable)
+            phases = seconds(fitted)
+            steps_in = max(fitted.steps - done, 0)
+            phases["refit"] = phases.get("refit", 0.0) - steps_in * refit_per_step
+            rest = sum(v for k, v in phases.items() if k != "steps")
+            fit = min(float(left), max(60 * config.time_budget - rest, 0.0) / (per_step + refit_per_step)) if (
+                per_step + refit_per_step) > 0 else 0.0
+            if done + max(math.ceil(fit), 1) == fitted.steps:
+                break
+            fitted = replace(config, steps=done + max(math.ceil(fit), 1))
         phases["steps"] = fit * per_step
         if refit_per_step:
             phases["refit"] += fit * refit_per_step

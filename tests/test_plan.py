@@ -11,7 +11,7 @@ from engine.config import PRESETS, PruneConfig
 from engine.data import DEFAULT_EVAL_WINDOWS
 from engine.errors import UserError
 from engine.plan import (STEP_SAMPLE_WEIGHT, model_skeleton, phase_tokens, plan_memory, plan_removal, plan_time,
-                         probe_seconds_per_token, rate_from_runs, skeleton_of, speedup)
+                         probe_seconds_per_token, rate_from_runs, scoring_tokens, skeleton_of, speedup)
 from engine.ui import figures
 from engine.ui import settings as S
 
@@ -87,8 +87,8 @@ def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
     more = PruneConfig(model=str(tiny_path), steps=20, max_windows=4, init="taylor")
     t1, t2 = (plan_time(c, skeleton, 1e-4, "test") for c in (base, more))
     assert t2.phases["steps"] == pytest.approx(2 * t1.phases["steps"])
-    assert t1.phases["steps"] == pytest.approx(10 * base.num_mask_samples * base.batch_size * base.seqlen * 1e-4
-                                               * STEP_SAMPLE_WEIGHT)
+    samples = 10 * base.num_mask_samples * base.batch_size * base.seqlen  # (masked forwards, each CE-scored)
+    assert t1.phases["steps"] == pytest.approx((samples * STEP_SAMPLE_WEIGHT + scoring_tokens(skeleton, samples)) * 1e-4)
     assert not phase_tokens(PruneConfig(model=str(tiny_path), method="metric", init="wanda-sp"), skeleton)["steps"]
     sleb = phase_tokens(PruneConfig(model=str(tiny_path), units=["layers"], layer_init="sleb"), skeleton)
     assert sleb["init metric"] > 0
@@ -116,12 +116,17 @@ def test_the_steps_count_their_dense_forward_and_their_refits(skeleton, tiny_pat
     refit = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor", step_refit=True)
     t_base, t_kl, t_refit = (phase_tokens(c, skeleton) for c in (base, kl, refit))
     batch = base.batch_size * base.seqlen
-    assert t_kl["steps"] - t_base["steps"] == pytest.approx(10 * batch)
+    samples = 10 * base.num_mask_samples * batch  # (the KL scores them, and once a step's batch, its dense target)
+    assert t_kl["steps"] - t_base["steps"] == pytest.approx(
+        10 * batch + scoring_tokens(skeleton, samples, "kl") - scoring_tokens(skeleton, samples)
+        + scoring_tokens(skeleton, 10 * batch, "kl", dense=True))
+    assert scoring_tokens(skeleton, samples, "kl") > scoring_tokens(skeleton, samples) > 0
     assert t_refit["steps"] == t_base["steps"]
     assert t_refit["refit"] - t_base["refit"] == pytest.approx(10 * base.num_mask_samples * refit_tokens(base, skeleton))
     rate = 1e-4
+    refit, base = (PruneConfig.of(**{**c.to_dict(), "val_every": 0}) for c in (refit, base))  # (no checks: a fixed rest)
     free = plan_time(refit, skeleton, rate, "test").phases
-    fixed = t_base["refit"] * rate  # (the refits that are not the steps': validation's, the final mask's)
+    fixed = plan_time(base, skeleton, rate, "test").phases["refit"]  # (the refit that is not the steps': the final mask's)
     limit = sum(free.values()) - 0.5 * (free["steps"] + free["refit"] - fixed)  # (room for about half the steps)
     budget = plan_time(PruneConfig.of(**{**refit.to_dict(), "time_budget": limit / 60}), skeleton, rate, "test").phases
     share = budget["steps"] / free["steps"]
@@ -254,3 +259,40 @@ def test_the_default_evaluation_is_the_tables_protocol_and_old_configs_keep_ever
     assert eval_windows(Chars(), text, 32, 5).shape == (5, 32)
     with pytest.raises(UserError, match="max windows"):
         PruneConfig(max_windows=-1).validate()
+
+
+def test_under_a_time_budget_the_held_out_checks_are_those_of_the_steps_that_fit(skeleton, tiny_path):
+    """A --time-budget run makes the checks of the steps it reaches (every --val-every and its last), not those
+    of --steps: the plan counts those (it once planned all of --steps' checks, 36.5 s for the default run's 27)."""
+    import math
+
+    from engine.plan import validation_checks
+
+    c = PruneConfig(model=str(tiny_path), steps=100, val_every=5, max_windows=4, init="taylor")
+    rate = 1e-4
+    free = plan_time(c, skeleton, rate, "t").phases
+    per_check = free["validation"] / validation_checks(c)
+    limit = sum(free.values()) - 0.8 * free["steps"]  # (room for about a fifth of the steps)
+    tight = plan_time(PruneConfig.of(**{**c.to_dict(), "time_budget": limit / 60}), skeleton, rate, "t").phases
+    fit = tight["steps"] / (free["steps"] / c.steps)
+    assert 10 < fit < 40
+    near = {validation_checks(PruneConfig.of(**{**c.to_dict(), "steps": math.ceil(fit) + d})) for d in (-1, 0, 1)}
+    assert any(tight["validation"] == pytest.approx(per_check * k) for k in near) and tight["validation"] < free["validation"] / 2
+
+
+def test_scoring_over_the_vocabulary_is_planned_where_a_phase_scores(skeleton, tiny_path):
+    """The CE or KL over the vocabulary is float32 work a forward's matrices do not count: the plan adds it, in LM
+    heads a token (engine/rewards.py's score_heads), to the phases that score: Layerwise-PPL's candidates, the
+    joint mix's, the checks, the evaluations, the steps."""
+    from engine.rewards import REWARDS
+
+    joint = PruneConfig(model=str(tiny_path), **PRESETS["joint"])
+    tokens = phase_tokens(joint, skeleton)
+    assert {"init metric scoring", "joint mix scoring", "validation scoring", "evaluations scoring"} <= set(tokens)
+    n, batch = skeleton.num_layers, joint.batch_size * joint.seqlen
+    assert tokens["init metric scoring"] == pytest.approx(scoring_tokens(skeleton, joint.layer_init_batches * n * batch))
+    assert scoring_tokens(skeleton, 1000, "kl") / scoring_tokens(skeleton, 1000) == pytest.approx(
+        REWARDS["kl"].score_heads / REWARDS["ce"].score_heads)
+    ce = PruneConfig.of(**{**joint.to_dict(), "reward": "ce"})
+    assert phase_tokens(ce, skeleton)["validation scoring"] < tokens["validation scoring"]  # (the KL beside the CE)
+    assert plan_time(ce, skeleton, 1e-4, "t").phases["steps"] < plan_time(joint, skeleton, 1e-4, "t").phases["steps"]
