@@ -136,7 +136,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m engine", description="Policy-gradient structural pruning of LLMs.")
+    # (installed, the same command is `pg-prune`: its help and errors name the command the user typed)
+    prog = "pg-prune" if Path(sys.argv[0]).name == "pg-prune" else "python -m engine"
+    parser = _Parser(prog=prog, description="Policy-gradient structural pruning of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prune", help="learn masks over KV groups, MLP channels and layers, evaluate, export")

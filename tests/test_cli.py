@@ -455,3 +455,13 @@ def test_the_summary_names_the_metrics_the_init_came_from():
     assert _init_label(PruneConfig(units=["heads", "channels"], init="taylor")) == "taylor"
     assert _init_label(PruneConfig(units=["layers"], layer_init="sleb")) == "layers sleb"  # not the widths' metric
     assert _init_label(PruneConfig(units=["layers", "channels"], layer_init="layerwise-ppl")) == "layers layerwise-ppl + flap"
+
+
+def test_the_installed_command_names_itself_in_help_and_errors(monkeypatch):
+    """`pg-prune` (pyproject's script) says `pg-prune` in its usage and its error lines; `python -m engine` says that."""
+    from engine.cli import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/pg-prune", "prune"])
+    assert build_parser().prog == "pg-prune"
+    monkeypatch.setattr(sys, "argv", ["/repo/engine/__main__.py", "prune"])
+    assert build_parser().prog == "python -m engine"
