@@ -266,6 +266,17 @@ def cell_config_file(cell: Path) -> Path:
     return own
 
 
+def load_cell_config(cell: Path):
+    """A comparison cell's PruneConfig (cell_config_file's), or one `error:` line for a folder that is no cell."""
+    from engine.config import PruneConfig
+    from engine.errors import UserError
+
+    try:
+        return PruneConfig.load(cell_config_file(cell))
+    except FileNotFoundError:
+        raise UserError(f"{cell} holds no config.json (a cell of bench/compare_table.py)") from None
+
+
 def report(todo: list[Cell], args, cells_dir: Path) -> str:
     got, times = {}, cell_times(cells_dir)
     for c in todo:

@@ -53,18 +53,14 @@ def main() -> None:
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(ROOT / "bench" / "results" / "compare_table" / "metric_cache"))
 
     import engine.initialise as initialise
-    from engine.config import PruneConfig
     from engine.errors import UserError
     from engine.joint import candidate_scores, hard_mask_loss, layer_counts
     from engine.pruner import PruneRun
     from widths_after_layers import layer_compensation, layer_mean_deltas, widths_after_layers
 
-    from compare_table import cell_config_file
+    from compare_table import load_cell_config
 
-    try:  # (git keeps the cells' configs in compare_table/configs.json: the cell's own is written back from it)
-        config = PruneConfig.load(cell_config_file(args.cell))
-    except FileNotFoundError:
-        raise UserError(f"{args.cell} holds no config.json (a cell of bench/compare_table.py)") from None
+    config = load_cell_config(args.cell)  # (a fresh clone's cell gets it back from compare_table/configs.json)
     if "layers" not in config.units or len(config.units) < 2:
         raise UserError(f"{args.cell} is not a joint cell (units {','.join(config.units)})")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,17 +29,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "oneshot_on_pg_data")
     args = p.parse_args()
 
-    from engine.config import PruneConfig
     from engine.data import CalibrationSampler, load_calibration_texts, split_holdout
-    from engine.errors import UserError
     from engine.pruner import PruneRun
 
-    from compare_table import cell_config_file
+    from compare_table import load_cell_config
 
-    try:  # (git keeps the cells' configs in compare_table/configs.json: the cell's own is written back from it)
-        config = PruneConfig.load(cell_config_file(args.cell))
-    except FileNotFoundError:
-        raise UserError(f"{args.cell} holds no config.json (a cell of bench/compare_table.py)") from None
+    config = load_cell_config(args.cell)  # (a fresh clone's cell gets it back from compare_table/configs.json)
     t0, cpu0 = time.monotonic(), time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         r = PruneRun(config, tmp)

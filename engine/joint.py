@@ -107,12 +107,18 @@ def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch
     return float(run.ctx.rewards({u: m[None] for u, m in masks.items()}, batch, fill, refit, reward)[0])
 
 
+def mix_reward_name(config) -> str:
+    """The reward's name the joint mix scores its candidates by (--mix-reward: run, the run's own, or a name)."""
+    return config.reward if config.mix_reward == "run" else config.mix_reward
+
+
 def mix_reward(run: "PruneRun"):
-    """The reward the joint mix scores its candidates by (--mix-reward: the run's own, or a reward by name)."""
+    """The reward the joint mix scores its candidates by: the run's own object (its dense targets shared), or
+    another reward's."""
     from .rewards import REWARDS
 
-    name = run.config.mix_reward
-    return run.ctx.reward if name in ("run", run.config.reward) else REWARDS[name]()
+    name = mix_reward_name(run.config)
+    return run.ctx.reward if name == run.config.reward else REWARDS[name]()
 
 
 def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.Tensor], keep: float,

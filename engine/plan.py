@@ -264,10 +264,6 @@ def scoring_tokens(skeleton: "Skeleton", tokens: float, reward: str = "ce", dens
     return tokens * (r.dense_heads if dense else r.score_heads) * skeleton.head_params / skeleton.forward_macs
 
 
-def _mix_reward_name(config) -> str:
-    return config.reward if config.mix_reward == "run" else config.mix_reward
-
-
 @dataclass
 class TimePlan:
     phases: dict[str, float]  # phase (RUN_PHASES' names) -> seconds
@@ -299,6 +295,11 @@ def _budget(config, skeleton: Skeleton):
 
     sizes = unit_sizes(skeleton.adapter)
     return BUDGETS[config.budget](UnitLayout({u: sizes[u] for u in config.units}), config.scope, skeleton.adapter)
+
+
+def solve_seconds(config, skeleton: Skeleton, refits: float) -> float:
+    """The fixed seconds of `refits` refits: SOLVE_SECONDS for each pruned output projection each solves."""
+    return refits * len(_width_projections(config, skeleton)) * SOLVE_SECONDS
 
 
 def _width_projections(config, skeleton: Skeleton):
@@ -337,7 +338,7 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
     PruneConfig that is model work, under the names a run records (RUN_PHASES). done_steps: a resumed session,
     which starts from its checkpoint at that step (no init metric, no joint mix, no init evaluations); None: a
     fresh run."""
-    from .joint import MIX_FINALISTS, layer_counts, mix_candidates
+    from .joint import MIX_FINALISTS, layer_counts, mix_candidates, mix_reward_name
     from .methods import METHODS
 
     batch = config.batch_size * config.seqlen
@@ -354,27 +355,26 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
         cost = _METRIC_FORWARDS.get(config.init, lambda b, n, m, c, s: b)
         none = lambda b, n, m, c, s: 0  # noqa: E731
         forwards = cost(config.init_batches, n, removals, config, skeleton) if widths and not metric_reads else 0
-        scored = _METRIC_SCORED.get(config.init, none)(config.init_batches, n, removals, config, skeleton) if (
+        scored_batches = _METRIC_SCORED.get(config.init, none)(config.init_batches, n, removals, config, skeleton) if (
             widths and not metric_reads) else 0
         if "layers" in config.units:
             layer_cost = _METRIC_FORWARDS.get(config.layer_init, lambda b, n, m, c, s: n * b)
             forwards += layer_cost(config.layer_init_batches, n, removals, config, skeleton)
-            scored += _METRIC_SCORED.get(config.layer_init, none)(config.layer_init_batches, n, removals, config,
-                                                                  skeleton)
+            scored_batches += _METRIC_SCORED.get(config.layer_init, none)(config.layer_init_batches, n, removals,
+                                                                          config, skeleton)
         out["init metric"] = forwards * batch
-        out["init metric" + SCORED] = scoring_tokens(skeleton, scored * batch)
+        out["init metric" + SCORED] = scoring_tokens(skeleton, scored_batches * batch)
     if passes:  # the dense model's decoder per batch read, and x x^T of every pruned projection's input per token
         gram = sum(i * i for i, _ in _width_projections(config, skeleton)) if refit else 0
         out[phase] = batch * (passes * skeleton.decoder_share
                               + config.reconstruct_batches * GRAM_WEIGHT * gram / skeleton.forward_macs)
         out[phase + FIXED] = passes * PASS_BATCH_SECONDS
-    solves = len(_width_projections(config, skeleton))  # (a refit's solves: one per pruned output projection)
     refits = 1.0 if refit else 0.0  # the final mask's, for its evaluation and the export
     if fresh and getattr(budget, "nested", False):
         counts = len(layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)))
         scored = mix_candidates(counts, config.mix_search, MIX_FINALISTS if config.mix_refine_batches else 1)
         mix_batches = config.mix_batches * scored + config.mix_refine_batches * min(MIX_FINALISTS, counts)
-        mix = _mix_reward_name(config)
+        mix = mix_reward_name(config)
         out["joint mix"] = batch * mix_batches
         out["joint mix" + SCORED] = scoring_tokens(skeleton, batch * mix_batches, mix)
         if _reward(mix).needs_dense:  # (its dense target on each batch it scores on, once)
@@ -383,7 +383,7 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
             out["joint mix" + SCORED] += scoring_tokens(skeleton, dense, mix, dense=True)
         if refit and config.mix_refit:  # (a refit per candidate: float64 solves in the mix's phase, at the steps' rate)
             out[MIX_REFITS] = scored * refit_tokens(config, skeleton)
-            out["joint mix" + FIXED] = scored * solves * SOLVE_SECONDS
+            out["joint mix" + FIXED] = solve_seconds(config, skeleton, scored)
     checks = validation_checks(config, done_steps)
     if config.validates:
         reward = _reward(config.reward)
@@ -400,7 +400,7 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
     left = max(config.steps - (done_steps or 0), 0)
     if refit:
         out["refit"] = refits * refit_tokens(config, skeleton) + left * refit_per_step
-        out["refit" + FIXED] = (refits + left * step_refits(config)) * solves * SOLVE_SECONDS
+        out["refit" + FIXED] = solve_seconds(config, skeleton, refits + left * step_refits(config))
     windows = config.max_windows or WIKITEXT2_TEST_TOKENS // config.eval_seqlen
     moves = FINAL_MOVES if optimises else 0.0
     init = fresh and config.evaluates_init
@@ -426,13 +426,12 @@ def step_tokens(config, skeleton: Skeleton) -> tuple[float, float]:
     model needs for the step's batch; its N_s refits under --step-refit, which a run records as refit). (0, 0) for
     a method that takes no steps."""
     from .methods import METHODS
-    from .rewards import REWARDS
 
     if config.method in METHODS and not METHODS[config.method].optimises:
         return 0.0, 0.0
     batch = config.batch_size * config.seqlen
     samples = config.num_mask_samples * batch
-    dense = batch if config.reward in REWARDS and REWARDS[config.reward].needs_dense else 0.0
+    dense = batch if _reward(config.reward).needs_dense else 0.0
     scoring = scoring_tokens(skeleton, samples, config.reward) + (
         scoring_tokens(skeleton, dense, config.reward, dense=True) if dense else 0.0)
     return samples * STEP_SAMPLE_WEIGHT + dense + scoring, step_refits(config) * refit_tokens(config, skeleton)
@@ -532,7 +531,7 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
     phases = seconds(config)
     if config.time_budget and "steps" in phases:  # (the steps, with their refits, fill what the rest leaves)
         per_step, refit_per_step = (t * seconds_per_token for t in step_tokens(config, skeleton))
-        refit_per_step += step_refits(config) * len(_width_projections(config, skeleton)) * SOLVE_SECONDS
+        refit_per_step += solve_seconds(config, skeleton, step_refits(config))
         done = done_steps or 0
         left = max(config.steps - done, 0)
         fit, fitted = float(left), config

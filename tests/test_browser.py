@@ -157,14 +157,18 @@ def click_when_free(d, el) -> None:
     wait(attempt, timeout=30 * SLOW, what="a clickable element")
 
 
+def _confirm_buttons(d) -> list:
+    return [b for b in d.find_elements(By.TAG_NAME, "button") if "Yes, start it" in b.text and b.is_displayed()]
+
+
+def _started(d) -> bool:
+    return "Running" in status_line(d) or "Loading" in status_line(d)
+
+
 def start_run(d, timeout: float = 120) -> None:
     """Press Start pruning and wait until the run starts or the page asks first ("Yes, start it" is then pressed).
     The button is pressed once it is enabled; if nothing happens it is pressed again while the page still offers it
     (CI once lost the first click: a rerun from the last typed setting redrew the button under it)."""
-    def asked_or_started():
-        asked = [b for b in d.find_elements(By.TAG_NAME, "button") if "Yes, start it" in b.text and b.is_displayed()]
-        return asked or ("Running" in status_line(d) or "Loading" in status_line(d))
-
     end = time.time() + timeout * SLOW
     while True:
         el = wait(lambda: [b for b in d.find_elements(By.TAG_NAME, "button")
@@ -172,21 +176,23 @@ def start_run(d, timeout: float = 120) -> None:
                   what="an enabled Start pruning")[0]
         click_when_free(d, el)
         try:
-            asked = wait(asked_or_started, timeout=min(30 * SLOW, max(end - time.time(), 1)), what="the start")
+            asked = wait(lambda: _confirm_buttons(d) or _started(d),
+                         timeout=min(30 * SLOW, max(end - time.time(), 1)), what="the start")
             break
         except AssertionError:
             if time.time() >= end:
                 raise
     if isinstance(asked, list):  # estimated over 10 minutes: the page asks first
-        wait(lambda: (asked_or_started() and _click_confirm(d)), timeout=60 * SLOW, what="the confirmation")
+        wait(lambda: _click_confirm(d), timeout=60 * SLOW, what="the confirmation")
 
 
 def _click_confirm(d) -> bool:
-    asked = [b for b in d.find_elements(By.TAG_NAME, "button") if "Yes, start it" in b.text and b.is_displayed()]
+    """Press "Yes, start it" if the page shows it; True once pressed or once the run has started."""
+    asked = _confirm_buttons(d)
     if asked:
         asked[0].click()
         return True
-    return "Running" in status_line(d) or "Loading" in status_line(d)
+    return _started(d)
 
 
 def same_value(shown: str | None, value) -> bool:
