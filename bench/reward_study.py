@@ -398,6 +398,41 @@ def report(args) -> None:
     text = "\n".join(lines) + "\n"
     (OUT / "table.md").write_text(text)
     print(text)
+    figure = curve_figure(sorted((OUT / "pg").glob("*/curve.json")))
+    if figure:
+        (OUT / "curve.svg").write_text(figure)
+        print(f"figure: {OUT / 'curve.svg'}")
+
+
+def cell_group(name: str) -> str:
+    """A PG cell's line in the figure: its name without the seed (rate, reward, source, steps, variant)."""
+    rate, _seed, reward, source, *rest = name.split("-")
+    return f"{rate[1:]} %, {reward}, {source}" + (f", {'-'.join(rest[1:])}" if rest[1:] else "")
+
+
+def curve_figure(curves: list[Path]) -> str | None:
+    """Held-out quality against CPU minutes: each PG cell's measured steps as the change (%) from its own init
+    (step 0) on WikiText and on held-out C4, one colour a cell group (its seeds share it). None without two points."""
+    from svg_chart import PALETTE, Panel, Series, line_chart
+
+    panels = {m: Panel(t) for m, t in (("wikitext", "WikiText-2, % against the run's init"),
+                                       ("c4", "held-out C4, % against the run's init"))}
+    colors: dict[str, str] = {}
+    for path in curves:
+        d = json.loads(path.read_text())
+        pts = sorted((int(k), v) for k, v in d["points"].items())
+        group = cell_group(path.parent.name)
+        color = colors.setdefault(group, PALETTE[len(colors) % len(PALETTE)])
+        for m, panel in panels.items():
+            if not pts or m not in pts[0][1]:
+                continue
+            base = pts[0][1][m]
+            series = [(v["cpu_minutes"], 100.0 * (v[m] / base - 1.0)) for _, v in pts if m in v and "cpu_minutes" in v]
+            if len(series) > 1:
+                panel.series.append(Series(group, series, color))
+    if not any(p.series for p in panels.values()):
+        return None
+    return line_chart(list(panels.values()), "CPU minutes of the run (one thread)", "% change, refit")
 
 
 def main() -> None:

@@ -146,3 +146,49 @@ def test_the_reward_study_report_puts_a_pg_cells_refit_init_beside_its_final_mas
             if ln.startswith("| r30")}
     assert "| 143.96 / 97.39 | 132.74 | 90.21 |" in rows["r30-s0-kl-data-24-alloc"]
     assert "| 177.09 |  | 132.74 |" in rows["r30-s0-ce-data-40"]
+
+
+def test_the_reward_study_figure_draws_each_cells_change_from_its_init_against_cpu_minutes(monkeypatch, tmp_path):
+    """bench/reward_study.py report writes curve.svg: one polyline a cell and measure, each point the change (%) of a
+    step's mask from the cell's step 0, at the CPU minutes that step was reached; seeds of a group share a colour."""
+    import json
+    import re
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reward_study
+
+    monkeypatch.setattr(reward_study, "OUT", tmp_path)
+    for seed, end in ((0, 90.0), (1, 110.0)):
+        cell = tmp_path / "pg" / f"r30-s{seed}-kl-data-24-alloc"
+        cell.mkdir(parents=True)
+        (cell / "heldout.json").write_text(json.dumps({"wikitext": end, "c4": 80.0, "cpu_seconds_run": 600.0}))
+        (cell / "results.json").write_text(json.dumps({"steps": 24, "ppl_init": 150.0}))
+        (cell / "curve.json").write_text(json.dumps({"points": {
+            "0": {"wikitext": 100.0, "c4": 80.0, "cpu_minutes": 10.0},
+            "24": {"wikitext": end, "c4": 76.0, "cpu_minutes": 30.0}}}))
+    reward_study.report(None)
+    svg = (tmp_path / "curve.svg").read_text()
+    lines = re.findall(r'<polyline points="([^"]+)" fill="none" stroke="([^"]+)"', svg)
+    assert len(lines) == 4  # 2 cells x (WikiText, held-out C4)
+    assert len({color for _, color in lines}) == 1  # one group: the two seeds share its colour
+    assert svg.count("30 %, kl, data, alloc") == 1  # its legend entry, once
+    # seed 0's WikiText line: step 0 on the zero line, step 24 (-10 %) below it and to its right
+    (x0, y0), (x1, y1) = [tuple(map(float, p.split(","))) for p in lines[0][0].split()]
+    zero = [float(m) for m in re.findall(r'y1="([0-9.]+)" y2="[0-9.]+" stroke="#888"/>\n<text x="48" y="[0-9.]+" '
+                                         r'text-anchor="end">0</text>', svg)]
+    assert y0 == zero[0] and y1 > y0 and x1 > x0
+
+
+def test_the_svg_charts_ticks_are_round_and_cover_the_range():
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    from svg_chart import nice_ticks
+
+    assert nice_ticks(0, 10) == [0, 2.5, 5, 7.5, 10] or nice_ticks(0, 10) == [0, 5, 10]
+    ticks = nice_ticks(-17.6, 15.8)
+    assert ticks[0] <= -17.6 and ticks[-1] >= 15.8
+    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:])}
+    assert len(steps) == 1 and steps.pop() in (1, 2, 5, 10, 20, 50)
+    with pytest.raises(ValueError):
+        nice_ticks(0, float("nan"))
