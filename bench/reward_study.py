@@ -21,6 +21,9 @@ Stages:
     curve    a finished PG cell's hard mask every --every steps (metrics.jsonl), refit and measured on WikiText and
              held-out C4, with the units it changed from the init mask and the CPU minutes to reach it (step 0:
              the init mask; a mask the steps did not change is not evaluated again): the figure's points.
+    zeroshot-more  a finished PG cell's init and export on each zero-shot task's next examples (--start 500,
+             --count 1000), scored example by example: the paired change of the zero-shot mean with its 95 %
+             bootstrap interval, and the change over these and the first 500 together (zeroshot_more.json).
     report   the tables (markdown) and the figure (held-out quality against CPU minutes) from the cells done.
 
     OMP_NUM_THREADS=1 python bench/reward_study.py oneshot --rate 0.3 --seed 0 --source data [--zeroshot]
@@ -372,6 +375,112 @@ def curve(args) -> None:
         PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True)).fresh_state()
 
 
+# --- zeroshot-more ------------------------------------------------------------------------------------------
+# each task's documents (../shared/data/README.md): the further examples stop there
+ZEROSHOT_SIZES = {"piqa": 1838, "hellaswag": 10042, "winogrande": 1267, "arc_easy": 2376}
+
+
+def zeroshot_docs(model, tokenizer, docs: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    """Each named document's score (the task's table metric: 1.0 right, 0.0 wrong), by task and document index."""
+    import tempfile
+
+    from engine.tools.zeroshot import TABLE_METRIC, evaluate_model, write_task_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        task_dir = write_task_dir(Path(tmp) / "tasks", tuple(docs))
+        raw = evaluate_model(model, tokenizer, list(docs), task_dir, batch_size=8, log_samples=True, samples=docs)
+    return {t: {str(r["doc_id"]): float(r[TABLE_METRIC[t]]) for r in raw["samples"][t]} for t in docs}
+
+
+def paired_change(before: dict, after: dict, draws: int = 2000, seed: int = 0) -> dict:
+    """The change of the zero-shot mean (the mean over tasks of each task's accuracy), in points, from `before` to
+    `after` on the same documents, and its 95 % bootstrap interval (documents resampled within each task, the same
+    draw for both: a paired interval)."""
+    import random
+
+    rng = random.Random(seed)
+    diffs = {t: [after[t][d] - before[t][d] for d in sorted(before[t], key=int)] for t in before}
+    point = 100.0 * sum(sum(v) / len(v) for v in diffs.values()) / len(diffs)
+    boot = []
+    for _ in range(draws):
+        boot.append(100.0 * sum(sum(rng.choices(v, k=len(v))) / len(v) for v in diffs.values()) / len(diffs))
+    boot.sort()
+    return {"points": point, "low": boot[int(0.025 * draws)], "high": boot[int(0.975 * draws) - 1],
+            "documents": {t: len(v) for t, v in diffs.items()}}
+
+
+def zeroshot_more(args) -> None:
+    """A finished PG cell's init (refit, as the curve's step 0) and export (folder/model) on the zero-shot tasks'
+    next --count examples from --start, scored example by example; the paired change and its interval, and the
+    change over these and the first ZEROSHOT_LIMIT together, into folder/zeroshot_more.json."""
+    import torch
+
+    import engine.initialise as initialise
+    from engine.loading import load_model, resolve_model
+    from engine.pruner import PruneRun
+
+    name = pg_name(args)
+    folder = OUT / "pg" / name
+    if not (folder / "heldout.json").is_file():
+        raise SystemExit(f"error: {name} has not finished (run its pg cell first)")
+    dest = folder / "zeroshot_more.json"
+    done = json.loads(dest.read_text()) if dest.exists() else {"cell": name, "scores": {}}
+    docs = {t: list(range(args.start, min(args.start + args.count, ZEROSHOT_SIZES[t]))) for t in ZEROSHOT_TASKS}
+    if done.get("docs") not in (None, docs):
+        raise SystemExit(f"error: {dest} holds other documents; move it away to measure these")
+    done["docs"] = docs
+
+    def finish() -> None:
+        done["change"] = paired_change(done["scores"]["init"], done["scores"]["export"])
+        first = {"init": json.loads((folder / "curve.json").read_text())["points"]["0"].get("zeroshot"),
+                 "export": json.loads((folder / "heldout.json").read_text()).get("zeroshot")}
+        if all(first.values()):  # (the first ZEROSHOT_LIMIT of each task, measured by the pg and curve stages)
+            def pooled(which):
+                return sum((first[which]["per_task"][t]["score"] * first[which]["per_task"][t]["samples"]
+                            + sum(done["scores"][which][t].values()))
+                           / (first[which]["per_task"][t]["samples"] + len(done["scores"][which][t]))
+                           for t in ZEROSHOT_TASKS) / len(ZEROSHOT_TASKS)
+            done["pooled"] = {w: pooled(w) for w in ("init", "export")}
+            done["pooled"]["change_points"] = 100.0 * (done["pooled"]["export"] - done["pooled"]["init"])
+        save(dest, done)
+        c = done["change"]
+        print(f"{name}: zero-shot mean on the further examples {c['points']:+.2f} points "
+              f"[{c['low']:+.2f}, {c['high']:+.2f}]" + (f"; with the first {ZEROSHOT_LIMIT}: "
+              f"{done['pooled']['change_points']:+.2f}" if "pooled" in done else ""), flush=True)
+
+    t0 = cpu()
+    if "export" not in done["scores"]:
+        model, tok = load_model(resolve_model(str(folder / "model")))
+        with torch.no_grad():
+            done["scores"]["export"] = zeroshot_docs(model, tok, docs)
+        done["cpu_seconds"] = done.get("cpu_seconds", 0.0) + cpu() - t0
+        save(dest, done)
+        del model
+    if "init" in done["scores"]:
+        finish()
+        return
+    _, init = step_masks(folder)
+    config = cell_config(cell_argv(args.rate, args.seed, args.source, args.reward,
+                                   ["--out", str(OUT / "unused"), *VARIANTS[args.variant]]))
+
+    def evaluate(run_, *a, **kw):
+        t1 = cpu()
+        with run_.masks.weights(init) as fill:
+            # (the refit init's WikiText beside the curve's step 0: the same mask and refit as the cell's)
+            done["init_wikitext"] = run_.masked_perplexity(init, "init (refit)", fill)
+            with run_.ctx.masked(init, fill):
+                done["scores"]["init"] = zeroshot_docs(run_.model, run_.tokenizer, docs)
+        done["cpu_seconds"] = done.get("cpu_seconds", 0.0) + cpu() - t1
+        finish()
+        raise SystemExit(0)
+
+    import tempfile
+
+    initialise.choose_mix = evaluate  # (as the curve stage: the run's refit statistics are gathered by then)
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True)).fresh_state()
+
+
 # --- report -----------------------------------------------------------------------------------------------
 def report(args) -> None:
     lines = ["## The one-shot stage: the joint's layer count chosen by each rule", "",
@@ -438,24 +547,30 @@ def curve_figure(curves: list[Path]) -> str | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True)
-    for stage in ("oneshot", "pg", "curve"):
+    for stage in ("oneshot", "pg", "curve", "zeroshot-more"):
         s = sub.add_parser(stage)
         s.add_argument("--rate", type=positive(float), default=0.3)
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--source", choices=("data", "self", "mix"), default="data")
-        s.add_argument("--zeroshot", action="store_true", help="also the zero-shot mean (minutes a mask)")
-        if stage in ("pg", "curve"):
+        if stage != "zeroshot-more":
+            s.add_argument("--zeroshot", action="store_true", help="also the zero-shot mean (minutes a mask)")
+        if stage in ("pg", "curve", "zeroshot-more"):
             s.add_argument("--reward", choices=("ce", "kl"), default="kl")
             s.add_argument("--steps", type=positive(int), default=40)
             s.add_argument("--variant", choices=tuple(VARIANTS), default="",
                            help="the default run's settings, or a variant of them: " + ", ".join(v for v in VARIANTS if v))
         if stage == "curve":
             s.add_argument("--every", type=positive(int), default=10, help="evaluate the mask of every N-th step")
+        if stage == "zeroshot-more":
+            s.add_argument("--start", type=int, default=ZEROSHOT_LIMIT, help="the first further example of each task")
+            s.add_argument("--count", type=positive(int), default=1000, help="further examples a task (fewer where "
+                           "a task has fewer)")
     sub.add_parser("report")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))  # (the cells of one seed share metrics)
-    {"oneshot": oneshot, "pg": pg_cell, "curve": curve, "report": report}[args.stage](args)
+    {"oneshot": oneshot, "pg": pg_cell, "curve": curve, "zeroshot-more": zeroshot_more,
+     "report": report}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -192,3 +192,19 @@ def test_the_svg_charts_ticks_are_round_and_cover_the_range():
     assert len(steps) == 1 and steps.pop() in (1, 2, 5, 10, 20, 50)
     with pytest.raises(ValueError):
         nice_ticks(0, float("nan"))
+
+
+def test_the_paired_zero_shot_change_is_the_mean_over_tasks_with_an_interval_around_it(monkeypatch):
+    """bench/reward_study.py paired_change: the change of the mean over tasks of each task's accuracy, in points,
+    with a paired bootstrap interval that holds it; no change on identical scores gives a zero-width interval."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reward_study
+
+    before = {"a": {str(i): float(i % 2) for i in range(100)}, "b": {str(i): 1.0 for i in range(40)}}
+    after = {"a": {str(i): 1.0 for i in range(100)}, "b": {str(i): float(i >= 10) for i in range(40)}}
+    c = reward_study.paired_change(before, after, draws=500)
+    # task a: 0.5 -> 1.0 (+50 points); task b: 1.0 -> 0.75 (-25 points); the mean over the two tasks: +12.5
+    assert abs(c["points"] - 12.5) < 1e-9
+    assert c["low"] < c["points"] < c["high"] and c["documents"] == {"a": 100, "b": 40}
+    same = reward_study.paired_change(before, before, draws=200)
+    assert same["points"] == same["low"] == same["high"] == 0.0

@@ -128,8 +128,9 @@ def _offline() -> None:
 
 
 def evaluate_model(model, tokenizer, tasks, task_dir: str | Path, limit: int | None = None, batch_size: int = 8,
-                   seed: int = 1234, log_samples: bool = False) -> dict:
-    """lm-eval's simple_evaluate on an already-loaded model; returns the harness's results dict."""
+                   seed: int = 1234, log_samples: bool = False, samples: dict[str, list[int]] | None = None) -> dict:
+    """lm-eval's simple_evaluate on an already-loaded model; returns the harness's results dict. `samples` names
+    the documents of each task by index (instead of the first `limit`)."""
     _offline()
     import logging
 
@@ -144,7 +145,7 @@ def evaluate_model(model, tokenizer, tasks, task_dir: str | Path, limit: int | N
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=0, limit=limit, task_manager=manager,
                            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                           fewshot_random_seed=seed, log_samples=log_samples, bootstrap_iters=0)
+                           fewshot_random_seed=seed, log_samples=log_samples, bootstrap_iters=0, samples=samples)
 
 
 def summarize(raw: dict, tasks) -> dict:
