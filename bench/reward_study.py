@@ -380,8 +380,9 @@ def curve(args) -> None:
 ZEROSHOT_SIZES = {"piqa": 1838, "hellaswag": 10042, "winogrande": 1267, "arc_easy": 2376}
 
 
-def zeroshot_docs(model, tokenizer, docs: dict[str, list[int]]) -> dict[str, dict[str, float]]:
-    """Each named document's score (the task's table metric: 1.0 right, 0.0 wrong), by task and document index."""
+def zeroshot_docs(model, tokenizer, docs: dict[str, list[int]]) -> dict[str, str]:
+    """Each named document's score (the task's table metric), by task: a string of "1" (right) and "0" (wrong) in
+    the order of `docs` (a few kB a mask where a list of numbers would be a hundred)."""
     import tempfile
 
     from engine.tools.zeroshot import TABLE_METRIC, evaluate_model, write_task_dir
@@ -389,17 +390,23 @@ def zeroshot_docs(model, tokenizer, docs: dict[str, list[int]]) -> dict[str, dic
     with tempfile.TemporaryDirectory() as tmp:
         task_dir = write_task_dir(Path(tmp) / "tasks", tuple(docs))
         raw = evaluate_model(model, tokenizer, list(docs), task_dir, batch_size=8, log_samples=True, samples=docs)
-    return {t: {str(r["doc_id"]): float(r[TABLE_METRIC[t]]) for r in raw["samples"][t]} for t in docs}
+    out = {}
+    for t, ids in docs.items():
+        score = {int(r["doc_id"]): float(r[TABLE_METRIC[t]]) for r in raw["samples"][t]}
+        if sorted(score) != sorted(ids) or not set(score.values()) <= {0.0, 1.0}:
+            raise SystemExit(f"error: {t}: the harness scored other documents or non-0/1 scores")
+        out[t] = "".join("1" if score[i] else "0" for i in ids)
+    return out
 
 
 def paired_change(before: dict, after: dict, draws: int = 2000, seed: int = 0) -> dict:
     """The change of the zero-shot mean (the mean over tasks of each task's accuracy), in points, from `before` to
-    `after` on the same documents, and its 95 % bootstrap interval (documents resampled within each task, the same
+    `after` on the same documents (zeroshot_docs' strings of 0 and 1), and its 95 % bootstrap interval (documents resampled within each task, the same
     draw for both: a paired interval)."""
     import random
 
     rng = random.Random(seed)
-    diffs = {t: [after[t][d] - before[t][d] for d in sorted(before[t], key=int)] for t in before}
+    diffs = {t: [int(a) - int(b) for b, a in zip(before[t], after[t], strict=True)] for t in before}
     point = 100.0 * sum(sum(v) / len(v) for v in diffs.values()) / len(diffs)
     boot = []
     for _ in range(draws):
@@ -437,7 +444,7 @@ def zeroshot_more(args) -> None:
         if all(first.values()):  # (the first ZEROSHOT_LIMIT of each task, measured by the pg and curve stages)
             def pooled(which):
                 return sum((first[which]["per_task"][t]["score"] * first[which]["per_task"][t]["samples"]
-                            + sum(done["scores"][which][t].values()))
+                            + done["scores"][which][t].count("1"))
                            / (first[which]["per_task"][t]["samples"] + len(done["scores"][which][t]))
                            for t in ZEROSHOT_TASKS) / len(ZEROSHOT_TASKS)
             done["pooled"] = {w: pooled(w) for w in ("init", "export")}

@@ -200,8 +200,8 @@ def test_the_paired_zero_shot_change_is_the_mean_over_tasks_with_an_interval_aro
     monkeypatch.syspath_prepend(str(BENCH))
     import reward_study
 
-    before = {"a": {str(i): float(i % 2) for i in range(100)}, "b": {str(i): 1.0 for i in range(40)}}
-    after = {"a": {str(i): 1.0 for i in range(100)}, "b": {str(i): float(i >= 10) for i in range(40)}}
+    before = {"a": "01" * 50, "b": "1" * 40}
+    after = {"a": "1" * 100, "b": "0" * 10 + "1" * 30}
     c = reward_study.paired_change(before, after, draws=500)
     # task a: 0.5 -> 1.0 (+50 points); task b: 1.0 -> 0.75 (-25 points); the mean over the two tasks: +12.5
     assert abs(c["points"] - 12.5) < 1e-9
