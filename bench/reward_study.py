@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -313,18 +312,41 @@ def changed(a: dict, b: dict) -> int:
     return int(sum(int(((a[u] > 0.5) != (b[u] > 0.5)).sum()) for u in a))
 
 
-def curve(args) -> None:
-    """The held-out measures of a PG cell's hard mask every --every steps (refit, as the export would be), with the
-    units each step's mask changed from the init mask and the CPU minutes spent to reach it: the figure's points."""
+def finished_cell(args) -> tuple[str, Path]:
+    name = pg_name(args)
+    folder = OUT / "pg" / name
+    if not (folder / "heldout.json").is_file():
+        raise SystemExit(f"error: {name} has not finished (run its pg cell first)")
+    return name, folder
+
+
+def at_refit_statistics(args, evaluate) -> None:
+    """The cell's own run (its config, a scratch folder) up to its joint mix, where the refit's statistics are
+    gathered: there `evaluate(run_)` measures masks as the export would be refit (run_.masks.weights), and the run
+    stops (its own mix and steps are not needed)."""
+    import tempfile
+
     import torch
 
     import engine.initialise as initialise
     from engine.pruner import PruneRun
 
-    name = pg_name(args)
-    folder = OUT / "pg" / name
-    if not (folder / "heldout.json").is_file():
-        raise SystemExit(f"error: {name} has not finished (run its pg cell first)")
+    config = cell_config(cell_argv(args.rate, args.seed, args.source, args.reward,
+                                   ["--out", str(OUT / "unused"), *VARIANTS[args.variant]]))
+
+    def stop_after(run_, *a, **kw):
+        evaluate(run_)
+        raise SystemExit(0)
+
+    initialise.choose_mix = stop_after
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True)).fresh_state()
+
+
+def curve(args) -> None:
+    """The held-out measures of a PG cell's hard mask every --every steps (refit, as the export would be), with the
+    units each step's mask changed from the init mask and the CPU minutes spent to reach it: the figure's points."""
+    name, folder = finished_cell(args)
     dest = folder / "curve.json"
     done = json.loads(dest.read_text()) if dest.exists() else {"cell": name, "points": {}}
     by_step, init = step_masks(folder)
@@ -354,10 +376,7 @@ def curve(args) -> None:
     if not todo:
         print(f"{name}: curve done", flush=True)
         return
-    config = cell_config(cell_argv(args.rate, args.seed, args.source, args.reward,
-                                   ["--out", str(OUT / "unused"), *VARIANTS[args.variant]]))
-
-    def evaluate(run_, z, mix_on, keep, comparable=frozenset(), **kw):
+    def evaluate(run_, *_, **__):
         c4 = heldout_c4_windows(run_.tokenizer)
         for k in todo:
             p = done["points"][str(k)]
@@ -366,13 +385,8 @@ def curve(args) -> None:
                                                                                    f"step {k}", c4, zeroshot, p)
             save(dest, done)
             print(f"{name} step {k}: {measured_line(p)}", flush=True)
-        raise SystemExit(0)
 
-    import tempfile
-
-    initialise.choose_mix = evaluate  # (the run's refit statistics are gathered by then; its own mix is not needed)
-    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True)).fresh_state()
+    at_refit_statistics(args, evaluate)
 
 
 # --- zeroshot-more ------------------------------------------------------------------------------------------
@@ -422,14 +436,9 @@ def zeroshot_more(args) -> None:
     change over these and the first ZEROSHOT_LIMIT together, into folder/zeroshot_more.json."""
     import torch
 
-    import engine.initialise as initialise
     from engine.loading import load_model, resolve_model
-    from engine.pruner import PruneRun
 
-    name = pg_name(args)
-    folder = OUT / "pg" / name
-    if not (folder / "heldout.json").is_file():
-        raise SystemExit(f"error: {name} has not finished (run its pg cell first)")
+    name, folder = finished_cell(args)
     dest = folder / "zeroshot_more.json"
     done = json.loads(dest.read_text()) if dest.exists() else {"cell": name, "scores": {}}
     docs = {t: list(range(args.start, min(args.start + args.count, ZEROSHOT_SIZES[t]))) for t in ZEROSHOT_TASKS}
@@ -467,10 +476,8 @@ def zeroshot_more(args) -> None:
         finish()
         return
     _, init = step_masks(folder)
-    config = cell_config(cell_argv(args.rate, args.seed, args.source, args.reward,
-                                   ["--out", str(OUT / "unused"), *VARIANTS[args.variant]]))
 
-    def evaluate(run_, *a, **kw):
+    def evaluate(run_, *_, **__):
         t1 = cpu()
         with run_.masks.weights(init) as fill:
             # (the refit init's WikiText beside the curve's step 0: the same mask and refit as the cell's)
@@ -479,13 +486,8 @@ def zeroshot_more(args) -> None:
                 done["scores"]["init"] = zeroshot_docs(run_.model, run_.tokenizer, docs)
         done["cpu_seconds"] = done.get("cpu_seconds", 0.0) + cpu() - t1
         finish()
-        raise SystemExit(0)
 
-    import tempfile
-
-    initialise.choose_mix = evaluate  # (as the curve stage: the run's refit statistics are gathered by then)
-    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True)).fresh_state()
+    at_refit_statistics(args, evaluate)
 
 
 # --- report -----------------------------------------------------------------------------------------------
