@@ -513,6 +513,23 @@ def report(args) -> None:
         init = f"{p0['wikitext']:.2f} / {p0['c4']:.2f}" if "wikitext" in p0 and "c4" in p0 else ""
         lines.append(f"| {f.parent.name} | {res['steps']} | {res['ppl_init']:.2f} | {init} | {ev['wikitext']:.2f} | "
                      f"{ev['c4']:.2f} | {'' if zs is None else f'{zs:.4f}'} | {ev['cpu_seconds_run'] / 60:.1f} |")
+    more = sorted((OUT / "pg").glob("*/zeroshot_more.json"))
+    if more:
+        lines += ["", "## Zero-shot on further examples: the export against its init, document by document", "",
+                  "(zeroshot-more: each task's examples from 500 on; the change of the mean over the four tasks, "
+                  "with its paired 95 % bootstrap interval; then pooled with the first 500)", "",
+                  "| cell | documents | init refit: WikiText (the curve's step 0) | change, points [95 %] | "
+                  "pooled with the first 500: init → export (change) |", "|---|---|---|---|---|"]
+        for f in more:
+            d = json.loads(f.read_text())
+            if "change" not in d:
+                continue
+            c, docs = d["change"], sum(d["change"]["documents"].values())
+            pooled = d.get("pooled")
+            lines.append(f"| {f.parent.name} | {docs:,} | {d.get('init_wikitext', float('nan')):.2f} | "
+                         f"{c['points']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}] | "
+                         + (f"{pooled['init']:.4f} → {pooled['export']:.4f} ({pooled['change_points']:+.2f}) |"
+                            if pooled else " |"))
     text = "\n".join(lines) + "\n"
     (OUT / "table.md").write_text(text)
     print(text)

@@ -208,3 +208,24 @@ def test_the_paired_zero_shot_change_is_the_mean_over_tasks_with_an_interval_aro
     assert c["low"] < c["points"] < c["high"] and c["documents"] == {"a": 100, "b": 40}
     same = reward_study.paired_change(before, before, draws=200)
     assert same["points"] == same["low"] == same["high"] == 0.0
+
+
+def test_the_reward_study_report_lists_the_paired_zero_shot_change_where_it_was_measured(monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reward_study
+
+    monkeypatch.setattr(reward_study, "OUT", tmp_path)
+    cell = tmp_path / "pg" / "r50-s0-kl-data-24-alloc"
+    cell.mkdir(parents=True)
+    (cell / "heldout.json").write_text(json.dumps({"wikitext": 494.6, "c4": 223.1, "cpu_seconds_run": 1643.0}))
+    (cell / "results.json").write_text(json.dumps({"steps": 24, "ppl_init": 825.8}))
+    before, after = {"piqa": "0110", "winogrande": "10"}, {"piqa": "1110", "winogrande": "00"}
+    (cell / "zeroshot_more.json").write_text(json.dumps({
+        "init_wikitext": 504.31, "change": reward_study.paired_change(before, after, draws=100),
+        "pooled": {"init": 0.45, "export": 0.4445, "change_points": -0.55}}))
+    reward_study.report(None)
+    row = [ln for ln in (tmp_path / "table.md").read_text().splitlines() if ln.startswith("| r50-s0")][-1]
+    # piqa +25 points, winogrande -50: the mean over the two tasks -12.5
+    assert "| 6 | 504.31 | -12.50 [" in row and "0.4500 → 0.4445 (-0.55) |" in row
