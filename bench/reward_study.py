@@ -116,15 +116,22 @@ def windows_ppl(model, windows, loss) -> float:
     return perplexity(model, windows, 8, False, loss)
 
 
-def zeroshot_mean(model, tokenizer) -> dict:
+def harness(model, tokenizer, tasks, **kw) -> dict:
+    """lm-eval on a loaded model over `tasks` (their configs written to a scratch folder), batches of 8; `kw`: the
+    documents (limit= or samples=) and log_samples."""
     import tempfile
 
-    from engine.tools.zeroshot import average, evaluate_model, summarize, write_task_dir
+    from engine.tools.zeroshot import evaluate_model, write_task_dir
 
     with tempfile.TemporaryDirectory() as tmp:
-        task_dir = write_task_dir(Path(tmp) / "tasks", ZEROSHOT_TASKS)
-        raw = evaluate_model(model, tokenizer, list(ZEROSHOT_TASKS), task_dir, limit=ZEROSHOT_LIMIT, batch_size=8)
-    per_task = summarize(raw, ZEROSHOT_TASKS)
+        task_dir = write_task_dir(Path(tmp) / "tasks", tuple(tasks))
+        return evaluate_model(model, tokenizer, list(tasks), task_dir, batch_size=8, **kw)
+
+
+def zeroshot_mean(model, tokenizer) -> dict:
+    from engine.tools.zeroshot import average, summarize
+
+    per_task = summarize(harness(model, tokenizer, ZEROSHOT_TASKS, limit=ZEROSHOT_LIMIT), ZEROSHOT_TASKS)
     return {"per_task": per_task, "mean": average(per_task)}
 
 
@@ -397,13 +404,9 @@ ZEROSHOT_SIZES = {"piqa": 1838, "hellaswag": 10042, "winogrande": 1267, "arc_eas
 def zeroshot_docs(model, tokenizer, docs: dict[str, list[int]]) -> dict[str, str]:
     """Each named document's score (the task's table metric), by task: a string of "1" (right) and "0" (wrong) in
     the order of `docs` (a few kB a mask where a list of numbers would be a hundred)."""
-    import tempfile
+    from engine.tools.zeroshot import TABLE_METRIC
 
-    from engine.tools.zeroshot import TABLE_METRIC, evaluate_model, write_task_dir
-
-    with tempfile.TemporaryDirectory() as tmp:
-        task_dir = write_task_dir(Path(tmp) / "tasks", tuple(docs))
-        raw = evaluate_model(model, tokenizer, list(docs), task_dir, batch_size=8, log_samples=True, samples=docs)
+    raw = harness(model, tokenizer, docs, log_samples=True, samples=docs)
     out = {}
     for t, ids in docs.items():
         score = {int(r["doc_id"]): float(r[TABLE_METRIC[t]]) for r in raw["samples"][t]}
@@ -415,8 +418,8 @@ def zeroshot_docs(model, tokenizer, docs: dict[str, list[int]]) -> dict[str, str
 
 def paired_change(before: dict, after: dict, draws: int = 2000, seed: int = 0) -> dict:
     """The change of the zero-shot mean (the mean over tasks of each task's accuracy), in points, from `before` to
-    `after` on the same documents (zeroshot_docs' strings of 0 and 1), and its 95 % bootstrap interval (documents resampled within each task, the same
-    draw for both: a paired interval)."""
+    `after` on the same documents (zeroshot_docs' strings of 0 and 1), and its 95 % bootstrap interval (documents
+    resampled within each task, the same draw for both: a paired interval)."""
     import random
 
     rng = random.Random(seed)
@@ -448,7 +451,8 @@ def zeroshot_more(args) -> None:
 
     def finish() -> None:
         done["change"] = paired_change(done["scores"]["init"], done["scores"]["export"])
-        first = {"init": json.loads((folder / "curve.json").read_text())["points"]["0"].get("zeroshot"),
+        curve = json.loads((folder / "curve.json").read_text()) if (folder / "curve.json").is_file() else {}
+        first = {"init": curve.get("points", {}).get("0", {}).get("zeroshot"),  # (None: no curve stage with it)
                  "export": json.loads((folder / "heldout.json").read_text()).get("zeroshot")}
         if all(first.values()):  # (the first ZEROSHOT_LIMIT of each task, measured by the pg and curve stages)
             def pooled(which):

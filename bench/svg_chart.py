@@ -57,8 +57,11 @@ def line_chart(panels: list[Panel], x_label: str, y_label: str, panel_width: int
     if not points:
         raise ValueError("a chart needs at least one point")
     xt = nice_ticks(min(x for x, _ in points), max(x for x, _ in points))
-    labels = list(dict.fromkeys(s.label for panel in panels for s in panel.series))
-    left, right, top, bottom, legend_h = 52, 16, 28, 40, 18 * len(labels) + 8
+    first = {}  # each label's first series, in order: the legend
+    for panel in panels:
+        for s in panel.series:
+            first.setdefault(s.label, s)
+    left, right, top, bottom, legend_h = 52, 16, 28, 40, 18 * len(first) + 8
     width = len(panels) * panel_width
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + legend_h}" '
            f'font-family="sans-serif" font-size="11">', f'<rect width="{width}" height="{height + legend_h}" fill="white"/>']
@@ -93,13 +96,8 @@ def line_chart(panels: list[Panel], x_label: str, y_label: str, panel_width: int
             dash = ' stroke-dasharray="5,3"' if s.dashed else ""
             out.append(f'<polyline points="{path}" fill="none" stroke="{s.color}" stroke-width="1.5"{dash}/>')
             out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{s.color}"/>' for x, y in pts]
-    first = {}
-    for panel in panels:
-        for s in panel.series:
-            first.setdefault(s.label, s)
-    for j, label in enumerate(labels):
+    for j, (label, s) in enumerate(first.items()):
         y = height + 12 + 18 * j
-        s = first[label]
         dash = ' stroke-dasharray="5,3"' if s.dashed else ""
         out.append(f'<line x1="{left}" x2="{left + 24}" y1="{y - 4}" y2="{y - 4}" stroke="{s.color}" stroke-width="2"{dash}/>')
         out.append(f'<text x="{left + 30}" y="{y}">{escape(label)}</text>')
