@@ -12,6 +12,7 @@ Each source returns the documents and a line saying what they are, which results
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -31,12 +32,26 @@ PROMPT_TOKENS = 8  # the prompt of each generated document: the first tokens of 
 GENERATE_BATCH = 32  # continuations sampled per generate() call
 
 
-def register_calib_source(name: str):
+PHASE = "calibration text"  # the phase a run's generated text is timed in (results.json's seconds_by_phase)
+
+
+def register_calib_source(name: str, generates: bool = False):
+    """A source: fn(texts, model, tokenizer, config, fingerprint, log) -> (documents, what they are).
+    generates: it samples text from the dense model (self_docs x self_tokens, cached), a phase of the run's own."""
     def add(fn):
+        fn.generates = generates
         add_entry(CALIB_SOURCES, name, fn, "calibration source")
         return fn
 
     return add
+
+
+def generated_tokens(config) -> int:
+    """Tokens a run's calibration source puts through the dense model when its text is not cached (each
+    document's prompt and its continuation); 0 for a source that generates nothing."""
+    if not getattr(CALIB_SOURCES.get(config.calib_source), "generates", False):
+        return 0
+    return config.self_docs * (PROMPT_TOKENS + config.self_tokens)
 
 
 def cache_dir() -> Path:
@@ -107,6 +122,52 @@ def self_key(fingerprint: str, config, texts_digest: str) -> str:
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
 
+def cache_path(config, fingerprint: str | None, digest: str) -> Path | None:
+    """Where the generated text of this model (fingerprint: None for a model in memory, never cached), setting
+    and calibration documents (their digest) is cached."""
+    return cache_dir() / f"{self_key(fingerprint, config, digest)}.jsonl.gz" if fingerprint else None
+
+
+def text_cached(config, fingerprint: str | None, calib_digest: Callable[[], str]) -> bool:
+    """Does the cache hold the text this run's source would generate (False for a source that generates none)?
+    calib_digest: the calibration documents' digest, computed only when it is needed."""
+    if not generated_tokens(config):
+        return False
+    path = cache_path(config, fingerprint, calib_digest())
+    return bool(path is not None and path.is_file() and len(read_documents(path)) == config.self_docs)
+
+
+def config_text_cached(config) -> bool:
+    """text_cached for a config before any run reads its model or data (the app's plan): the model's files and
+    the calibration documents as the run would read them (their digest kept per path and modification time).
+    False wherever that cannot be told cheaply (a hub model or hub data, a path that does not read)."""
+    if not generated_tokens(config):
+        return False
+    from . import ppl_cache
+    from .data import _CALIB_SUBDIR, default_data_dir
+    from .errors import UserError
+    from .loading import resolve_model
+
+    try:
+        source = resolve_model(config.model)
+        found = ppl_cache.model_fingerprint(source.path, source.gguf_file)
+        calib = config.calib or (str(default_data_dir() / _CALIB_SUBDIR) if default_data_dir() else None)
+        if not found or not calib or not Path(calib).exists():
+            return False
+        stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(Path(calib).rglob("*"))
+                      if f.is_file()) if Path(calib).is_dir() else ((calib, Path(calib).stat().st_mtime_ns),)
+        return text_cached(config, json.dumps([found, config.dtype]), lambda: _calib_digest(calib, stamp))
+    except (UserError, OSError):
+        return False
+
+
+@functools.lru_cache(maxsize=4)
+def _calib_digest(calib: str, stamp: tuple) -> str:
+    from .data import load_calibration_texts
+
+    return texts_digest(load_calibration_texts(calib)[0])
+
+
 def texts_digest(texts: list[str]) -> str:
     h = hashlib.sha256()
     for t in texts:
@@ -114,12 +175,12 @@ def texts_digest(texts: list[str]) -> str:
     return h.hexdigest()
 
 
-@register_calib_source("self")
+@register_calib_source("self", generates=True)
 def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
     what = (f"{config.self_docs} documents sampled from the dense model at temperature {config.self_temperature}, "
             f"{config.self_tokens} tokens each after a {PROMPT_TOKENS}-token prompt from the calibration documents "
             f"(seed {config.seed})")
-    path = cache_dir() / f"{self_key(fingerprint, config, texts_digest(texts))}.jsonl.gz" if fingerprint else None
+    path = cache_path(config, fingerprint, texts_digest(texts))
     if path is not None and path.is_file():
         docs = read_documents(path)
         if len(docs) == config.self_docs:
@@ -162,7 +223,7 @@ def write_documents(path: Path, docs: list[str], log) -> bool:
         return False
 
 
-@register_calib_source("mix")
+@register_calib_source("mix", generates=True)
 def mixed_documents(texts, model, tokenizer, config, fingerprint, log=print):
     generated, what = self_documents(texts, model, tokenizer, config, fingerprint, log)
     g = torch.Generator().manual_seed(config.seed + 11)

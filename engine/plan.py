@@ -191,7 +191,7 @@ def speedup(skeleton: Skeleton, params_removed: int) -> float:
 # --- time: one cost model for every phase a run records ---------------------------------------------------
 # The phases a run's results.json records (engine/phases.py's PhaseClock; "other" and "total" come after them),
 # in the order a fresh run first enters them.
-RUN_PHASES = ("load", "statistics", "init metric", "refit statistics", "joint mix", "validation", "refit",
+RUN_PHASES = ("load", "calibration text", "statistics", "init metric", "refit statistics", "joint mix", "validation", "refit",
               "evaluations", "steps", "export")
 MIX_REFITS = "joint mix refits"  # phase_tokens' part of the joint mix that is solves, not passes (--mix-refit)
 SCORED = " scoring"  # phase_tokens' "<phase> scoring": that phase's scores over the vocabulary (the loss's or
@@ -202,6 +202,9 @@ PASS_PHASES = ("statistics", "init metric", "refit statistics", "joint mix")  # 
 # The constants of the cost model, few and fixed (not fitted per run); calibrated on the default model's
 # 10-minute runs (bench/results/must_show/tb10-*) and on the tiny model's default run, 2 CPU cores:
 DATA_SECONDS = 5.0  # reading and tokenising the calibration documents and WikiText-2 (about 6.5 M characters)
+GENERATE_WEIGHT = 2.2  # a token of --calib-source self's sampling (32 sequences a step, a token each, with their
+#                      KV cache) against one of a batched forward: 256 x 264 tokens took about 430 s at one thread
+#                      beside another cell, whose forwards ran at 3 ms a token (2026-11-28, Zen 5)
 GRAM_WEIGHT = 1.15  # a multiply-add of the refit's statistics (x x^T and its float64 sums, in the hooks of the
 #                    statistics pass) against one of a forward: the tiny model's pass measured 1.17 forwards a batch
 STEP_SAMPLE_WEIGHT = 1.1  # a step's masked forward against a dense one, its reward's scoring apart: the default
@@ -333,11 +336,13 @@ def validation_checks(config, done_steps: int | None = None) -> int:
     return len(every) + (1 if done_steps is None else 0)
 
 
-def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_steps: int | None = None) -> dict[str, float]:
+def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_steps: int | None = None,
+                 text_cached: bool = False) -> dict[str, float]:
     """Forward tokens (a dense forward's tokens, or what costs as much) of each phase of a run with this
     PruneConfig that is model work, under the names a run records (RUN_PHASES). done_steps: a resumed session,
     which starts from its checkpoint at that step (no init metric, no joint mix, no init evaluations); None: a
-    fresh run."""
+    fresh run. text_cached: the calibration source's generated text is in its cache (nothing to sample)."""
+    from .calib_sources import PHASE as TEXT_PHASE, generated_tokens
     from .joint import MIX_FINALISTS, layer_counts, mix_candidates, mix_reward_name
     from .methods import METHODS
 
@@ -349,6 +354,8 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
     optimises = METHODS[config.method].optimises if config.method in METHODS else True
     fresh = done_steps is None
     out: dict[str, float] = {}
+    if not text_cached and generated_tokens(config):
+        out[TEXT_PHASE] = generated_tokens(config) * GENERATE_WEIGHT
     phase, passes, metric_reads = statistics_plan(config, fresh)
     widths = any(u != "layers" for u in config.units)
     if fresh:
@@ -506,15 +513,21 @@ def export_seconds(config, skeleton: Skeleton) -> float:
 def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source: str,
               dense_cached: bool = False, in_memory: bool = False, dequantise: bool | None = None,
               load: float | None = None, done_steps: int | None = None,
-              pass_seconds_per_token: float | None = None) -> TimePlan:
+              pass_seconds_per_token: float | None = None, text_cached: bool = False,
+              text_seconds: float | None = None) -> TimePlan:
     """Seconds of each phase a run records (RUN_PHASES): its forward tokens (phase_tokens) times the measured
     seconds per token (the one-shot passes' own rate where their --pass-dtype was measured apart:
     `pass_seconds_per_token`), plus what is no forward: loading (load_seconds; `load`: the seconds it took, where
-    the plan is made once the model and the data are in memory, as a run makes it) and the export. Under
-    --time-budget the steps fill what the budget leaves."""
+    the plan is made once the model and the data are in memory, as a run makes it) and the export. The
+    calibration text a source generates: planned from its tokens unless `text_cached`, or the seconds it took
+    (`text_seconds`, with `load`). Under --time-budget the steps fill what the budget leaves."""
+    from .calib_sources import PHASE as TEXT_PHASE
+
     def seconds(config) -> dict[str, float]:
-        tokens = phase_tokens(config, skeleton, dense_cached, done_steps)
+        tokens = phase_tokens(config, skeleton, dense_cached, done_steps, text_cached or text_seconds is not None)
         phases = {"load": load_seconds(skeleton, config.dtype, in_memory, dequantise) if load is None else load}
+        if text_seconds:
+            phases[TEXT_PHASE] = text_seconds
         for phase in RUN_PHASES:
             if phase in tokens:
                 rate = pass_seconds_per_token if phase in PASS_PHASES and pass_seconds_per_token else seconds_per_token
@@ -693,7 +706,7 @@ def budget_trades(config, plan: TimePlan) -> list[str]:
         return []
     reads = config.bias_compensation or bool(getattr(METRICS.get(config.init), "statistics", ()))
     anyway = config.init_batches if reads and config.refit_stream == "init" else 0
-    before = sum(plan.phases.get(k, 0.0) for k in ("load", "loading", "data and export"))  # (loading and the data)
+    before = sum(plan.phases.get(k, 0.0) for k in ("load", "calibration text", "loading", "data and export"))
     per_batch = config.batch_size * config.seqlen * plan.seconds_per_token
     n = config.reconstruct_batches
     kept = batches_within_share(n, per_batch, 60.0 * config.time_budget - before, anyway)

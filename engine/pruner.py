@@ -26,7 +26,7 @@ import torch
 
 from .arch import ModelAdapter
 from .budget import BUDGETS
-from .calib_sources import CALIB_SOURCES, check_cache_dir as check_self_calib_cache
+from .calib_sources import CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache
 from .checkpoints import Checkpoints
 from .config import PruneConfig
 from .context import StepContext
@@ -86,12 +86,15 @@ def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | Non
     from {"calib_data", "eval_data"}). With validation on, every 10th calibration document is held out from the
     steps; the init metric (and the joint mix) read every document with --init-data all, as a one-shot run of the
     seed does, so that the run starts from that run's mask; the init sampler is the calibration sampler otherwise.
-    check (torchrun: World.check_data) sees the texts as read, before any forward (--calib-source self generates)."""
+    check (torchrun: World.check_data) sees the texts as read, before any forward (--calib-source self generates).
+    Last, the seconds the calibration source took (a generating one's: the run's "calibration text" phase)."""
     texts, calib_source = load_calibration_texts(config.calib) if calib is None else (calib, "in memory")
     text, eval_source = load_eval_text(config.eval_data)
     if check is not None:
         check({"calibration data": (texts, calib_source), "evaluation data": (text, eval_source)})
+    began = time.monotonic()  # (the source's seconds: its own phase, "calibration text", where it generates)
     texts, scored_on = CALIB_SOURCES[config.calib_source](texts, model, tokenizer, config, fingerprint, log=log)
+    source_seconds = time.monotonic() - began
     ids = tokenize_documents(tokenizer, texts)  # (once: the samplers below share documents; bounded memory)
     val_batches, init_sampler = [], None
     if config.validates:
@@ -109,7 +112,7 @@ def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | Non
     sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
     windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
     return sampler, init_sampler or sampler, val_batches, windows, {"calib_data": calib_source, "eval_data": eval_source,
-                                                                 "calib_source": scored_on}
+                                                                 "calib_source": scored_on}, source_seconds
 
 
 class PruneRun:
@@ -135,7 +138,7 @@ class PruneRun:
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
         self.budget.fixed_layers = c.fixed_layers
-        self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources = _run_data(
+        self.sampler, self.init_sampler, self.val_batches, self.windows, self.sources, source_seconds = _run_data(
             tokenizer, c, model, self.fingerprint(), log, calib, check=self.world.check_data)
         self.world.check_data({  # (torchrun: every rank read the same token ids, before the steps' first forward)
             "calibration data": ([self.sampler.docs, self.init_sampler.docs, self.val_batches], self.sources["calib_data"]),
@@ -150,6 +153,8 @@ class PruneRun:
         self.hooks = [h(RunView(self)) for h in RUN_HOOKS if h.applies(c)]  # (a hook reads its run, never assigns)
         self.call_hooks("on_setup")
         self.checkpoints, self.phases = Checkpoints(self), PhaseClock(self.started)
+        if CALIB_SOURCES[c.calib_source].generates:  # (its text read from the cache, or sampled: not "load")
+            self.phases.carve(CALIB_PHASE, source_seconds)
         self.masks = RunMasks(self, joined_transforms(self.hooks))
         self.keep_ratio_at, self.lr_at = self.masks.keep_ratio_at, self.masks.lr_at
         self.hard_masks = self.ctx.hard_masks = self.masks.hard_masks  # (a method may cut its scores, as --unit-block)

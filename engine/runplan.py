@@ -36,7 +36,9 @@ def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, floa
     """The plan of this session of the run in results.json's form (phase -> seconds, "other", "total"), made once
     the model and the data are in memory (the probe runs the model; the dense perplexity's cache is keyed by the
     evaluation windows): its "load" is what loading took until then (the CLI's imports, the model, the data and
-    the probe), the rest is planned. A fresh run (done_steps None) or one resumed at done_steps. Logged."""
+    the probe), its "calibration text" what the calibration source's text took (generated, or read from its
+    cache), the rest is planned. A fresh run (done_steps None) or one resumed at done_steps. Logged."""
+    from .calib_sources import PHASE as CALIB_PHASE
     from .hooks.reconstruction import Reconstruction
     from .plan import pass_dtype_of, plan_time, skeleton_of
 
@@ -46,9 +48,10 @@ def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, floa
     passes = pass_dtype_of(c)  # (the one-shot passes' own rate, when they run in another dtype)
     pass_rate = run_rate(run, skeleton, passes)[0] if passes else None
     dense_cached = run.masks.cached_dense()[1] is not None
+    text = run.phases.seconds.get(CALIB_PHASE)  # (the calibration text: generated or read, before the plan)
     plan = plan_time(c, skeleton, rate, source, dense_cached=dense_cached, done_steps=done_steps,
-                     load=time.monotonic() - run.started if done_steps is None else run.phases.seconds["load"],
-                     pass_seconds_per_token=pass_rate)
+                     load=time.monotonic() - run.started - (text or 0.0) if done_steps is None else run.phases.seconds["load"],
+                     pass_seconds_per_token=pass_rate, text_cached=True, text_seconds=text)
     phases = dict(plan.phases)
     if any(isinstance(h, Reconstruction) and h.skipped for h in run.hooks):  # (no statistics, no refit)
         phases.pop("refit statistics", None)

@@ -534,6 +534,7 @@ def _rate(config, skeleton) -> tuple[float, str, bool]:
 
 def plan_panel(config, problem: str | None) -> float | None:
     """The plan above Start: parameters removed, time, peak memory, speed-up. Returns the estimated seconds."""
+    from engine.calib_sources import config_text_cached
     from engine.errors import UserError
     from engine.plan import (budget_trades, cached_probe, model_skeleton, pass_dtype_of, plan_memory, plan_time,
                              probe_key, probe_seconds_per_token, speedup)
@@ -564,7 +565,8 @@ def plan_panel(config, problem: str | None) -> float | None:
         if pass_rate is None and measured and skeleton.params_total < 20e6:
             pass_rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen,
                                                 cache=cache_dir(), passes=passes)
-    times = plan_time(config, skeleton, rate, source, pass_seconds_per_token=pass_rate)
+    times = plan_time(config, skeleton, rate, source, pass_seconds_per_token=pass_rate,
+                      text_cached=config_text_cached(config))  # (--calib-source self: generated once, then cached)
     total = config.time_budget * 60 if config.time_budget else times.total
     memory = plan_memory(config, skeleton)
     peaks = [r.results["peak_rss_mb"] for r in runs() if r.results and r.results.get("peak_rss_mb")

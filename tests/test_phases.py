@@ -35,6 +35,18 @@ def test_nested_phases_count_once_and_the_rest_is_other():
     assert phase_line(report) == "wall time 25 s: load 5, steps 12, evaluations 4, other 4"
 
 
+def test_work_timed_before_the_clock_is_carved_out_of_load():
+    """The calibration text, sampled while the data is read (before the clock is made), is counted under its own
+    name, never more than the load had; a few milliseconds (text read from its cache) are left in load."""
+    phases = PhaseClock(started=0.0, clock=Clock(9.0))
+    phases.carve("calibration text", 6.5)
+    phases.carve("calibration text", 0.01)
+    assert phases.report() == {"load": 2.5, "calibration text": 6.5, "other": 0.0, "total": 9.0}
+    capped = PhaseClock(started=0.0, clock=Clock(2.0))
+    capped.carve("calibration text", 5.0)
+    assert capped.report() == {"load": 0.0, "calibration text": 2.0, "other": 0.0, "total": 2.0}
+
+
 def test_a_phase_that_raises_is_still_counted():
     clock = Clock()
     phases = PhaseClock(started=0.0, clock=clock)

@@ -4,18 +4,21 @@ and the self-generated calibration text."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from engine.arch import ModelAdapter
-from engine.calib_sources import CALIB_SOURCES, PROMPT_TOKENS
+from engine.calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, PROMPT_TOKENS, config_text_cached,
+                                  generated_tokens)
 from engine.config import PruneConfig
 from engine.context import StepContext
 from engine.evaluate import batch_loss
 from engine.executors import EXECUTORS
 from engine.masking import MaskHooks
+from engine.plan import GENERATE_WEIGHT, model_skeleton, phase_tokens
 from engine.pruner import PruneRun
 from engine.rewards import REWARDS, DenseKL, row_kl
 
@@ -176,6 +179,29 @@ def test_a_run_on_self_generated_text_records_it(tiny, tiny_path, small_eval_fil
     res = PruneRun(config, tmp_path / "A", model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
     assert res["calib_source"] == "self" and "sampled from the dense model" in res["scored_on"]
     assert json.loads((tmp_path / "A" / "config.json").read_text())["calib_source"] == "self"
+    # the text's sampling is a phase of its own, planned and measured (not "load")
+    assert res["seconds_by_phase"][CALIB_PHASE] > 0 and res["plan_seconds_by_phase"][CALIB_PHASE] > 0
+    assert set(res["plan_seconds_by_phase"]) == set(res["seconds_by_phase"])
+
+
+def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny_path, small_eval_file, tmp_path,
+                                                                       monkeypatch):
+    """The app's plan, before a run: the generated text's tokens (each document's prompt and continuation) at
+    GENERATE_WEIGHT while it is not cached, nothing once a run from the model's files has cached it, nothing for
+    the calibration documents as given."""
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    skeleton = model_skeleton(str(tiny_path))
+    config = small_config(tiny_path, small_eval_file, calib_source="self", self_docs=20, self_tokens=70, steps=1)
+    assert generated_tokens(config) == 20 * (PROMPT_TOKENS + 70)
+    assert phase_tokens(config, skeleton)[CALIB_PHASE] == pytest.approx(20 * (PROMPT_TOKENS + 70) * GENERATE_WEIGHT)
+    assert CALIB_PHASE not in phase_tokens(config, skeleton, text_cached=True)
+    assert CALIB_PHASE not in phase_tokens(small_config(tiny_path, small_eval_file), skeleton)
+    assert not config_text_cached(config) and not config_text_cached(small_config(tiny_path, small_eval_file))
+    PruneRun(config, tmp_path / "A", log=quiet).run(progress=False)  # (the model read from its files: cached)
+    assert config_text_cached(config)
+    assert not config_text_cached(dataclasses.replace(config, seed=1)) and not config_text_cached(dataclasses.replace(config, self_tokens=71))
+    second = PruneRun(config, tmp_path / "B", log=quiet).run(progress=False)  # (read from the cache: about 0 s)
+    assert second["seconds_by_phase"].get(CALIB_PHASE, 0.0) < 1.0
 
 
 def test_an_interrupted_generation_goes_on_from_its_last_batch(tiny, tmp_path, monkeypatch):
