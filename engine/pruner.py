@@ -119,12 +119,16 @@ class PruneRun:
     """One pruning run bound to its output folder. Model and data are loaded once, here."""
 
     def __init__(self, config: PruneConfig, out_dir: str | Path, model=None, tokenizer=None, log: Callable[[str], None] = print,
-                 started: float | None = None, world: World = World(), calib: list[str] | None = None):
-        # started: time.monotonic() the --time-budget counts from; calib: calibration documents in memory (or --calib's)
+                 started: float | None = None, world: World = World(), calib: list[str] | None = None,
+                 from_files: bool = False):
+        # started: time.monotonic() the --time-budget counts from; calib: calibration documents in memory (or --calib's);
+        # from_files: the model given is config.model's files as engine.loading read them, unchanged (the app's
+        # kept model), so that what is cached per model (dense perplexity, generated text) applies to it
         self.started, self.config, c = time.monotonic() if started is None else started, config.validate(), config
         self.out = Path(out_dir) if out_dir is not None else None  # None: a run in memory (engine.api), no files
         self.log, self.progress, self.world = log, True, world  # tqdm bars; this torchrun rank
-        self.source, self.from_disk = resolve_model(c.model), model is None  # (only a model read from its files is cached)
+        self.source = resolve_model(c.model)
+        self.from_disk = model is None or from_files  # (only a model read from its files is cached)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
         self.model, self.tokenizer, self.adapter = model, tokenizer, ModelAdapter.for_model(model)

@@ -238,8 +238,9 @@ def test_two_sessions_see_one_job(runs_dir):
     if run_dir:
         assert (Path(run_dir) / "checkpoint.pt").exists()
     # leave no stopped 5,000-step run behind: the Compare test would take it for a finished global run
-    for made in set(runs_dir.iterdir()) - before:
-        shutil.rmtree(made)
+    for made in set(runs_dir.iterdir()) - before:  # (the run's folder; the form's saved settings, a file, stay)
+        if made.is_dir():
+            shutil.rmtree(made)
 
 
 # --- Compare ---------------------------------------------------------------------------------

@@ -184,7 +184,7 @@ def test_a_run_on_self_generated_text_records_it(tiny, tiny_path, small_eval_fil
     assert set(res["plan_seconds_by_phase"]) == set(res["seconds_by_phase"])
 
 
-def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny_path, small_eval_file, tmp_path,
+def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny, tiny_path, small_eval_file, tmp_path,
                                                                        monkeypatch):
     """The app's plan, before a run: the generated text's tokens (each document's prompt and continuation) at
     GENERATE_WEIGHT while it is not cached, nothing once a run from the model's files has cached it, nothing for
@@ -202,6 +202,13 @@ def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny_pat
     assert not config_text_cached(dataclasses.replace(config, seed=1)) and not config_text_cached(dataclasses.replace(config, self_tokens=71))
     second = PruneRun(config, tmp_path / "B", log=quiet).run(progress=False)  # (read from the cache: about 0 s)
     assert second["seconds_by_phase"].get(CALIB_PHASE, 0.0) < 1.0
+    # a model in memory is never taken for the files' (no cache), unless the caller says it is them (the app)
+    seen = []
+    PruneRun(config, tmp_path / "C", model=tiny[0], tokenizer=tiny[1], log=seen.append).run(progress=False)
+    assert not any("from the cache" in m for m in seen)
+    seen.clear()
+    PruneRun(config, tmp_path / "D", model=tiny[0], tokenizer=tiny[1], log=seen.append, from_files=True).run(progress=False)
+    assert any("from the cache" in m for m in seen)
 
 
 def test_an_interrupted_generation_goes_on_from_its_last_batch(tiny, tmp_path, monkeypatch):

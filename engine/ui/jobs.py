@@ -231,7 +231,8 @@ class JobManager:
             started = time.monotonic()  # (the run's "load" and --time-budget count the model's loading, as the CLI's)
             model, tok = self._models.load(config)
             self._log("reading calibration and evaluation data")
-            run = PruneRun(config, out, model=model, tokenizer=tok, log=self._log, started=started)
+            run = PruneRun(config, out, model=model, tokenizer=tok, log=self._log, started=started,
+                           from_files=True)  # (the keeper's model is config.model's files, never changed by a run)
             with self._lock:
                 self._run = run
             self._models.keep(config, model, tok)
