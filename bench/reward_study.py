@@ -261,13 +261,25 @@ def pg_cell(args) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     argv = cell_argv(args.rate, args.seed, args.source, args.reward,
                      ["--steps", str(args.steps), "--out", str(folder), *VARIANTS[args.variant]])
-    t0 = cpu()
+    t0, w0 = cpu(), time.monotonic()
     if not (folder / "results.json").is_file():
         resume = (folder / "checkpoint.pt").is_file()
         code = engine_main([*argv, "--resume"] if resume else [*argv, "--overwrite"])
-        if code != 0:
+        if code != 0:  # (stopped: its minutes so far are the run's too, counted when it resumes and ends)
+            record_session(folder, cpu() - t0, time.monotonic() - w0)
             raise SystemExit(code)
     evaluate_export(folder, args.zeroshot, cpu() - t0)
+
+
+def record_session(folder: Path, cpu_seconds: float, wall_seconds: float) -> None:
+    """A run stopped before its end (SIGTERM: its checkpoint saved): its CPU seconds join heldout.json's
+    `cpu_seconds_run` (what the finished run's table and figure count), its wall seconds `wall_seconds_earlier`
+    (the sessions before the one whose results.json ends the run: the figure's wall time outside the steps)."""
+    dest = folder / "heldout.json"
+    ev = json.loads(dest.read_text()) if dest.exists() else {}
+    ev["cpu_seconds_run"] = ev.get("cpu_seconds_run", 0.0) + cpu_seconds
+    ev["wall_seconds_earlier"] = ev.get("wall_seconds_earlier", 0.0) + wall_seconds
+    save(dest, ev)
 
 
 def evaluate_export(folder: Path, with_zeroshot: bool, cpu_run: float) -> None:
@@ -361,6 +373,7 @@ def curve(args) -> None:
     res = json.loads((folder / "results.json").read_text())
     phases = res.get("seconds_by_phase", {})
     wall_total = float(phases.get("total") or sum(v for k, v in phases.items() if k != "total"))
+    wall_total += heldout.get("wall_seconds_earlier", 0.0)  # (a resumed run: results.json has its last session's)
     wall_steps = sum(v["seconds"] for v in by_step.values())
     cpu_per_wall = heldout["cpu_seconds_run"] / wall_total if wall_total else 1.0
     fixed = wall_total - wall_steps  # (the run's wall time outside its steps: metrics, mix, evaluations, export)

@@ -179,6 +179,23 @@ def test_the_reward_study_figure_draws_each_cells_change_from_its_init_against_c
     assert y0 == zero[0] and y1 > y0 and x1 > x0
 
 
+def test_a_stopped_reward_study_run_keeps_its_minutes_for_the_run_that_resumes_it(monkeypatch, tmp_path):
+    """bench/reward_study.py pg: a run stopped before its end (SIGTERM, its checkpoint saved) adds its CPU seconds to
+    heldout.json's cpu_seconds_run and its wall seconds to wall_seconds_earlier, twice over for two stops; the
+    finished run's export then adds its own CPU seconds to the same count."""
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reward_study
+
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    reward_study.record_session(cell, 600.0, 620.0)
+    reward_study.record_session(cell, 300.0, 310.0)
+    ev = json.loads((cell / "heldout.json").read_text())
+    assert ev == {"cpu_seconds_run": 900.0, "wall_seconds_earlier": 930.0}
+
+
 def test_the_svg_charts_ticks_are_round_and_cover_the_range():
     import sys
 
