@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .budget import BUDGETS, scope_problem
-from .calib_sources import CALIB_SOURCES
+from .calib_sources import CALIB_SOURCES, SELF_FROM
 from .data import DEFAULT_EVAL_WINDOWS
 from .errors import UserError
 from .executors import EXECUTORS
@@ -49,9 +49,11 @@ PRESETS: dict[str, dict] = {
     # quarter of its cost), the widths from FLAP on 16 batches, their mix chosen on calibration loss (CE, the
     # compensation only: KL with each candidate refit took no layer out on seed 0, docs/results.md); the mix's layers
     # stay fixed and the steps learn how much of each kept layer's width stays (pg-alloc), every sample scored by its
-    # KL to the dense model under its own refit, as it would be exported
+    # KL to the dense model under its own refit, as it would be exported; from 50 % up everything calibrates on the
+    # dense model's own text (--calib-source auto: engine/calib_sources.py)
     "joint": dict(units=["layers", "heads", "channels"], layer_init="layerwise-ppl", layer_score_const=1.0,
-                  init_batches=16, method="pg-alloc", reward="kl", step_refit=True, mix_reward="ce"),
+                  init_batches=16, method="pg-alloc", reward="kl", step_refit=True, mix_reward="ce",
+                  calib_source="auto"),
 }
 # the preset a command-line run starts from when it names none (default_preset): the joint, the best mask per CPU
 # minute measured and the lowest perplexity of the table at 30, 40 and 50 % (docs/results.md)
@@ -288,7 +290,8 @@ class PruneConfig:
                                      "or ../shared/data/c4, else the hub)")
     calib_source: str = setting("data", choices=lambda: tuple(CALIB_SOURCES), label="Calibration source", help=(
         "the text masks are scored on: data (the calibration documents), self (the dense model's own "
-        "continuations of their first tokens, sampled once and cached), mix (both, interleaved)"))
+        "continuations of their first tokens, sampled once and cached), mix (both, interleaved), auto (self from "
+        f"--prune-ratio {SELF_FROM:g} up, data below: the joint preset's, what was measured best at each rate)"))
     self_docs: int = setting(256, minimum=1, label="Self-generated documents",
                              help="--calib-source self/mix: documents sampled from the dense model")
     self_tokens: int = setting(256, minimum=1, label="Self-generated tokens",

@@ -26,7 +26,7 @@ import torch
 
 from .arch import ModelAdapter
 from .budget import BUDGETS
-from .calib_sources import CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache
+from .calib_sources import CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache, source_of
 from .checkpoints import Checkpoints
 from .config import PruneConfig
 from .context import StepContext
@@ -93,7 +93,7 @@ def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | Non
     if check is not None:
         check({"calibration data": (texts, calib_source), "evaluation data": (text, eval_source)})
     began = time.monotonic()  # (the source's seconds: its own phase, "calibration text", where it generates)
-    texts, scored_on = CALIB_SOURCES[config.calib_source](texts, model, tokenizer, config, fingerprint, log=log)
+    texts, scored_on = CALIB_SOURCES[source_of(config)](texts, model, tokenizer, config, fingerprint, log=log)
     source_seconds = time.monotonic() - began
     ids = tokenize_documents(tokenizer, texts)  # (once: the samplers below share documents; bounded memory)
     val_batches, init_sampler = [], None
@@ -136,7 +136,7 @@ class PruneRun:
         check_run_fits(c, model)  # (before the data: a batch whose logits cannot fit is refused in one line)
         metric_cache_folder()  # (a $PG_PRUNE_METRIC_CACHE that is a file: refused now, not after the model's work)
         ppl_cache.check_cache_dir()  # (and a $PG_PRUNE_CACHE that is one)
-        if c.calib_source != "data":  # (and the self-generated text's cache)
+        if CALIB_SOURCES[source_of(c)].generates:  # (and the self-generated text's cache)
             check_self_calib_cache()
         sizes = unit_sizes(self.adapter)
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
@@ -157,7 +157,7 @@ class PruneRun:
         self.hooks = [h(RunView(self)) for h in RUN_HOOKS if h.applies(c)]  # (a hook reads its run, never assigns)
         self.call_hooks("on_setup")
         self.checkpoints, self.phases = Checkpoints(self), PhaseClock(self.started)
-        if CALIB_SOURCES[c.calib_source].generates:  # (its text read from the cache, or sampled: not "load")
+        if CALIB_SOURCES[source_of(c)].generates:  # (its text read from the cache, or sampled: not "load")
             self.phases.carve(CALIB_PHASE, source_seconds)
         self.masks = RunMasks(self, joined_transforms(self.hooks))
         self.keep_ratio_at, self.lr_at = self.masks.keep_ratio_at, self.masks.lr_at

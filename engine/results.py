@@ -6,6 +6,7 @@ import json
 from typing import TYPE_CHECKING
 
 from .budget import removal_report
+from .calib_sources import source_of
 from .distributed import shares
 from .io import atomic_write_text
 from .loading import count_parameters
@@ -40,7 +41,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "seqlen": c.eval_seqlen,
         "eval_data": run.sources["eval_data"],
         "calib_data": run.sources["calib_data"],
-        "calib_source": c.calib_source,  # what the masks were scored on (--calib-source), in words below
+        "calib_source": source_of(c),  # what the masks were scored on (--calib-source, auto resolved), in words below
         "scored_on": run.sources.get("calib_source"),
         "reward": c.reward,
         "params_dense": count_parameters(run.model),

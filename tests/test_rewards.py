@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine.arch import ModelAdapter
-from engine.calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, PROMPT_TOKENS, config_text_cached,
-                                  generated_tokens)
-from engine.config import PruneConfig
+from engine.calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, PROMPT_TOKENS, SELF_FROM, config_text_cached,
+                                  generated_tokens, source_of)
+from engine.config import PRESETS, PruneConfig
 from engine.context import StepContext
 from engine.evaluate import batch_loss
 from engine.executors import EXECUTORS
@@ -182,6 +182,28 @@ def test_a_run_on_self_generated_text_records_it(tiny, tiny_path, small_eval_fil
     # the text's sampling is a phase of its own, planned and measured (not "load")
     assert res["seconds_by_phase"][CALIB_PHASE] > 0 and res["plan_seconds_by_phase"][CALIB_PHASE] > 0
     assert set(res["plan_seconds_by_phase"]) == set(res["seconds_by_phase"])
+
+
+def test_auto_reads_the_own_text_from_half_the_decoder_and_the_documents_below(tiny, tiny_path, small_eval_file,
+                                                                              tmp_path, monkeypatch):
+    """--calib-source auto (the joint preset's): the source measured best at the run's rate, resolved per run;
+    the run records what it read; an explicit source is taken as given."""
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    assert PRESETS["joint"]["calib_source"] == "auto"
+    below, at, above = (PruneConfig.of(calib_source="auto", prune_ratio=r) for r in (SELF_FROM - 0.05, SELF_FROM, 0.7))
+    assert [source_of(c) for c in (below, at, above)] == ["data", "self", "self"]
+    assert generated_tokens(below) == 0 and generated_tokens(at) == at.self_docs * (PROMPT_TOKENS + at.self_tokens)
+    assert source_of(PruneConfig.of(calib_source="self", prune_ratio=0.1)) == "self"
+    assert source_of(PruneConfig.of(calib_source="data", prune_ratio=0.9)) == "data"
+    runs = {}
+    for name, rate in (("low", 0.3), ("high", SELF_FROM)):
+        config = small_config(tiny_path, small_eval_file, calib_source="auto", prune_ratio=rate, self_docs=20,
+                              self_tokens=70, steps=1)
+        runs[name] = PruneRun(config, tmp_path / name, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    assert runs["low"]["calib_source"] == "data" and runs["low"]["scored_on"] == "the calibration documents"
+    assert CALIB_PHASE not in runs["low"]["seconds_by_phase"]
+    assert runs["high"]["calib_source"] == "self" and "sampled from the dense model" in runs["high"]["scored_on"]
+    assert json.loads((tmp_path / "high" / "config.json").read_text())["calib_source"] == "auto"
 
 
 def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny, tiny_path, small_eval_file, tmp_path,

@@ -139,7 +139,9 @@ def _refits(c: PruneConfig) -> bool:
 
 
 def _self_text(c: PruneConfig) -> bool:
-    return c.calib_source != "data"
+    from ..calib_sources import source_of
+
+    return source_of(c) != "data"
 
 
 # when a setting applies to a run (any setting not named here always does): a difference in a setting that one
