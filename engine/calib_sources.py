@@ -157,14 +157,13 @@ def config_text_cached(config) -> bool:
     from .loading import resolve_model
 
     try:
-        source = resolve_model(config.model)
-        found = ppl_cache.model_fingerprint(source.path, source.gguf_file)
+        fingerprint = ppl_cache.files_key(resolve_model(config.model), config.dtype)
         calib = config.calib or (str(default_data_dir() / _CALIB_SUBDIR) if default_data_dir() else None)
-        if not found or not calib or not Path(calib).exists():
+        if not fingerprint or not calib or not Path(calib).exists():
             return False
         stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(Path(calib).rglob("*"))
                       if f.is_file()) if Path(calib).is_dir() else ((calib, Path(calib).stat().st_mtime_ns),)
-        return text_cached(config, json.dumps([found, config.dtype]), lambda: _calib_digest(calib, stamp))
+        return text_cached(config, fingerprint, lambda: _calib_digest(calib, stamp))
     except (UserError, OSError):
         return False
 

@@ -354,8 +354,9 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
     optimises = METHODS[config.method].optimises if config.method in METHODS else True
     fresh = done_steps is None
     out: dict[str, float] = {}
-    if not text_cached and generated_tokens(config):
-        out[TEXT_PHASE] = generated_tokens(config) * GENERATE_WEIGHT
+    sampled = 0 if text_cached else generated_tokens(config)
+    if sampled:
+        out[TEXT_PHASE] = sampled * GENERATE_WEIGHT
     phase, passes, metric_reads = statistics_plan(config, fresh)
     widths = any(u != "layers" for u in config.units)
     if fresh:

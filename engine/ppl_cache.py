@@ -47,6 +47,13 @@ def check_folder(env: str, folder: Path | None, hint: str = "") -> None:
         raise UserError(f"${env} is {folder}, which {what}, not a folder: point it at a folder{hint}")
 
 
+def files_key(source, dtype: str) -> str | None:
+    """A resolved model's files (model_fingerprint) and the dtype it is computed in, as one string: the key of
+    what is cached per model (the generated calibration text); None when the model is not on this disk."""
+    found = model_fingerprint(source.path, source.gguf_file)
+    return json.dumps([found, dtype]) if found else None
+
+
 def model_fingerprint(path: str, gguf_file: str | None = None) -> list | None:
     """(name, size, mtime) of the model's files: a folder's weights and configs, or the GGUF file; None when
     the model is not on this disk (a hub id)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import sys
 import threading
@@ -172,8 +171,7 @@ class PruneRun:
     def fingerprint(self) -> str | None:
         """The model's files (name, size, mtime) as one string, for caches of what it computes; None for a model
         given in memory."""
-        found = ppl_cache.model_fingerprint(self.source.path, self.source.gguf_file) if self.from_disk else None
-        return json.dumps([found, self.config.dtype]) if found else None
+        return ppl_cache.files_key(self.source, self.config.dtype) if self.from_disk else None
 
     fill = property(lambda self: self.ctx.fill, doc="Bias compensation's means, once measured (None without it)")
 
