@@ -614,6 +614,8 @@ def test_browser_end_to_end(server, browser):
         goto(d, "Runs")
         pick_run(d, "zz-layers-width")
         button(d, "Load into the pages").click()
+        # the click's rerun must land before the page changes: a navigation sent while it runs can replace it
+        wait(lambda: "Loaded zz-layers-width" in page_text(d), what="the load's confirmation")
         goto(d, "Prune")
         kept = json.loads((runs / "zz-layers-width" / "results.json").read_text())["kept_per_layer"]["layers"]
         removed_rows = wait(lambda: removed_heatmap_rows(d), what="the removed layers in the heatmap")
