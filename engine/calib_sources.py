@@ -4,7 +4,9 @@
     self  the dense model's own text: continuations sampled from the model at --self-temperature, each from the
           first PROMPT_TOKENS tokens of a calibration document drawn with the run's seed (self-generated
           calibration data, as Ji et al., ICLR 2025, and Williams & Aletras, 2024, propose for pruning and
-          quantisation). Sampled once per model, seed and setting, and cached as JSON lines.
+          quantisation). Sampled once per model, seed and setting, and cached as JSON lines; the documents come
+          in seeded batches, so a cached generation serves a smaller --self-docs that is a whole number of
+          batches (its first documents are that run's) and goes on for a larger one.
     mix   both: as many calibration documents as generated ones, interleaved (data, self, data, self, ...)
     auto  self from --prune-ratio SELF_FROM up, data below (the joint preset's: what was measured best at each rate)
 
@@ -124,16 +126,38 @@ def sample_documents(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int
     return docs
 
 
-def self_key(fingerprint: str, config, texts_digest: str) -> str:
-    what = [fingerprint, config.dtype, config.seed, config.self_docs, config.self_tokens, config.self_temperature,
-            PROMPT_TOKENS, texts_digest]
+def self_key(fingerprint: str, config, texts_digest: str, docs: int | None = None) -> str:
+    """The cache's name for a model, setting and calibration documents: the count of documents is not in it (a
+    cached generation's first documents are a smaller one's: `usable`); `docs` names the file a generation of
+    that many was cached in before (a cache written by an earlier version, read once and renamed)."""
+    what = [fingerprint, config.dtype, config.seed, *([docs] if docs is not None else []), config.self_tokens,
+            config.self_temperature, PROMPT_TOKENS, texts_digest]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
 
 def cache_path(config, fingerprint: str | None, digest: str) -> Path | None:
     """Where the generated text of this model (fingerprint: None for a model in memory, never cached), setting
-    and calibration documents (their digest) is cached."""
-    return cache_dir() / f"{self_key(fingerprint, config, digest)}.jsonl.gz" if fingerprint else None
+    and calibration documents (their digest) is cached. A file an earlier version wrote for this run's count of
+    documents is moved there first."""
+    if not fingerprint:
+        return None
+    path = cache_dir() / f"{self_key(fingerprint, config, digest)}.jsonl.gz"
+    legacy = cache_dir() / f"{self_key(fingerprint, config, digest, config.self_docs)}.jsonl.gz"
+    if not path.is_file() and legacy.is_file():
+        try:
+            legacy.replace(path)
+        except OSError:
+            return legacy
+    return path
+
+
+def usable(stored: list[str], n: int) -> list[str] | None:
+    """The first n of a cached generation's documents, where they are what a generation of n gives: all of it, or
+    the whole batches of a larger one (n a multiple of GENERATE_BATCH: each batch is sampled from its own seed, so
+    batch k is the same in both; a shorter last batch would not be). None otherwise."""
+    if len(stored) == n or (len(stored) > n and n % GENERATE_BATCH == 0):
+        return stored[:n]
+    return None
 
 
 def text_cached(config, fingerprint: str | None, calib_digest: Callable[[], str]) -> bool:
@@ -142,7 +166,7 @@ def text_cached(config, fingerprint: str | None, calib_digest: Callable[[], str]
     if not generated_tokens(config):
         return False
     path = cache_path(config, fingerprint, calib_digest())
-    return bool(path is not None and path.is_file() and len(read_documents(path)) == config.self_docs)
+    return bool(path is not None and path.is_file() and usable(read_documents(path), config.self_docs) is not None)
 
 
 def config_text_cached(config) -> bool:
@@ -187,24 +211,30 @@ def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
     what = (f"{config.self_docs} documents sampled from the dense model at temperature {config.self_temperature}, "
             f"{config.self_tokens} tokens each after a {PROMPT_TOKENS}-token prompt from the calibration documents "
             f"(seed {config.seed})")
-    path = cache_path(config, fingerprint, texts_digest(texts))
-    if path is not None and path.is_file():
-        docs = read_documents(path)
-        if len(docs) == config.self_docs:
-            log(f"self-generated calibration: {len(docs)} documents from the cache ({path})")
-            return docs, what
+    n, path = config.self_docs, cache_path(config, fingerprint, texts_digest(texts))
+    stored = read_documents(path) if path is not None and path.is_file() else []
+    docs = usable(stored, n)
+    if docs is not None:
+        log(f"self-generated calibration: {n} documents from the cache ({path}"
+            + (f": the first {n} of {len(stored)})" if len(stored) > n else ")"))
+        return docs, what
     partial = path.with_name(path.name.replace(".jsonl.gz", ".partial.jsonl.gz")) if path is not None else None
-    done = read_documents(partial) if partial is not None and partial.is_file() else []
+    interrupted = read_documents(partial) if partial is not None and partial.is_file() else []
+    done = max(stored, interrupted, key=len)[:n]  # (sample_documents keeps their whole batches)
     if done:
-        log(f"self-generated calibration: {len(done)} documents from an interrupted generation, going on")
+        log(f"self-generated calibration: {len(done)} documents from "
+            + ("the cache" if len(stored) >= len(interrupted) else "an interrupted generation") + ", going on")
 
     def keep(docs, to=partial):
-        if to is not None:
+        if to is not None and len(docs) > len(interrupted):
             write_documents(to, docs, log)
 
-    docs = sample_documents(model, tokenizer, prompts(tokenizer, texts, config.self_docs, config.seed),
+    docs = sample_documents(model, tokenizer, prompts(tokenizer, texts, n, config.seed),
                             config.self_tokens, config.self_temperature, config.seed, log, done, keep)
-    if path is not None and write_documents(path, docs, log) and partial.is_file():
+    # (the cache keeps the longest generation: a shorter one, whose last batch is not the cached one's, is not
+    # written over it, nor is a longer interrupted one dropped)
+    if path is not None and (len(docs) < len(stored) or write_documents(path, docs, log)) \
+            and partial.is_file() and len(docs) >= len(interrupted):
         partial.unlink()
     return docs, what
 

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from engine import calib_sources
 from engine.arch import ModelAdapter
 from engine.calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, PROMPT_TOKENS, SELF_FROM, config_text_cached,
                                   generated_tokens, source_of)
@@ -140,7 +141,7 @@ def test_a_ce_run_writes_no_reward_value(tiny, tiny_path, small_eval_file, tmp_p
 
 # --- calibration sources ----------------------------------------------------------------------------
 def self_config(**kw) -> PruneConfig:
-    return PruneConfig.of(calib_source="self", self_docs=3, self_tokens=20, seed=kw.pop("seed", 0), **kw)
+    return PruneConfig.of(**{"calib_source": "self", "self_docs": 3, "self_tokens": 20, "seed": 0, **kw})
 
 
 def test_self_generated_documents_are_seeded_cached_and_start_from_calibration_prompts(tiny, tmp_path, monkeypatch):
@@ -161,6 +162,51 @@ def test_self_generated_documents_are_seeded_cached_and_start_from_calibration_p
     monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled again"))
     cached, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=quiet)
     assert cached == docs
+
+
+def test_a_cached_generation_serves_fewer_documents_and_goes_on_for_more(tiny, tmp_path, monkeypatch):
+    """Documents are sampled in seeded batches, so a generation's first whole batches are a smaller one's: the
+    cache serves them without sampling, a larger count samples only the batches it lacks, and what either gives
+    equals an uncached generation of that count. A count that ends inside a cached batch samples its last batch
+    and leaves the longer cache as it was."""
+    model, tokenizer = tiny
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("engine.calib_sources.GENERATE_BATCH", 2)
+    texts = [f"Note {i}: the dog ran to the gate and barked at the man with the hat." for i in range(7)]
+
+    def fresh(n):  # an uncached generation of n documents (no fingerprint: never cached)
+        return CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=n), None, log=quiet)[0]
+
+    def cached(n, seen=None):
+        return CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=n), "model-A",
+                                     log=quiet if seen is None else seen.append)[0]
+
+    want = {n: fresh(n) for n in (3, 4, 6)}
+    four = cached(4)
+    assert four == want[4]
+    (path,) = (tmp_path / "cache").iterdir()
+    sampled = []  # documents each generation sampled (its result less the whole batches it was given)
+    real = calib_sources.sample_documents
+
+    def counting(model, tokenizer, prompt_ids, new_tokens, temperature, seed, log, done, keep):
+        docs = real(model, tokenizer, prompt_ids, new_tokens, temperature, seed, log, done, keep)
+        sampled.append(len(docs) - (len(done) - len(done) % calib_sources.GENERATE_BATCH))
+        return docs
+
+    monkeypatch.setattr("engine.calib_sources.sample_documents", counting)
+    seen = []
+    assert cached(2, seen) == four[:2] and not sampled and any("the first 2 of 4" in m for m in seen)
+    assert cached(6) == want[6] and sampled == [2]
+    assert len(calib_sources.read_documents(path)) == 6 and len(list((tmp_path / "cache").iterdir())) == 1
+    sampled.clear()
+    assert cached(3) == want[3] and sampled == [1]  # ends inside the second cached batch: sampled at its own size
+    assert want[3][:2] == four[:2] and len(calib_sources.read_documents(path)) == 6  # the longer one stays cached
+    # a cache an earlier version wrote for this count (its name held the count) is read and renamed
+    old = calib_sources.self_key("model-B", self_config(self_docs=4), calib_sources.texts_digest(texts), 4)
+    calib_sources.write_documents(tmp_path / "cache" / f"{old}.jsonl.gz", four, quiet)
+    monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled again"))
+    assert CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=4), "model-B", log=quiet)[0] == four
+    assert not (tmp_path / "cache" / f"{old}.jsonl.gz").exists()
 
 
 def test_the_mix_interleaves_calibration_and_generated_documents(tiny, tmp_path, monkeypatch):
