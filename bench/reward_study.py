@@ -29,6 +29,7 @@ Stages:
     OMP_NUM_THREADS=1 python bench/reward_study.py oneshot --rate 0.3 --seed 0 --source data [--zeroshot]
     OMP_NUM_THREADS=1 python bench/reward_study.py pg --rate 0.3 --seed 0 --source data --reward kl --steps 40
     OMP_NUM_THREADS=1 python bench/reward_study.py curve --rate 0.3 --seed 0 --source data --reward kl --steps 40
+    OMP_NUM_THREADS=1 python bench/reward_study.py pg --rate 0.3 --seed 0 --source data --reward kl --budget 30
     python bench/reward_study.py report
 
 Cells: bench/results/reward_study/{oneshot,pg}/...; a rerun skips what a cell holds.
@@ -93,8 +94,16 @@ def cell_argv(rate: float, seed: int, source: str, reward: str = "ce", extra: li
 
 
 def pg_name(args) -> str:
-    return (f"r{round(args.rate * 100)}-s{args.seed}-{args.reward}-{args.source}-{args.steps}"
+    """A PG cell's folder: rate, seed, reward, source, its length (the steps, or b and the --budget minutes), variant."""
+    length = f"b{args.budget:g}" if getattr(args, "budget", None) else str(args.steps)
+    return (f"r{round(args.rate * 100)}-s{args.seed}-{args.reward}-{args.source}-{length}"
             + (f"-{args.variant}" if args.variant else ""))
+
+
+def length_argv(args) -> list[str]:
+    """A PG cell's length: --steps, or --time-budget (the run's wall minutes: its CPU minutes at one thread)."""
+    budget = getattr(args, "budget", None)
+    return ["--time-budget", f"{budget:g}"] if budget else ["--steps", str(args.steps)]
 
 
 def cell_config(argv: list[str]):
@@ -260,7 +269,7 @@ def pg_cell(args) -> None:
     folder = OUT / "pg" / name
     folder.parent.mkdir(parents=True, exist_ok=True)
     argv = cell_argv(args.rate, args.seed, args.source, args.reward,
-                     ["--steps", str(args.steps), "--out", str(folder), *VARIANTS[args.variant]])
+                     [*length_argv(args), "--out", str(folder), *VARIANTS[args.variant]])
     t0, w0 = cpu(), time.monotonic()
     if not (folder / "results.json").is_file():
         resume = (folder / "checkpoint.pt").is_file()
@@ -600,6 +609,9 @@ def main() -> None:
         if stage in ("pg", "curve", "zeroshot-more"):
             s.add_argument("--reward", choices=("ce", "kl"), default="kl")
             s.add_argument("--steps", type=positive(int), default=40)
+            s.add_argument("--budget", type=positive(float), default=None, metavar="MINUTES",
+                           help="instead of --steps: the run's --time-budget (wall minutes: CPU minutes at one "
+                                "thread, on a core of its own); the cell's name holds b<MINUTES>")
             s.add_argument("--variant", choices=tuple(VARIANTS), default="",
                            help="the default run's settings, or a variant of them: " + ", ".join(v for v in VARIANTS if v))
         if stage == "curve":

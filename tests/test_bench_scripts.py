@@ -196,6 +196,32 @@ def test_a_stopped_reward_study_run_keeps_its_minutes_for_the_run_that_resumes_i
     assert ev == {"cpu_seconds_run": 900.0, "wall_seconds_earlier": 930.0}
 
 
+def test_a_reward_study_cell_runs_for_its_steps_or_its_time_budget(monkeypatch, tmp_path):
+    """bench/reward_study.py pg --budget M: the run gets --time-budget M in place of --steps and the cell's name
+    holds b<M> where the steps were, so a budget column and a step count of the same row are different cells; the
+    engine's parser takes the cell's command line, and the figure draws both on their row's line."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reward_study
+
+    monkeypatch.setattr(reward_study, "OUT", tmp_path)  # (cell_argv links the calibration files there)
+
+    def args(**kw):
+        return argparse.Namespace(**{"rate": 0.3, "seed": 1, "reward": "kl", "source": "data", "steps": 24,
+                                     "variant": "alloc-s0.1-step-refit", "budget": None, **kw})
+
+    steps, budget = args(), args(budget=30.0)
+    assert reward_study.pg_name(steps) == "r30-s1-kl-data-24-alloc-s0.1-step-refit"
+    assert reward_study.pg_name(budget) == "r30-s1-kl-data-b30-alloc-s0.1-step-refit"
+    assert reward_study.length_argv(steps) == ["--steps", "24"]
+    assert reward_study.length_argv(budget) == ["--time-budget", "30"]
+    config = reward_study.cell_config(reward_study.cell_argv(0.3, 1, "data", "kl", [*reward_study.length_argv(budget),
+                                                                                    "--out", "unused"]))
+    assert config.time_budget == 30.0
+    assert reward_study.cell_group(reward_study.pg_name(budget)) == reward_study.cell_group(reward_study.pg_name(steps))
+
+
 def test_the_svg_charts_ticks_are_round_and_cover_the_range():
     import sys
 
