@@ -24,12 +24,15 @@ Stages:
     zeroshot-more  a finished PG cell's init and export on each zero-shot task's next examples (--start 500,
              --count 1000), scored example by example: the paired change of the zero-shot mean with its 95 %
              bootstrap interval, and the change over these and the first 500 together (zeroshot_more.json).
+    heldout  any finished run's export (RUN: `python -m engine prune ... --out RUN`) on the same held-out measures,
+             into RUN/heldout.json: the default command's runs beside the cells.
     report   the tables (markdown) and the figure (held-out quality against CPU minutes) from the cells done.
 
     OMP_NUM_THREADS=1 python bench/reward_study.py oneshot --rate 0.3 --seed 0 --source data [--zeroshot]
     OMP_NUM_THREADS=1 python bench/reward_study.py pg --rate 0.3 --seed 0 --source data --reward kl --steps 40
     OMP_NUM_THREADS=1 python bench/reward_study.py curve --rate 0.3 --seed 0 --source data --reward kl --steps 40
     OMP_NUM_THREADS=1 python bench/reward_study.py pg --rate 0.3 --seed 0 --source data --reward kl --budget 30
+    OMP_NUM_THREADS=1 python bench/reward_study.py heldout runs/r50-s0 runs/r50-s0-data --zeroshot
     python bench/reward_study.py report
 
 Cells: bench/results/reward_study/{oneshot,pg}/...; a rerun skips what a cell holds.
@@ -291,14 +294,16 @@ def record_session(folder: Path, cpu_seconds: float, wall_seconds: float) -> Non
     save(dest, ev)
 
 
-def evaluate_export(folder: Path, with_zeroshot: bool, cpu_run: float) -> None:
-    """The held-out measures of a finished run's export (folder/model: sliced, refit), into folder/heldout.json."""
+def evaluate_export(folder: Path, with_zeroshot: bool, cpu_run: float | None) -> None:
+    """The held-out measures of a finished run's export (folder/model: sliced, refit), into folder/heldout.json;
+    `cpu_run`: the run's CPU seconds in this process (None: a run made elsewhere, whose minutes are not known)."""
     from engine.evaluate import batch_loss
     from engine.loading import load_model, resolve_model
 
     dest = folder / "heldout.json"
     ev = json.loads(dest.read_text()) if dest.exists() else {}
-    ev["cpu_seconds_run"] = ev.get("cpu_seconds_run", 0.0) + cpu_run
+    if cpu_run is not None:
+        ev["cpu_seconds_run"] = ev.get("cpu_seconds_run", 0.0) + cpu_run
     res = json.loads((folder / "results.json").read_text())
     ev["wikitext"] = res["ppl_pruned"]
     model, tok = load_model(resolve_model(str(folder / "model")))
@@ -310,6 +315,16 @@ def evaluate_export(folder: Path, with_zeroshot: bool, cpu_run: float) -> None:
     ev["cpu_seconds_eval"] = ev.get("cpu_seconds_eval", 0.0) + cpu() - t0
     save(dest, ev)
     print(f"{folder.name}: {measured_line(ev)}", flush=True)
+
+
+def heldout(args) -> None:
+    """Any finished run's export (`python -m engine prune ... --out RUN`) on the study's held-out measures, into
+    RUN/heldout.json: the same measures as a PG cell's, for runs made outside the study (the default command)."""
+    missing = [str(f) for f in args.runs if not ((f / "results.json").is_file() and (f / "model").is_dir())]
+    if missing:
+        raise SystemExit(f"error: not a finished run with its export (results.json and model/): {', '.join(missing)}")
+    for folder in args.runs:
+        evaluate_export(folder, args.zeroshot, None)
 
 
 # --- curve ------------------------------------------------------------------------------------------------
@@ -620,11 +635,14 @@ def main() -> None:
             s.add_argument("--start", type=int, default=ZEROSHOT_LIMIT, help="the first further example of each task")
             s.add_argument("--count", type=positive(int), default=1000, help="further examples a task (fewer where "
                            "a task has fewer)")
+    s = sub.add_parser("heldout")
+    s.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="a finished run's folder (results.json, model/)")
+    s.add_argument("--zeroshot", action="store_true", help="also the zero-shot mean (minutes a run)")
     sub.add_parser("report")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))  # (the cells of one seed share metrics)
-    {"oneshot": oneshot, "pg": pg_cell, "curve": curve, "zeroshot-more": zeroshot_more,
+    {"oneshot": oneshot, "pg": pg_cell, "curve": curve, "zeroshot-more": zeroshot_more, "heldout": heldout,
      "report": report}[args.stage](args)
 
 

@@ -196,6 +196,39 @@ def test_a_stopped_reward_study_run_keeps_its_minutes_for_the_run_that_resumes_i
     assert ev == {"cpu_seconds_run": 900.0, "wall_seconds_earlier": 930.0}
 
 
+def test_the_reward_studys_heldout_stage_measures_any_finished_run_and_refuses_the_rest(monkeypatch, tmp_path):
+    """bench/reward_study.py heldout RUN...: a run made outside the study (the default command's) gets the cells'
+    held-out measures in RUN/heldout.json (WikiText from its results.json, held-out C4 of its export) without a
+    CPU count it does not know; a folder that is not a finished run with its export is refused with one error line
+    before any run is measured."""
+    import argparse
+    import json
+
+    import engine.loading
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reward_study
+
+    loaded = []
+    monkeypatch.setattr(engine.loading, "resolve_model", lambda path: path)
+    monkeypatch.setattr(engine.loading, "load_model", lambda path: (loaded.append(path) or "model", "tok"))
+    monkeypatch.setattr(reward_study, "heldout_c4_windows", lambda tok: ["w"] if tok == "tok" else None)
+    monkeypatch.setattr(reward_study, "windows_ppl", lambda model, windows, loss: 7.25 if windows == ["w"] else 0.0)
+    runs = []
+    for name, ppl in (("a", 12.5), ("b", 20.0)):
+        (tmp_path / name / "model").mkdir(parents=True)
+        (tmp_path / name / "results.json").write_text(json.dumps({"ppl_pruned": ppl}))
+        runs.append(tmp_path / name)
+    with pytest.raises(SystemExit, match="^error: not a finished run .*nowhere"):
+        reward_study.heldout(argparse.Namespace(runs=[*runs, tmp_path / "nowhere"], zeroshot=False))
+    assert loaded == [] and not (runs[0] / "heldout.json").exists()
+    reward_study.heldout(argparse.Namespace(runs=runs, zeroshot=False))
+    assert loaded == [str(r / "model") for r in runs]
+    for run_, ppl in zip(runs, (12.5, 20.0)):
+        ev = json.loads((run_ / "heldout.json").read_text())
+        assert (ev["wikitext"], ev["c4"]) == (ppl, 7.25) and "cpu_seconds_run" not in ev and "zeroshot" not in ev
+
+
 def test_a_reward_study_cell_runs_for_its_steps_or_its_time_budget(monkeypatch, tmp_path):
     """bench/reward_study.py pg --budget M: the run gets --time-budget M in place of --steps and the cell's name
     holds b<M> where the steps were, so a budget column and a step count of the same row are different cells; the
