@@ -135,14 +135,22 @@ def self_key(fingerprint: str, config, texts_digest: str, docs: int | None = Non
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
 
-def cache_path(config, fingerprint: str | None, digest: str) -> Path | None:
+def cache_files(config, fingerprint: str | None, digest: str) -> tuple[Path, Path] | None:
     """Where the generated text of this model (fingerprint: None for a model in memory, never cached), setting
-    and calibration documents (their digest) is cached. A file an earlier version wrote for this run's count of
-    documents is moved there first."""
+    and calibration documents (their digest) is cached, and the file an earlier version wrote for this run's count
+    of documents (its name held the count)."""
     if not fingerprint:
         return None
-    path = cache_dir() / f"{self_key(fingerprint, config, digest)}.jsonl.gz"
-    legacy = cache_dir() / f"{self_key(fingerprint, config, digest, config.self_docs)}.jsonl.gz"
+    return (cache_dir() / f"{self_key(fingerprint, config, digest)}.jsonl.gz",
+            cache_dir() / f"{self_key(fingerprint, config, digest, config.self_docs)}.jsonl.gz")
+
+
+def cache_path(config, fingerprint: str | None, digest: str) -> Path | None:
+    """cache_files' cache, for the run that reads or writes it: an earlier version's file is moved there first."""
+    files = cache_files(config, fingerprint, digest)
+    if files is None:
+        return None
+    path, legacy = files
     if not path.is_file() and legacy.is_file():
         try:
             legacy.replace(path)
@@ -165,8 +173,9 @@ def text_cached(config, fingerprint: str | None, calib_digest: Callable[[], str]
     calib_digest: the calibration documents' digest, computed only when it is needed."""
     if not generated_tokens(config):
         return False
-    path = cache_path(config, fingerprint, calib_digest())
-    return bool(path is not None and path.is_file() and usable(read_documents(path), config.self_docs) is not None)
+    files = cache_files(config, fingerprint, calib_digest())  # (a look only: nothing is moved)
+    path = next((f for f in files or () if f.is_file()), None)
+    return bool(path is not None and usable(read_documents(path), config.self_docs) is not None)
 
 
 def config_text_cached(config) -> bool:

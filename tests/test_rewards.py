@@ -204,6 +204,9 @@ def test_a_cached_generation_serves_fewer_documents_and_goes_on_for_more(tiny, t
     # a cache an earlier version wrote for this count (its name held the count) is read and renamed
     old = calib_sources.self_key("model-B", self_config(self_docs=4), calib_sources.texts_digest(texts), 4)
     calib_sources.write_documents(tmp_path / "cache" / f"{old}.jsonl.gz", four, quiet)
+    digest = calib_sources.texts_digest(texts)
+    assert calib_sources.text_cached(self_config(self_docs=4), "model-B", lambda: digest)  # (the plan's look:
+    assert (tmp_path / "cache" / f"{old}.jsonl.gz").exists()  # it moves nothing)
     monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled again"))
     assert CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=4), "model-B", log=quiet)[0] == four
     assert not (tmp_path / "cache" / f"{old}.jsonl.gz").exists()
