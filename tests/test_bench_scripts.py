@@ -305,3 +305,64 @@ def test_the_reward_study_report_lists_the_paired_zero_shot_change_where_it_was_
     row = [ln for ln in (tmp_path / "table.md").read_text().splitlines() if ln.startswith("| r50-s0")][-1]
     # piqa +25 points, winogrande -50: the mean over the two tasks -12.5
     assert "| 6 | 504.31 | -12.50 [" in row and "0.4500 → 0.4445 (-0.55) |" in row
+
+
+def test_the_confirmation_sets_paired_changes_are_the_point_change_with_an_interval_around_it(monkeypatch):
+    """bench/confirm.py: a perplexity's change (%) from each window's loss, an accuracy's (points) from each
+    example's 0/1, each with a paired bootstrap that holds the point; identical runs change nothing; runs measured on
+    other windows or examples are refused, not compared."""
+    import math
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import confirm
+    import reward_study
+
+    before = [math.log(100.0) + 0.01 * (i % 7) for i in range(64)]
+    after = [b - math.log(1.25) for b in before]  # every window's loss lower by log 1.25: perplexity / 1.25
+    p, lo, hi = confirm.interval(confirm.ppl_change_draws(before, after, draws=300))
+    assert abs(p - (100.0 / 1.25 - 100.0)) < 1e-9 and abs(lo - p) < 1e-9 and abs(hi - p) < 1e-9  # (no spread)
+    noisy = [a + (0.2 if i % 2 else -0.2) for i, a in enumerate(after)]
+    p, lo, hi = confirm.interval(confirm.ppl_change_draws(before, noisy, draws=300))
+    assert lo < p < hi and lo < -20.0 < hi
+    assert confirm.interval(confirm.ppl_change_draws(before, before, draws=50)) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        confirm.ppl_change_draws(before, after[:-1])
+    scores_a, scores_b = {"a": "01" * 50, "b": "1" * 40}, {"a": "1" * 100, "b": "0" * 10 + "1" * 30}
+    draws = confirm.acc_change_draws(scores_a, scores_b, draws=400)
+    assert abs(draws[0] - reward_study.paired_change(scores_a, scores_b)["points"]) < 1e-9  # (+12.5 points)
+    with pytest.raises(ValueError):
+        confirm.acc_change_draws(scores_a, {"a": "1" * 99, "b": "1" * 40})
+    # the mean over seeds: draw by draw
+    assert confirm.mean_draws([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]) == [2.0, 3.0, 4.0]
+
+
+def test_the_confirmation_report_pairs_each_seeds_steps_with_its_init_and_applies_the_rule(monkeypatch, tmp_path, capsys):
+    """The report reads the cells on disk (running nothing): per seed init → pg24 on every measure with the change,
+    'not finished' where a cell lacks a measure, and the default's rule (mean gain ≥ 5 %, no seed worse by > 1 %)
+    judged on the confirmation seeds once all three are in; a (set, rate) with no finished pair is left out."""
+    import json
+    import math
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import confirm
+
+    monkeypatch.setattr(confirm, "OUT", tmp_path)
+    (tmp_path / "confirm").mkdir()
+
+    def write(name, scale, right):
+        m = {k: {"losses": [math.log(100.0 * scale)] * 8} for k in confirm.PERPLEXITIES}
+        m["zeroshot"] = {"scores": {t: "1" * right + "0" * (10 - right) for t in confirm.ZEROSHOT_TASKS}}
+        m["lambada"] = {"scores": {"lambada_openai": "1" * right + "0" * (10 - right)}}
+        (tmp_path / "confirm" / f"{name}.measures.json").write_text(json.dumps(m))
+
+    for seed, gain in ((3, 0.9), (4, 0.8), (5, 1.02)):  # seed 5: 2 % worse than its init
+        write(f"r30-s{seed}-init", 1.0, 5)
+        write(f"r30-s{seed}-pg24", gain, 6)
+    write("r50-s3-init", 1.0, 5)  # (r50: seed 3's init only)
+    confirm.report(SimpleNamespace(all=False))
+    out = capsys.readouterr().out
+    assert "## confirm, 30 %" in out and "100.00 → 90.00 (-10.0 % [-10.0, -10.0])" in out
+    assert "50.0 % → 60.0 % (+10.0" in out and "## confirm, 50 %" not in out  # (r50: no finished pair yet)
+    assert "- 30 %: fails" in out and "worst seed +2.0 % / +2.0 %" in out  # (mean −9.3 %, but seed 5 is +2 %)
+    assert (tmp_path / "table.md").read_text().strip() == out.strip()

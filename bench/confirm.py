@@ -1,0 +1,350 @@
+"""The confirmation set (issue 64; docs/results.md, "Two sets"): does a variant's gain hold where nobody tuned?
+
+A cell is one (set, rate, seed) of the default run as a user types it, with --calib naming the set's C4 file:
+- `init`: `python -m engine prune --prune-ratio R --seed S --calib FILE --method flap` (the default preset's
+  one-shot init alone: the joint mix, refit, no step);
+- `pg24`: the same with `--steps 24` instead of `--method flap` (today's default method, 24 steps).
+Each export (RUN/model) is then measured window by window and example by example into RUN/measures.json:
+WikiText-2 test and validation (256 x 128), held-out C4 (the 300 documents no run reads, 128 x 128), the
+four-task zero-shot mean (500 each) and LAMBADA (500). The report pairs each run with its init: the change of each
+measure with its paired 95 % bootstrap interval (the same windows or examples resampled for both).
+
+    OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 3            # init, pg24, both measured
+    OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.5 --seed 3 --only init
+    OMP_NUM_THREADS=1 python bench/confirm.py dense                               # the dense model's measures
+    python bench/confirm.py report                                                # the tables, running nothing
+
+The sets: `confirm` (seeds 3-5, the second C4 file) and `tune` (seeds 0-2, the first C4 file). A cell refuses a
+seed of the other set. Cells: bench/results/confirm/<set>/r<rate>-s<seed>-<run>/; a rerun skips what a cell holds
+and resumes a stopped run (--resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+from cli_common import ROOT, positive, run
+
+OUT = ROOT / "bench" / "results" / "confirm"
+SHARED = ROOT.parent / "shared" / "data"
+SETS = {  # the seeds and the calibration file of each set (docs/results.md, "Two sets")
+    "tune": ((0, 1, 2), "c4-train.00000-of-01024.first1000.json.gz"),
+    "confirm": ((3, 4, 5), "c4-en.redpajama-sample2.1000.json.gz"),
+}
+HELDOUT_C4 = "c4-en.llamafactory-c4_demo.300.text-only.json.gz"
+WIKI_WINDOWS, C4_WINDOWS, SEQLEN = 256, 128, 128
+ZEROSHOT_TASKS = ("piqa", "hellaswag", "winogrande", "arc_easy")
+ZEROSHOT_LIMIT = 500
+LAMBADA = "lambada_openai"
+PERPLEXITIES = ("wikitext_test", "wikitext_valid", "c4")
+RUNS = {  # a cell's runs: the flags after the default command's
+    "init": ["--method", "flap"],
+    "pg24": ["--steps", "24"],
+}
+DRAWS = 2000
+
+
+def cpu() -> float:
+    return time.process_time()
+
+
+def save(path: Path, data: dict) -> None:
+    from engine.io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# --- the held-out measures ------------------------------------------------------------------------------------
+def eval_texts() -> dict[str, str]:
+    """Each perplexity's text: WikiText-2 raw test (the tables' file), validation (the tokenized release, read whole,
+    as the raw test is), and the held-out C4 documents joined by blank lines."""
+    from engine.data import load_calibration_texts, load_eval_text
+
+    texts = {"wikitext_test": load_eval_text(str(SHARED / "wikitext-2-raw-v1" / "wiki.test.raw"))[0]}
+    with gzip.open(SHARED / "wikitext-2-v1-tokens" / "wiki.valid.tokens.gz", "rt", encoding="utf-8") as fh:
+        texts["wikitext_valid"] = fh.read()
+    texts["c4"] = "\n\n".join(load_calibration_texts(str(SHARED / "c4" / HELDOUT_C4))[0])
+    return texts
+
+
+def window_losses(model, windows) -> list[float]:
+    """Each window's mean token cross-entropy (nats), batches of 8."""
+    import torch
+
+    from engine.evaluate import batch_loss
+
+    with torch.no_grad():
+        return [float(x) for i in range(0, windows.shape[0], 8) for x in batch_loss(model, windows[i:i + 8]).double()]
+
+
+def example_scores(model, tokenizer, tasks) -> dict[str, str]:
+    """Each task's first examples scored one by one: a string of 1 (right) and 0 (wrong)."""
+    from reward_study import zeroshot_docs
+
+    return zeroshot_docs(model, tokenizer, {t: list(range(ZEROSHOT_LIMIT)) for t in tasks})
+
+
+def measure(model_dir: str, dest: Path) -> dict:
+    """A model's measures, each one dest lacks (saved as it is done: a stopped measure resumes)."""
+    import torch
+
+    from engine.data import eval_windows
+    from engine.loading import load_model, resolve_model
+
+    done = load(dest)
+    wanted = [*PERPLEXITIES, "zeroshot", "lambada"]
+    if all(k in done for k in wanted):
+        return done
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    model, tok = load_model(resolve_model(model_dir))
+    model.eval()
+    texts = None
+    for name in PERPLEXITIES:
+        if name in done:
+            continue
+        texts = texts or eval_texts()
+        t0 = cpu()
+        windows = eval_windows(tok, texts[name], SEQLEN, WIKI_WINDOWS if name != "c4" else C4_WINDOWS)
+        done[name] = {"losses": window_losses(model, windows), "cpu_seconds": cpu() - t0}
+        save(dest, done)
+        print(f"{dest.parent.name}: {name} {ppl(done[name]['losses']):.2f}", flush=True)
+    for name, tasks in (("zeroshot", ZEROSHOT_TASKS), ("lambada", (LAMBADA,))):
+        if name in done:
+            continue
+        t0 = cpu()
+        with torch.no_grad():
+            done[name] = {"scores": example_scores(model, tok, tasks), "cpu_seconds": cpu() - t0}
+        save(dest, done)
+        print(f"{dest.parent.name}: {name} {accuracy(done[name]['scores']):.4f}", flush=True)
+    return done
+
+
+def ppl(losses: list[float]) -> float:
+    return math.exp(sum(losses) / len(losses))
+
+
+def accuracy(scores: dict[str, str]) -> float:
+    """The mean over tasks of each task's accuracy."""
+    return sum(s.count("1") / len(s) for s in scores.values()) / len(scores)
+
+
+# --- paired intervals (pure) ------------------------------------------------------------------------------------
+def ppl_change_draws(before: list[float], after: list[float], draws: int = DRAWS, seed: int = 0) -> list[float]:
+    """The perplexity's change (%) from `before` to `after` (each window's mean loss, the same windows), then the
+    same change on `draws` resamplings of the windows (one draw resamples both: a paired bootstrap). [0]: the point."""
+    if len(before) != len(after):
+        raise ValueError("the two runs were measured on different windows")
+    rng = random.Random(seed)
+    d = [a - b for b, a in zip(before, after)]
+    out = [100.0 * (math.exp(sum(d) / len(d)) - 1.0)]
+    for _ in range(draws):
+        s = rng.choices(d, k=len(d))
+        out.append(100.0 * (math.exp(sum(s) / len(s)) - 1.0))
+    return out
+
+
+def acc_change_draws(before: dict[str, str], after: dict[str, str], draws: int = DRAWS, seed: int = 0) -> list[float]:
+    """The change (points) of the mean over tasks of each task's accuracy, on the same examples; then the same on
+    `draws` resamplings (examples within each task, one draw for both runs). [0]: the point."""
+    if {t: len(v) for t, v in before.items()} != {t: len(v) for t, v in after.items()}:
+        raise ValueError("the two runs were scored on different examples")
+    rng = random.Random(seed)
+    diffs = {t: [int(a) - int(b) for b, a in zip(before[t], after[t])] for t in before}
+
+    def mean(per_task):
+        return 100.0 * sum(sum(v) / len(v) for v in per_task.values()) / len(per_task)
+
+    return [mean(diffs)] + [mean({t: rng.choices(v, k=len(v)) for t, v in diffs.items()}) for _ in range(draws)]
+
+
+def interval(draws: list[float]) -> tuple[float, float, float]:
+    """The point ([0]) and the 95 % interval of the draws after it."""
+    rest = sorted(draws[1:])
+    return draws[0], rest[int(0.025 * len(rest))], rest[int(0.975 * len(rest)) - 1]
+
+
+def mean_draws(per_seed: list[list[float]]) -> list[float]:
+    """The mean over seeds of each draw (each seed's draws independent): the mean change and its interval."""
+    return [sum(x) / len(x) for x in zip(*per_seed)]
+
+
+def changes(before: dict, after: dict) -> dict[str, list[float]]:
+    out = {m: ppl_change_draws(before[m]["losses"], after[m]["losses"]) for m in PERPLEXITIES}
+    out.update({m: acc_change_draws(before[m]["scores"], after[m]["scores"]) for m in ("zeroshot", "lambada")})
+    return out
+
+
+# --- cells ------------------------------------------------------------------------------------------------------
+def set_of(seed: int) -> str:
+    return next(name for name, (seeds, _) in SETS.items() if seed in seeds)
+
+
+def cell_dir(rate: float, seed: int, which: str) -> Path:
+    return OUT / set_of(seed) / f"r{round(rate * 100)}-s{seed}-{which}"
+
+
+def run_argv(rate: float, seed: int, which: str, folder: Path) -> list[str]:
+    calib = SHARED / "c4" / SETS[set_of(seed)][1]
+    return ["prune", "--prune-ratio", f"{rate:g}", "--seed", str(seed), "--calib", str(calib), *RUNS[which],
+            "--out", str(folder)]
+
+
+def cell(args) -> None:
+    from engine.cli import main as engine_main
+
+    if not any(args.seed in seeds for seeds, _ in SETS.values()):
+        raise SystemExit(f"error: seed {args.seed} is in no set ({', '.join(f'{k}: {v[0]}' for k, v in SETS.items())})")
+    for which in ([args.only] if args.only else RUNS):
+        folder = cell_dir(args.rate, args.seed, which)
+        book = folder.parent / f"{folder.name}.cell.json"  # (beside the run: --overwrite empties the run's folder)
+        info = load(book)
+        if not (folder / "results.json").is_file():
+            t0, w0 = cpu(), time.monotonic()
+            resume = (folder / "checkpoint.pt").is_file()
+            argv = run_argv(args.rate, args.seed, which, folder)
+            code = engine_main([*argv, "--resume"] if resume else [*argv, "--overwrite"])
+            info["argv"] = argv
+            info["cpu_seconds_run"] = info.get("cpu_seconds_run", 0.0) + cpu() - t0
+            info["wall_seconds_run"] = info.get("wall_seconds_run", 0.0) + time.monotonic() - w0
+            save(book, info)
+            if code != 0:
+                raise SystemExit(code)
+        t0 = cpu()
+        measure(str(folder / "model"), folder.parent / f"{folder.name}.measures.json")
+        info["cpu_seconds_measure"] = info.get("cpu_seconds_measure", 0.0) + cpu() - t0
+        res = load(folder / "results.json")
+        info.update({k: res.get(k) for k in ("steps", "ppl_dense", "ppl_init", "ppl_pruned", "params_pruned")})
+        save(book, info)
+    if not args.only:
+        same_init(args.rate, args.seed)
+
+
+def same_init(rate: float, seed: int) -> None:
+    """Whether the pg run's init mask (masks.safetensors' init_masks) is the init run's mask, unit for unit: the
+    pair is like for like only then. Recorded in the pg cell's book."""
+    from safetensors.torch import load_file
+
+    init, pg = cell_dir(rate, seed, "init"), cell_dir(rate, seed, "pg24")
+    try:
+        a = load_file(str(init / "masks.safetensors"))
+        b = load_file(str(pg / "masks.safetensors"))
+    except (OSError, FileNotFoundError):
+        return
+    mask_a = {k.split(".", 1)[1]: v for k, v in a.items() if k.startswith("masks.")}
+    mask_b = {k.split(".", 1)[1]: v for k, v in b.items() if k.startswith("init_masks.")}
+    same = bool(mask_a) and mask_a.keys() == mask_b.keys() and all(
+        bool(((mask_a[u] > 0.5) == (mask_b[u] > 0.5)).all()) for u in mask_a)
+    book = pg.parent / f"{pg.name}.cell.json"
+    info = load(book)
+    info["init_is_the_init_runs_mask"] = same
+    save(book, info)
+    print(f"r{round(rate * 100)}-s{seed}: the pg run's init {'is' if same else 'is NOT'} the init run's mask", flush=True)
+
+
+def dense(args) -> None:
+    from engine.loading import DEFAULT_MODEL
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    measure(DEFAULT_MODEL, OUT / "dense.measures.json")
+
+
+# --- report -----------------------------------------------------------------------------------------------------
+LABELS = {"wikitext_test": "WikiText test", "wikitext_valid": "WikiText valid", "c4": "held-out C4",
+          "zeroshot": "zero-shot mean", "lambada": "LAMBADA"}
+
+
+def value(m: dict, name: str) -> float:
+    return ppl(m[name]["losses"]) if name in PERPLEXITIES else accuracy(m[name]["scores"])
+
+
+def fmt_value(name: str, v: float) -> str:
+    return f"{v:.2f}" if name in PERPLEXITIES else f"{100 * v:.1f} %"
+
+
+def fmt_change(name: str, draws: list[float]) -> str:
+    p, lo, hi = interval(draws)
+    unit = " %" if name in PERPLEXITIES else ""
+    return f"{p:+.1f}{unit} [{lo:+.1f}, {hi:+.1f}]"
+
+
+def report(args) -> None:
+    names = [*PERPLEXITIES, "zeroshot", "lambada"]
+    lines = ["# The confirmation set: the init alone against the default's 24 steps", "",
+             "(bench/confirm.py report; every cell: SmolLM2-135M-Instruct, the default preset, `--calib` the set's C4 "
+             "file; perplexities 256 x 128 (held-out C4 128 x 128), zero-shot 500 examples a task; each change is "
+             "pg24 against its init, with its paired 95 % bootstrap interval)", ""]
+    dense_m = load(OUT / "dense.measures.json")
+    if all(n in dense_m for n in names):
+        lines += ["dense: " + ", ".join(f"{LABELS[n]} {fmt_value(n, value(dense_m, n))}" for n in names), ""]
+    verdicts = []
+    for set_name, (seeds, _) in SETS.items():
+        for rate in (0.3, 0.5):
+            rows, per_seed = [], []
+            for seed in seeds:
+                a = load(cell_dir(rate, seed, "init").parent / f"r{round(rate * 100)}-s{seed}-init.measures.json")
+                b = load(cell_dir(rate, seed, "pg24").parent / f"r{round(rate * 100)}-s{seed}-pg24.measures.json")
+                if not all(n in a and n in b for n in names):
+                    rows.append(f"| {seed} | " + " | ".join("not finished" for _ in names) + " |")
+                    continue
+                c = changes(a, b)
+                per_seed.append(c)
+                rows.append(f"| {seed} | " + " | ".join(
+                    f"{fmt_value(n, value(a, n))} → {fmt_value(n, value(b, n))} ({fmt_change(n, c[n])})"
+                    for n in names) + " |")
+            if not per_seed and not args.all:
+                continue
+            lines += [f"## {set_name}, {round(rate * 100)} %", "",
+                      "| seed | " + " | ".join(LABELS[n] for n in names) + " |", "|---" * (len(names) + 1) + "|", *rows]
+            if per_seed:
+                means = {n: mean_draws([c[n] for c in per_seed]) for n in names}
+                lines.append(f"| mean of {len(per_seed)} | " + " | ".join(fmt_change(n, means[n]) for n in names) + " |")
+                if set_name == "confirm" and len(per_seed) == len(seeds):
+                    verdicts.append(rule_verdict(rate, per_seed))
+            lines.append("")
+    if verdicts:
+        lines += ["## The rule (docs/results.md): steps only if the mean gain is ≥ 5 % on WikiText validation and held-out "
+                  "C4, and no seed worse than its init by more than 1 % on either", "", *verdicts, ""]
+    text = "\n".join(lines) + "\n"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "table.md").write_text(text)
+    print(text)
+
+
+def rule_verdict(rate: float, per_seed: list[dict]) -> str:
+    """Whether the steps pass the default's rule at this rate (the points, not the intervals)."""
+    means = {m: sum(c[m][0] for c in per_seed) / len(per_seed) for m in ("wikitext_valid", "c4")}
+    worst = {m: max(c[m][0] for c in per_seed) for m in ("wikitext_valid", "c4")}
+    ok = all(means[m] <= -5.0 and worst[m] <= 1.0 for m in means)
+    return (f"- {round(rate * 100)} %: {'passes' if ok else 'fails'}: mean change WikiText valid {means['wikitext_valid']:+.1f} %, "
+            f"held-out C4 {means['c4']:+.1f} %; worst seed {worst['wikitext_valid']:+.1f} % / {worst['c4']:+.1f} %")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="stage", required=True)
+    s = sub.add_parser("cell", help="a (rate, seed)'s init and pg24 runs, each measured")
+    s.add_argument("--rate", type=positive(float), default=0.3)
+    s.add_argument("--seed", type=int, required=True)
+    s.add_argument("--only", choices=tuple(RUNS), default=None, help="one of the two runs")
+    sub.add_parser("dense", help="the dense model's measures")
+    s = sub.add_parser("report", help="the tables from the cells on disk")
+    s.add_argument("--all", action="store_true", help="also the (set, rate) pairs with no finished cell")
+    args = p.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))
+    {"cell": cell, "dense": dense, "report": report}[args.stage](args)
+
+
+if __name__ == "__main__":
+    run(main)

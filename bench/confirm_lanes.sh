@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The confirmation set's cells (bench/confirm.py) in two lanes, one thread each, in the background: lane a the
+# dense model's measures and 30 % (C4 text), lane b 50 % (the default's own text), seeds 3, 4, 5. A cell resumes
+# where it stopped; a finished one is skipped in seconds. Logs: bench/results/confirm/logs/.
+#   bash bench/confirm_lanes.sh            # start both lanes (from this checkout's engine; see CODE below)
+#   bash bench/confirm_lanes.sh status     # what each lane did last
+# CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
+# that work on this one does not change a cell halfway); results land in this checkout's bench/results/confirm.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+HERE=$(pwd)
+CODE=${CODE:-$HERE}
+LOGS=$HERE/bench/results/confirm/logs
+mkdir -p "$LOGS"
+if [[ "$CODE" != "$HERE" ]]; then  # (the cells write through the other checkout's link into this one)
+  mkdir -p "$CODE/bench/results"
+  [[ -L "$CODE/bench/results/confirm" ]] || { rm -rf "$CODE/bench/results/confirm"; ln -s "$HERE/bench/results/confirm" "$CODE/bench/results/confirm"; }
+fi
+cell() {  # one cell, one thread
+  local name="$1"; shift
+  echo "$(date -u +%FT%TZ) start $name ($(git -C "$CODE" rev-parse --short HEAD))" >> "$LOGS/lanes.txt"
+  PYTHONPATH="$CODE" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PG_PRUNE_CACHE="$HERE/bench/results/confirm/cache" \
+    python "$CODE/bench/confirm.py" "$@" >> "$LOGS/$name.log" 2>&1
+  echo "$(date -u +%FT%TZ) end $name rc=$?" >> "$LOGS/lanes.txt"
+}
+lane_a() {
+  cell dense dense
+  for s in 3 4 5; do cell "r30-s$s" cell --rate 0.3 --seed "$s"; done
+}
+lane_b() {
+  for s in 3 4 5; do cell "r50-s$s" cell --rate 0.5 --seed "$s"; done
+}
+if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi
+# each lane a session of its own (setsid), its autogroup at nice 19: the kernel groups processes by session, so
+# plain nice would not yield the cores to foreground work
+for lane in lane_a lane_b; do
+  setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; $(declare -f cell $lane); CODE='$CODE'; HERE='$HERE'; LOGS='$LOGS'; $lane" \
+    > /dev/null 2>&1 < /dev/null &
+done
+echo "two lanes started (engine from $CODE); bash bench/confirm_lanes.sh status"
