@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from .errors import UserError
 from .io import atomic_file
 from .loading import model_device
 from .registry import add_entry
@@ -96,8 +97,6 @@ def prompts(tokenizer, texts: list[str], n: int, seed: int) -> torch.Tensor:
                 if len(out) == n:
                     break
         if not out:
-            from .errors import UserError
-
             raise UserError(f"self-generated calibration: no calibration document has {PROMPT_TOKENS} tokens for a prompt")
     return torch.tensor(out, dtype=torch.long)
 
@@ -186,7 +185,6 @@ def config_text_cached(config) -> bool:
         return False
     from . import ppl_cache
     from .data import _CALIB_SUBDIR, default_data_dir
-    from .errors import UserError
     from .loading import resolve_model
 
     try:
@@ -215,31 +213,92 @@ def texts_digest(texts: list[str]) -> str:
     return h.hexdigest()
 
 
+def check_generation(config, model_config) -> None:
+    """What a generation could not give, refused before it starts (and before the minutes it takes): documents longer
+    than the model's positions (max_position_embeddings, where the config says), or no longer than a calibration
+    window (the sampler takes documents of more than --seqlen tokens: none of them could be used)."""
+    length = PROMPT_TOKENS + config.self_tokens
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and length > positions:
+        raise UserError(f"--self-tokens {config.self_tokens} after the {PROMPT_TOKENS}-token prompt is {length} tokens, "
+                        f"beyond the model's {positions} positions: give --self-tokens {positions - PROMPT_TOKENS} or fewer")
+    if length <= config.seqlen:
+        raise UserError(f"--self-tokens {config.self_tokens} makes documents of {length} tokens (with the {PROMPT_TOKENS}-"
+                        f"token prompt), none longer than a --seqlen {config.seqlen} calibration window: give "
+                        f"--self-tokens {config.seqlen - PROMPT_TOKENS + 1} or more, or a shorter --seqlen")
+
+
+def say_plan(model, config, left: int, probe: bool, log) -> None:
+    """The plan, said before `left` documents are sampled (minutes on the default model; the run's own plan, phase
+    by phase, comes once the text is read): the sampling's seconds and the whole run's, at a dense forward's rate,
+    a probe's (cached in $PG_PRUNE_CACHE; probe False, for a model in memory: only a rate cached before)."""
+    from . import ppl_cache
+    from .plan import cached_probe, plan_time, probe_key, probe_seconds_per_token, skeleton_of
+
+    what = (f"self-generated calibration: sampling {left} documents of {PROMPT_TOKENS} + {config.self_tokens} tokens "
+            "with the dense model")
+    skeleton, cache = skeleton_of(model, config.model), ppl_cache.cache_dir()
+    rate = cached_probe(cache, probe_key(config.model, config.dtype, config.batch_size, config.seqlen))
+    if rate is None and probe:
+        rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache, model=model)
+    if rate is None:
+        log(f"{what} (no estimate: no forward of this model was timed yet)")
+        return
+    plan = plan_time(config, skeleton, rate, "a probe")
+    text = plan.phases.get(PHASE, 0.0) * left / config.self_docs
+    log(f"{what}: about {text:.0f} s at {rate * 1e3:.4f} ms per token (a probe of this machine); plan: about "
+        f"{plan.total - plan.phases.get(PHASE, 0.0) + text:.0f} s in all, said phase by phase once the text is read")
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM while the calibration text is sampled: how many documents are saved (whole batches, in the
+    cache's .partial file), which the same run started again takes up (a plain rerun: its folder holds no run yet)."""
+
+    def __init__(self, saved: int, total: int, cached: bool):
+        super().__init__(saved, total, cached)
+        self.saved, self.total, self.cached = saved, total, cached
+
+    def __str__(self) -> str:
+        if not self.cached:
+            return (f"interrupted while generating the calibration text ({self.total} documents): none is saved (a "
+                    "model given in memory is never cached)")
+        return (f"interrupted while generating the calibration text: {self.saved} of {self.total} documents are saved"
+                + ("" if self.saved else f" (they are saved {GENERATE_BATCH} at a time)"))
+
+
 @register_calib_source("self", generates=True)
 def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
     what = (f"{config.self_docs} documents sampled from the dense model at temperature {config.self_temperature}, "
             f"{config.self_tokens} tokens each after a {PROMPT_TOKENS}-token prompt from the calibration documents "
             f"(seed {config.seed})")
+    check_generation(config, model.config)
     n, path = config.self_docs, cache_path(config, fingerprint, texts_digest(texts))
-    stored = read_documents(path) if path is not None and path.is_file() else []
+    stored = _cached(path, log)
     docs = usable(stored, n)
     if docs is not None:
         log(f"self-generated calibration: {n} documents from the cache ({path}"
             + (f": the first {n} of {len(stored)})" if len(stored) > n else ")"))
         return docs, what
     partial = path.with_name(path.name.replace(".jsonl.gz", ".partial.jsonl.gz")) if path is not None else None
-    interrupted = read_documents(partial) if partial is not None and partial.is_file() else []
+    interrupted = _cached(partial, log)
     done = max(stored, interrupted, key=len)[:n]  # (sample_documents keeps their whole batches)
     if done:
         log(f"self-generated calibration: {len(done)} documents from "
             + ("the cache" if len(stored) >= len(interrupted) else "an interrupted generation") + ", going on")
+    saved = [len(done) - len(done) % GENERATE_BATCH if path is not None else 0]  # (what a rerun takes up)
 
     def keep(docs, to=partial):
-        if to is not None and len(docs) > len(interrupted):
-            write_documents(to, docs, log)
+        if to is not None and len(docs) > len(interrupted) and write_documents(to, docs, log):
+            saved[0] = len(docs)
 
-    docs = sample_documents(model, tokenizer, prompts(tokenizer, texts, n, config.seed),
-                            config.self_tokens, config.self_temperature, config.seed, log, done, keep)
+    say_plan(model, config, n - saved[0], fingerprint is not None, log)
+    try:
+        docs = sample_documents(model, tokenizer, prompts(tokenizer, texts, n, config.seed),
+                                config.self_tokens, config.self_temperature, config.seed, log, done, keep)
+    except GenerationInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise GenerationInterrupted(saved[0], n, path is not None) from None
     # (the cache keeps the longest generation: a shorter one, whose last batch is not the cached one's, is not
     # written over it, nor is a longer interrupted one dropped)
     if path is not None and (len(docs) < len(stored) or write_documents(path, docs, log)) \
@@ -249,11 +308,35 @@ def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
 
 
 def read_documents(path: Path) -> list[str]:
+    """The documents a cache file holds; [] for one that is missing or damaged (cache_entries says why)."""
+    return cache_entries(path)[0]
+
+
+def cache_entries(path: Path) -> tuple[list[str], str | None]:
+    """(the documents a cache file holds, what is wrong with it or None). A file that does not read (cut short,
+    not gzip, not JSON lines) or whose entries are not each a non-empty string ({"text": 123}, "") is damaged:
+    no documents, and the reason, so that it is generated again (and written over) rather than trusted."""
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line)["text"] for line in f if line.strip()]
-    except (OSError, EOFError, ValueError, KeyError):
-        return []  # (a damaged cache file is generated again)
+            entries = [json.loads(line) for line in f if line.strip()]
+    except (OSError, EOFError, ValueError) as e:
+        return [], f"it does not read ({type(e).__name__})"
+    for i, entry in enumerate(entries, 1):
+        text = entry.get("text") if isinstance(entry, dict) else None
+        if not isinstance(text, str) or not text:
+            got = f"{type(text).__name__}" if not isinstance(text, str) else "an empty string"
+            return [], f"line {i}'s text is {got}, not a document"
+    return [entry["text"] for entry in entries], None
+
+
+def _cached(path: Path | None, log) -> list[str]:
+    """cache_entries' documents of a cache file that exists; a damaged one said in a line (it is made again)."""
+    if path is None or not path.is_file():
+        return []
+    docs, problem = cache_entries(path)
+    if problem:
+        log(f"self-generated calibration: the cache file {path} is damaged ({problem}); generating it again")
+    return docs
 
 
 def write_documents(path: Path, docs: list[str], log) -> bool:
@@ -264,8 +347,9 @@ def write_documents(path: Path, docs: list[str], log) -> bool:
         with atomic_file(path) as tmp:
             Path(tmp).write_bytes(gzip.compress(body, mtime=0))
         return True
-    except OSError as e:  # (a cache that cannot be written costs the next run the generation, nothing else)
-        log(f"self-generated calibration: not cached ({e.strerror or e})")
+    except (OSError, UserError) as e:  # (a cache that cannot be written costs the next run the generation, nothing
+        # else; a full disk is atomic_file's UserError: not cached either, the run goes on)
+        log(f"self-generated calibration: not cached ({getattr(e, 'strerror', None) or e})")
         return False
 
 

@@ -457,6 +457,24 @@ class _Interrupted(Exception):
     """Ctrl-C or SIGTERM, with what the user can do next."""
 
 
+def interrupted_line(e: KeyboardInterrupt, argv: list[str]) -> str:
+    """What Ctrl-C or SIGTERM outside a run's steps prints: "interrupted"; while the calibration text is generated
+    (before the run folder holds a run, so --resume has nothing to take up), how much of it is saved and the command
+    that continues from there: the same one again (the saved batches are taken up)."""
+    import shlex
+
+    from .calib_sources import GenerationInterrupted
+
+    if not isinstance(e, GenerationInterrupted):
+        return "interrupted"
+    prog = "pg-prune" if Path(sys.argv[0]).name == "pg-prune" else "python -m engine"
+    again = f"{prog} {shlex.join(argv)}"
+    if not e.saved:
+        return f"{e}; the same command starts it again: {again}"
+    return (f"{e}; run the same command again to continue from them: {again} (--resume needs a run that reached its "
+            "first step)")
+
+
 def cmd_export(args) -> int:
     from .exporters import export_run
     from .rundir import check_export_destination
@@ -627,8 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     except _Interrupted as e:
         print(str(e), file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(interrupted_line(e, sys.argv[1:] if argv is None else argv), file=sys.stderr)
         return 130
     finally:
         if in_main:

@@ -261,7 +261,7 @@ class PruneConfig:
                                      "to the dense projection's output on calibration batches (the removed inputs "
                                      "replaced by their linear regression on the kept ones; the bias compensation is "
                                      "its constant term), for the joint mix's candidates, the final evaluation and the "
-                                     "export; results.json keeps the perplexity before it. On by default; whole layers "
+                                     "export (--eval-unrefit: also the perplexity before it). On by default; whole layers "
                                      "alone have nothing to refit")
     reconstruct_batches: int = setting(128, minimum=1, label="Reconstruction batches",
                                        help="calibration batches of the reconstruction's statistics (the first batches of "
@@ -276,6 +276,9 @@ class PruneConfig:
         "one core: docs/log/reward-study.md); off: samples are scored with the compensation only"))
     reconstruct_ridge: float = setting(0.1, minimum=0.0, label="Reconstruction ridge",
                                        help="the regression's ridge, relative to the kept inputs' mean second moment")
+    eval_unrefit: bool = setting(False, label="Evaluate before the refit", help=(
+        "with --reconstruct: also the final mask's perplexity before its refit (results.json's reconstruction."
+        "ppl_before; one more evaluation, about as long as the pruned one: off by default)"))
     within_layer_ranking: str = setting("scores", choices=WITHIN_LAYER_RANKINGS, label="Within-layer ranking",
                                         help="final mask: per-layer counts from the scores; units inside a layer ranked by "
                                              "the scores or by the init metric")

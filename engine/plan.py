@@ -413,6 +413,8 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
     moves = FINAL_MOVES if optimises else 0.0
     init = fresh and config.evaluates_init
     unrefit_final = moves if init else 1.0  # (the init mask's figure is reused unless the final mask moved)
+    if refit and not config.eval_unrefit:  # (a refit run's final mask is evaluated refit only, unless asked)
+        unrefit_final = 0.0
     evaluations = (0 if dense_cached or not fresh else 1) + init + unrefit_final + (1 if refit else 0)
     out["evaluations"] = evaluations * windows * config.eval_seqlen
     out["evaluations" + SCORED] = scoring_tokens(skeleton, out["evaluations"])
@@ -690,6 +692,12 @@ def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
     tokens = max(config.batch_size * config.seqlen, config.eval_batch_size * config.eval_seqlen)
     inter = getattr(skeleton.adapter.config, "intermediate_size", 4 * skeleton.hidden_size)
     parts["activations"] = tokens * (2 * skeleton.vocab_size + 3 * inter) * 4
+    if _reward(config.reward).needs_dense:  # (the KL reward's dense targets: bounded, engine/rewards.py)
+        from .rewards import DENSE_HIDDEN_BATCHES, DENSE_LOGP_BYTES
+
+        batch = config.batch_size * config.seqlen
+        parts["dense targets (KL)"] = (max(DENSE_LOGP_BYTES, batch * skeleton.vocab_size * 4)
+                                       + DENSE_HIDDEN_BATCHES * batch * skeleton.hidden_size * 4)
     return MemoryPlan(parts)
 
 

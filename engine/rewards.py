@@ -118,32 +118,71 @@ def batch_key(batch: torch.Tensor) -> tuple:
     return tuple(batch.shape), hashlib.sha1(batch.cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
+# What the KL reward's dense targets may hold in memory as full log-probabilities (the last batches', at least
+# one): 512 MiB is two batches of 8 x 128 tokens of a 49k vocabulary. Every batch seen also keeps the LM head's input
+# (rows x T x hidden, 1/85 of its log-probabilities on SmolLM2), from which its log-probabilities are computed again,
+# exactly, when they were dropped: the head and the final norm are never pruned or refit. Before this bound the
+# cache held 24 batches (4.8 GB; a 24-step run peaked at 7.5 GB, though a step's batch is never scored again).
+DENSE_LOGP_BYTES = 512 << 20
+DENSE_HIDDEN_BATCHES = 64
+
+
 @register_reward("kl")
 class DenseKL(Reward):
-    """KL(p_dense || p_masked) per token. The dense log-probabilities of the last `keep` batches stay in memory
-    (float32: rows x T x vocab x 4 bytes, 200 MB for 8 x 128 tokens of a 49k vocabulary), so that a step's N_s
-    samples, or the joint mix's candidates on the same batches, share one dense forward."""
+    """KL(p_dense || p_masked) per token. The dense log-probabilities of the last batches stay in memory up to
+    `max_bytes` (float32: rows x T x vocab x 4 bytes, 200 MB for 8 x 128 tokens of a 49k vocabulary), so that a
+    step's N_s samples, or the joint mix's candidates on the same batches, share one dense forward; the LM head's
+    input of the last `keep` batches stays too, and gives a dropped batch's log-probabilities again at the cost of
+    the head alone (no forward, and allowed while the weights are edited)."""
 
     needs_dense = True
     score_heads, dense_heads = 1.6, 0.2
 
-    def __init__(self, keep: int = 24):
-        self.keep, self._dense = keep, OrderedDict()
+    def __init__(self, keep: int = DENSE_HIDDEN_BATCHES, max_bytes: int = DENSE_LOGP_BYTES):
+        self.keep, self.max_bytes = keep, max_bytes
+        self._dense, self._hidden = OrderedDict(), OrderedDict()
         self.dense_forwards = 0  # (counted: tests and the step-cost figures read it)
+        self.head_recomputes = 0
+
+    def cached_bytes(self) -> int:
+        """What the dense targets hold now: the log-probabilities and the LM head's inputs."""
+        return sum(t.numel() * t.element_size() for d in (self._dense, self._hidden) for t in d.values())
 
     def dense_logp(self, model, batch: torch.Tensor) -> torch.Tensor:
         key = batch_key(batch)
         if key in self._dense:
             self._dense.move_to_end(key)
             return self._dense[key]
+        if key in self._hidden:
+            return self._recompute(key)
         if self.frozen:
             raise RuntimeError("the kl reward's dense target was asked for while the weights are edited: "
                                "prepare() the batches first")
-        with torch.no_grad():
-            logp = F.log_softmax(logits_of(model, batch), dim=-1)
+        self._head = model.get_output_embeddings()  # (never pruned nor refit: its input gives the logits again)
+        seen = []
+        hook = self._head.register_forward_hook(lambda m, inputs, out: seen.append(inputs[0].detach()))
+        try:
+            with torch.no_grad():
+                logp = F.log_softmax(logits_of(model, batch), dim=-1)
+        finally:
+            hook.remove()
         self.dense_forwards += 1
+        self._hidden[key] = seen[-1]
+        while len(self._hidden) > self.keep:
+            self._hidden.popitem(last=False)
+        return self._keep(key, logp)
+
+    def _recompute(self, key) -> torch.Tensor:
+        """A dropped batch's log-probabilities from its kept LM head input: the forward's last product, bit for bit."""
+        self._hidden.move_to_end(key)
+        with torch.no_grad():
+            logp = F.log_softmax(self._head(self._hidden[key]).float(), dim=-1)
+        self.head_recomputes += 1
+        return self._keep(key, logp)
+
+    def _keep(self, key, logp: torch.Tensor) -> torch.Tensor:
         self._dense[key] = logp
-        while len(self._dense) > self.keep:
+        while len(self._dense) > 1 and sum(t.numel() * t.element_size() for t in self._dense.values()) > self.max_bytes:
             self._dense.popitem(last=False)
         return logp
 
@@ -161,7 +200,16 @@ class DenseKL(Reward):
         return score
 
     def rows(self, logits, ids, batch):
-        return row_kl(logits, self._dense[batch_key(batch)])
+        return row_kl(logits, self._dense_of(batch))
+
+    def _dense_of(self, batch):
+        """A prepared batch's dense log-probabilities (from the kept head input, where they were dropped)."""
+        key = batch_key(batch)
+        if key in self._dense:
+            return self._dense[key]
+        if key not in self._hidden:
+            raise KeyError("the kl reward's dense target of this batch was never computed: prepare() it first")
+        return self._recompute(key)
 
     @staticmethod
     def held_out(mean: float) -> float:

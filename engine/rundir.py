@@ -171,44 +171,60 @@ def check_export_destination(dest: Path, flag: str = "--out") -> None:
                         "replace it); choose another name, or a folder outside the run")
 
 
-def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True) -> None:
+# how check_out_dir names the arguments it checks: the command line's flags, or engine.api.prune's keywords
+CLI_FLAGS = {"out": "--out", "resume": "--resume", "overwrite": "--overwrite"}
+API_FLAGS = {"out": "out", "resume": "resume", "overwrite": "overwrite=True"}
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True, flags: dict = CLI_FLAGS) -> None:
     """Refuse to mix two runs in one folder, and refuse --resume/--overwrite on any folder that is not a
     run (see is_run_dir). With overwrite, remove the old run's files (unless clear=False: check only, so
-    that a caller can validate everything else before deleting anything)."""
-    out = Path(out)
+    that a caller can validate everything else before deleting anything). The one check of a run's folder: the
+    command line's --out, the app's jobs and engine.api.prune's `out` (flags: how its messages name them)."""
+    out, flag = Path(out), flags["out"]
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a folder")
-    check_not_in_run(out)
+        raise UserError(f"{flag} {out} exists and is not a folder")
+    check_not_in_run(out, flag)
     if not out.exists() or not entries(out):
         if resume:
-            raise UserError(f"--resume: {out} holds no run (no {CONFIG_FILE}, no {RUN_MARKER} marker)")
+            raise UserError(f"{flags['resume']}: {out} holds no run (no {CONFIG_FILE}, no {RUN_MARKER} marker)")
         return
     holds_run = is_run_dir(out)
     if holds_run:
         version = run_marker_version(out)
         if version is not None and version > RUN_FORMAT_VERSION:
             raise UserError(f"{out} holds a run of format version {version}, newer than this program's "
-                            f"{RUN_FORMAT_VERSION}; update pg-prune or choose another --out")
+                            f"{RUN_FORMAT_VERSION}; update pg-prune or choose another {flag}")
     if resume:
         if not holds_run:
-            raise UserError(f"--resume refused: {out} holds no run (no {RUN_MARKER} marker and no run's "
+            raise UserError(f"{flags['resume']} refused: {out} holds no run (no {RUN_MARKER} marker and no run's "
                             f"{CONFIG_FILE}, {METRICS_FILE} and {CHECKPOINT_FILE})")
         check_checkpoint_kept(out)  # (steps were done: a resume without their checkpoint would start again)
         check_no_links(out)
-        check_removable(out, (MODEL_DIR,), "--resume")  # (a finished run re-exports model/: --overwrite's rule)
+        check_removable(out, (MODEL_DIR,), flags["resume"])  # (a finished run re-exports model/: --overwrite's rule)
         if clear:
             remove_leftovers(out)
         return
     if overwrite:
         if holds_run:
-            check_removable(out, (MODEL_DIR,))
-            check_run_files_are_files(out)
+            check_removable(out, (MODEL_DIR,), flags["overwrite"])
+            check_run_files_are_files(out, flags["overwrite"])
             if clear:
                 remove_run_files(out)
             return
-        raise UserError(f"--overwrite refused: {out} is not empty and holds no run (no {RUN_MARKER} marker); "
+        raise UserError(f"{flags['overwrite']} refused: {out} is not empty and holds no run (no {RUN_MARKER} marker); "
                         "nothing was touched; choose another folder")
-    raise UserError(f"{out} already holds files{' of another run' if holds_run else ''}; use --resume, --overwrite or another --out")
+    if holds_run:
+        raise UserError(f"{flag} {out} already holds files of another run; use {flags['resume']}, "
+                        f"{flags['overwrite']} or another {flag}")
+    raise UserError(f"{flag} {out} already holds files and no run ({held(out)}); nothing was touched; choose a new "
+                    "or empty folder")
+
+
+def held(folder: Path, shown: int = 3) -> str:
+    """What a folder holds, for a message: its first names (a sub-folder with a slash), and how many more."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in entries(folder))
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def recorded_steps(out: Path) -> int:

@@ -195,8 +195,9 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
         if (refit := results.get("reconstruction") or {}).get("skipped"):
             st.caption(f"Least-squares reconstruction skipped: {refit['skipped']}")
         elif refit:
-            st.caption(f"Least-squares reconstruction: {refit['ppl_before']:.2f} with the mask alone, "
-                       f"{results['ppl_pruned']:.2f} with the kept columns refit ({refit['batches']} batches)")
+            before = f"{refit['ppl_before']:.2f} with the mask alone, " if "ppl_before" in refit else ""
+            st.caption(f"Least-squares reconstruction: {before}{results['ppl_pruned']:.2f} with the kept columns refit "
+                       f"({refit['batches']} batches)")
         if phases := results.get("seconds_by_phase"):  # (runs made before it have none)
             st.caption("W" + phase_line(phases)[1:])  # "Wall time 533 s: load 11, ..."
             if plan := results.get("plan_seconds_by_phase"):  # (the plan the run started with, beside it)

@@ -5,6 +5,8 @@ uninterrupted run, old configs load without it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -160,7 +162,7 @@ def test_a_reconstructed_run_exports_what_it_evaluated(compensation, tiny, tiny_
     plain = _run(tiny, tiny_path, small_eval_file, tmp_path / "plain", method="metric", bias_compensation=compensation)
     before = {k: v.clone() for k, v in tiny[0].state_dict().items()}
     results = _run(tiny, tiny_path, small_eval_file, tmp_path / "r", method="metric", reconstruct=True,
-                   bias_compensation=compensation)
+                   bias_compensation=compensation, eval_unrefit=True)
     for k, v in tiny[0].state_dict().items():  # the run's model is left as it was given
         assert torch.equal(v, before[k]), k
     r = results["reconstruction"]
@@ -212,7 +214,7 @@ def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypa
     monkeypatch.setattr(joint, "hard_mask_loss", spy)
     results = _run(tiny, tiny_path, small_eval_file, out, method="flap", units=["layers", "heads", "channels"],
                    layer_init="layerwise-ppl", reconstruct=True, mix_refit=mix_refit, mix_batches=2, budget="params",
-                   prune_ratio=0.5)
+                   prune_ratio=0.5, eval_unrefit=True)
     for k, v in tiny[0].state_dict().items():
         assert torch.equal(v, dense[k]), k
     return seen, results
@@ -232,6 +234,27 @@ def test_the_joint_mix_is_chosen_on_refit_candidates_with_mix_refit(tiny, tiny_p
     seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, True)
     assert seen and all(seen)
     assert results["init_mix"] and "reconstruction" in results
+
+
+def test_a_refit_run_evaluates_its_final_mask_before_the_refit_only_when_asked(tiny, tiny_path, small_eval_file,
+                                                                               tmp_path):
+    """Issue 65: the unrefit final mask's perplexity (results.json's reconstruction.ppl_before) costs one more
+    evaluation, as long as the pruned one, and nobody had asked for it: it comes with --eval-unrefit only, and the
+    plan counts it only then."""
+    from engine.plan import phase_tokens, skeleton_of
+
+    lines = {}
+    for flag in (False, True):
+        seen = []
+        config = small_config(tiny_path, small_eval_file, reconstruct_batches=2, method="metric", reconstruct=True,
+                              eval_unrefit=flag)
+        results = PruneRun(config, tmp_path / f"r{flag}", model=tiny[0], tokenizer=tiny[1], log=seen.append).run(progress=False)
+        assert ("ppl_before" in results["reconstruction"]) == flag and results["reconstruction"]["batches"] == 2
+        lines[flag] = [m for m in seen if "before reconstruction" in m]  # (evaluated, or the init mask's figure)
+        no_init = dataclasses.replace(config, eval_init=False)  # (else the init mask's figure serves: one-shot)
+        lines[flag, "plan"] = phase_tokens(no_init, skeleton_of(tiny[0]))["evaluations"]
+    assert len(lines[True]) == 1 and not lines[False]
+    assert lines[True, "plan"] > lines[False, "plan"]
 
 
 def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refits_the_chosen_mask(

@@ -104,6 +104,33 @@ def test_kl_shares_one_dense_forward_per_batch_and_refuses_edited_weights():
     ctx.rewards(random_samples(layout, 2, seed=0), ids, None)  # a batch prepared before: fine
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kls_dense_targets_stay_within_their_bytes_and_come_back_bit_for_bit(arch):
+    """The KL reward keeps full dense log-probabilities only up to its byte bound (a 24-step run had kept 24
+    batches: 4.8 GB of the default model's 7.5 GB peak); a dropped batch's come back from the LM head's kept input,
+    equal to the forward's bit for bit, without a forward, and also while the weights are edited (prepared
+    batches: a held-out check under a refit)."""
+    model = build_model(arch)
+    batches = [batch(model, seed=s) for s in range(5)]
+    one = batches[0].shape[0] * batches[0].shape[1] * model.config.vocab_size * 4
+    reward = DenseKL(max_bytes=2 * one)
+    first = [reward.dense_logp(model, b).clone() for b in batches]
+    assert reward.dense_forwards == 5 and len(reward._dense) == 2  # (the last two, within 2 batches' bytes)
+    hidden = sum(h.numel() * h.element_size() for h in reward._hidden.values())
+    assert hidden == 5 * one // model.config.vocab_size * model.config.hidden_size  # (rows x T x hidden a batch)
+    assert reward.cached_bytes() == 2 * one + hidden
+    reward.frozen = True
+    again = reward.dense_logp(model, batches[0])  # (dropped, and the weights "edited": the head alone)
+    assert torch.equal(again, first[0]) and reward.dense_forwards == 5 and reward.head_recomputes == 1
+    logits = torch.randn(batches[1].shape[0], batches[1].shape[1], model.config.vocab_size)
+    assert torch.equal(reward.rows(logits, batches[1], batches[1]), row_kl(logits, first[1]))  # (held-out rows)
+    reward.frozen = False
+    tight = DenseKL(max_bytes=1)  # (below one batch: the current batch is kept all the same)
+    tight.dense_logp(model, batches[0])
+    assert len(tight._dense) == 1 and torch.equal(tight.dense_logp(model, batches[0]), first[0])
+    assert tight.dense_forwards == 1
+
+
 def test_row_kl_compares_every_copy_with_the_dense_rows():
     g = torch.Generator().manual_seed(0)
     dense = torch.log_softmax(torch.randn(2, 5, 7, generator=g), -1)

@@ -37,7 +37,9 @@ def batches_within_share(n: int, per_batch: float, seconds_left: float, read_any
 
 
 class Reconstruction(RunHook):
-    final_evaluations = 1  # the final mask before the refit, for results.json
+    @property
+    def final_evaluations(self) -> int:  # the final mask before the refit, for results.json: only when asked for
+        return int(self.run.config.eval_unrefit and self.skipped is None)
 
     @staticmethod
     def applies(config) -> bool:
@@ -47,6 +49,7 @@ class Reconstruction(RunHook):
         r = self.run
         need, free = moments_bytes(r.adapter, r.layout.unit_types), available_memory()
         self.moments, self.skipped, self.batches, self.reader, self.reduced = None, None, 0, None, None
+        self.before = None  # (the final mask's perplexity before its refit: --eval-unrefit)
         offloaded = any(t.output_proj(r.adapter, i).weight.device.type == "meta" for t in layer_unit_types()
                         for i in range(r.adapter.num_layers))
         if offloaded:  # (accelerate's offload: the weights live elsewhere and cannot be edited in place)
@@ -105,7 +108,7 @@ class Reconstruction(RunHook):
         self.statistics()  # (before the steps: --time-budget's step times must not include them)
 
     def final_masks(self, masks, metric):
-        if self.skipped is None:
+        if self.skipped is None and self.run.config.eval_unrefit:  # (asked for: one more evaluation)
             self.before = self.run.masked_perplexity(masks, "pruned, before reconstruction")
         return masks
 
@@ -130,6 +133,7 @@ class Reconstruction(RunHook):
         c = self.run.config
         if self.skipped is not None:
             return {"reconstruction": {"skipped": self.skipped}}
-        out = {"reconstruction": {"ppl_before": self.before, "batches": self.batches,
-                                  "ridge": c.reconstruct_ridge, "intercept": c.bias_compensation}}
+        out = {"reconstruction": {**({"ppl_before": self.before} if self.before is not None else {}),
+                                  "batches": self.batches, "ridge": c.reconstruct_ridge,
+                                  "intercept": c.bias_compensation}}
         return {**out, "reduced": self.reduced} if self.reduced else out

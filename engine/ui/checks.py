@@ -123,8 +123,8 @@ def results_problem(results) -> str | None:
             if not isinstance(refit["skipped"], str):
                 return f"reconstruction.skipped is {refit['skipped']!r}, not a reason"
         elif refit:  # a refit made: shown as "PPL with the mask alone, ... (N batches)"
-            for k in ("ppl_before", "batches"):
-                if not _number(refit.get(k)):
+            for k in ("ppl_before", "batches"):  # (ppl_before: only with --eval-unrefit)
+                if (k in refit or k == "batches") and not _number(refit.get(k)):
                     return f"reconstruction.{k} is {refit.get(k)!r}, not a number"
     return None
 
