@@ -366,3 +366,37 @@ def test_the_confirmation_report_pairs_each_seeds_steps_with_its_init_and_applie
     assert "50.0 % → 60.0 % (+10.0" in out and "## confirm, 50 %" not in out  # (r50: no finished pair yet)
     assert "- 30 %: fails" in out and "worst seed +2.0 % / +2.0 %" in out  # (mean −9.3 %, but seed 5 is +2 %)
     assert (tmp_path / "table.md").read_text().strip() == out.strip()
+
+
+def test_the_first_run_protocol_lists_each_seeds_first_and_second_run_and_reads_their_figures(tmp_path):
+    """bench/first_run.sh --dry-run: README command 1 per seed (--seed S beside seed 0's plain command), a first run
+    and a second; a bad seed is one error line. first_run_report.py reads a run's wall time, fixed costs (all but the
+    steps and their checks) and the probe's rate off the files a run leaves."""
+    out = subprocess.run(["bash", str(BENCH / "first_run.sh"), "--dry-run"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 6 and lines[0].startswith("first run, seed 0:") and lines[1].startswith("second run, seed 0:")
+    assert "--prune-ratio 0.3 --time-budget 10 --out runs/quickstart --overwrite  ->" in lines[0]
+    assert lines[2].rstrip().split(" -> ")[0].endswith("--overwrite --seed 1")
+    bad = subprocess.run(["bash", str(BENCH / "first_run.sh"), "x"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import first_run_report as report
+    finally:
+        sys.path.remove(str(BENCH))
+    assert report.wall_seconds("\tElapsed (wall clock) time (h:mm:ss or m:ss): 9:43.21\n") == pytest.approx(583.21)
+    assert report.wall_seconds("\tElapsed (wall clock) time (h:mm:ss or m:ss): 1:02:03\n") == pytest.approx(3723.0)
+    assert report.probe_ms("plan: about 620 s (load 40); 2.1100 ms per token from a probe") == pytest.approx(2.11)
+    assert report.fixed_seconds({"load": 40.0, "steps": 23.0, "validation": 33.0, "evaluations": 175.0,
+                                 "total": 271.0}) == pytest.approx(215.0)
+    run = tmp_path / "abc-r0.3" / "s0-first"
+    run.mkdir(parents=True)
+    import json
+
+    (run / "results.json").write_text(json.dumps({"steps": 0, "ppl_pruned": 151.46, "seconds_by_phase": {
+        "load": 40.0, "evaluations": 120.0, "total": 160.0}}))
+    (run / "plan.txt").write_text("plan: about 160 s; 2.1100 ms per token from a probe of this machine\n")
+    (run / "time.txt").write_text("\tElapsed (wall clock) time (h:mm:ss or m:ss): 2:41.00\n")
+    assert report.row(run) == "| abc-r0.3 | s0-first | 2.7 min | 2.67 min | 0 | 151.46 | 2.110 | load 40, evaluations 120 |"

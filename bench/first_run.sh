@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 65's first-run protocol: README command 1 as a new user meets it. A fresh clone of this checkout's HEAD
+# beside ../shared, every cache empty ($PG_PRUNE_CACHE, $PG_PRUNE_METRIC_CACHE and $PG_PRUNE_SELF_CALIB_CACHE in one
+# new folder: the model's de-quantised copy, the dense perplexity, the speed probes, the metrics, the own text), then
+# `python -m engine prune --prune-ratio 0.3 --time-budget 10 --out runs/quickstart --overwrite` (with --seed S for
+# seeds other than 0), seeds 0, 1 and 2, each then again (the second run: the caches its first run left). The packages
+# are the installed ones (install.sh's minutes are not the run's); the clone's engine is imported (PYTHONPATH).
+# Run it on idle cores: each run's figures carry the probe's ms per token, so machines can be read side by side.
+#
+#   bash bench/first_run.sh                 # seeds 0 1 2, first and second runs
+#   bash bench/first_run.sh 1               # seed 1 only
+#   CORES=0 bash bench/first_run.sh         # on one core (taskset -c 0): a slower or busy machine's stand-in
+#   RATE=0.5 bash bench/first_run.sh        # the 50 % default (the own text: its generation is a first-run cost)
+#   bash bench/first_run.sh --dry-run       # the commands and folders, running nothing
+#   bash bench/first_run.sh --report        # the table from the runs on disk
+# Results: bench/results/first_run/<commit>-r<rate>[-c<cores>]/s<seed>-{first,second}/ (results.json, the log, the
+# `time -v` report); the clone and the caches are removed at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HERE=$(pwd)
+RATE=${RATE:-0.3}
+DRY=0; REPORT=0; SEEDS=()
+for a in "$@"; do
+  case $a in
+    --dry-run) DRY=1 ;;
+    --report) REPORT=1 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) [[ $a =~ ^[0-9]+$ ]] || { echo "error: a seed is a whole number, got '$a'" >&2; exit 2; }; SEEDS+=("$a") ;;
+  esac
+done
+[[ ${#SEEDS[@]} -gt 0 ]] || SEEDS=(0 1 2)
+TAG="$(git rev-parse --short HEAD)-r${RATE}${CORES:+-c$CORES}"
+OUT=$HERE/bench/results/first_run/$TAG
+if [[ $REPORT == 1 ]]; then exec python bench/first_run_report.py "$HERE/bench/results/first_run"; fi
+command=(python -m engine prune --prune-ratio "$RATE" --time-budget 10 --out runs/quickstart --overwrite)
+PIN=(); [[ -n "${CORES:-}" ]] && PIN=(taskset -c "$CORES")
+if [[ $DRY == 1 ]]; then
+  for s in "${SEEDS[@]}"; do for kind in first second; do
+    extra=(); [[ $s != 0 ]] && extra=(--seed "$s")
+    echo "$kind run, seed $s: ${PIN[*]} ${command[*]} ${extra[*]} -> $OUT/s$s-$kind/"
+  done; done
+  exit 0
+fi
+[[ -d ../shared ]] || { echo "error: ../shared is missing beside this checkout: the data and the tiny model live there" >&2; exit 2; }
+PARENT=$(dirname "$HERE")
+CLONE=$(mktemp -d "$PARENT/first-run-clone.XXXXXX")
+CACHE=$(mktemp -d)
+trap 'rm -rf "$CLONE" "$CACHE"' EXIT
+git clone -q "$HERE" "$CLONE/repo"
+ln -s "$PARENT/shared" "$CLONE/shared"  # (the clone's ../shared)
+mkdir -p "$OUT"
+for s in "${SEEDS[@]}"; do
+  rm -rf "$CACHE"; mkdir -p "$CACHE"  # (each seed's first run on empty caches; its second on what the first left)
+  for kind in first second; do
+    dest=$OUT/s$s-$kind
+    if [[ -f $dest/results.json ]]; then echo "$kind run, seed $s: done"; continue; fi
+    extra=(); [[ $s != 0 ]] && extra=(--seed "$s")
+    echo "[$(date +%T)] $kind run, seed $s: ${PIN[*]} ${command[*]} ${extra[*]}"
+    rm -rf "$CLONE/repo/runs/quickstart"
+    ( cd "$CLONE/repo" && PYTHONPATH="$CLONE/repo" PG_PRUNE_CACHE="$CACHE/cache" PG_PRUNE_METRIC_CACHE="$CACHE/metrics" \
+        PG_PRUNE_SELF_CALIB_CACHE="$CACHE/self-calib" /usr/bin/time -v -o "$CLONE/time.txt" \
+        "${PIN[@]}" "${command[@]}" "${extra[@]}" > "$CLONE/log.txt" 2>&1 ) || { echo "  failed: $(tail -n 2 "$CLONE/log.txt")"; }
+    mkdir -p "$dest"
+    cp "$CLONE/log.txt" "$dest/run.log"; cp "$CLONE/time.txt" "$dest/time.txt"
+    grep -m1 "^plan:" "$CLONE/log.txt" > "$dest/plan.txt" || true  # (kept: the probe's rate; the log is not)
+    for f in results.json config.json; do [[ -f $CLONE/repo/runs/quickstart/$f ]] && cp "$CLONE/repo/runs/quickstart/$f" "$dest/"; done
+    grep -E "Elapsed \(wall" "$dest/time.txt" | sed 's/^\s*/  /'
+    tail -n 2 "$dest/run.log" | sed 's/^/  /'
+  done
+done
+python bench/first_run_report.py "$HERE/bench/results/first_run"
