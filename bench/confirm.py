@@ -6,7 +6,8 @@ A cell is one (set, rate, seed) of the default run as a user types it, with --ca
 - `pg24`: the same with `--steps 24` instead of `--method flap` (today's default method, 24 steps).
 Each export (RUN/model) is then measured window by window and example by example into RUN/measures.json:
 WikiText-2 test and validation (256 x 128), held-out C4 (the 300 documents no run reads, 128 x 128), the
-four-task zero-shot mean (500 each) and LAMBADA (500). The report pairs each run with its init: the change of each
+four-task zero-shot mean (500 each) and LAMBADA (500): the confirmation set's measures; a tuning cell is measured
+on the tuning set's judges only (WikiText-2 test, held-out C4, the zero-shot mean). The report pairs each run with its init: the change of each
 measure with its paired 95 % bootstrap interval (the same windows or examples resampled for both).
 
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 3            # init, pg24, both measured
@@ -44,6 +45,10 @@ ZEROSHOT_TASKS = ("piqa", "hellaswag", "winogrande", "arc_easy")
 ZEROSHOT_LIMIT = 500
 LAMBADA = "lambada_openai"
 PERPLEXITIES = ("wikitext_test", "wikitext_valid", "c4")
+MEASURES = {  # each set's judges: the tuning set never measures the confirmation set's (nothing is chosen by them)
+    "tune": ("wikitext_test", "c4", "zeroshot"),
+    "confirm": (*PERPLEXITIES, "zeroshot", "lambada"),
+}
 RUNS = {  # a cell's runs: the flags after the default command's
     "init": ["--method", "flap"],
     "pg24": ["--steps", "24"],
@@ -95,15 +100,14 @@ def example_scores(model, tokenizer, tasks) -> dict[str, str]:
     return zeroshot_docs(model, tokenizer, {t: list(range(ZEROSHOT_LIMIT)) for t in tasks})
 
 
-def measure(model_dir: str, dest: Path) -> dict:
-    """A model's measures, each one dest lacks (saved as it is done: a stopped measure resumes)."""
+def measure(model_dir: str, dest: Path, wanted=MEASURES["confirm"]) -> dict:
+    """A model's measures among `wanted`, each one dest lacks (saved as it is done: a stopped measure resumes)."""
     import torch
 
     from engine.data import eval_windows
     from engine.loading import load_model, resolve_model
 
     done = load(dest)
-    wanted = [*PERPLEXITIES, "zeroshot", "lambada"]
     if all(k in done for k in wanted):
         return done
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -111,7 +115,7 @@ def measure(model_dir: str, dest: Path) -> dict:
     model.eval()
     texts = None
     for name in PERPLEXITIES:
-        if name in done:
+        if name in done or name not in wanted:
             continue
         texts = texts or eval_texts()
         t0 = cpu()
@@ -120,7 +124,7 @@ def measure(model_dir: str, dest: Path) -> dict:
         save(dest, done)
         print(f"{dest.parent.name}: {name} {ppl(done[name]['losses']):.2f}", flush=True)
     for name, tasks in (("zeroshot", ZEROSHOT_TASKS), ("lambada", (LAMBADA,))):
-        if name in done:
+        if name in done or name not in wanted:
             continue
         t0 = cpu()
         with torch.no_grad():
@@ -179,10 +183,9 @@ def mean_draws(per_seed: list[list[float]]) -> list[float]:
     return [sum(x) / len(x) for x in zip(*per_seed)]
 
 
-def changes(before: dict, after: dict) -> dict[str, list[float]]:
-    out = {m: ppl_change_draws(before[m]["losses"], after[m]["losses"]) for m in PERPLEXITIES}
-    out.update({m: acc_change_draws(before[m]["scores"], after[m]["scores"]) for m in ("zeroshot", "lambada")})
-    return out
+def changes(before: dict, after: dict, names=MEASURES["confirm"]) -> dict[str, list[float]]:
+    return {m: (ppl_change_draws(before[m]["losses"], after[m]["losses"]) if m in PERPLEXITIES
+                else acc_change_draws(before[m]["scores"], after[m]["scores"])) for m in names}
 
 
 # --- cells ------------------------------------------------------------------------------------------------------
@@ -221,7 +224,7 @@ def cell(args) -> None:
             if code != 0:
                 raise SystemExit(code)
         t0 = cpu()
-        measure(str(folder / "model"), folder.parent / f"{folder.name}.measures.json")
+        measure(str(folder / "model"), folder.parent / f"{folder.name}.measures.json", MEASURES[set_of(args.seed)])
         info["cpu_seconds_measure"] = info.get("cpu_seconds_measure", 0.0) + cpu() - t0
         res = load(folder / "results.json")
         info.update({k: res.get(k) for k in ("steps", "ppl_dense", "ppl_init", "ppl_pruned", "params_pruned")})
@@ -279,16 +282,17 @@ def fmt_change(name: str, draws: list[float]) -> str:
 
 
 def report(args) -> None:
-    names = [*PERPLEXITIES, "zeroshot", "lambada"]
+    everything = MEASURES["confirm"]
     lines = ["# The confirmation set: the init alone against the default's 24 steps", "",
              "(bench/confirm.py report; every cell: SmolLM2-135M-Instruct, the default preset, `--calib` the set's C4 "
              "file; perplexities 256 x 128 (held-out C4 128 x 128), zero-shot 500 examples a task; each change is "
              "pg24 against its init, with its paired 95 % bootstrap interval)", ""]
     dense_m = load(OUT / "dense.measures.json")
-    if all(n in dense_m for n in names):
-        lines += ["dense: " + ", ".join(f"{LABELS[n]} {fmt_value(n, value(dense_m, n))}" for n in names), ""]
+    if all(n in dense_m for n in everything):
+        lines += ["dense: " + ", ".join(f"{LABELS[n]} {fmt_value(n, value(dense_m, n))}" for n in everything), ""]
     verdicts = []
     for set_name, (seeds, _) in SETS.items():
+        names = MEASURES[set_name]
         for rate in (0.3, 0.5):
             rows, per_seed = [], []
             for seed in seeds:
@@ -297,7 +301,7 @@ def report(args) -> None:
                 if not all(n in a and n in b for n in names):
                     rows.append(f"| {seed} | " + " | ".join("not finished" for _ in names) + " |")
                     continue
-                c = changes(a, b)
+                c = changes(a, b, names)
                 per_seed.append(c)
                 rows.append(f"| {seed} | " + " | ".join(
                     f"{fmt_value(n, value(a, n))} → {fmt_value(n, value(b, n))} ({fmt_change(n, c[n])})"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The confirmation set's cells (bench/confirm.py) in two lanes, one thread each, in the background: lane a the
-# dense model's measures and 30 % (C4 text), lane b 50 % (the default's own text), seeds 3, 4, 5. A cell resumes
+# dense model's measures and 30 % (C4 text), lane b 50 % (the default's own text), seeds 3, 4, 5 (the confirmation
+# set), then 0, 1, 2 (the tuning set). A cell resumes
 # where it stopped; a finished one is skipped in seconds. Logs: bench/results/confirm/logs/.
 #   bash bench/confirm_lanes.sh            # start both lanes (from this checkout's engine; see CODE below)
 #   bash bench/confirm_lanes.sh status     # what each lane did last
@@ -23,12 +24,12 @@ cell() {  # one cell, one thread
     python "$CODE/bench/confirm.py" "$@" >> "$LOGS/$name.log" 2>&1
   echo "$(date -u +%FT%TZ) end $name rc=$?" >> "$LOGS/lanes.txt"
 }
-lane_a() {
+lane_a() {  # then the tuning set's cells (seeds 0-2 on the first C4 file), where a final-choice rule is chosen
   cell dense dense
-  for s in 3 4 5; do cell "r30-s$s" cell --rate 0.3 --seed "$s"; done
+  for s in 3 4 5 0 1 2; do cell "r30-s$s" cell --rate 0.3 --seed "$s"; done
 }
 lane_b() {
-  for s in 3 4 5; do cell "r50-s$s" cell --rate 0.5 --seed "$s"; done
+  for s in 3 4 5 0 1 2; do cell "r50-s$s" cell --rate 0.5 --seed "$s"; done
 }
 if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi
 # each lane a session of its own (setsid), its autogroup at nice 19: the kernel groups processes by session, so
