@@ -13,6 +13,7 @@ measure with its paired 95 % bootstrap interval (the same windows or examples re
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 3            # init, pg24, both measured
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.5 --seed 3 --only init
     OMP_NUM_THREADS=1 python bench/confirm.py dense                               # the dense model's measures
+    OMP_NUM_THREADS=1 python bench/confirm.py checks --rate 0.3 --seed 0          # the final-choice rules' checks
     python bench/confirm.py report                                                # the tables, running nothing
 
 The sets: `confirm` (seeds 3-5, the second C4 file) and `tune` (seeds 0-2, the first C4 file). A cell refuses a
@@ -262,6 +263,115 @@ def dense(args) -> None:
     measure(DEFAULT_MODEL, OUT / "dense.measures.json")
 
 
+# --- the final choice: checks of each validated step's mask, and rules that choose among them -------------------
+OTHER_DOCS = 32  # the other kind of text's documents (the dense model's own text: 32 x seqlen tokens, cached)
+RULES = ("calib", "agree", "other")
+
+
+def choose(checks: dict[int, dict], rule: str, margin: float = 0.01) -> int:
+    """The step whose mask a final-choice rule exports, from each validated step's held-out values (lower is
+    better; step 0: the init mask): `calib`, best-val as the engine runs it (a later step replaces the best only
+    below it by more than `margin`, relative, on the calibration text's held-out batches); `other`, the same on the
+    other kind of text's; `agree`, only steps below the init by more than `margin` on both, the lowest product of
+    the two ratios to the init (none: the init)."""
+    steps = sorted(checks)
+    if rule in ("calib", "other"):
+        best = steps[0]
+        for s in steps[1:]:
+            if checks[s][rule] < checks[best][rule] * (1.0 - margin):
+                best = s
+        return best
+    if rule != "agree":
+        raise ValueError(f"unknown rule {rule!r}")
+    init = checks[steps[0]]
+    ok = [s for s in steps[1:] if all(checks[s][k] < init[k] * (1.0 - margin) for k in ("calib", "other"))]
+    return min(ok, key=lambda s: (checks[s]["calib"] / init["calib"]) * (checks[s]["other"] / init["other"]),
+               default=steps[0])
+
+
+def other_texts(config, texts: list[str], run_) -> tuple[list[str], str]:
+    """The held-out text of the other kind than the run calibrates on: the dense model's own text (OTHER_DOCS
+    documents of seqlen tokens, from the run's seed: the engine's own-text source and cache) for a C4-calibrated run;
+    for an own-text run, the calibration file's held-out C4 documents (every 10th: split_holdout's)."""
+    import dataclasses
+
+    from engine.calib_sources import CALIB_SOURCES, source_of
+    from engine.data import split_holdout
+
+    if source_of(config) == "data":
+        own = dataclasses.replace(config, self_docs=OTHER_DOCS, self_tokens=config.seqlen)
+        docs, _ = CALIB_SOURCES["self"](texts, run_.model, run_.tokenizer, own, run_.fingerprint(), log=print)
+        return docs, "own text"
+    return split_holdout(texts)[1], "held-out C4"
+
+
+def checks(args) -> None:
+    """A finished pg24 cell's validated steps (metrics.jsonl's val_ppl lines) and its init: each hard mask refit as
+    exported, scored by the run's reward (its mean KL) on the run's own held-out calibration batches (what best-val
+    read) and on as many batches of the other kind of text; then each rule's choice. Into the cell's
+    <cell>.checks.json; nothing here reads a set's judges."""
+    import tempfile
+
+    import torch
+
+    from engine.config import PruneConfig
+    from engine.data import CalibrationSampler, load_calibration_texts
+    from engine.pruner import PruneRun
+    from engine.runstate import report_masks
+
+    folder = cell_dir(args.rate, args.seed, "pg24")
+    dest = folder.parent / f"{folder.name}.checks.json"
+    if not (folder / "results.json").is_file() or not (folder / "metrics.jsonl").is_file():
+        raise SystemExit(f"error: {folder.name} has not finished on this machine (results.json and metrics.jsonl)")
+    done = load(dest)
+    by_step = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        rep = json.loads(line)
+        rows = report_masks(rep)
+        if rep.get("val_ppl") is not None and rows is not None:
+            by_step[int(rep["step"])] = {u: torch.tensor([x for r in layer_rows for x in r], dtype=torch.float32)
+                                         for u, layer_rows in rows.items()}
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "masks.safetensors"))
+    by_step[0] = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("init_masks.")}
+    todo = [s for s in sorted(by_step) if str(s) not in done.get("checks", {})]
+    config = PruneConfig.load(folder / "config.json")
+
+    def evaluate(run_):
+        reward = run_.ctx.reward
+        texts, _ = load_calibration_texts(config.calib)
+        other, what = other_texts(config, texts, run_)
+        sampler = CalibrationSampler(run_.tokenizer, other, config.seqlen, config.batch_size, config.seed + 3)
+        batches = {"calib": run_.val_batches, "other": [sampler.next_batch() for _ in range(config.val_batches)]}
+        done["other_text"] = what
+        for b in batches.values():
+            reward.prepare(run_.model, b)
+        for s in todo:
+            masks = by_step[s]
+            with run_.masks.weights(masks) as fill, run_.ctx.masked(masks, fill):
+                values = {k: reward.held_out(float(reward.held_out_means(run_.model, b)[1])) for k, b in batches.items()}
+            done.setdefault("checks", {})[str(s)] = values
+            save(dest, done)
+            print(f"{folder.name} step {s}: calib {values['calib']:.4f}, other ({what}) {values['other']:.4f}", flush=True)
+
+    if todo:  # (the run's own init again, its refit statistics and held-out batches; no init evaluation)
+        import dataclasses
+
+        with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+            run_ = PruneRun(dataclasses.replace(config, eval_init=False), Path(tmp) / "run",
+                            log=lambda m: print(m, flush=True))
+            run_.fresh_state()
+            evaluate(run_)
+    got = {int(k): v for k, v in load(dest)["checks"].items()}
+    done = load(dest)
+    done["chosen"] = {rule: choose(got, rule, config.best_val_margin) for rule in RULES}
+    res = load(folder / "results.json")
+    done["exported_step"] = res.get("mask_step")
+    save(dest, done)
+    print(f"{folder.name}: chosen steps {done['chosen']} (the run exported step {done['exported_step']})", flush=True)
+
+
 # --- report -----------------------------------------------------------------------------------------------------
 LABELS = {"wikitext_test": "WikiText test", "wikitext_valid": "WikiText valid", "c4": "held-out C4",
           "zeroshot": "zero-shot mean", "lambada": "LAMBADA"}
@@ -341,13 +451,16 @@ def main() -> None:
     s.add_argument("--rate", type=positive(float), default=0.3)
     s.add_argument("--seed", type=int, required=True)
     s.add_argument("--only", choices=tuple(RUNS), default=None, help="one of the two runs")
+    s = sub.add_parser("checks", help="a finished pg24 cell's validated masks on two held-out texts; each rule's choice")
+    s.add_argument("--rate", type=positive(float), default=0.3)
+    s.add_argument("--seed", type=int, required=True)
     sub.add_parser("dense", help="the dense model's measures")
     s = sub.add_parser("report", help="the tables from the cells on disk")
     s.add_argument("--all", action="store_true", help="also the (set, rate) pairs with no finished cell")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))
-    {"cell": cell, "dense": dense, "report": report}[args.stage](args)
+    {"cell": cell, "checks": checks, "dense": dense, "report": report}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -400,3 +400,57 @@ def test_the_first_run_protocol_lists_each_seeds_first_and_second_run_and_reads_
     (run / "plan.txt").write_text("plan: about 160 s; 2.1100 ms per token from a probe of this machine\n")
     (run / "time.txt").write_text("\tElapsed (wall clock) time (h:mm:ss or m:ss): 2:41.00\n")
     assert report.row(run) == "| abc-r0.3 | s0-first | 2.7 min | 2.67 min | 0 | 151.46 | 2.110 | load 40, evaluations 120 |"
+
+
+def test_the_final_choice_rules_leave_the_init_only_on_the_evidence_each_asks_for(monkeypatch):
+    """bench/confirm.py choose: `calib` is best-val as the engine runs it (a later step wins only past the margin);
+    `other` the same on the other text; `agree` leaves the init only for a step below it on both texts, and takes the
+    lowest product of the two ratios."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import confirm
+
+    checks = {0: {"calib": 1.00, "other": 1.00}, 10: {"calib": 0.90, "other": 1.02},  # (step 10: the drift)
+              20: {"calib": 0.95, "other": 0.97}, 24: {"calib": 0.895, "other": 0.965}}
+    assert confirm.choose(checks, "calib") == 10  # (24 is within 1 % of 10's 0.90: not taken)
+    assert confirm.choose(checks, "calib", margin=0.0) == 24
+    assert confirm.choose(checks, "other") == 20 and confirm.choose(checks, "other", margin=0.0) == 24
+    assert confirm.choose(checks, "agree") == 24  # (20: 0.95 x 0.97 = 0.9215; 24: 0.895 x 0.965 = 0.8637)
+    drift = {0: {"calib": 1.0, "other": 1.0}, 10: {"calib": 0.8, "other": 1.005}, 20: {"calib": 0.7, "other": 1.2}}
+    assert confirm.choose(drift, "agree") == 0 and confirm.choose(drift, "calib") == 20
+    with pytest.raises(ValueError):
+        confirm.choose(checks, "best")
+
+
+def test_the_final_choice_checks_score_each_validated_mask_on_both_texts_on_the_tiny_model(
+        monkeypatch, tmp_path, tiny, tiny_path, small_eval_file):
+    """bench/confirm.py checks, end to end on a small joint pg-alloc run of the tiny model (a stand-in for a pg24
+    cell): the init and every validated step's mask are scored, refit, on the run's held-out calibration batches and
+    on the dense model's own text (the run calibrated on C4); each rule's choice and the run's exported step are
+    recorded. The calibration value of each mask is what the run's own best-val read (metrics.jsonl's val_reward)."""
+    import json
+    from types import SimpleNamespace
+
+    from engine.config import PRESETS
+    from engine.pruner import PruneRun
+
+    from test_pruner import quiet, small_config
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import confirm
+
+    monkeypatch.setattr(confirm, "OUT", tmp_path)
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "self"))
+    folder = confirm.cell_dir(0.3, 3, "pg24")
+    joint = {k: v for k, v in PRESETS["joint"].items() if k not in ("init_batches", "calib_source")}
+    config = small_config(tiny_path, small_eval_file, **joint, steps=3, val_every=2, mix_batches=1,
+                          layer_init_batches=1, reconstruct_batches=2, val_batches=2, calib_source="data")
+    PruneRun(config, folder, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    confirm.checks(SimpleNamespace(rate=0.3, seed=3))
+    got = json.loads((folder.parent / "r30-s3-pg24.checks.json").read_text())
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    validated = {ln["step"]: ln["val_reward"] for ln in lines if ln.get("val_ppl") is not None}
+    assert sorted(int(s) for s in got["checks"]) == [0, *sorted(validated)] and got["other_text"] == "own text"
+    for s, value in validated.items():  # (the same mask, refit, on the same held-out batches: best-val's figure)
+        assert got["checks"][str(s)]["calib"] == pytest.approx(value, rel=1e-6)
+    assert all(v["other"] > 0 for v in got["checks"].values()) and set(got["chosen"]) == set(confirm.RULES)
+    assert got["exported_step"] == json.loads((folder / "results.json").read_text())["mask_step"]
