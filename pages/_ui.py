@@ -115,6 +115,11 @@ def removal_text(results: dict | None) -> str | None:
     text = (f"Removed {results['params_removed']:,} parameters: {results['removed_of_decoder']:.1%} of the decoder "
             f"layers, {results['removed_of_model']:.1%} of the whole model (embeddings and LM head are never pruned). "
             f"By unit type: {parts}.")
+    from engine.ui.settings import compensation_biases
+
+    if extra := compensation_biases(results):  # (removed ≠ dense − pruned: say why)
+        text += (f" The export adds back {extra:,} output biases (the bias compensation), so the model is "
+                 f"{int(results['params_dense']) - int(results['params_pruned']):,} parameters smaller than the dense one.")
     if "layers" in results.get("params_removed_by_unit_type", {}) and len(results["params_removed_by_unit_type"]) > 1:
         text += (f" The mix: {results.get('layers_removed', 0)} whole layers removed, and "
                  f"{results.get('width_removed_of_kept_layers', 0):.1%} of the width of the layers kept.")

@@ -305,18 +305,97 @@ def _cell(v) -> str:
     return "—" if v is None else str(v)
 
 
+# results.json's keys as the Results tab names them: (label, kind); a key not listed shows under its own name. A
+# figure whose kind depends on the run's reward is named by it ("held-out", below): under --reward kl best-val's
+# value is a mean KL in nats, never a perplexity.
+RESULT_LABELS = {
+    "ppl_dense": ("perplexity of the dense model (evaluation text)", "ppl"),
+    "ppl_init": ("perplexity of the init mask", "ppl"),
+    "ppl_pruned": ("perplexity of the pruned model", "ppl"),
+    "best_val_ppl": ("best-val's held-out figure", "held-out"),
+    "val_ppl_init": ("held-out perplexity of the init mask (calibration text)", "ppl"),
+    "params_dense": ("parameters, dense", "count"),
+    "params_pruned": ("parameters, pruned (the export)", "count"),
+    "params_removed": ("parameters removed (the budget's count)", "count"),
+    "peak_rss_mb": ("peak memory (resident)", "mb"),
+    "seconds_per_step": ("seconds per step", "seconds"),
+    "seconds_in_steps": ("seconds in the steps", "seconds"),
+    "seconds_by_phase": ("wall seconds by phase", "phases"),
+    "plan_seconds_by_phase": ("planned seconds by phase", "phases"),
+    "time_budget": ("time budget", "minutes"),
+    "mask_step": ("the step whose mask was exported (0: the init mask)", "int"),
+}
+
+
+def held_out_kind(reward: str | None) -> tuple[str, str]:
+    """(what best-val's held-out figure is, its unit) under a run's reward: a perplexity for ce, else the reward's
+    mean on the held-out batches (kl: the mean KL from the dense model, nats a token)."""
+    if reward in (None, "ce"):
+        return "held-out perplexity", ""
+    return f"held-out mean {reward.upper()} from the dense model", " nats a token"
+
+
+def fmt_result(kind: str, v, reward: str | None = None) -> str:
+    """One results.json value as the Results tab shows it: rounded, with its unit; — for a missing one."""
+    if v is None:
+        return "—"
+    if kind == "phases" and isinstance(v, dict):
+        shown = [f"{k} {x:,.0f} s" for k, x in v.items() if k not in ("total", "other") and isinstance(x, (int, float))]
+        total = v.get("total")
+        return ", ".join(shown) + (f" (total {total:,.0f} s)" if isinstance(total, (int, float)) else "") or "—"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return _cell(v)
+    if not math.isfinite(v):  # (a results.json edited by hand: shown as it is, never a crash)
+        return str(v)
+    if kind == "ppl":
+        return f"{v:,.2f}"
+    if kind == "held-out":
+        return f"{v:,.4f}{held_out_kind(reward)[1]}" if reward not in (None, "ce") else f"{v:,.2f}"
+    if kind == "count":
+        return f"{int(v):,}"
+    if kind == "mb":
+        return f"{v / 1024:,.2f} GB" if v >= 1024 else f"{v:,.0f} MB"
+    if kind == "seconds":
+        return f"{v:,.1f} s"
+    if kind == "minutes":
+        return f"{v:g} min"
+    if kind == "int":
+        return f"{int(v)}"
+    return f"{v:,.4g}"
+
+
+def compensation_biases(results: dict) -> int | None:
+    """The parameters the export adds back: removed (the budget's count) less dense − pruned. They are the output
+    biases that FLAP's bias compensation writes into each kept layer's attention and MLP output projections (removed
+    units' mean contribution); None when results.json lacks a count."""
+    try:
+        extra = int(results["params_removed"]) - (int(results["params_dense"]) - int(results["params_pruned"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return extra
+
+
 def results_table(results: dict) -> list[dict]:
-    """A run's results.json as rows (what, value) for a table: numbers rounded, the per-layer lists left to the
-    masks table."""
+    """A run's results.json as rows (what, value) for a table: each figure named by its kind and unit (a KL is never
+    labelled a perplexity), numbers rounded, the per-layer lists left to the masks table; after the counts, the
+    compensation's biases that reconcile the removed count with dense − pruned."""
+    reward = results.get("reward") if isinstance(results.get("reward"), str) else None
     rows = []
     for k, v in results.items():
         if k in ("kept_per_layer", "units_per_layer", "init_mix"):
             continue
-        if isinstance(v, float):
+        label, kind = RESULT_LABELS.get(k, (k.replace("_", " "), ""))
+        if kind == "held-out":
+            label = f"best-val's {held_out_kind(reward)[0]}"
+        elif kind == "" and isinstance(v, float):
             v = f"{v:.1%}" if k.startswith("removed_of") or k.startswith("width_removed") else f"{v:,.4g}"
-        elif isinstance(v, int) and not isinstance(v, bool):
+        elif kind == "" and isinstance(v, int) and not isinstance(v, bool):
             v = f"{v:,}"
-        rows.append({"result": k.replace("_", " "), "value": _cell(v)})
+        rows.append({"result": label, "value": fmt_result(kind, v, reward) if kind else _cell(v)})
+        if k == "params_removed" and (extra := compensation_biases(results)):
+            rows.append({"result": "output biases the bias compensation adds (removed less these = dense − pruned)",
+                         "value": f"{extra:,} (dense − pruned: "
+                                  f"{int(results['params_dense']) - int(results['params_pruned']):,})"})
     return rows
 
 
