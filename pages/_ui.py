@@ -84,18 +84,7 @@ def fmt_duration(s: float) -> str:
     return f"{m // 60} h {m % 60:02d}"
 
 
-def fmt_params(n: int | None) -> str:
-    if n is None:
-        return "—"
-    return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.0f} k"
-
-
-def removed_short(results: dict | None) -> str:
-    """What a run removed, for a table cell: "30.0 % of decoder" (— before it finished, or for a run from
-    before the report)."""
-    if not results or "removed_of_decoder" not in results:
-        return "—"
-    return f"{results['removed_of_decoder']:.1%} of decoder"
+from engine.ui.settings import fmt_params, removed_short  # noqa: E402,F401  (the pages' names)
 
 
 def speedup_short(config: dict, results: dict | None) -> str:

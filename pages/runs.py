@@ -15,7 +15,7 @@ from engine.errors import UserError  # noqa: E402
 from engine.ui.checks import runs_dir_problem  # noqa: E402
 from engine.runfiles import MASKS_FILE  # noqa: E402
 from engine.ui.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
-from engine.ui.settings import results_table, settings_table  # noqa: E402
+from engine.ui.settings import results_table, runs_row, settings_table  # noqa: E402
 
 st.title(":material/folder_open: Runs")
 st.caption(f"Runs folder: `{_ui.runs_dir()}` (set $PG_PRUNE_RUNS_DIR to use another). "
@@ -34,18 +34,10 @@ if not all_runs:
     st.stop()
 _ui.damaged_runs_notice()
 
-rows = []
-for r in all_runs:
-    c, res = r.config, r.results or {}
-    rows.append({  # the key columns first, so that they fit a 1400 px window
-        "status": "running" if jobs.busy_with(r.path) else r.status, "scope": c.get("scope"),
-        "rate": f"{c.get('prune_ratio', 0):.0%}", "removed": _ui.removed_short(res), "ppl pruned": res.get("ppl_pruned"),
-        "speed-up": _ui.speedup_short(c, res), "params": _ui.fmt_params(res.get("params_pruned")) if res else "—",
-        "steps": f"{r.steps_done}/{c.get('steps')}", "model": Path(c.get("model", "")).name,
-        "units": ",".join(c.get("units", [])), "budget": c.get("budget", "units"), "ppl dense": res.get("ppl_dense"),
-        "modified": datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"), "run": r.name,
-        **({"damaged": r.damaged or ""} if any(x.damaged for x in all_runs) else {}),
-    })
+damaged = any(x.damaged for x in all_runs)
+rows = [{**runs_row(r.name, "running" if jobs.busy_with(r.path) else r.status, r.config, r.results, r.steps_done,
+                    datetime.fromtimestamp(r.modified).strftime("%Y-%m-%d %H:%M"), _ui.speedup_short(r.config, r.results)),
+         **({"damaged": r.damaged or ""} if damaged else {})} for r in all_runs]
 st.dataframe(rows, hide_index=True, width="stretch", column_config=_ui.COMPACT_COLUMNS)
 
 paths = [str(r.path) for r in all_runs]

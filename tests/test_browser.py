@@ -369,7 +369,7 @@ def table_columns(d) -> list[list[str]]:
             Array.from(t.querySelectorAll('table th, [role=columnheader]')).map(e => e.textContent.trim()));""")
 
 
-KEY_COLUMNS = ("scope", "rate", "removed", "ppl pruned", "speed-up")  # what a 1400 px window must show of a run
+KEY_COLUMNS = ("run", "scope", "rate", "removed", "ppl pruned", "speed-up")  # what a 1400 px window must show of a run
 
 
 def heatmap_reading(d) -> dict | None:

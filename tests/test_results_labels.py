@@ -42,3 +42,19 @@ def test_figures_carry_their_unit_and_one_missing_value_mark():
     assert shown["peak memory (resident)"] == "2.25 GB" and fmt_result("mb", 900.0) == "900 MB"
     assert shown["held-out perplexity of the init mask (calibration text)"] == "—"
     assert all(v != "None" for v in shown.values())
+
+
+def test_the_runs_tables_row_leads_with_the_runs_name_and_rounds_with_one_missing_mark():
+    """Issue 66: the run's name was the last column (off-screen at 1400 px: two rows read the same), "ppl pruned"
+    showed raw floats (551.5698) and a missing value "None" beside "—"."""
+    from engine.ui.settings import runs_row
+
+    config = {"scope": "global", "prune_ratio": 0.3, "steps": 40, "model": "/x/tinystories-656k", "units": ["heads"]}
+    done = runs_row("r-a", "done", config, {"ppl_pruned": 551.5698, "ppl_dense": None, "params_pruned": 538_240,
+                                            "removed_of_decoder": 0.3}, 6, "2026-12-01 19:00", "1.21× est.")
+    assert list(done)[:6] == ["run", "status", "scope", "rate", "ppl pruned", "params"]
+    assert done["run"] == "r-a" and done["ppl pruned"] == "551.57" and done["ppl dense"] == "—"
+    assert done["params"] == "538 k" and done["removed"] == "30.0% of decoder" and done["steps"] == "6/40"
+    running = runs_row("r-b", "running", {}, None, 0, "2026-12-01 19:01", "—")
+    assert all(v not in (None, "None") for v in running.values())
+    assert running["ppl pruned"] == running["params"] == running["removed"] == running["model"] == "—"

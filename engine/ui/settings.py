@@ -412,3 +412,42 @@ def estimated_speedup(config: dict, results: dict | None) -> float | None:
         return speedup(model_skeleton(str(config["model"])), int(results["params_removed"]))
     except (UserError, OSError, ValueError, KeyError, ImportError):  # (ImportError: transformers' lazy import
         return None                                                   # raced by another thread; the cell shows —)
+
+
+# --- the Runs table --------------------------------------------------------------------------------------------
+MISSING = "—"  # the one mark of a value a run does not have (yet)
+
+
+def fmt_params(n: int | None) -> str:
+    if n is None:
+        return MISSING
+    return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.0f} k"
+
+
+def removed_short(results: dict | None) -> str:
+    """What a run removed, for a table cell: "30.0 % of decoder" (— before it finished, or for a run from before the
+    report)."""
+    if not results or not isinstance(results.get("removed_of_decoder"), (int, float)):
+        return MISSING
+    return f"{results['removed_of_decoder']:.1%} of decoder"
+
+
+def fmt_ppl(v) -> str:
+    """A perplexity for a table cell: two decimals, — where there is none."""
+    return f"{v:,.2f}" if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else MISSING
+
+
+def runs_row(name: str, status: str, config: dict, results: dict | None, steps_done: int, modified: str,
+             speedup: str) -> dict:
+    """One run's row of the Runs table: its name first (two runs of the same settings read apart at any width),
+    then what tells runs apart (status, rate, perplexity, parameters), then the rest; figures rounded, one mark for
+    a missing value."""
+    res = results or {}
+    model = Path(str(config.get("model", ""))).name or MISSING
+    return {
+        "run": name, "status": status, "scope": config.get("scope") or MISSING, "rate": f"{config.get('prune_ratio', 0):.0%}",
+        "ppl pruned": fmt_ppl(res.get("ppl_pruned")), "params": fmt_params(res.get("params_pruned")),
+        "removed": removed_short(res), "speed-up": speedup, "steps": f"{steps_done}/{config.get('steps', MISSING)}", "model": model,
+        "units": ",".join(config.get("units", [])) or MISSING, "budget": config.get("budget", "units"),
+        "ppl dense": fmt_ppl(res.get("ppl_dense")), "modified": modified,
+    }
