@@ -8,9 +8,15 @@ import os
 
 import streamlit as st
 
+from engine.ui.serving import exposure_warning, log_once
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 st.set_page_config(page_title="Policy-gradient pruning", page_icon="✂️", layout="wide")
+
+if exposed := exposure_warning(st.get_option("server.address")):  # (started with --server.address 0.0.0.0)
+    st.warning(exposed, icon=":material/public:")
+    log_once(exposed)
 
 pages = [
     st.Page("pages/prune.py", title="Prune", icon=":material/content_cut:", default=True),

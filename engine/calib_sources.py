@@ -214,9 +214,10 @@ def texts_digest(texts: list[str]) -> str:
 
 
 def check_generation(config, model_config) -> None:
-    """What a generation could not give, refused before it starts (and before the minutes it takes): documents longer
-    than the model's positions (max_position_embeddings, where the config says), or no longer than a calibration
-    window (the sampler takes documents of more than --seqlen tokens: none of them could be used)."""
+    """What a generation could not give, refused when a run that generates starts (PruneRun, before the data and the
+    minutes the sampling takes): documents longer than the model's positions (max_position_embeddings, where its
+    config says), or no longer than a calibration window (the sampler takes documents of more than --seqlen tokens:
+    none of them could be used)."""
     length = PROMPT_TOKENS + config.self_tokens
     positions = getattr(model_config, "max_position_embeddings", None)
     if isinstance(positions, int) and length > positions:
@@ -271,7 +272,6 @@ def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
     what = (f"{config.self_docs} documents sampled from the dense model at temperature {config.self_temperature}, "
             f"{config.self_tokens} tokens each after a {PROMPT_TOKENS}-token prompt from the calibration documents "
             f"(seed {config.seed})")
-    check_generation(config, model.config)
     n, path = config.self_docs, cache_path(config, fingerprint, texts_digest(texts))
     stored = _cached(path, log)
     docs = usable(stored, n)
@@ -295,9 +295,7 @@ def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
     try:
         docs = sample_documents(model, tokenizer, prompts(tokenizer, texts, n, config.seed),
                                 config.self_tokens, config.self_temperature, config.seed, log, done, keep)
-    except GenerationInterrupted:
-        raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM in the CLI: the batches saved so far are said)
         raise GenerationInterrupted(saved[0], n, path is not None) from None
     # (the cache keeps the longest generation: a shorter one, whose last batch is not the cached one's, is not
     # written over it, nor is a longer interrupted one dropped)

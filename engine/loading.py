@@ -6,6 +6,8 @@ import functools
 import importlib.util
 import json
 import os
+import pickle
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,6 +298,8 @@ def _from_pretrained(source: ModelSource, kwargs: dict):
                                                         **kwargs)
     except (OSError, ValueError, SafetensorError) as e:  # missing/unreadable/truncated files
         raise UserError(f"could not load model {source.name}: {_first_line(e)}") from e
+    except pickle.UnpicklingError as e:  # (torch's weights-only reader refused a .bin: it holds more than tensors)
+        raise UserError(unsafe_weights_line(source, e)) from None
     except (StrictDataclassError, ZeroDivisionError) as e:  # transformers' own config validation
         raise UserError(f"the config of model {source.name} is invalid: {' '.join(str(e).split())}") from e
     except RuntimeError as e:  # weights that do not fit the declared architecture (size mismatch)
@@ -303,6 +307,16 @@ def _from_pretrained(source: ModelSource, kwargs: dict):
         detail = f" ({' '.join(shapes[0].split())})" if shapes else ""
         raise UserError(f"could not load model {source.name}: its tensor shapes do not match its declared "
                         f"architecture{detail}") from e
+
+
+def unsafe_weights_line(source: ModelSource, e: BaseException) -> str:
+    """The one line for a pickled weights file (pytorch_model.bin) that torch's weights-only reader (transformers'
+    default) refuses: it names a Python object that is not a tensor (a crafted file's code), which was never run."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(e))
+    what = f"it names the Python object {found[1]}, which weights never hold" if found else "it holds more than tensors"
+    files = sorted(p.name for p in Path(source.path).glob("*.bin")) if Path(source.path).is_dir() else []
+    return (f"could not load model {source.name}: its weights file {files[0] if files else '(a .bin)'} cannot be loaded "
+            f"safely ({what}; nothing in it was run): use safetensors weights (model.safetensors) instead")
 
 
 def model_device(model) -> torch.device:

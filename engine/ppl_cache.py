@@ -48,10 +48,61 @@ def check_folder(env: str, folder: Path | None, hint: str = "") -> None:
 
 
 def files_key(source, dtype: str) -> str | None:
-    """A resolved model's files (model_fingerprint) and the dtype it is computed in, as one string: the key of
-    what is cached per model (the generated calibration text); None when the model is not on this disk."""
+    """A resolved model's files (model_fingerprint's) by name, size and content (file_digest), and the dtype it is
+    computed in, as one string: the key of what is cached per model (the generated calibration text); None when the
+    model is not on this disk. By content: weights written over in place, their size and modification time kept,
+    are another model (the name, size and time alone served the old model's text); a copy elsewhere is the same."""
     found = model_fingerprint(source.path, source.gguf_file)
-    return json.dumps([found, dtype]) if found else None
+    return json.dumps([[[Path(f).name, size, file_digest(Path(f))] for f, size, _ in found], dtype]) if found else None
+
+
+_DIGESTS_FILE = "file-digests.json"  # in cache_dir(): file_digest's memo across processes
+_DIGESTS_KEPT = 256  # entries the memo keeps (the latest)
+_digests: dict[str, str] = {}  # this process's memo
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, computed once per version of the file: memoised (in this process, and in the
+    cache folder's file-digests.json) under its real path, size, modification time, inode and change time. The change
+    time (ctime) is the kernel's: every write to the file sets it, and so does setting its modification time back
+    (os.utime), so a file written over in place is hashed again. Hashing is cheap enough to do once: SmolLM2's 98 MB
+    GGUF in 0.11 s on one shared core, a 14 GB model in about 15 s."""
+    st = path.stat()
+    stamp = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
+    if stamp in _digests:
+        return _digests[stamp]
+    memo = _digest_memo()
+    digest = memo.get(stamp)
+    if not isinstance(digest, str):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        digest = h.hexdigest()
+        _keep_digest(memo, stamp, digest)
+    _digests[stamp] = digest
+    return digest
+
+
+def _digest_memo() -> dict:
+    folder = cache_dir()
+    try:
+        memo = json.loads((folder / _DIGESTS_FILE).read_text()) if folder is not None else {}
+    except (OSError, ValueError):
+        return {}  # (none yet, or damaged: written again)
+    return memo if isinstance(memo, dict) else {}
+
+
+def _keep_digest(memo: dict, stamp: str, digest: str) -> None:
+    folder = cache_dir()
+    if folder is None:
+        return
+    memo = {**{k: v for k, v in memo.items() if k != stamp}, stamp: digest}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / _DIGESTS_FILE, json.dumps(dict(list(memo.items())[-_DIGESTS_KEPT:]), indent=0) + "\n")
+    except (OSError, UserError):
+        pass  # (a read-only or full cache: hashed again next time)
 
 
 def model_fingerprint(path: str, gguf_file: str | None = None) -> list | None:

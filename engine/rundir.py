@@ -173,7 +173,7 @@ def check_export_destination(dest: Path, flag: str = "--out") -> None:
 
 # how check_out_dir names the arguments it checks: the command line's flags, or engine.api.prune's keywords
 CLI_FLAGS = {"out": "--out", "resume": "--resume", "overwrite": "--overwrite"}
-API_FLAGS = {"out": "out", "resume": "resume", "overwrite": "overwrite=True"}
+API_FLAGS = {"out": "out", "resume": "the command line's --resume", "overwrite": "overwrite=True"}  # (no resume)
 
 
 def check_out_dir(out: Path, resume: bool, overwrite: bool, clear: bool = True, flags: dict = CLI_FLAGS) -> None:

@@ -108,7 +108,8 @@ def test_prune_with_overwrite_replaces_an_earlier_run_as_the_cli_does(tiny, text
     prune(tiny[0], tiny[1], config, calib=texts, out=out)
     (out / "notes.txt").write_text("mine\n")
     first = (out / "results.json").stat().st_mtime_ns
-    with pytest.raises(UserError, match=r"already holds files of another run; use resume, overwrite=True or another out"):
+    with pytest.raises(UserError, match=r"already holds files of another run; use the command line's --resume, "
+                                        r"overwrite=True or another out"):
         prune(tiny[0], tiny[1], config, calib=texts, out=out)
     assert (out / "results.json").stat().st_mtime_ns == first
     result = prune(tiny[0], tiny[1], config, calib=texts, out=str(out), overwrite=True)

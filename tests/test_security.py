@@ -521,3 +521,45 @@ def test_the_pages_say_in_one_line_that_a_path_is_outside(finished_run, tmp_path
     shown = [w.value for w in at.warning if "error:" in w.value]  # (the plan's line: "Cannot start as set — error: …")
     assert len(shown) == 1 and "the model path" in shown[0] and "outside the folders this app may use" in shown[0], shown
     assert [p.name for p in finished_run.parent.iterdir() if not p.name.startswith(".")] == [finished_run.name]
+
+
+# --- the app's address, said where the user looks (issue 63) ------------------------------------------------------
+def test_the_exposure_warning_is_for_addresses_beyond_this_machine():
+    from engine.ui.serving import exposure_warning
+
+    for here in ("127.0.0.1", "127.0.1.1", "::1", "[::1]", "localhost"):
+        assert exposure_warning(here) is None, here
+    for there in ("0.0.0.0", "::", "192.168.1.20", "myhost.example"):
+        said = exposure_warning(there)
+        assert said and f"listens on {there.strip('[]')}" in said and "no login" in said, there
+    assert "every interface" in exposure_warning(None) and "every interface" in exposure_warning("")
+
+
+def test_the_app_started_on_every_interface_warns_in_the_page_and_once_in_the_log(tmp_path, monkeypatch, capfd):
+    """`streamlit run app.py --server.address 0.0.0.0`: a warning at the top of the page, on every page, saying who
+    can reach it, and one `warning:` line in the server's log however often the page runs (before: nothing said in
+    either; docs/app.md only). On 127.0.0.1 (the repository's config) nothing is said."""
+    import streamlit.config as stconfig
+    from streamlit.testing.v1 import AppTest
+
+    from engine.ui import serving
+
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setattr(serving, "_logged", set())
+    before = stconfig.get_option("server.address")
+    try:
+        stconfig.set_option("server.address", "0.0.0.0")
+        capfd.readouterr()
+        at = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
+        at.run()
+        assert not at.exception, at.exception
+        assert at.warning and "This app listens on 0.0.0.0" in at.warning[0].value, [w.value for w in at.warning]
+        at.run()
+        logged = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("warning: This app listens")]
+        assert len(logged) == 1 and "0.0.0.0" in logged[0], logged
+        stconfig.set_option("server.address", "127.0.0.1")
+        at = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
+        at.run()
+        assert not any("This app listens" in w.value for w in at.warning)
+    finally:
+        stconfig.set_option("server.address", before)

@@ -160,3 +160,94 @@ def test_ranks_started_on_a_folder_another_process_writes_all_say_who(eval_file,
         assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
         assert f"is in use by process {os.getpid()}" in errors[0], errors
     assert sorted(p.name for p in out.iterdir()) == [".pg-prune.lock"]  # (nothing of a run was written)
+
+
+# --- the ranks' weights (issue 63) ---------------------------------------------------------------------------------
+def test_the_weights_digest_sees_one_changed_weight(tiny):
+    """weights_digest: the same weights give the same digest (a copy too), one weight moved by one float step
+    another; a tied embedding is read once."""
+    import copy
+
+    import torch
+
+    from engine.distributed import weights_digest
+
+    model = tiny[0]
+    twin = copy.deepcopy(model)
+    assert weights_digest(model) == weights_digest(twin)
+    with torch.no_grad():
+        w = twin.model.layers[1].mlp.down_proj.weight
+        w[3, 7] = torch.nextafter(w[3, 7], torch.tensor(float("inf")))
+    assert weights_digest(model) != weights_digest(twin)
+
+
+def test_ranks_that_hold_other_weights_are_refused_in_one_line(tiny, monkeypatch):
+    """World.check_data with the model's weights among the data (as a run checks them before its first forward):
+    two ranks whose weights differ are refused in one line naming the weights and where each rank read them; the
+    digest is computed only with several ranks (one process: nothing to do)."""
+    import copy
+
+    import torch
+
+    from engine.distributed import World, token_digest, weights_digest
+    from engine.errors import UserError
+
+    model, other = tiny[0], copy.deepcopy(tiny[0])
+    with torch.no_grad():
+        other.model.layers[0].self_attn.q_proj.weight[0, 0] += 1e-3
+    World().check_data({"model weights": (lambda: pytest.fail("digested in one process"), "m")})
+
+    def gathered(self, mine, what):  # rank 1 sends the digest of its own weights
+        return [mine, {**mine, "model weights": (token_digest(weights_digest(other)), "m")}]
+
+    monkeypatch.setattr(World, "gather_objects", gathered)
+    with pytest.raises(UserError) as e:
+        World(rank=0, size=2).check_data({"model weights": (lambda: weights_digest(model), "m"),
+                                          "calibration data": (["a text"], "c4")})
+    assert str(e.value).startswith("the ranks read different model weights: rank 0 m, rank 1 m (the same path, other "
+                                   "content); stopped before the first forward"), e.value
+
+
+@pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
+def test_ranks_whose_model_files_hold_other_weights_of_the_same_size_are_refused(eval_file, tmp_path):
+    """Two ranks started with the same command, `--model model` read from each one's working folder: the files have
+    the same names, sizes and configs (the start-up check passes), but rank 1's weights differ. Every rank is refused
+    in one line naming the model weights, before any forward (before: the ranks compared their texts and token ids
+    only, and ran on)."""
+    import shutil
+
+    folders = []
+    for r in range(2):
+        folders.append(tmp_path / f"rank{r}")
+        shutil.copytree(TINY_MODEL, folders[-1] / "model")
+        for p in (folders[-1] / "model").iterdir():
+            p.chmod(0o644)
+    weights = folders[1] / "model" / "model.safetensors"
+    with open(weights, "r+b") as f:  # (the lowest mantissa byte of the last 16 float32 weights, in place: the same
+        f.seek(-64, os.SEEK_END)     # size, and weights a float step or so from the old: a model that runs)
+        data = bytearray(f.read(64))
+        data[::4] = bytes(b ^ 0x01 for b in data[::4])
+        f.seek(-64, os.SEEK_END)
+        f.write(data)
+    argv = _tiny(eval_file, tmp_path / "run", "--calib", str(SMALL_CALIB))
+    argv[argv.index("--model") + 1] = "model"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = [subprocess.Popen([sys.executable, "-m", "engine", "prune", *argv], cwd=folders[r], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(r),
+                                       LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2"))
+             for r in range(2)]
+    try:
+        seen = [(p.communicate(timeout=600)[1], p.returncode) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    for err, code in seen:
+        errors = _errors(err)
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+        assert errors[0].startswith("error: the ranks read different model weights: rank 0 model, rank 1 model (the "
+                                    "same path, other content)"), errors
+    assert not (tmp_path / "run").exists()
