@@ -1,6 +1,6 @@
 """Policy-gradient structural pruning of decoder-only LLMs: KV groups, MLP channels and whole layers.
 
-From Python: `from engine import PruneConfig, prune` (docs/api.md); from the shell: `python -m engine` or `pg-prune`."""
+From Python: `from engine import PruneConfig, prune` (docs/api.md), `engine.recover(run_dir, out, ...)`; from the shell: `python -m engine` or `pg-prune`."""
 
 import time
 
@@ -24,7 +24,8 @@ def register_pruned_classes() -> None:
     _registered = True
 
 
-_API = {"prune": "engine.api", "perplexity": "engine.api", "PruneResult": "engine.api", "PruneConfig": "engine.config"}
+_API = {"prune": "engine.api", "perplexity": "engine.api", "PruneResult": "engine.api", "PruneConfig": "engine.config",
+        "recover": "engine.tools.recover", "RecoverResult": "engine.tools.recover"}
 
 
 def __getattr__(name: str):

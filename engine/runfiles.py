@@ -25,3 +25,13 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, MASKS_FIL
 def has_run_marker(folder: Path) -> bool:
     """Does the folder carry a run's marker file? (engine.rundir.is_run_dir also recognises runs from before it.)"""
     return (Path(folder) / RUN_MARKER).is_file()
+
+
+# A recovery's output folder (engine/tools/recover.py): its marker, and its config, which names the teacher (the
+# run's base model, whose tokenizer files a GGUF export of the recovered model reads)
+RECOVER_MARKER, RECOVER_CONFIG_FILE = "pg-prune-recover", "recover_config.json"
+
+
+def has_recover_marker(folder: Path) -> bool:
+    """Does the folder carry a recovery's marker file (`python -m engine recover ... --out FOLDER`)?"""
+    return (Path(folder) / RECOVER_MARKER).is_file()

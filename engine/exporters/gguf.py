@@ -308,19 +308,31 @@ def write_model_gguf(name: str, dest: Path, outtype: str = "f16") -> dict:
                       name=Path(str(name)).name or "model")
 
 
+def base_model_name(run_dir: Path) -> str:
+    """The base model of a run folder (its config.json's `model`) or of a recovery's output folder (its
+    recover_config.json's `teacher`, the run's base model): the model whose tokenizer files the GGUF carries."""
+    import json
+
+    from ..runfiles import CONFIG_FILE, RECOVER_CONFIG_FILE, has_recover_marker, has_run_marker
+
+    name, key = ((RECOVER_CONFIG_FILE, "teacher") if has_recover_marker(run_dir) and not has_run_marker(run_dir)
+                 else (CONFIG_FILE, "model"))
+    try:  # read from the folder's config, without the run's machinery
+        value = json.loads((run_dir / name).read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read the base model from {run_dir / name} ({type(e).__name__})") from e
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{run_dir / name} names no base model ({key}: {value!r})")
+    return value
+
+
 @register_export_format("gguf", outtypes=OUTTYPES)
 def export_gguf(run_dir: Path, dest: Path, outtype: str) -> dict:
     """GGUF for llama.cpp (deci architecture: per-layer head counts and FFN widths)."""
-    import json
-
     from ..loading import load_model, resolve_model
-    from ..runfiles import CONFIG_FILE, MODEL_DIR
+    from ..runfiles import MODEL_DIR
 
     model, _ = load_model(resolve_model(str(run_dir / MODEL_DIR)), "float32", "cpu")
     check_exportable(model)  # before the base model's tokenizer is looked for
-    try:  # the run's base model (its tokenizer files): read from the run's config, without the run's machinery
-        base_name = json.loads((run_dir / CONFIG_FILE).read_text())["model"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"cannot read the base model from {run_dir / CONFIG_FILE} ({type(e).__name__})") from e
-    base = resolve_model(str(base_name))
+    base = resolve_model(base_model_name(run_dir))
     return write_gguf(model, dest, outtype, **_tokenizer_files(base, run_dir / MODEL_DIR), name=run_dir.name)

@@ -1,6 +1,6 @@
 """Recovery fine-tuning of a (pruned) model with LoRA, merged back into a model that reloads like the export.
 
-    python -m engine finetune --model RUN/model --out DIR2 [--samples 4000 --seqlen 1024 --epochs 1 --lr 1e-4 ...]
+    python -m engine finetune --model RUN/model --out DIR2 [--samples 128 --seqlen 256 --epochs 1 --lr 5e-4 ...]
 
 LoRA (PEFT) with r = 16, alpha = 10, dropout 0.05 on every projection of the attention and the MLP
 (their names come from the architecture adapter, engine/arch), causal-LM loss on segments of local
@@ -9,6 +9,11 @@ merged into the weights and DIR2/model is written atomically with save_pretraine
 and, for a pruned export, the modeling_pruned.py copy its config's auto_map points at: it loads
 with `AutoModelForCausalLM.from_pretrained(DIR2/model, trust_remote_code=True)` anywhere, or
 through engine.loading in this project, exactly like the export it came from.
+
+The defaults are CPU-sized (issue 67): 128 segments of 256 tokens, 4 a step, lr 5e-4, 32 optimizer steps (a few
+minutes on 2 cores for the default model). The paper's recovery is 4,000 segments of 1,024 tokens at lr 1e-4
+(`--samples 4000 --seqlen 1024 --lr 1e-4`: hours on a CPU). Distillation from the dense model is `recover`
+(engine/tools/recover.py), which shares this module's data segments, LoRA targets, merge and save.
 
 DIR2 also holds finetune_config.json (the FinetuneConfig), finetune_log.jsonl (loss per optimizer
 step) and finetune_results.json (training loss and WikiText-2 perplexity before and after).
@@ -38,10 +43,11 @@ CONFIG_FILE, LOG_FILE, RESULTS_FILE, MODEL_DIR = "finetune_config.json", "finetu
 @dataclass
 class FinetuneConfig:
     model: str = ""  # the model folder to fine-tune (a pruned export: RUN/model)
-    samples: int = 4000  # training segments (the paper: 4k); fewer are used if the data holds fewer
-    seqlen: int = 1024  # tokens per segment (the paper: 1,024)
+    # CPU-sized (issue 67: 32 steps of 4 x 256 tokens); the paper's: samples 4000, seqlen 1024, lr 1e-4
+    samples: int = 128  # training segments; fewer are used if the data holds fewer
+    seqlen: int = 256  # tokens per segment
     epochs: int = 1
-    lr: float = 1e-4
+    lr: float = 5e-4
     batch_size: int = 4  # segments per forward
     grad_accum: int = 1  # forwards per optimizer step
     weight_decay: float = 0.0
@@ -124,41 +130,59 @@ def mean_loss(model, segments: torch.Tensor, batch_size: int) -> float:
 
 
 def save_like_export(model, tokenizer, dest: Path) -> None:
-    """save_pretrained + tokenizer (+ modeling_pruned.py for a pruned model), atomically."""
+    """save_pretrained + tokenizer (+ modeling_pruned.py for a pruned model), atomically: a folder that reloads as
+    the export it came from did (engine.loading, or from_pretrained with trust_remote_code=True anywhere)."""
     from .. import modeling_pruned
+    from ..export import weight_bytes
     from ..io import atomic_dir
 
-    with atomic_dir(dest) as tmp:
+    with atomic_dir(dest, weight_bytes(model)) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if getattr(model.config, "auto_map", None):
             shutil.copyfile(modeling_pruned.__file__, tmp / Path(modeling_pruned.__file__).name)
 
 
-def load_trainable(config: FinetuneConfig):
+def load_local_model(name: str, dtype: str, device: str, lengths: dict[str, int], what: str = "finetune"):
+    """(model, tokenizer) of a local model folder (a pruned export RUN/model), refused in one line when it is a
+    .gguf file or a hub id, or when `lengths` (see loading.check_positions) exceed its positions."""
     from ..loading import check_positions, load_model, resolve_model
 
-    if not config.model:
-        raise UserError("give the model to fine-tune with --model (e.g. RUN/model)")
-    source = resolve_model(config.model)
+    source = resolve_model(name)
     if source.gguf_file is not None or not Path(source.path).is_dir():
-        raise UserError("finetune takes a local model folder (e.g. a pruned export RUN/model), "
+        raise UserError(f"{what} takes a local model folder (e.g. a pruned export RUN/model), "
                         "not a .gguf file or a hub id")
-    model, tok = load_model(source, config.dtype, config.device)
-    lengths = {"seqlen": config.seqlen, **({} if config.skip_eval else {"eval seqlen": config.eval_seqlen})}
+    model, tok = load_model(source, dtype, device)
     check_positions(model.config, lengths)  # before any training or perplexity
     return model, tok
 
 
-def train_lora(model, segments: torch.Tensor, config: FinetuneConfig, log=lambda m: None):
-    """Wrap `model` with LoRA adapters and train them; returns (peft model in eval mode, per-step log, info)."""
+def load_trainable(config: FinetuneConfig):
+    if not config.model:
+        raise UserError("give the model to fine-tune with --model (e.g. RUN/model)")
+    lengths = {"seqlen": config.seqlen, **({} if config.skip_eval else {"eval seqlen": config.eval_seqlen})}
+    return load_local_model(config.model, config.dtype, config.device, lengths)
+
+
+def wrap_lora(model, r: int, alpha: float, dropout: float):
+    """(PEFT model, target names): LoRA adapters on every attention and MLP projection the architecture adapter
+    names, seeded by torch's global generator (seed it first); only the adapters require gradients."""
+    import warnings
+
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(config.seed)
     targets = lora_target_modules(model)
-    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, lora)
+    lora = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                      task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # (peft asks transformers' deprecated is_gradient_checkpointing: not ours to fix)
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, lora), targets
+
+
+def train_lora(model, segments: torch.Tensor, config: FinetuneConfig, log=lambda m: None):
+    """Wrap `model` with LoRA adapters and train them; returns (peft model in eval mode, per-step log, info)."""
+    torch.manual_seed(config.seed)
+    peft_model, targets = wrap_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
