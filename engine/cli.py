@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default=None, help="folder for measure_config.json, measure.json and measure.md")
     m.add_argument("--overwrite", action="store_true", help="replace an earlier measure output in --out (only its own files)")
     m.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _recover_parser(sub)
     return parser
 
 
@@ -414,6 +415,9 @@ def _prune_writer(args, world) -> int:
             print(f"steps: {saved_steps} -> {config.steps} (the schedules follow a {config.steps}-step run from the "
                   "checkpoint on)", file=sys.stderr)
             config.save(out / CONFIG_FILE)
+        if not args.resume:  # (what --time-budget will cut, said with the plan, before the work)
+            for trade in budget_trades_of(run):
+                run.log(f"plan: {trade}")
         try:
             results = run.run(resume=args.resume)
         except (KeyboardInterrupt, RankLost) as e:
@@ -429,7 +433,8 @@ def _prune_writer(args, world) -> int:
                   + (f"{results['ppl_init']:.2f}" if results["ppl_init"] is not None else "skipped (--eval-init)") + " | "
                   f"pruned {results['ppl_pruned']:.2f}"
                   + (f" (least-squares reconstruction; {r['ppl_before']:.2f} before it)" if "ppl_before" in (r := results.get("reconstruction") or {})
-                     else f" (reconstruction skipped: {r['skipped']})" if r else ""))
+                     else f" (reconstruction skipped: {r['skipped']})" if "skipped" in r
+                     else " (least-squares reconstruction)" if r else ""))  # (ppl_before: only with --eval-unrefit)
             print(f"parameters: {results['params_dense']:,} -> {results['params_pruned']:,}; "
                   f"{results['seconds_per_step']:.2f} s/step; results in {out}")
             shares = ", ".join(f"{u} {n:,}" for u, n in results["params_removed_by_unit_type"].items())
@@ -446,6 +451,27 @@ def _prune_writer(args, world) -> int:
                 export_run(out, "gguf", out / GGUF_FILE, args.export_gguf)
                 print(f"llama.cpp model ({args.export_gguf}): {out / GGUF_FILE}")
     return 0
+
+
+def budget_trades_of(run) -> list[str]:
+    """What --time-budget will cut in this run (the refit's statistics: results.json's "reduced" records it after),
+    planned as the run plans its time (engine/plan.py's budget_trades, at the rate of the run's probe, which the run's
+    plan then reads from the cache), before the work; none without a budget or a refit."""
+    import time
+
+    from .calib_sources import PHASE
+    from .plan import budget_trades, plan_time, skeleton_of
+    from .runplan import run_rate
+
+    c = run.config
+    if c.time_budget is None or not c.reconstruct:
+        return []
+    skeleton = skeleton_of(run.model, c.model, "gguf" if run.source.gguf_file else "folder")
+    rate, source = run_rate(run, skeleton)
+    text = run.phases.seconds.get(PHASE)
+    plan = plan_time(c, skeleton, rate, source, load=time.monotonic() - run.started - (text or 0.0), text_cached=True,
+                     text_seconds=text)
+    return budget_trades(c, plan)
 
 
 def error_line(e: BaseException) -> str:
@@ -555,6 +581,46 @@ def cmd_finetune(args) -> int:
     return 0
 
 
+# --- recover (engine/tools/recover.py: distillation of a run's export from its dense base model) -----------------
+def _recover_parser(sub) -> None:
+    """The `recover RUN_DIR --out OUT ...` subcommand: one flag per RecoverConfig field, from its declaration."""
+    from .tools.recover import RecoverConfig
+
+    r = sub.add_parser("recover", help="distil a finished run's pruned model from its dense base model (KL; LoRA or "
+                                       "all decoder weights), merged and saved like the export")
+    r.add_argument("run", metavar="RUN_DIR", help="a finished prune run folder: its model/ is the student")
+    r.add_argument("--out", required=True, help="folder for model/ (recovered), recover_config.json, recover_log.jsonl, "
+                                                "recover_checkpoint.pt and recover_results.json")
+    g = r.add_mutually_exclusive_group()
+    # (dest recover_resume: parse_args reads a prune run's saved config under args.resume)
+    g.add_argument("--resume", dest="recover_resume", action="store_true", help="continue the recovery in --out from its checkpoint (its saved "
+                                                        "settings; --steps or --time-budget given set how far)")
+    g.add_argument("--overwrite", action="store_true", help="replace an earlier recover output in --out (only its own files)")
+    _setting_args(r, RecoverConfig)
+
+
+def cmd_recover(args) -> int:
+    from .tools.recover import RecoverConfig, RecoverInterrupted, recover
+
+    fields = {f.name for f in dataclasses.fields(RecoverConfig)} - {"run"}
+    try:
+        r = recover(args.run, args.out, resume=args.recover_resume, overwrite=args.overwrite,
+                    **{k: v for k, v in vars(args).items() if k in fields})
+    except RecoverInterrupted as e:
+        prog = "pg-prune" if Path(sys.argv[0]).name == "pg-prune" else "python -m engine"
+        print(f"interrupted; {e.out} holds its first {e.step} steps: {prog} recover {args.run} --out {args.out} "
+              "--resume continues it", file=sys.stderr)
+        return 130
+    res = r.results
+    if "ppl_after" in res:
+        print(f"perplexity ({res['eval_windows']} windows x {res['eval_seqlen']} tokens): before {res['ppl_before']:.2f} "
+              f"| after {res['ppl_after']:.2f}")
+    losses = f"loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}, " if res["steps"] and res["loss_first"] is not None else ""
+    print(f"{res['mode']} recovery: {losses}{res['steps']} steps (ended by {res['ended_by']}), {res['train_seconds']:.0f} s "
+          f"of training; recovered model in {r.model}")
+    return 0
+
+
 def cmd_measure(args) -> int:
     from .tools.measure import MeasureConfig, run_measure
 
@@ -600,7 +666,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _prune_parser(parser).set_defaults(**defaults)
         args = parser.parse_args(argv)
     args.default_preset, args.steps_given = chosen, steps_given
+    if args.command == "prune" and not args.resume:  # (under --resume a flag is checked against the saved run's)
+        refuse_inert_flags(args, _given_of(argv, _INERT))
     return args
+
+
+# settings that apply to one part of a run only, and what a run without that part would do with them: nothing
+_SELF_TEXT = ("self_docs", "self_tokens", "self_temperature")  # the own text's (--calib-source self, mix, auto from 0.5)
+_MIX = ("mix_search", "mix_batches", "mix_reward", "mix_refit", "mix_refine_batches")  # the joint mix's
+_INERT = (*_SELF_TEXT, *_MIX)
+
+
+def refuse_inert_flags(args, given: list[str]) -> None:
+    """A flag given for a part the run does not have is refused in one line, as another method's option is (rather
+    than ignored without a word): --self-* where the run's calibration source generates no text, --mix-* where
+    no joint mix is chosen (whole layers and widths on one --budget params)."""
+    from .calib_sources import CALIB_SOURCES, SELF_FROM, source_of
+    from .unit_types import UNIT_TYPES
+
+    flag = lambda dest: "--" + dest.replace("_", "-")  # noqa: E731
+    text = [d for d in given if d in _SELF_TEXT]
+    if text and not CALIB_SOURCES[source_of(args)].generates:
+        how = "" if args.calib_source == "data" else f" at --prune-ratio {args.prune_ratio:g}"
+        raise UserError(f"{flag(text[0])} applies to the model's own text (--calib-source self or mix, or auto from "
+                        f"--prune-ratio {SELF_FROM:g} up); this run reads the calibration documents as "
+                        f"given (--calib-source {args.calib_source}{how}): drop {flag(text[0])}")
+    mix = [d for d in given if d in _MIX]
+    whole = [u for u in args.units if u in UNIT_TYPES and UNIT_TYPES[u].whole_layer]
+    if mix and not (whole and len(whole) < len(args.units) and args.budget == "params"):
+        why = (f"--budget {args.budget}" if whole and len(whole) < len(args.units) else f"--units {','.join(args.units)}")
+        raise UserError(f"{flag(mix[0])} applies to the joint mix of whole layers and widths (--units with layers and "
+                        f"heads or channels, --budget params); this run has none ({why}): drop {flag(mix[0])}")
 
 
 def _prune_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -612,9 +708,15 @@ _UNSET = object()
 
 def _given(argv: list[str] | None, dest: str) -> bool:
     """Whether the prune command line gives the setting `dest` (its flag in any of argparse's spellings)."""
+    return bool(_given_of(argv, (dest,)))
+
+
+def _given_of(argv: list[str] | None, dests: tuple[str, ...]) -> list[str]:
+    """The settings among `dests` that the prune command line gives (one parse)."""
     probe = build_parser()
-    _prune_parser(probe).set_defaults(**{dest: _UNSET})
-    return getattr(probe.parse_args(argv), dest) is not _UNSET
+    _prune_parser(probe).set_defaults(**{dest: _UNSET for dest in dests})
+    parsed = probe.parse_args(argv)
+    return [dest for dest in dests if getattr(parsed, dest) is not _UNSET]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -637,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, terminate) if in_main else None
     try:
-        commands = {"prune": cmd_prune, "export": cmd_export, "eval": cmd_eval, "zeroshot": cmd_zeroshot, "finetune": cmd_finetune, "measure": cmd_measure}
+        commands = {"prune": cmd_prune, "export": cmd_export, "eval": cmd_eval, "zeroshot": cmd_zeroshot, "finetune": cmd_finetune, "measure": cmd_measure,
+                    "recover": cmd_recover}
         return commands[args.command](args)
     except UserError as e:
         print(error_line(e), file=sys.stderr)

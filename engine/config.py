@@ -234,7 +234,9 @@ class PruneConfig:
     time_budget: float | None = setting(None, minimum=0.0, maximum=MAX_TIME_BUDGET, exclusive=True, label="Time budget (minutes)",
                                         help="methods that optimise: the whole run's wall minutes (loading, evaluations and "
                                              "export included); the step count follows from the measured step time, "
-                                             "re-planned after every step, and the schedules stretch to it; below "
+                                             "re-planned after every step, and the schedules stretch to it; a budget "
+                                             "that fits fewer than 7 steps (and fewer than --steps) takes none and "
+                                             "exports the init mask (fewer were not measured to pay); below "
                                              "10080 (7 days) (default: off, --steps steps)")
     eval_init: bool | None = setting(None, label="Evaluate the init mask", help=(
         "evaluate the init mask's perplexity on the evaluation windows (results.json ppl_init; the pruned model's is "

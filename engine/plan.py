@@ -273,6 +273,7 @@ class TimePlan:
     seconds_per_token: float
     rate_source: str  # how the rate was measured, for the label
     dense_cached: bool = False
+    steps_fit: float | None = None  # under --time-budget: the steps that fit what the rest leaves (fractional)
 
     @property
     def total(self) -> float:
@@ -566,6 +567,7 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
             phases["refit"] += fit * refit_per_step
         if not phases.get("refit"):
             phases.pop("refit", None)
+        return TimePlan(phases, seconds_per_token, rate_source, dense_cached, steps_fit=done + fit)
     return TimePlan(phases, seconds_per_token, rate_source, dense_cached)
 
 

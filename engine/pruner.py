@@ -25,11 +25,12 @@ import torch
 
 from .arch import ModelAdapter
 from .budget import BUDGETS
-from .calib_sources import CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache, source_of
+from .calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache,
+                            check_generation, source_of)
 from .checkpoints import Checkpoints
 from .config import PruneConfig
 from .context import StepContext
-from .distributed import World
+from .distributed import World, weights_digest
 from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
 from .errors import UserError
 from .executors import EXECUTORS, resolve_executor
@@ -39,7 +40,7 @@ from .loading import check_positions, load_model, resolve_model
 from .methods import METHODS, method_options
 from .outdir import folder_lock
 from .phases import PhaseClock
-from .runplan import start_plan
+from .runplan import plan_with_steps
 from .results import finish
 from .memory_check import check_run_fits
 from .tokenize_docs import tokenize_documents
@@ -90,7 +91,8 @@ def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | Non
     texts, calib_source = load_calibration_texts(config.calib) if calib is None else (calib, "in memory")
     text, eval_source = load_eval_text(config.eval_data)
     if check is not None:
-        check({"calibration data": (texts, calib_source), "evaluation data": (text, eval_source)})
+        check({"model weights": (lambda: weights_digest(model), config.model),  # (torchrun: other weights, same size)
+               "calibration data": (texts, calib_source), "evaluation data": (text, eval_source)})
     began = time.monotonic()  # (the source's seconds: its own phase, "calibration text", where it generates)
     texts, scored_on = CALIB_SOURCES[source_of(config)](texts, model, tokenizer, config, fingerprint, log=log)
     source_seconds = time.monotonic() - began
@@ -137,6 +139,7 @@ class PruneRun:
         ppl_cache.check_cache_dir()  # (and a $PG_PRUNE_CACHE that is one)
         if CALIB_SOURCES[source_of(c)].generates:  # (and the self-generated text's cache)
             check_self_calib_cache()
+            check_generation(c, model.config)  # (documents beyond the positions, or no longer than --seqlen)
         sizes = unit_sizes(self.adapter)
         self.layout = UnitLayout({u: sizes[u] for u in c.units})
         self.budget = BUDGETS[c.budget](self.layout, c.scope, self.adapter)
@@ -167,11 +170,14 @@ class PruneRun:
         self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
         self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics
         self.plan = None  # results.json's plan_seconds_by_phase: made by run() (engine/runplan.py)
+        self.plan_steps = None  # (under --time-budget: the steps the plan fits, for the hook's minimum)
 
     def fingerprint(self) -> str | None:
-        """The model's files (name, size, mtime) as one string, for caches of what it computes; None for a model
-        given in memory."""
-        return ppl_cache.files_key(self.source, self.config.dtype) if self.from_disk else None
+        """The model's files (name, size, content digest: ppl_cache.files_key) as one string, the key of the text its
+        calibration source generates; None for a model given in memory, or a source that generates none (its files
+        are not hashed for nothing)."""
+        generates = CALIB_SOURCES[source_of(self.config)].generates
+        return ppl_cache.files_key(self.source, self.config.dtype) if self.from_disk and generates else None
 
     fill = property(lambda self: self.ctx.fill, doc="Bias compensation's means, once measured (None without it)")
 
@@ -234,10 +240,10 @@ class PruneRun:
             # is then the one line a resume prints)
             if not resume and self.out is not None:
                 with self.phases("load"):  # (a probe of the forward's speed, when none is cached, is loading too)
-                    self.plan = start_plan(self)
+                    self.plan, self.plan_steps = plan_with_steps(self)
             state = start_state(self, resume)
             if self.out is not None and "init metric" not in self.phases.seconds:  # (resumed: this session's plan)
-                self.plan = start_plan(self, done_steps=state.step)
+                self.plan, self.plan_steps = plan_with_steps(self, done_steps=state.step)
             self.start_masks = self.masks.init_masks(state)  # (what a UI shows as the init mask, with state.init_scores)
             self.init_scores = state.init_scores
             stopped = self._loop(state, observer, stop)

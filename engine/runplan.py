@@ -33,7 +33,12 @@ def run_rate(run: "PruneRun", skeleton, passes: str | None = None) -> tuple[floa
 
 
 def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, float]:
-    """The plan of this session of the run in results.json's form (phase -> seconds, "other", "total"), made once
+    """plan_with_steps' plan alone."""
+    return plan_with_steps(run, done_steps)[0]
+
+
+def plan_with_steps(run: "PruneRun", done_steps: int | None = None) -> tuple[dict[str, float], float | None]:
+    """(the plan, the steps that fit under --time-budget: None without one). The plan of this session of the run in results.json's form (phase -> seconds, "other", "total"), made once
     the model and the data are in memory (the probe runs the model; the dense perplexity's cache is keyed by the
     evaluation windows): its "load" is what loading took until then (the CLI's imports, the model, the data and
     the probe), its "calibration text" what the calibration source's text took (generated, or read from its
@@ -63,8 +68,9 @@ def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, floa
     run.log(f"plan: about {out['total']:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in out.items()
                                                        if k not in ("other", "total") and v >= 1)
             + f"); {rate * 1e3:.4f} ms per token from {source}"
-            + (f" ({pass_rate * 1e3:.4f} in the one-shot passes' {passes})" if pass_rate else ""))
-    return out
+            + (f" ({pass_rate * 1e3:.4f} in the one-shot passes' {passes})" if pass_rate else "")
+            + (f"; about {plan.steps_fit:.1f} steps fit the time budget" if plan.steps_fit is not None else ""))
+    return out, plan.steps_fit
 
 
 def phase_progress(plan: dict[str, float], seconds: dict[str, float], current: str | None

@@ -50,12 +50,15 @@ def test_readme_is_a_front_door():
     assert not wide, f"README.md lines over {README_WIDTH} characters: {wide}"
 
 
-def test_results_open_with_the_summary():
-    """docs/results.md starts with its summary (the headline table, protocol, command, what PG does and does not
-    win); the history lives in docs/log/."""
+def test_results_open_with_the_two_sets_then_the_summary():
+    """docs/results.md states the tuning and confirmation sets and the rule the default follows before any evidence
+    (issue 64), then its summary (the headline table, protocol, command, what PG does and does not win); the
+    history lives in docs/log/."""
     text = (DOCS / "results.md").read_text(encoding="utf-8")
     headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings and headings[0] == "## Summary"
+    assert len(headings) > 1 and headings[0].startswith("## Two sets") and headings[1] == "## Summary"
+    sets = text.split(headings[0], 1)[1].split("\n## ", 1)[0]
+    assert "seeds 3, 4, 5" in sets.replace("| 3, 4, 5 |", "seeds 3, 4, 5") and "The rule the default follows" in sets
     summary = text.split("## Summary", 1)[1].split("\n## ", 1)[0]
     assert "| dense | 56.35 |" in summary and "Protocol" in summary and "Reproduce" in summary
     assert (DOCS / "log" / "README.md").is_file()

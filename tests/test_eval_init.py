@@ -15,7 +15,7 @@ from engine.pruner import PruneRun
 
 from conftest import SMALL_CALIB
 from test_pruner import small_config
-from test_time_budget import FakeClock, budget_run
+from test_time_budget import FakeClock, budget_run, plan_fits_no_count  # noqa: F401  (autouse: the fake clock plans)
 
 
 @pytest.mark.parametrize("eval_init, budget, evaluates", [(None, None, True), (None, 10.0, False), (True, 10.0, True),

@@ -342,7 +342,8 @@ def test_runmasks_applies_the_transforms_in_the_order_it_is_given(reverse):
 
 
 def test_a_run_applies_its_transforms_in_the_listed_order(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
-    """A run with every transform on (unit multiples, best-val, within-layer ranking, reconstruction): from the
+    """A run with every transform on (unit multiples, best-val, the time budget, within-layer ranking,
+    reconstruction): from the
     method's final scores to the weights evaluated, the transforms are called in MASK_TRANSFORMS' order."""
     import engine.hooks as hooks
     from engine.pruner import PruneRun
@@ -360,7 +361,7 @@ def test_a_run_applies_its_transforms_in_the_listed_order(tiny, tiny_path, small
         monkeypatch.setattr(cls, name, spy)
     config = small_config(tiny_path, small_eval_file, steps=2, val_every=1, unit_multiple={"channels": 4},
                           within_layer_ranking="init-metric", reconstruct=True, reconstruct_batches=2,
-                          final_mask="best-val")
+                          final_mask="best-val", time_budget=60.0)
     run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None)
     assert [type(h) for _, h in run.masks.transforms] == [cls for _, cls in hooks.MASK_TRANSFORMS]
     assert all(isinstance(h.run, hooks.RunView) for h in run.hooks)  # (what each hook holds: the read-only view)

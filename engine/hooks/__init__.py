@@ -44,6 +44,7 @@ RUN_HOOKS: list[type[RunHook]] = [SameStateOnEveryRank, ProgressiveSchedule, Bia
 # "hard_masks" rows alone.
 MASK_TRANSFORMS: list[tuple[str, type[RunHook]]] = [
     ("final_scores", BestValFinal),  # --final-mask best-val: the best-validated step's scores
+    ("final_scores", TimeBudget),  # --time-budget: the init mask's, when fewer steps fitted than pay
     ("hard_masks", UnitMultiples),  # (the budget's cut, then) each layer keeps a multiple of N units
     ("final_masks", WithinLayerRanking),  # --within-layer-ranking init-metric: each layer's units by the init metric
     ("final_masks", Reconstruction),  # --reconstruct: the final mask measured before its refit (results.json)

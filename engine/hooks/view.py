@@ -11,6 +11,7 @@ READS = frozenset({
     "sampler", "init_sampler", "val_batches", "mask_rng",  # the data streams and the held-out batches
     "ctx", "masks", "hard_masks", "keep_ratio_at", "masked_perplexity",  # masking, the masks and their perplexity
     "hooks",  # the other hooks (--time-budget reserves time for their final evaluations)
+    "plan_steps",  # the steps the run's plan fits under --time-budget (its minimum of steps)
 })
 
 
