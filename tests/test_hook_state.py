@@ -362,6 +362,10 @@ def test_a_run_applies_its_transforms_in_the_listed_order(tiny, tiny_path, small
     config = small_config(tiny_path, small_eval_file, steps=2, val_every=1, unit_multiple={"channels": 4},
                           within_layer_ranking="init-metric", reconstruct=True, reconstruct_batches=2,
                           final_mask="best-val", time_budget=60.0)
+    from engine.hooks.time_budget import TimeBudget  # (its transform joins; its step planning is not this test's)
+
+    monkeypatch.setattr(TimeBudget, "on_start", lambda self, state: None)
+    monkeypatch.setattr(TimeBudget, "on_step", lambda self, state, report: None)
     run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None)
     assert [type(h) for _, h in run.masks.transforms] == [cls for _, cls in hooks.MASK_TRANSFORMS]
     assert all(isinstance(h.run, hooks.RunView) for h in run.hooks)  # (what each hook holds: the read-only view)
