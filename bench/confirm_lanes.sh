@@ -24,11 +24,16 @@ cell() {  # one cell, one thread
     python "$CODE/bench/confirm.py" "$@" >> "$LOGS/$name.log" 2>&1
   echo "$(date -u +%FT%TZ) end $name rc=$?" >> "$LOGS/lanes.txt"
 }
-lane_a() {  # then the tuning set's cells (seeds 0-2 on the first C4 file), where a final-choice rule is chosen
+# each lane: every cell's runs and measures but the zero-shot mean (an hour a model), then a second pass for it;
+# the confirmation set's seeds first, then the tuning set's (seeds 0-2 on the first C4 file, where a final-choice
+# rule is chosen)
+lane_a() {
+  for s in 3 4 5 0 1 2; do cell "r30-s$s" cell --rate 0.3 --seed "$s" --without zeroshot; done
   cell dense dense
   for s in 3 4 5 0 1 2; do cell "r30-s$s" cell --rate 0.3 --seed "$s"; done
 }
 lane_b() {
+  for s in 3 4 5 0 1 2; do cell "r50-s$s" cell --rate 0.5 --seed "$s" --without zeroshot; done
   for s in 3 4 5 0 1 2; do cell "r50-s$s" cell --rate 0.5 --seed "$s"; done
 }
 if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi

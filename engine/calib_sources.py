@@ -40,7 +40,9 @@ PHASE = "calibration text"  # the phase a run's generated text is timed in (resu
 
 
 def register_calib_source(name: str, generates: bool = False, resolve: Callable | None = None):
-    """A source: fn(texts, model, tokenizer, config, fingerprint, log) -> (documents, what they are).
+    """A source: fn(texts, model, tokenizer, config, fingerprint, log, before_sampling=None) -> (documents, what
+    they are). before_sampling(left): called with the documents left to sample, before a generating source samples
+    them (the run says its plan there: engine.plan.say_text_plan).
     generates: it samples text from the dense model (self_docs x self_tokens, cached), a phase of the run's own.
     resolve: config -> the name of the source it reads for that run (a source that picks another, as auto)."""
     def add(fn):
@@ -79,7 +81,7 @@ def check_cache_dir() -> None:
 
 
 @register_calib_source("data")
-def data_documents(texts, model, tokenizer, config, fingerprint, log=print):
+def data_documents(texts, model, tokenizer, config, fingerprint, log=print, before_sampling=None):
     return texts, "the calibration documents"
 
 
@@ -229,28 +231,6 @@ def check_generation(config, model_config) -> None:
                         f"--self-tokens {config.seqlen - PROMPT_TOKENS + 1} or more, or a shorter --seqlen")
 
 
-def say_plan(model, config, left: int, probe: bool, log) -> None:
-    """The plan, said before `left` documents are sampled (minutes on the default model; the run's own plan, phase
-    by phase, comes once the text is read): the sampling's seconds and the whole run's, at a dense forward's rate,
-    a probe's (cached in $PG_PRUNE_CACHE; probe False, for a model in memory: only a rate cached before)."""
-    from . import ppl_cache
-    from .plan import cached_probe, plan_time, probe_key, probe_seconds_per_token, skeleton_of
-
-    what = (f"self-generated calibration: sampling {left} documents of {PROMPT_TOKENS} + {config.self_tokens} tokens "
-            "with the dense model")
-    skeleton, cache = skeleton_of(model, config.model), ppl_cache.cache_dir()
-    rate = cached_probe(cache, probe_key(config.model, config.dtype, config.batch_size, config.seqlen))
-    if rate is None and probe:
-        rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache, model=model)
-    if rate is None:
-        log(f"{what} (no estimate: no forward of this model was timed yet)")
-        return
-    plan = plan_time(config, skeleton, rate, "a probe")
-    text = plan.phases.get(PHASE, 0.0) * left / config.self_docs
-    log(f"{what}: about {text:.0f} s at {rate * 1e3:.4f} ms per token (a probe of this machine); plan: about "
-        f"{plan.total - plan.phases.get(PHASE, 0.0) + text:.0f} s in all, said phase by phase once the text is read")
-
-
 class GenerationInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM while the calibration text is sampled: how many documents are saved (whole batches, in the
     cache's .partial file), which the same run started again takes up (a plain rerun: its folder holds no run yet)."""
@@ -268,7 +248,7 @@ class GenerationInterrupted(KeyboardInterrupt):
 
 
 @register_calib_source("self", generates=True)
-def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
+def self_documents(texts, model, tokenizer, config, fingerprint, log=print, before_sampling=None):
     what = (f"{config.self_docs} documents sampled from the dense model at temperature {config.self_temperature}, "
             f"{config.self_tokens} tokens each after a {PROMPT_TOKENS}-token prompt from the calibration documents "
             f"(seed {config.seed})")
@@ -291,7 +271,8 @@ def self_documents(texts, model, tokenizer, config, fingerprint, log=print):
         if to is not None and len(docs) > len(interrupted) and write_documents(to, docs, log):
             saved[0] = len(docs)
 
-    say_plan(model, config, n - saved[0], fingerprint is not None, log)
+    if before_sampling is not None:
+        before_sampling(n - saved[0])
     try:
         docs = sample_documents(model, tokenizer, prompts(tokenizer, texts, n, config.seed),
                                 config.self_tokens, config.self_temperature, config.seed, log, done, keep)
@@ -352,8 +333,8 @@ def write_documents(path: Path, docs: list[str], log) -> bool:
 
 
 @register_calib_source("mix", generates=True)
-def mixed_documents(texts, model, tokenizer, config, fingerprint, log=print):
-    generated, what = self_documents(texts, model, tokenizer, config, fingerprint, log)
+def mixed_documents(texts, model, tokenizer, config, fingerprint, log=print, before_sampling=None):
+    generated, what = self_documents(texts, model, tokenizer, config, fingerprint, log, before_sampling)
     g = torch.Generator().manual_seed(config.seed + 11)
     picked = [texts[i] for i in torch.randperm(len(texts), generator=g)[:len(generated)].tolist()]
     mixed = [d for pair in zip(picked, generated) for d in pair]
@@ -373,5 +354,5 @@ def _by_rate(config) -> str:
 
 
 @register_calib_source("auto", resolve=_by_rate)
-def rate_documents(texts, model, tokenizer, config, fingerprint, log=print):
-    return CALIB_SOURCES[_by_rate(config)](texts, model, tokenizer, config, fingerprint, log)
+def rate_documents(texts, model, tokenizer, config, fingerprint, log=print, before_sampling=None):
+    return CALIB_SOURCES[_by_rate(config)](texts, model, tokenizer, config, fingerprint, log, before_sampling)

@@ -313,10 +313,10 @@ def unsafe_weights_line(source: ModelSource, e: BaseException) -> str:
     """The one line for a pickled weights file (pytorch_model.bin) that torch's weights-only reader (transformers'
     default) refuses: it names a Python object that is not a tensor (a crafted file's code), which was never run."""
     found = re.search(r"GLOBAL ([\w.]+)", str(e))
-    what = f"it names the Python object {found[1]}, which weights never hold" if found else "it holds more than tensors"
+    what = f"it names the Python object {found[1]}, not a tensor" if found else "it holds more than tensors"
     files = sorted(p.name for p in Path(source.path).glob("*.bin")) if Path(source.path).is_dir() else []
     return (f"could not load model {source.name}: its weights file {files[0] if files else '(a .bin)'} cannot be loaded "
-            f"safely ({what}; nothing in it was run): use safetensors weights (model.safetensors) instead")
+            f"safely ({what}; nothing was run): use model.safetensors instead")
 
 
 def model_device(model) -> torch.device:

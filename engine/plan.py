@@ -726,3 +726,25 @@ def budget_trades(config, plan: TimePlan) -> list[str]:
     return [f"the time budget would cut the refit's statistics (--reconstruct-batches {n}) to about {kept} batches "
             f"(they may take a third of the time left when they start): a less exact refit, and the pruned perplexity "
             f"moves with it; a budget of about {(before + 3 * n * per_batch) / 60:.1f} min or more keeps all {n}"]
+
+
+def say_text_plan(model, config, left: int, probe: bool, log) -> None:
+    """The plan, said before `left` documents are sampled (minutes on the default model; the run's own plan, phase
+    by phase, comes once the text is read): the sampling's seconds and the whole run's, at a dense forward's rate,
+    a probe's (cached in $PG_PRUNE_CACHE; probe False, for a model in memory: only a rate cached before)."""
+    from . import ppl_cache
+    from .calib_sources import PHASE, PROMPT_TOKENS
+
+    what = (f"self-generated calibration: sampling {left} documents of {PROMPT_TOKENS} + {config.self_tokens} tokens "
+            "with the dense model")
+    skeleton, cache = skeleton_of(model, config.model), ppl_cache.cache_dir()
+    rate = cached_probe(cache, probe_key(config.model, config.dtype, config.batch_size, config.seqlen))
+    if rate is None and probe:
+        rate = probe_seconds_per_token(skeleton, config.dtype, config.batch_size, config.seqlen, cache=cache, model=model)
+    if rate is None:
+        log(f"{what} (no estimate: no forward of this model was timed yet)")
+        return
+    plan = plan_time(config, skeleton, rate, "a probe")
+    text = plan.phases.get(PHASE, 0.0) * left / config.self_docs
+    log(f"{what}: about {text:.0f} s at {rate * 1e3:.4f} ms per token (a probe of this machine); plan: about "
+        f"{plan.total - plan.phases.get(PHASE, 0.0) + text:.0f} s in all, said phase by phase once the text is read")

@@ -40,6 +40,7 @@ from .loading import check_positions, load_model, resolve_model
 from .methods import METHODS, method_options
 from .outdir import folder_lock
 from .phases import PhaseClock
+from .plan import say_text_plan
 from .runplan import plan_with_steps
 from .results import finish
 from .memory_check import check_run_fits
@@ -94,7 +95,9 @@ def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | Non
         check({"model weights": (lambda: weights_digest(model), config.model),  # (torchrun: other weights, same size)
                "calibration data": (texts, calib_source), "evaluation data": (text, eval_source)})
     began = time.monotonic()  # (the source's seconds: its own phase, "calibration text", where it generates)
-    texts, scored_on = CALIB_SOURCES[source_of(config)](texts, model, tokenizer, config, fingerprint, log=log)
+    say = lambda left: say_text_plan(model, config, left, fingerprint is not None, log)  # noqa: E731
+    texts, scored_on = CALIB_SOURCES[source_of(config)](texts, model, tokenizer, config, fingerprint, log=log,
+                                                        before_sampling=say)
     source_seconds = time.monotonic() - began
     ids = tokenize_documents(tokenizer, texts)  # (once: the samplers below share documents; bounded memory)
     val_batches, init_sampler = [], None

@@ -21,6 +21,16 @@ if TYPE_CHECKING:  # annotations only
     from .pruner import PruneRun
 
 
+def exported_step(state: RunState, scores: dict) -> int:
+    """The step whose mask the final scores are: best-val's best step, the init's (0: a transform exported the init
+    mask, as a time budget that fitted fewer steps than pay does), or the last step."""
+    if state.best_scores is not None and scores is state.best_scores:
+        return state.best_step
+    if scores is not state.scores and any(scores is s for s in (state.init_mask_scores, state.init_metric) if s):
+        return 0
+    return state.step
+
+
 def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl_pruned: float, params_pruned: int) -> dict:
     c = run.config
     return {
@@ -52,7 +62,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "units_per_layer": run.layout.sizes,
         "steps": state.step,
         "final_mask": c.final_mask,
-        "mask_step": state.best_step if state.best_scores is not None and scores is state.best_scores else state.step,
+        "mask_step": exported_step(state, scores),
         "best_val_ppl": state.best_val_ppl,  # (--reward kl: the best held-out mean KL, not a perplexity)
         "val_ppl_init": state.val_ppl_init,
         "lr": c.lr,

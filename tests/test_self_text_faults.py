@@ -182,34 +182,27 @@ def test_a_full_disk_under_the_cache_is_not_cached_and_the_run_goes_on(eval_file
 
 
 # --- lengths that cannot work, refused before the generation ------------------------------------------------------
-def test_self_tokens_beyond_the_positions_is_refused_before_generating(eval_file, tmp_path, capfd, monkeypatch):
-    """--self-tokens 600 after the 8-token prompt on the tiny model's 512 positions: one line naming --self-tokens
-    and the positions, before anything is sampled (before: accepted, and nothing said for minutes)."""
+@pytest.mark.parametrize("flag, value, needles", [
+    # --self-tokens 600 after the 8-token prompt on the tiny model's 512 positions (before: accepted, and nothing
+    # said for minutes)
+    ("--self-tokens", "600", ("--self-tokens 600", "512 positions", "504 or fewer")),
+    # --self-tokens 40 --seqlen 128: the documents (8 + 40 tokens) are shorter than a calibration window, so none
+    # could be used (before: the text was generated, then "no calibration document is longer than seqlen")
+    ("--seqlen", "128", ("--self-tokens 40", "--seqlen 128", "--self-tokens 121 or more")),
+], ids=["beyond the positions", "no longer than seqlen"])
+def test_self_tokens_that_cannot_work_are_refused_before_generating(eval_file, tmp_path, capfd, monkeypatch, flag,
+                                                                     value, needles):
+    """One line naming the flags and what would work, before anything is sampled, and no run folder."""
     from engine.cli import main
 
     monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled"))
     argv = tiny_run(eval_file, tmp_path / "run")
-    argv[argv.index("--self-tokens") + 1] = "600"
+    argv[argv.index(flag) + 1] = value
     capfd.readouterr()
     assert main(argv) == 2
-    one_error(capfd, "--self-tokens 600", "512 positions", "504 or fewer")
+    one_error(capfd, *needles)
     assert not (tmp_path / "run").exists()
-
-
-def test_self_tokens_no_longer_than_seqlen_is_refused_before_generating(eval_file, tmp_path, capfd, monkeypatch):
-    """--self-tokens 40 --seqlen 128: the documents (8 + 40 tokens) are shorter than a calibration window, so none
-    could be used: one line naming --self-tokens and --seqlen, before anything is sampled (before: the text was
-    generated, then "no calibration document is longer than seqlen", naming neither)."""
-    from engine.cli import main
-
-    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled"))
-    argv = tiny_run(eval_file, tmp_path / "run")
-    argv[argv.index("--seqlen") + 1] = "128"
-    capfd.readouterr()
-    assert main(argv) == 2
-    one_error(capfd, "--self-tokens 40", "--seqlen 128", "--self-tokens 121 or more")
 
 
 def test_the_generation_check_itself():

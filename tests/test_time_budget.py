@@ -153,6 +153,7 @@ def test_a_budget_that_fitted_fewer_steps_than_pay_exports_the_init_mask(tiny, t
     results = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "r", clock, lambda k: 70.0,
                          log=logged.append).run(progress=False)
     assert results["steps"] == 1 and exported_is_init_mask(tmp_path / "r")
+    assert results["mask_step"] == 0  # (results.json names the step whose mask was exported: the init's)
     assert any("1 step fitted" in m and "init mask is exported" in m for m in logged)
     clock = FakeClock()
     results = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "long", clock, lambda k: 2.0,
