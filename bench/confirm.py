@@ -15,6 +15,7 @@ measure with its paired 95 % bootstrap interval (the same windows or examples re
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 3 --without zeroshot   # the hour-long one later
     OMP_NUM_THREADS=1 python bench/confirm.py dense                               # the dense model's measures
     OMP_NUM_THREADS=1 python bench/confirm.py checks --rate 0.3 --seed 0          # the final-choice rules' checks
+    OMP_NUM_THREADS=1 python bench/confirm.py rule --rate 0.3 --seed 0            # and each rule's choice measured
     python bench/confirm.py report                                                # the tables, running nothing
 
 The sets: `confirm` (seeds 3-5, the second C4 file) and `tune` (seeds 0-2, the first C4 file). A cell refuses a
@@ -249,8 +250,7 @@ def same_init(rate: float, seed: int) -> None:
         return
     mask_a = {k.split(".", 1)[1]: v for k, v in a.items() if k.startswith("masks.")}
     mask_b = {k.split(".", 1)[1]: v for k, v in b.items() if k.startswith("init_masks.")}
-    same = bool(mask_a) and mask_a.keys() == mask_b.keys() and all(
-        bool(((mask_a[u] > 0.5) == (mask_b[u] > 0.5)).all()) for u in mask_a)
+    same = same_mask(mask_a, mask_b)
     book = pg.parent / f"{pg.name}.cell.json"
     info = load(book)
     info["init_is_the_init_runs_mask"] = same
@@ -307,6 +307,30 @@ def other_texts(config, texts: list[str], run_) -> tuple[list[str], str]:
     return split_holdout(texts)[1], "held-out C4"
 
 
+def step_masks(folder: Path) -> dict[int, dict]:
+    """A finished run's hard mask at each validated step (metrics.jsonl's lines with a val_ppl) and at step 0 (its
+    init mask, masks.safetensors' init_masks), unit type -> 0/1 tensor over all layers."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine.runstate import report_masks
+
+    by_step = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        rep = json.loads(line)
+        rows = report_masks(rep)
+        if rep.get("val_ppl") is not None and rows is not None:
+            by_step[int(rep["step"])] = {u: torch.tensor([x for r in layer_rows for x in r], dtype=torch.float32)
+                                         for u, layer_rows in rows.items()}
+    tensors = load_file(str(folder / "masks.safetensors"))
+    by_step[0] = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("init_masks.")}
+    return by_step
+
+
+def same_mask(a: dict, b: dict) -> bool:
+    return bool(a) and a.keys() == b.keys() and all(bool(((a[u] > 0.5) == (b[u] > 0.5)).all()) for u in a)
+
+
 def checks(args) -> None:
     """A finished pg24 cell's validated steps (metrics.jsonl's val_ppl lines) and its init: each hard mask refit as
     exported, scored by the run's reward (its mean KL) on the run's own held-out calibration batches (what best-val
@@ -326,17 +350,7 @@ def checks(args) -> None:
     if not (folder / "results.json").is_file() or not (folder / "metrics.jsonl").is_file():
         raise SystemExit(f"error: {folder.name} has not finished on this machine (results.json and metrics.jsonl)")
     done = load(dest)
-    by_step = {}
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        rep = json.loads(line)
-        rows = report_masks(rep)
-        if rep.get("val_ppl") is not None and rows is not None:
-            by_step[int(rep["step"])] = {u: torch.tensor([x for r in layer_rows for x in r], dtype=torch.float32)
-                                         for u, layer_rows in rows.items()}
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(folder / "masks.safetensors"))
-    by_step[0] = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("init_masks.")}
+    by_step = step_masks(folder)
     todo = [s for s in sorted(by_step) if str(s) not in done.get("checks", {})]
     config = PruneConfig.load(folder / "config.json")
 
@@ -370,8 +384,71 @@ def checks(args) -> None:
     done["chosen"] = {rule: choose(got, rule, config.best_val_margin) for rule in RULES}
     res = load(folder / "results.json")
     done["exported_step"] = res.get("mask_step")
+    if res.get("mask_step") in by_step:  # (the step lines' masks are the masks a step exports: checked on the export)
+        from safetensors.torch import load_file
+
+        final = {k.split(".", 1)[1]: v for k, v in load_file(str(folder / "masks.safetensors")).items()
+                 if k.startswith("masks.")}
+        done["step_mask_is_the_export"] = same_mask(by_step[res["mask_step"]], final)
     save(dest, done)
     print(f"{folder.name}: chosen steps {done['chosen']} (the run exported step {done['exported_step']})", flush=True)
+
+
+def rule(args) -> None:
+    """Each rule's chosen step (the cell's checks.json) measured on its set's judges as the run would export it: the
+    init's and the exported step's are the cells' own measures; any other step's mask is refit and exported here
+    (the run's own statistics) and measured into <cell>-step<N>.measures.json."""
+    import dataclasses
+    import tempfile
+
+    import torch
+
+    from engine.config import PruneConfig
+    from engine.export import export_pruned
+    from engine.pruner import PruneRun
+
+    folder = cell_dir(args.rate, args.seed, "pg24")
+    info = load(folder.parent / f"{folder.name}.checks.json")
+    if "chosen" not in info:
+        raise SystemExit(f"error: {folder.name} has no checks yet: python bench/confirm.py checks --rate {args.rate:g} "
+                         f"--seed {args.seed}")
+    todo = sorted({c for c in info["chosen"].values() if c not in (0, info["exported_step"])})
+    wanted = tuple(m for m in MEASURES[set_of(args.seed)] if m not in args.without)
+    todo = [c for c in todo if not all(m in load(step_measures(folder, c)) for m in wanted)]
+    if not todo:
+        print(f"{folder.name}: every rule's choice is measured ({info['chosen']})", flush=True)
+        return
+    by_step, config = step_masks(folder), PruneConfig.load(folder / "config.json")
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        run_ = PruneRun(dataclasses.replace(config, eval_init=False), Path(tmp) / "run",
+                        log=lambda m: print(m, flush=True))
+        run_.fresh_state()
+        for c in todo:
+            masks = by_step[c]
+            with run_.masks.weights(masks) as fill:
+                export_pruned(run_.model, run_.tokenizer, run_.layout, masks, Path(tmp) / f"step{c}",
+                              run_.fill if fill is ... else fill)
+            measure(str(Path(tmp) / f"step{c}"), step_measures(folder, c), wanted)
+
+
+def step_measures(folder: Path, step: int) -> Path:
+    return folder.parent / f"{folder.name}-step{step}.measures.json"
+
+
+def chosen_measures(rate: float, seed: int, rule_name: str) -> dict:
+    """The measures of the mask a final-choice rule exports for this cell ({} until its checks and measures)."""
+    folder = cell_dir(rate, seed, "pg24")
+    info = load(folder.parent / f"{folder.name}.checks.json")
+    if rule_name not in info.get("chosen", {}):
+        return {}
+    c = info["chosen"][rule_name]
+    if c == 0:
+        init = cell_dir(rate, seed, "init")
+        same = load(folder.parent / f"{folder.name}.cell.json").get("init_is_the_init_runs_mask")
+        return load(init.parent / f"{init.name}.measures.json") if same else {}
+    if c == info["exported_step"]:
+        return load(folder.parent / f"{folder.name}.measures.json")
+    return load(step_measures(folder, c))
 
 
 # --- report -----------------------------------------------------------------------------------------------------
@@ -428,6 +505,32 @@ def report(args) -> None:
                 if set_name == "confirm" and len(per_seed) == len(seeds):
                     verdicts.append(rule_verdict(rate, per_seed))
             lines.append("")
+    for rule_name in RULES:  # each final-choice rule's export against the init, the same cells
+        for set_name, (seeds, _) in SETS.items():
+            names = MEASURES[set_name]
+            for rate in (0.3, 0.5):
+                rows, per_seed = [], []
+                for seed in seeds:
+                    a = load(cell_dir(rate, seed, "init").parent / f"r{round(rate * 100)}-s{seed}-init.measures.json")
+                    b = chosen_measures(rate, seed, rule_name)
+                    if not all(n in a and n in b for n in names):
+                        continue
+                    step = load(cell_dir(rate, seed, "pg24").parent /
+                                f"r{round(rate * 100)}-s{seed}-pg24.checks.json")["chosen"][rule_name]
+                    c = changes(a, b, names)
+                    per_seed.append(c)
+                    rows.append(f"| {seed} (step {step}) | " + " | ".join(
+                        f"{fmt_value(n, value(a, n))} → {fmt_value(n, value(b, n))} ({fmt_change(n, c[n])})"
+                        for n in names) + " |")
+                if not per_seed:
+                    continue
+                means = {n: mean_draws([c[n] for c in per_seed]) for n in names}
+                lines += [f"## Rule `{rule_name}`: {set_name}, {round(rate * 100)} %", "",
+                          "| seed (chosen step) | " + " | ".join(LABELS[n] for n in names) + " |",
+                          "|---" * (len(names) + 1) + "|", *rows,
+                          f"| mean of {len(per_seed)} | " + " | ".join(fmt_change(n, means[n]) for n in names) + " |", ""]
+                if set_name == "confirm" and len(per_seed) == len(seeds):
+                    verdicts.append(f"- rule `{rule_name}`, " + rule_verdict(rate, per_seed)[2:])
     if verdicts:
         lines += ["## The rule (docs/results.md): steps only if the mean gain is ≥ 5 % on WikiText validation and held-out "
                   "C4, and no seed worse than its init by more than 1 % on either", "", *verdicts, ""]
@@ -458,13 +561,17 @@ def main() -> None:
     s = sub.add_parser("checks", help="a finished pg24 cell's validated masks on two held-out texts; each rule's choice")
     s.add_argument("--rate", type=positive(float), default=0.3)
     s.add_argument("--seed", type=int, required=True)
+    s = sub.add_parser("rule", help="each rule's chosen step of a checked pg24 cell, exported and measured")
+    s.add_argument("--rate", type=positive(float), default=0.3)
+    s.add_argument("--seed", type=int, required=True)
+    s.add_argument("--without", action="append", default=[], choices=MEASURES["confirm"])
     sub.add_parser("dense", help="the dense model's measures")
     s = sub.add_parser("report", help="the tables from the cells on disk")
     s.add_argument("--all", action="store_true", help="also the (set, rate) pairs with no finished cell")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))
-    {"cell": cell, "checks": checks, "dense": dense, "report": report}[args.stage](args)
+    {"cell": cell, "checks": checks, "rule": rule, "dense": dense, "report": report}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -19,28 +19,37 @@ if [[ "$CODE" != "$HERE" ]]; then  # (the cells write through the other checkout
 fi
 cell() {  # one cell, one thread
   local name="$1"; shift
-  echo "$(date -u +%FT%TZ) start $name ($(git -C "$CODE" rev-parse --short HEAD))" >> "$LOGS/lanes.txt"
+  echo "$(date -u +%FT%TZ) start $name $1 ($(git -C "$CODE" rev-parse --short HEAD))" >> "$LOGS/lanes.txt"
   PYTHONPATH="$CODE" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PG_PRUNE_CACHE="$HERE/bench/results/confirm/cache" \
     python "$CODE/bench/confirm.py" "$@" >> "$LOGS/$name.log" 2>&1
-  echo "$(date -u +%FT%TZ) end $name rc=$?" >> "$LOGS/lanes.txt"
+  local rc=$?
+  echo "$(date -u +%FT%TZ) end $name $1 rc=$rc" >> "$LOGS/lanes.txt"
+  return $rc
 }
 # each lane: every cell's runs and measures but the zero-shot mean (an hour a model), then a second pass for it;
 # the confirmation set's seeds first, then the tuning set's (seeds 0-2 on the first C4 file, where a final-choice
 # rule is chosen)
+cells() {  # rate, then what the cells leave for later: a cell, its checks (the final-choice rules) and their choices
+  local r="$1"; shift
+  for s in 3 4 5 0 1 2; do
+    cell "r$r-s$s" cell --rate "0.$r" --seed "$s" "$@" && cell "r$r-s$s" checks --rate "0.$r" --seed "$s" &&
+      cell "r$r-s$s" rule --rate "0.$r" --seed "$s" "$@"
+  done
+}
 lane_a() {
-  for s in 3 4 5 0 1 2; do cell "r30-s$s" cell --rate 0.3 --seed "$s" --without zeroshot; done
+  cells 30 --without zeroshot
   cell dense dense
-  for s in 3 4 5 0 1 2; do cell "r30-s$s" cell --rate 0.3 --seed "$s"; done
+  cells 30
 }
 lane_b() {
-  for s in 3 4 5 0 1 2; do cell "r50-s$s" cell --rate 0.5 --seed "$s" --without zeroshot; done
-  for s in 3 4 5 0 1 2; do cell "r50-s$s" cell --rate 0.5 --seed "$s"; done
+  cells 50 --without zeroshot
+  cells 50
 }
 if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi
 # each lane a session of its own (setsid), its autogroup at nice 19: the kernel groups processes by session, so
 # plain nice would not yield the cores to foreground work
 for lane in lane_a lane_b; do
-  setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; $(declare -f cell $lane); CODE='$CODE'; HERE='$HERE'; LOGS='$LOGS'; $lane" \
+  setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; $(declare -f cell cells $lane); CODE='$CODE'; HERE='$HERE'; LOGS='$LOGS'; $lane" \
     > /dev/null 2>&1 < /dev/null &
 done
 echo "two lanes started (engine from $CODE); bash bench/confirm_lanes.sh status"

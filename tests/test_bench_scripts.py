@@ -366,6 +366,22 @@ def test_the_confirmation_report_pairs_each_seeds_steps_with_its_init_and_applie
     assert "50.0 % → 60.0 % (+10.0" in out and "## confirm, 50 %" not in out  # (r50: no finished pair yet)
     assert "- 30 %: fails" in out and "worst seed +2.0 % / +2.0 %" in out  # (mean −9.3 %, but seed 5 is +2 %)
     assert (tmp_path / "table.md").read_text().strip() == out.strip()
+    assert "## Rule `agree`" not in out  # (no cell checked yet)
+
+    # a rule: seed 3 keeps the exported step 24, seed 4 chooses step 10 (measured apart), seed 5 the init (its mask
+    # the init run's): the rule's table pairs each with the init, and the rule passes where the steps did not
+    for seed, step, pair in ((3, 24, True), (4, 10, True), (5, 0, True)):
+        (tmp_path / "confirm" / f"r30-s{seed}-pg24.checks.json").write_text(json.dumps(
+            {"chosen": {"agree": step, "calib": 24, "other": 24}, "exported_step": 24}))
+        (tmp_path / "confirm" / f"r30-s{seed}-pg24.cell.json").write_text(json.dumps({"init_is_the_init_runs_mask": pair}))
+    write("r30-s4-pg24-step10", 0.85, 6)
+    confirm.report(SimpleNamespace(all=False))
+    out = capsys.readouterr().out
+    agree = out[out.index("## Rule `agree`: confirm, 30 %"):]
+    assert "| 3 (step 24) | 100.00 → 90.00" in agree and "| 4 (step 10) | 100.00 → 85.00" in agree
+    assert "| 5 (step 0) | 100.00 → 100.00 (+0.0 %" in agree
+    assert "- rule `agree`, 30 %: passes: mean change WikiText valid -8.3 %" in out
+    assert "- rule `calib`, 30 %: fails" in out
 
 
 def test_the_first_run_protocol_lists_each_seeds_first_and_second_run_and_reads_their_figures(tmp_path):
