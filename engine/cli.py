@@ -19,6 +19,7 @@ from .errors import MAX_LINE, UserError, shorten
 from .exporters import EXPORT_FORMATS
 from .loading import DEFAULT_MODEL, DTYPES
 from .rundir import GGUF_FILE
+from .runfiles import MODEL_DIR, RECOVER_DIR
 from .unit_types import UNIT_TYPES
 
 DATA_SETTINGS = ("eval_data", "eval_seqlen", "max_windows", "eval_batch_size", "dtype", "device")  # prune's and eval's
@@ -154,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")
     p.add_argument("--export-gguf", metavar="OUTTYPE", default=None, choices=list(EXPORT_FORMATS["gguf"].outtypes),
                    help=f"at the end, also write RUN/{GGUF_FILE} for llama.cpp ({', '.join(EXPORT_FORMATS['gguf'].outtypes)})")
+    p.add_argument("--recover", metavar="MINUTES", type=float, default=None,
+                   help=f"at the end, distil the pruned model from the dense one for MINUTES into RUN/{RECOVER_DIR} "
+                        f"(`recover RUN --out RUN/{RECOVER_DIR} --time-budget MINUTES`, its other defaults)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint (its saved config is used)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out")
@@ -363,6 +367,10 @@ def _prune_writer(args, world) -> int:
 
     def resolve():
         check_out_dir(out, args.resume, args.overwrite, clear=False)  # refuse early; delete nothing yet
+        if getattr(args, "recover", None) is not None:  # (a bad --recover before the run, not after it)
+            from .tools.recover import RecoverConfig
+
+            RecoverConfig(run=str(out), time_budget=args.recover).validate()
         config = _resume_config(args, out) if args.resume else _config_from_args(args)
         return config.validate()
 
@@ -395,7 +403,8 @@ def _prune_writer(args, world) -> int:
             run = PruneRun(config, out, log=lambda m: print(m, file=sys.stderr), started=IMPORTED, world=world)
             if args.resume and (out / CHECKPOINT_FILE).exists():
                 run.load_checkpoint()  # an edited config.json or a --steps below the checkpoint fail here
-                if world.size == 1 and not getattr(args, "steps_given", True) and not args.export_gguf:
+                if world.size == 1 and not getattr(args, "steps_given", True) and not args.export_gguf \
+                        and args.recover is None:
                     _check_unfinished(out)  # (a bare --resume of a finished run: nothing to do)
             if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
                 from .exporters.gguf import check_exportable
@@ -450,7 +459,41 @@ def _prune_writer(args, world) -> int:
                 (out / GGUF_FILE).unlink(missing_ok=True)  # a resumed run's earlier file is replaced
                 export_run(out, "gguf", out / GGUF_FILE, args.export_gguf)
                 print(f"llama.cpp model ({args.export_gguf}): {out / GGUF_FILE}")
+    if results["status"] == "done" and getattr(args, "recover", None) is not None:
+        chain_recover(out, args.recover, args.resume, args.overwrite)
     return 0
+
+
+def chain_recover(out: Path, minutes: float, resume: bool, overwrite: bool) -> None:
+    """prune --recover MINUTES: the finished run's export distilled into RUN/recover, as `recover` does it. A
+    resumed run continues a recovery that has its checkpoint there; an overwritten run replaces the recovery."""
+    from .tools.recover import CHECKPOINT_FILE as RECOVER_CHECKPOINT, RecoverInterrupted, recover
+
+    dest = out / RECOVER_DIR
+    again = resume and (dest / RECOVER_CHECKPOINT).is_file()
+    print(f"recovery: distilling {out / MODEL_DIR} from the dense model for {minutes:g} min into {dest}"
+          + (" (continued from its checkpoint)" if again else ""), file=sys.stderr)
+    try:
+        r = recover(out, dest, resume=again, overwrite=overwrite and not again, time_budget=minutes)
+    except RecoverInterrupted as e:
+        raise _Interrupted(f"interrupted during the recovery (the run in {out} is finished); {e.out} holds its first "
+                           f"{e.step} steps: {_prog()} recover {out} --out {dest} --resume continues it") from None
+    say_recovered(r)
+
+
+def _prog() -> str:
+    return "pg-prune" if Path(sys.argv[0]).name == "pg-prune" else "python -m engine"
+
+
+def say_recovered(r) -> None:
+    """A recovery's last lines: the perplexity before and after, the loss, the steps and where the model is."""
+    res = r.results
+    if "ppl_after" in res:
+        print(f"perplexity ({res['eval_windows']} windows x {res['eval_seqlen']} tokens): before {res['ppl_before']:.2f} "
+              f"| after {res['ppl_after']:.2f}")
+    losses = f"loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}, " if res["steps"] and res["loss_first"] is not None else ""
+    print(f"{res['mode']} recovery: {losses}{res['steps']} steps (ended by {res['ended_by']}), {res['train_seconds']:.0f} s "
+          f"of training; recovered model in {r.model}")
 
 
 def budget_trades_of(run) -> list[str]:
@@ -607,17 +650,10 @@ def cmd_recover(args) -> int:
         r = recover(args.run, args.out, resume=args.recover_resume, overwrite=args.overwrite,
                     **{k: v for k, v in vars(args).items() if k in fields})
     except RecoverInterrupted as e:
-        prog = "pg-prune" if Path(sys.argv[0]).name == "pg-prune" else "python -m engine"
-        print(f"interrupted; {e.out} holds its first {e.step} steps: {prog} recover {args.run} --out {args.out} "
+        print(f"interrupted; {e.out} holds its first {e.step} steps: {_prog()} recover {args.run} --out {args.out} "
               "--resume continues it", file=sys.stderr)
         return 130
-    res = r.results
-    if "ppl_after" in res:
-        print(f"perplexity ({res['eval_windows']} windows x {res['eval_seqlen']} tokens): before {res['ppl_before']:.2f} "
-              f"| after {res['ppl_after']:.2f}")
-    losses = f"loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}, " if res["steps"] and res["loss_first"] is not None else ""
-    print(f"{res['mode']} recovery: {losses}{res['steps']} steps (ended by {res['ended_by']}), {res['train_seconds']:.0f} s "
-          f"of training; recovered model in {r.model}")
+    say_recovered(r)
     return 0
 
 

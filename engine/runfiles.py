@@ -12,6 +12,7 @@ MODEL_DIR = "model"
 # a greedy init metric's removals so far (SLEB's), while the run has no checkpoint yet: --resume continues them
 INIT_PROGRESS_DIR = "init_progress"
 GGUF_FILE = "model.gguf"  # prune --export-gguf
+RECOVER_DIR = "recover"  # prune --recover: the chained recovery's own folder, beside the run's files
 # the app's GGUF downloads of another weight type than model.gguf's, exported on demand (engine/ui/deploy.py)
 GGUF_CACHE_FILES = ("model.f16.gguf", "model.q8_0.gguf", "model.f32.gguf")
 # A run folder's own marker: its name and content say what the folder is, so that --overwrite can never

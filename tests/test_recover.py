@@ -289,3 +289,40 @@ def test_a_time_budget_stops_when_the_next_step_would_not_fit_and_bfloat16_is_sa
     assert all(p.dtype == torch.float32 for p in saved.parameters())
     auto = recover(finished_template, tmp_path / "a", steps=1, log=quiet, **SMALL).results
     assert auto["precision"] == "float32"  # (the suite runs as on a CPU without native bfloat16: PG_PRUNE_NATIVE_BF16=0)
+
+
+# --- prune --recover MINUTES: the chain ------------------------------------------------------------------------
+def chain_argv(out, *extra):
+    return ["prune", "--model", str(TINY_MODEL), "--out", str(out), "--steps", "1", "--max-windows", "2",
+            "--init-batches", "1", "--batch-size", "2", "--preset", "fast", *extra]
+
+
+def test_prune_recover_chains_a_recovery_into_the_run_folder(tmp_path, capfd):
+    """prune --recover MINUTES: the run finishes as without it, then its export is distilled into RUN/recover for
+    that many minutes (recover's own files, a model that reloads); --resume of the finished run with --recover
+    continues that recovery from its checkpoint."""
+    from engine.cli import main
+
+    out = tmp_path / "run"
+    assert main(chain_argv(out, "--recover", "0.002")) == 0
+    err = capfd.readouterr().err
+    assert f"recovery: distilling {out / 'model'} from the dense model for 0.002 min into {out / 'recover'}" in err
+    res = json.loads((out / "recover" / "recover_results.json").read_text())
+    assert res["ended_by"] == "time budget" and res["steps"] >= 1
+    assert (out / "results.json").is_file() and fresh(out / "recover" / "model")[0] is not None
+    saved = json.loads((out / "recover" / "recover_config.json").read_text())
+    assert saved["time_budget"] == 0.002 and saved["run"] == str(out)
+    assert main(["prune", "--out", str(out), "--resume", "--recover", "0.002"]) == 0
+    assert "(continued from its checkpoint)" in capfd.readouterr().err
+    assert json.loads((out / "recover" / "recover_results.json").read_text())["steps"] > res["steps"]
+
+
+@pytest.mark.parametrize("minutes, message", [("0", "time budget must be above 0"), ("nan", "time budget"),
+                                              ("-2", "time budget must be above 0")])
+def test_a_bad_recover_budget_is_one_line_before_the_run(tmp_path, capfd, minutes, message):
+    from engine.cli import main
+
+    capfd.readouterr()
+    assert main(chain_argv(tmp_path / "run", "--recover", minutes)) == 2
+    one_error(capfd, message)
+    assert not (tmp_path / "run").exists()
