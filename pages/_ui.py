@@ -16,6 +16,7 @@ from engine.phases import phase_line  # noqa: E402
 from engine.ui import figures  # noqa: E402
 from engine.ui import masks as M  # noqa: E402
 from engine.ui.jobs import JobManager, RunInfo, default_runs_dir, list_runs, read_metrics  # noqa: E402
+from engine.ui.paths import URL_RUN_KEY, run_from_url  # noqa: E402
 
 RUN_KEY = "selected_run"
 PLOT_CONFIG = {"displayModeBar": False}  # session state: the run folder loaded into the pages
@@ -44,14 +45,29 @@ def damaged_runs_notice() -> None:
 
 
 def selected_run() -> str | None:
+    """The run the pages show: the session's, else (a reload, a shared link) the URL's ?run=NAME; kept in the URL."""
     path = st.session_state.get(RUN_KEY)
+    if not path and RUN_KEY not in st.session_state:  # (a run unloaded in this session stays unloaded)
+        found = run_from_url(st.query_params.get(URL_RUN_KEY), runs_dir())
+        path = st.session_state[RUN_KEY] = str(found) if found else None
     if path and Path(path).is_dir():
+        keep_run_in_url(path)
         return path
     return None
 
 
 def select_run(path: str | Path | None) -> None:
     st.session_state[RUN_KEY] = str(path) if path else None
+    keep_run_in_url(path)
+
+
+def keep_run_in_url(path: str | Path | None) -> None:
+    name = Path(path).name if path and Path(path).parent == runs_dir() else None
+    if name is None:
+        if URL_RUN_KEY in st.query_params:
+            del st.query_params[URL_RUN_KEY]
+    elif st.query_params.get(URL_RUN_KEY) != name:
+        st.query_params[URL_RUN_KEY] = name
 
 
 def run_label(r: RunInfo) -> str:

@@ -381,3 +381,31 @@ def test_curves_and_mask_diff_rows_are_the_runs_own():
     assert (by["KV groups (attention heads)"]["B keeps"], by["KV groups (attention heads)"]["A only"]) == (0, 2)
     assert mask_diff_problem({"heads": [[1, 1]]}, {"heads": [[1, 1, 1]]}) is not None
     assert mask_diff_problem({"heads": [[1]]}, {"channels": [[1]]}) is not None
+
+
+# --- the run a page shows is kept in the URL (issue 66) ----------------------------------------------------------
+def test_the_loaded_run_is_kept_in_the_url_and_a_reload_shows_it_again(monkeypatch, tmp_path):
+    """Loading a run sets ?run=NAME; a fresh session (a browser reload) with that URL shows the same run on Prune;
+    a name that is no run folder directly in the runs folder (a stale or crafted link) shows none."""
+    from streamlit.testing.v1 import AppTest
+
+    from engine.ui.paths import run_from_url
+
+    runs = tmp_path / "runs"
+    make_run(runs, "alpha")
+    monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
+    at.run()
+    at.session_state["selected_run"] = str(runs / "alpha")
+    at.switch_page("pages/prune.py").run()
+    assert not at.exception, at.exception
+    assert at.query_params["run"] in (["alpha"], "alpha")  # (AppTest keeps a list per key)
+    again = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)  # a reload: a new session, the same URL
+    again.query_params["run"] = "alpha"
+    again.switch_page("pages/prune.py").run()
+    assert not again.exception, again.exception
+    assert any("Run **alpha**" in c.value for c in again.caption), [c.value for c in again.caption]
+    for bad in ("..", "../runs/alpha", "/etc", "", "missing"):
+        assert run_from_url(bad, runs) is None
+    assert run_from_url("alpha", runs) == runs / "alpha"

@@ -39,3 +39,15 @@ def app_path(text: str | Path, what: str, env=os.environ) -> Path:
     shown = ", ".join(str(f) for f in folders)
     raise UserError(f"{what} {raw} is outside the folders this app may use ({shown}); choose a path inside one, or "
                     f"add its folder to ${APP_FOLDERS_ENV} before starting the app")
+
+
+URL_RUN_KEY = "run"  # st.query_params key: the run the pages show, by its folder's name in the runs folder
+
+
+def run_from_url(value: str | None, runs: Path) -> Path | None:
+    """The run folder a URL's ?run=NAME names: a folder directly in the runs folder (no separator, no '..', no
+    link), else None (a stale or crafted link shows no run, and reads nothing elsewhere)."""
+    if not value or value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
+        return None
+    path = Path(runs) / value
+    return path if path.is_dir() and not path.is_symlink() else None
