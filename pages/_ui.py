@@ -353,6 +353,13 @@ def sliced_model(run_dir: str, mtime: float):
     return load_sliced(run_dir)
 
 
+@st.cache_resource(max_entries=2, show_spinner="Loading the run's recovered model…")
+def recovered_model(run_dir: str, mtime: float):
+    from engine.tools.chat import load_recovered
+
+    return load_recovered(run_dir)
+
+
 @st.cache_resource(max_entries=2, show_spinner="Loading the run's GGUF in llama.cpp (exporting it first if needed)…")
 def gguf_model(run_dir: str, mtime: float):
     from engine.tools.chat import load_gguf

@@ -1,4 +1,5 @@
-"""Chat: the dense model and the pruned model answer the same prompt, side by side, streamed."""
+"""Chat: the dense model and the pruned model (and the recovered one, where the run has it) answer the same prompt,
+side by side, streamed."""
 
 import sys
 from pathlib import Path
@@ -10,11 +11,12 @@ import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from engine.tools.chat import (PROMPTS_FILE, GenerationSettings, masked_from_run, prompt_problem,  # noqa: E402
-                               saved_prompts, speed_comparison, stream)
+                               recovered_folder, saved_prompts, speed_comparison, stream)
 from engine.errors import UserError  # noqa: E402
 
 st.title(":material/forum: Chat: dense vs pruned")
-st.markdown("Both models answer the same prompt, one after the other (dense first), streamed token by token. "
+st.markdown("The models answer the same prompt, one after the other (dense first), streamed token by token; a run "
+            "with a recovered model (`prune --recover`) adds it in a third column. "
             "Each prompt is answered on its own, without the earlier turns. Both sides run in the **same backend** "
             "(transformers beside transformers, llama.cpp beside llama.cpp), so their tokens/s compare.")
 
@@ -44,7 +46,12 @@ mode = st.radio("Pruned model", list(MODES), format_func=MODES.get, horizontal=T
                      "time) in llama.cpp, as a user would deploy it; the dense side is then the dense model as a GGUF "
                      "of the same type in llama.cpp too (converted once, kept beside the runs), so both tokens/s are "
                      "llama.cpp's.")
-with st.expander("Generation settings (shared by both columns)", expanded=False):
+recovered = recovered_folder(run.path) if mode == "sliced" else None
+with_recovered = recovered is not None and st.toggle(
+    "Also the recovered model", value=True, key="chat-recovered",
+    help="The run's export after recovery by distillation from the dense model (RUN/recover/model: `prune "
+         "--recover MINUTES`, or `recover RUN --out RUN/recover`), in a third column, in the same backend.")
+with st.expander("Generation settings (shared by every column)", expanded=False):
     g1, g2, g3 = st.columns(3)
     max_new = g1.slider("Max new tokens", 8, 512, 64, 8)
     greedy = g2.toggle("Greedy", value=True, help="Deterministic: always the most likely token.")
@@ -64,8 +71,8 @@ def stats_line(stats, model) -> str:
 def show_turn(turn: dict) -> None:
     with st.chat_message("user"):
         st.markdown(turn["prompt"])
-    cols = st.columns(2)
-    for col, side in zip(cols, ("dense", "pruned")):
+    sides = [side for side in ("dense", "pruned", "recovered") if side + "_label" in turn]
+    for col, side in zip(st.columns(len(sides)), sides):
         with col:
             st.markdown(f"**{turn[side + '_label']}**")
             st.markdown(turn[side] or "*(empty answer)*")
@@ -77,29 +84,34 @@ def show_turn(turn: dict) -> None:
 for turn in history:
     show_turn(turn)
 
-def load_pair():
-    """(dense, pruned) ChatModels of the chosen mode, or None after saying why they cannot load."""
+def load_models():
+    """(dense, pruned, recovered or None) ChatModels of the chosen mode, or None after saying why they cannot load."""
     try:
         if mode == "gguf":  # llama.cpp on both sides: the run's GGUF, and the dense model's of the same type
             pruned = _ui.gguf_model(str(run.path), run.modified)  # (first: the dense GGUF takes its weight type)
-            return _ui.dense_gguf_model(str(run.path), run.modified), pruned
+            return _ui.dense_gguf_model(str(run.path), run.modified), pruned, None
         dense = _ui.base_model(run.config["model"], run.config.get("dtype", "float32"))
-        return dense, (masked_from_run(dense, run.path) if mode == "masked"
-                       else _ui.sliced_model(str(run.path), run.modified))
-    except UserError as e:
+        if mode == "masked":
+            return dense, masked_from_run(dense, run.path), None
+        third = (_ui.recovered_model(str(run.path), (recovered / "config.json").stat().st_mtime)
+                 if with_recovered else None)
+        return dense, _ui.sliced_model(str(run.path), run.modified), third
+    except (UserError, OSError) as e:
         st.error(f"Cannot load the models: {e}")
         return None
 
 
-def answer(prompt: str, dense, pruned) -> None:
-    """One prompt answered by both models side by side (dense first), streamed, and kept in the history."""
+def answer(prompt: str, dense, pruned, third=None) -> None:
+    """One prompt answered by each model side by side (dense first), streamed, and kept in the history."""
     with st.chat_message("user"):
         st.markdown(prompt)
     turn = {"prompt": prompt}
-    cols = st.columns(2)
+    columns = [("dense", dense, f"Dense · {Path(run.config['model']).name} · {dense.backend}"),
+               ("pruned", pruned, f"Pruned · {MODES[mode].split(' (')[0]} · {pruned.backend}")]
+    if third is not None:
+        columns.append(("recovered", third, f"Recovered · distilled from the dense model · {third.backend}"))
     tps = {}
-    for col, side, model, label in ((cols[0], "dense", dense, f"Dense · {Path(run.config['model']).name} · {dense.backend}"),
-                                    (cols[1], "pruned", pruned, f"Pruned · {MODES[mode].split(' (')[0]} · {pruned.backend}")):
+    for col, (side, model, label) in zip(st.columns(len(columns)), columns):
         with col:
             st.markdown(f"**{label}**")
             try:
@@ -116,7 +128,7 @@ def answer(prompt: str, dense, pruned) -> None:
     if mode == "masked":
         turn["speedup"] = MASKED_NO_SPEEDUP
         st.info(turn["speedup"], icon=":material/speed:")
-    elif len(tps) == 2:
+    elif "dense" in tps and "pruned" in tps:  # (the recovered model has the pruned one's shapes: its speed too)
         turn["speedup"] = speed_comparison(dense.backend, tps["dense"], pruned.backend, tps["pruned"])
         st.info(turn["speedup"], icon=":material/speed:")
     history.append(turn)
@@ -125,22 +137,22 @@ def answer(prompt: str, dense, pruned) -> None:
 saved = saved_prompts()
 run_set = st.button(f"Run the saved prompt set ({len(saved)} prompts)", icon=":material/playlist_play:",
                     disabled=not saved, help=f"Each prompt of {PROMPTS_FILE.relative_to(PROMPTS_FILE.parents[1])}, "
-                                             "answered by both models side by side, one after the other.")
-prompt = st.chat_input("Ask both models…")
+                                             "answered by each model side by side, one after the other.")
+prompt = st.chat_input("Ask the models…")
 if prompt is not None and (empty := prompt_problem([], prompt, settings.max_new_tokens)):
     st.warning(f"Not sent: {empty}.", icon=":material/block:")
     prompt = None
 asked = saved if run_set else [prompt] if prompt else []
 if asked:
-    pair = load_pair()
-    if pair is None:
+    models = load_models()
+    if models is None:
         st.stop()
-    dense, pruned = pair
+    dense, pruned, third = models
     for p in asked:
-        if too_long := prompt_problem([dense, pruned], p, settings.max_new_tokens):
+        if too_long := prompt_problem([m for m in models if m is not None], p, settings.max_new_tokens):
             st.error(f"Not sent: {too_long}.", icon=":material/block:")
             continue
-        answer(p, dense, pruned)
+        answer(p, dense, pruned, third)
 
 if history and st.button("Clear the conversation"):
     st.session_state[history_key] = []

@@ -320,6 +320,29 @@ def test_chat_dense_and_pruned_answer(runs_dir, mode):
         assert not list((runs_dir / DENSE_GGUF_DIR).glob(".*tmp*"))
 
 
+def test_chat_puts_the_recovered_model_in_a_third_column(runs_dir):
+    """A run with RUN/recover (prune --recover): Chat's sliced mode answers with the dense, the pruned and the
+    recovered model side by side, each under its own label with its tokens/s; the toggle takes the third away."""
+    from engine.tools.recover import recover
+
+    run = finished_run(runs_dir, "global")
+    recover(run, run / "recover", steps=1, seqlen=32, batch_size=2, skip_eval=True, log=lambda m: None)
+    at = app()
+    at.session_state["selected_run"] = str(run)
+    at.switch_page("pages/chat.py").run()
+    assert not at.exception, at.exception
+    at.slider[0].set_value(8)
+    at.chat_input[0].set_value("Once upon a time").run()
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    turn = at.session_state["chat_history"][-1]
+    assert turn["recovered_label"].startswith("Recovered · distilled from the dense model")
+    assert all(turn[side].strip() and "tokens/s" in turn[side + "_stats"] for side in ("dense", "pruned", "recovered"))
+    assert len([c.value for c in at.caption if "tokens/s" in c.value]) == 3
+    next(t for t in at.toggle if t.key == "chat-recovered").set_value(False).run()
+    at.chat_input[0].set_value("The cat sat").run()
+    assert "recovered_label" not in at.session_state["chat_history"][-1]
+
+
 def test_chat_runs_the_saved_prompt_set(runs_dir, tmp_path, monkeypatch):
     """One click answers every prompt of the saved set, dense and pruned side by side, in the file's order; an
     empty entry is skipped, and a missing file offers no set."""

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import UserError
 from ..loading import count_parameters
-from ..runfiles import GGUF_FILE, MODEL_DIR, RESULTS_FILE
+from ..runfiles import GGUF_FILE, MODEL_DIR, RECOVER_DIR, RESULTS_FILE, has_recover_marker
 from ..unit_types import unit_sizes
 
 _locks: dict[int, threading.Lock] = {}
@@ -130,23 +130,46 @@ def _effective_params(model, layout, masks) -> int:
     return count_parameters(build_pruned_model(model, layout, masks))
 
 
+def recovered_folder(run_dir: str | Path) -> Path | None:
+    """The recovered model of a run (`prune --recover`, or `recover RUN --out RUN/recover`): RUN/recover/model when
+    that folder is a recovery's output holding a model, else None."""
+    out = Path(run_dir) / RECOVER_DIR
+    return out / MODEL_DIR if has_recover_marker(out) and (out / MODEL_DIR / "config.json").is_file() else None
+
+
+def load_recovered(run_dir: str | Path) -> ChatModel:
+    """A run's recovered model (RUN/recover/model: the sliced export after distillation), as the sliced export is."""
+    folder = recovered_folder(run_dir)
+    if folder is None:
+        raise UserError(f"{Path(run_dir).name} has no recovered model (python -m engine prune ... --recover MINUTES, "
+                        f"or recover RUN --out RUN/{RECOVER_DIR})")
+    chat = _load_export(folder)
+    chat.label = f"recovered (distilled): {Path(run_dir).name}"
+    return chat
+
+
 def load_sliced(run_dir: str | Path) -> ChatModel:
     """A run's physically sliced export (model/), for real speed."""
+    folder = Path(run_dir) / MODEL_DIR
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{Path(run_dir).name} has no sliced export (finish the run first)")
+    chat = _load_export(folder)
+    chat.label = f"pruned (sliced export): {Path(run_dir).name}"
+    return chat
+
+
+def _load_export(folder: Path) -> ChatModel:
     from transformers import AutoModelForCausalLM
 
     from .. import register_pruned_classes
     from ..loading import check_before_load, load_tokenizer, ModelSource
 
-    folder = Path(run_dir) / MODEL_DIR
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{Path(run_dir).name} has no sliced export (finish the run first)")
     register_pruned_classes()
     check_before_load(ModelSource(str(folder), str(folder)))  # (its own code, e.g. a run folder from elsewhere: one line)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, trust_remote_code=False)
     model.eval().requires_grad_(False)
     tok = load_tokenizer(ModelSource(str(folder), str(folder)))
-    return ChatModel(model, tok, f"pruned (sliced export): {Path(run_dir).name}", count_parameters(model),
-                     backend="transformers float32")
+    return ChatModel(model, tok, folder.name, count_parameters(model), backend="transformers float32")
 
 
 class LlamaCppGenerator:
