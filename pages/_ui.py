@@ -28,6 +28,14 @@ def job_manager() -> JobManager:
     return JobManager()
 
 
+@st.cache_resource
+def recover_jobs():
+    """One recovery thread per server process (engine/ui/recover_job.py), beside the pruning job."""
+    from engine.ui.recover_job import RecoverJobs
+
+    return RecoverJobs()
+
+
 def runs_dir() -> Path:
     return default_runs_dir()
 
@@ -216,6 +224,7 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
             st.caption(line)
         if run_dir is not None:
             deploy_panel(run_dir, key)
+            recover_panel(run_dir, key)
     if last is None and not views:
         st.info("No optimisation step yet: charts appear after the first step.")
         return
@@ -266,6 +275,61 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
     with st.expander(title + ": kept KV groups, channels, layers"):
         st.dataframe(rows, hide_index=True, width="stretch", key=f"{key}-layer-table")
         download_masks(rows, view, run_dir, key)
+
+
+def recover_panel(run_dir: str | Path, key: str) -> None:
+    """Recover a finished run: its export distilled from the dense model for some minutes into RUN/recover (as
+    `prune --recover MINUTES` does), the loss drawn live while it runs; Chat then talks to all three models."""
+    from engine.errors import UserError
+    from engine.tools.chat import recovered_folder
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "model" / "config.json").is_file():
+        return
+    jobs = recover_jobs()
+    box = st.container(border=True)
+    box.markdown("**Recover** · distil the pruned model from the dense one (KL; LoRA, merged)")
+    snap = jobs.snapshot()
+    mine = snap.run_dir == str(run_dir)
+    c1, c2 = box.columns([1, 2])
+    minutes = c1.number_input("Minutes", min_value=0.1, max_value=600.0, value=5.0, step=1.0, key=f"{key}-recover-min",
+                              help="Wall minutes of training (recover --time-budget); the evaluation before and after "
+                                   "comes on top.")
+    if snap.active and mine:
+        if c2.button("Stop the recovery", icon=":material/stop:", key=f"{key}-recover-stop"):
+            jobs.stop()
+            st.rerun()
+    elif c2.button("Recover", icon=":material/healing:", key=f"{key}-recover-start", disabled=snap.active,
+                   help="Writes RUN/recover (an earlier recovery there is replaced)."
+                   + (" A recovery of another run is running." if snap.active else "")):
+        try:
+            jobs.start(run_dir, float(minutes))
+            st.rerun()
+        except UserError as e:
+            box.error(f"Cannot recover: {e}")
+
+    @st.fragment(run_every=1.5 if snap.active and mine else None)
+    def live() -> None:
+        now = jobs.snapshot()
+        if now.run_dir != str(run_dir):
+            if (done := recovered_folder(run_dir)) is not None:
+                st.caption(f"Recovered model: `{done}` (Chat shows it beside the dense and the pruned model).")
+            return
+        if now.active != snap.active:
+            st.rerun()
+        st.caption(f"{now.status.capitalize()}: {now.phase}")
+        if now.records:
+            st.plotly_chart(figures.recovery_figure(now.records), config=PLOT_CONFIG, key=f"{key}-recover-loss")
+        if now.error:
+            st.error(f"Recovery failed: {now.error}")
+        elif now.result:
+            res = now.result
+            after = (f"perplexity {res['ppl_before']:.2f} → {res['ppl_after']:.2f}; " if "ppl_after" in res else "")
+            st.success(f"{after}{res['steps']} steps, ended by {res['ended_by']}; the recovered model is in "
+                       f"`{now.out_dir}/model` (Chat shows it beside the dense and the pruned model).")
+
+    with box:
+        live()
 
 
 def deploy_panel(run_dir: str | Path, key: str) -> None:

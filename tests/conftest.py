@@ -112,12 +112,20 @@ def engine_in_process(*args: str) -> Ran:
 def pytest_collection_modifyitems(config, items):
     """The tests of tests/heavy_tests.txt (over 3 s in a measured run; tests/heavy_tests.py writes it) are marked
     `heavy`: the fast tier deselects them (docs/testing.md)."""
-    from heavy_tests import listed
+    from heavy_tests import listed_seconds
 
-    heavy = listed()
+    heavy = listed_seconds()
     for item in items:
         if item.nodeid in heavy:
             item.add_marker(pytest.mark.heavy)
+    # the files with the most measured seconds first (a stable sort: each file's own order kept): under --dist
+    # loadfile the two workers start on the long files, and the suite ends on short ones that share out evenly,
+    # not on one worker's long file while the other waits
+    weight = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        weight[path] = weight.get(path, 0.0) + heavy.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(autouse=True)

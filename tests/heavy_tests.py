@@ -17,18 +17,30 @@ LIST = Path(__file__).with_name("heavy_tests.txt")
 LINE = re.compile(r"^([0-9.]+)s (setup|call|teardown)\s+(\S+)")
 
 
-def heavy(report: str, threshold: float = THRESHOLD) -> list[str]:
-    """The test ids of a --durations report whose phases sum to more than `threshold` seconds, sorted."""
+def heavy(report: str, threshold: float = THRESHOLD) -> dict[str, float]:
+    """The test ids of a --durations report whose phases sum to more than `threshold` seconds, with those
+    seconds, sorted by id."""
     seconds = Counter()
     for line in report.splitlines():
         if m := LINE.match(line):
             seconds[m.group(3)] += float(m.group(1))
-    return sorted(t for t, s in seconds.items() if s > threshold)
+    return {t: s for t, s in sorted(seconds.items()) if s > threshold}
+
+
+def listed_seconds(path: Path = LIST) -> dict[str, float]:
+    """The test ids the list names (its comment lines skipped), each with its measured seconds ("ID SECONDS"; an
+    id written without them counts the threshold)."""
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith("#"):
+            test, _, secs = line.partition(" ")
+            out[test] = float(secs) if secs.strip() else THRESHOLD
+    return out
 
 
 def listed(path: Path = LIST) -> set[str]:
-    """The test ids the list names (its comment lines skipped)."""
-    return {t for t in path.read_text(encoding="utf-8").splitlines() if t and not t.startswith("#")}
+    """The test ids the list names."""
+    return set(listed_seconds(path))
 
 
 def main() -> None:
@@ -37,8 +49,9 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=THRESHOLD, help="seconds (default %(default)s)")
     args = p.parse_args()
     ids = heavy(args.log.read_text(encoding="utf-8", errors="replace"), args.threshold)
-    LIST.write_text(f"# tests over {args.threshold:g} s in {args.log.name} (tests/heavy_tests.py); marked heavy\n"
-                    + "".join(f"{t}\n" for t in ids), encoding="utf-8")
+    LIST.write_text(f"# tests over {args.threshold:g} s in {args.log.name} (tests/heavy_tests.py), with their seconds; "
+                    "marked heavy, and their files run first\n" + "".join(f"{t} {s:.1f}\n" for t, s in ids.items()),
+                    encoding="utf-8")
     print(f"{len(ids)} heavy tests written to {LIST}")
 
 

@@ -320,6 +320,32 @@ def test_chat_dense_and_pruned_answer(runs_dir, mode):
         assert not list((runs_dir / DENSE_GGUF_DIR).glob(".*tmp*"))
 
 
+def test_recover_on_a_finished_run_shows_its_loss_live_and_writes_run_recover(runs_dir):
+    """Prune's view of a finished run has a Recover action: it distils the export for the minutes given into
+    RUN/recover in a background thread (the page draws the snapshot: the status, the loss per step, the result),
+    and the recovered model is then in RUN/recover/model, where Chat finds it."""
+    import shutil
+
+    from engine.tools.chat import recovered_folder
+
+    run = finished_run(runs_dir, "global")
+    shutil.rmtree(run / "recover", ignore_errors=True)  # (another test's recovery of this run: started again here)
+    at = app()
+    at.session_state["selected_run"] = str(run)
+    at.switch_page("pages/prune.py").run()
+    assert not at.exception, at.exception
+    next(n for n in at.number_input if n.key.endswith("-recover-min")).set_value(0.1)
+    next(b for b in at.button if b.label == "Recover").click().run()
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    wait_for(at, lambda a: any("Recovery failed" in e.value for e in a.error) or any(
+        "the recovered model is in" in s.value for s in a.success), timeout=300)
+    assert not at.error, [e.value for e in at.error]
+    assert any("Recovery: loss per step" in c.proto.spec for c in at.get("plotly_chart")), "no loss chart"
+    assert recovered_folder(run) == run / "recover" / "model"
+    res = json.loads((run / "recover" / "recover_results.json").read_text())
+    assert res["ended_by"] == "time budget" and res["steps"] >= 1 and "ppl_after" in res
+
+
 def test_chat_puts_the_recovered_model_in_a_third_column(runs_dir):
     """A run with RUN/recover (prune --recover): Chat's sliced mode answers with the dense, the pruned and the
     recovered model side by side, each under its own label with its tokens/s; the toggle takes the third away."""

@@ -192,6 +192,21 @@ def loss_figure(history: list[dict], title: str = "") -> go.Figure:
     return _layout(fig, title or "Calibration loss per mask sample, baseline, learning rate", height=400)
 
 
+def recovery_figure(records: list[dict], title: str = "") -> go.Figure:
+    """A recovery's loss per step (recover_log.jsonl's lines): the training loss, its KL and CE parts (nats per
+    token)."""
+    fig = go.Figure()
+    steps = [r["step"] for r in records]
+    for key, name, style in (("loss", "loss", dict(width=2.5, color="black")), ("kl", "KL from the dense model",
+                             dict(width=1.5, color="#4c78a8")), ("ce", "cross-entropy", dict(width=1.5, dash="dot",
+                                                                                               color="#e45756"))):
+        if any(key in r for r in records):
+            fig.add_scatter(x=steps, y=[r.get(key) for r in records], name=name, mode="lines", line=style)
+    fig.update_xaxes(title="step", tickformat="d")
+    fig.update_yaxes(title="nats per token")
+    return _layout(fig, title or "Recovery: loss per step (KL from the dense model, cross-entropy)", height=320)
+
+
 def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types: list[str],
                       colours: list[str] | None = None) -> go.Figure:
     """Fraction pruned per layer, one line per run, one panel per unit type.
