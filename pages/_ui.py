@@ -28,6 +28,12 @@ def job_manager() -> JobManager:
     return JobManager()
 
 
+def warm_up(chat):
+    from engine.tools.chat import warm_up as warm
+
+    return warm(chat)
+
+
 @st.cache_resource
 def recover_jobs():
     """One recovery thread per server process (engine/ui/recover_job.py), beside the pruning job."""
@@ -407,28 +413,28 @@ def render_disk_run(run_dir: str | Path, key: str) -> None:
 def base_model(model_name: str, dtype: str):
     from engine.tools.chat import load_base
 
-    return load_base(model_name, dtype)
+    return warm_up(load_base(model_name, dtype))
 
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the sliced export…")
 def sliced_model(run_dir: str, mtime: float):
     from engine.tools.chat import load_sliced
 
-    return load_sliced(run_dir)
+    return warm_up(load_sliced(run_dir))
 
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the run's recovered model…")
 def recovered_model(run_dir: str, mtime: float):
     from engine.tools.chat import load_recovered
 
-    return load_recovered(run_dir)
+    return warm_up(load_recovered(run_dir))
 
 
 @st.cache_resource(max_entries=2, show_spinner="Loading the run's GGUF in llama.cpp (exporting it first if needed)…")
 def gguf_model(run_dir: str, mtime: float):
     from engine.tools.chat import load_gguf
 
-    return load_gguf(run_dir)
+    return warm_up(load_gguf(run_dir))
 
 
 @st.cache_resource(max_entries=2, show_spinner="Converting the dense model to GGUF for llama.cpp (once; kept beside "
@@ -437,7 +443,7 @@ def dense_gguf_model(run_dir: str, mtime: float):
     from engine.tools.chat import load_dense_gguf
     from engine.tools.gguf_cache import DENSE_GGUF_DIR
 
-    return load_dense_gguf(run_dir, runs_dir() / DENSE_GGUF_DIR)
+    return warm_up(load_dense_gguf(run_dir, runs_dir() / DENSE_GGUF_DIR))
 
 
 def run_figures_for_compare(info: RunInfo) -> dict[str, list[float]]:

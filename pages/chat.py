@@ -63,8 +63,12 @@ history = st.session_state.setdefault(history_key, [])
 
 
 def stats_line(stats, model) -> str:
+    """Under an answer: its tokens, its decoding speed (after the first token, on a warmed-up model; not shown
+    under MIN_SPEED_TOKENS tokens), the backend and the parameters."""
     threads = model.info.get("threads")  # (llama.cpp's own thread count; transformers' is torch's)
-    return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tokens/s in {model.backend} · "
+    tps = stats.decode_tokens_per_s
+    speed = f"{tps:.1f} tokens/s" if tps else f"tokens/s not shown (under {MIN_SPEED_TOKENS} tokens)"
+    return (f"{stats.new_tokens} tokens · {speed} in {model.backend} · "
             f"{_ui.fmt_params(model.params)} parameters" + (f" · {threads} threads" if threads else ""))
 
 
@@ -118,7 +122,7 @@ def answer(prompt: str, dense, pruned, third=None) -> None:
                 gen = stream(model, prompt, settings)
                 text = st.write_stream(gen)
                 stats = stats_line(gen.stats, model)
-                tps[side] = gen.stats.tokens_per_s
+                tps[side] = gen.stats.decode_tokens_per_s
             except UserError as e:
                 st.error(str(e))
                 text, stats = "", f"failed: {e}"  # (the turn keeps its reason)

@@ -357,7 +357,7 @@ def test_chat_puts_the_recovered_model_in_a_third_column(runs_dir):
     at.session_state["selected_run"] = str(run)
     at.switch_page("pages/chat.py").run()
     assert not at.exception, at.exception
-    at.slider[0].set_value(8)
+    at.slider[0].set_value(16)
     at.chat_input[0].set_value("Once upon a time").run()
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     turn = at.session_state["chat_history"][-1]
@@ -468,8 +468,13 @@ def test_speed_comparison_and_dense_gguf_path(tmp_path):
     from engine.tools.chat import GenerationStats, speed_comparison, speedup
     from engine.tools.gguf_cache import dense_gguf_path
 
-    assert speedup(GenerationStats(10, 2.0), GenerationStats(10, 1.0)) == pytest.approx(2.0)
-    assert speedup(GenerationStats(0, 1.0), GenerationStats(10, 1.0)) is None
+    # the speed is the decoding after the first token: 9 tokens in 2.0 - 0.2 s against 9 in 1.0 - 0.1 s
+    assert speedup(GenerationStats(10, 2.0, 0.2), GenerationStats(10, 1.0, 0.1)) == pytest.approx(2.0)
+    assert GenerationStats(10, 2.0, 0.2).decode_tokens_per_s == pytest.approx(9 / 1.8)
+    assert speedup(GenerationStats(0, 1.0), GenerationStats(10, 1.0, 0.1)) is None
+    assert GenerationStats(7, 1.0, 0.1).decode_tokens_per_s is None  # (under MIN_SPEED_TOKENS: not shown)
+    assert speed_comparison("llama.cpp f16", None, "llama.cpp f16", 5.0).startswith("No speed-up: a side generated "
+                                                                                    "fewer than 8 tokens")
     same = speed_comparison("llama.cpp f16", 5.0, "llama.cpp f16", 7.5)
     assert "same backend (llama.cpp f16)" in same and "**1.50×**" in same and "expected" not in same
     assert "no speed-up is expected" in speed_comparison("transformers float32", 5, "transformers float32", 5, masked=True)

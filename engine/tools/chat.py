@@ -269,23 +269,32 @@ def gguf_chat(path: Path, run_dir: Path, params: int, label: str, threads: int |
 
 
 def speedup(dense: "GenerationStats", pruned: "GenerationStats") -> float | None:
-    """Pruned over dense tokens/s (above 1: the pruned model is faster), or None when either measured nothing."""
-    if dense.tokens_per_s <= 0 or pruned.tokens_per_s <= 0:
-        return None
-    return pruned.tokens_per_s / dense.tokens_per_s
+    """Pruned over dense decoding tokens/s (above 1: the pruned model is faster), or None when either has no
+    speed to show (too few tokens)."""
+    a, b = dense.decode_tokens_per_s, pruned.decode_tokens_per_s
+    return b / a if a and b else None
 
 
-def speed_comparison(dense_backend: str, dense_tps: float, pruned_backend: str, pruned_tps: float,
+def warm_up(chat: ChatModel) -> ChatModel:
+    """Two greedy tokens generated and thrown away, so that the first answer's speed is not the first call's
+    (allocations, lazy initialisation); the model is returned."""
+    answer(chat, "Hello", GenerationSettings(max_new_tokens=2, greedy=True))
+    return chat
+
+
+def speed_comparison(dense_backend: str, dense_tps: float | None, pruned_backend: str, pruned_tps: float | None,
                      masked: bool = False) -> str:
-    """One sentence for under a chat turn: the measured speed-up when both ran in the same backend, else why
-    there is none. masked: the pruned side is the dense weights with masks as hooks (the same compute)."""
+    """One sentence for under a chat turn: the measured speed-up (decoding tokens/s) when both ran in the same
+    backend, else why there is none. masked: the pruned side is the dense weights with masks as hooks (the same
+    compute)."""
     if dense_backend != pruned_backend:
         return (f"No speed-up: dense ran in {dense_backend}, pruned in {pruned_backend}; tokens/s of different "
                 "backends do not compare.")
-    if dense_tps <= 0 or pruned_tps <= 0:
-        return f"No speed-up: a side generated no token ({dense_backend})."
+    if not dense_tps or not pruned_tps or dense_tps <= 0 or pruned_tps <= 0:
+        return (f"No speed-up: a side generated fewer than {MIN_SPEED_TOKENS} tokens, too few to time "
+                f"({dense_backend}).")
     text = (f"Speed-up, same backend ({dense_backend}): {pruned_tps:.1f} / {dense_tps:.1f} tokens/s = "
-            f"**{pruned_tps / dense_tps:.2f}×** (pruned over dense, this answer; one answer each, so noisy).")
+            f"**{pruned_tps / dense_tps:.2f}×** (pruned over dense, decoding after the first token; one answer each, so noisy).")
     if masked:
         text += " Masks on the base model compute every weight, so no speed-up is expected: choose the sliced " \
                 "export or the GGUF for the real one."
@@ -326,17 +335,30 @@ def build_inputs(tokenizer, prompt: str) -> torch.Tensor:
     return ids
 
 
+MIN_SPEED_TOKENS = 8  # new tokens an answer needs for its speed to be shown: fewer say little but the prompt's cost
+
+
 @dataclass
 class GenerationStats:
     new_tokens: int = 0
     seconds: float = 0.0
-    first_token_seconds: float | None = None
+    first_token_seconds: float | None = None  # the prompt's forward and the first token
     done: bool = False
     error: str | None = None
 
     @property
     def tokens_per_s(self) -> float:
+        """The whole answer's tokens over its seconds, the prompt's forward included."""
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The speed the page shows: the tokens after the first over their seconds (the prompt's forward left
+        out), measured on a warmed-up model (warm_up); None below MIN_SPEED_TOKENS new tokens."""
+        if self.new_tokens < MIN_SPEED_TOKENS or self.first_token_seconds is None:
+            return None
+        rest = self.seconds - self.first_token_seconds
+        return (self.new_tokens - 1) / rest if rest > 0 else None
 
 
 class Generation:
