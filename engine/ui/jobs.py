@@ -313,8 +313,45 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def _stamp(p: Path) -> tuple | None:
+    """What read_run reads, as (modification time, size) of each file, or None when config.json is not there: a
+    run whose stamp is unchanged reads the same."""
+    from ..runfiles import CHECKPOINT_FILE, CONFIG_FILE, MASKS_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
+
+    out = []
+    for name in (CONFIG_FILE, RESULTS_FILE, METRICS_FILE, MASKS_FILE, MODEL_DIR, CHECKPOINT_FILE):
+        try:
+            st = (p / name).stat()
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            if name == CONFIG_FILE:
+                return None
+            out.append(None)
+    return tuple(out)
+
+
+_READ: dict[Path, tuple[tuple, "RunInfo"]] = {}  # run folder -> (its stamp, its summary): the pages' reruns re-read
+# only the runs whose files changed (the Runs page with 50 runs on disk: bench/runs_page.py)
+
+
 def read_run(path: str | Path) -> RunInfo | None:
-    """A run folder's summary, or None when the folder holds no run."""
+    """A run folder's summary, or None when the folder holds no run; read again only when one of its files
+    changed (_stamp)."""
+    p = Path(path)
+    stamp = _stamp(p)
+    if stamp is None:
+        _READ.pop(p, None)
+        return None
+    kept = _READ.get(p)
+    if kept is not None and kept[0] == stamp:
+        return dataclasses.replace(kept[1])  # (a copy of the summary; its config and results dicts are shared: read only)
+    info = _read_run(p)
+    if info is not None and _stamp(p) == stamp:  # (a run written while it was read is read again next time)
+        _READ[p] = (stamp, info)
+    return dataclasses.replace(info) if info is not None else None
+
+
+def _read_run(path: str | Path) -> RunInfo | None:
     from ..runfiles import CHECKPOINT_FILE, CONFIG_FILE, MASKS_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
 
     from .checks import config_problem, results_problem
