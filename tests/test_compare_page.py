@@ -409,3 +409,25 @@ def test_the_loaded_run_is_kept_in_the_url_and_a_reload_shows_it_again(monkeypat
     for bad in ("..", "../runs/alpha", "/etc", "", "missing"):
         assert run_from_url(bad, runs) is None
     assert run_from_url("alpha", runs) == runs / "alpha"
+
+
+def test_a_runs_summary_is_read_again_when_one_of_its_files_changes(tmp_path):
+    """read_run keeps a summary while the run's files stay as they were, and reads again when one changes: a
+    finished run rewritten, steps appended, results.json removed or damaged."""
+    from engine.ui.jobs import read_run
+
+    run = make_run(tmp_path / "runs", "alpha", ppl_pruned=31.0)
+    assert read_run(run).results["ppl_pruned"] == 31.0 and read_run(run).status == "done"
+    results = json.loads((run / "results.json").read_text())
+    (run / "results.json").write_text(json.dumps({**results, "ppl_pruned": 29.25}))  # (in place: another size)
+    assert read_run(run).results["ppl_pruned"] == 29.25
+    steps = read_run(run).steps_done
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": steps + 1}) + "\n")
+    assert read_run(run).steps_done == steps + 1
+    (run / "results.json").write_text("{not json")
+    assert read_run(run).damaged and read_run(run).results is None
+    (run / "results.json").unlink()
+    assert read_run(run).results is None and not read_run(run).damaged
+    (run / "config.json").unlink()
+    assert read_run(run) is None
