@@ -20,8 +20,9 @@ fi
 cell() {  # one cell, one thread
   local name="$1"; shift
   echo "$(date -u +%FT%TZ) start $name $1 ($(git -C "$CODE" rev-parse --short HEAD))" >> "$LOGS/lanes.txt"
+  # (the own text of the 50 % cells is kept in git, in selfcalib/: a later session resumes a cell on the same text)
   PYTHONPATH="$CODE" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PG_PRUNE_CACHE="$HERE/bench/results/confirm/cache" \
-    python "$CODE/bench/confirm.py" "$@" >> "$LOGS/$name.log" 2>&1
+    PG_PRUNE_SELF_CALIB_CACHE="$HERE/bench/results/confirm/selfcalib" python "$CODE/bench/confirm.py" "$@" >> "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "$(date -u +%FT%TZ) end $name $1 rc=$rc" >> "$LOGS/lanes.txt"
   return $rc
