@@ -90,7 +90,15 @@ def phase_status(plan: dict[str, float] | None, clock) -> dict:
     name = current or "other"
     left, run_left = phase_progress(plan, seconds, current) if plan else (None, None)
     return {"phase": name, "seconds": round(seconds.get(name, 0.0), 1),
-            "planned": (plan or {}).get(name), "phase_left": left, "run_left": run_left}
+            "planned": (plan or {}).get(name), "phase_left": left, "run_left": run_left,
+            "after_steps": after_steps(plan, seconds)}
+
+
+def after_steps(plan: dict[str, float] | None, seconds: dict[str, float]) -> float:
+    """The plan's seconds for what is left after the steps: its evaluations not yet spent (the final one) and the
+    export (0 without a plan)."""
+    plan = plan or {}
+    return max(plan.get("evaluations", 0.0) - seconds.get("evaluations", 0.0), 0.0) + plan.get("export", 0.0)
 
 
 def plan_rows(plan: dict[str, float] | None, actual: dict[str, float]) -> list[tuple[str, float | None, float]]:

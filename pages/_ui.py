@@ -167,8 +167,12 @@ def preparing_text(snap) -> str:
     c = snap.clock
     if not c:  # (the model is being loaded: the run and its plan do not exist yet)
         return f"preparing · {fmt_seconds(time.time() - (snap.started_at or time.time()))} · {snap.phase}"
+    from engine.ui.settings import overrun_text
+
     parts = [f"{c['phase']} for {fmt_seconds(c['seconds'])}"]
-    if c.get("planned") is not None:
+    if over := overrun_text(c, fmt_seconds):  # (a phase over its plan says so, and by how much)
+        parts.append(f"over the plan ({over.split(', ', 1)[1]}; planned {fmt_seconds(c['planned'])})")
+    elif c.get("planned") is not None:
         parts.append(f"planned {fmt_seconds(c['planned'])}, about {fmt_seconds(c['phase_left'])} left")
     if c.get("run_left") is not None:
         parts.append(f"ETA of the run {fmt_seconds(c['run_left'])} by the plan")

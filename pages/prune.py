@@ -216,12 +216,15 @@ def live() -> None:
     elif snap.status == STOPPED:
         st.progress(min(done_steps / total, 1.0), text=f"{done_steps}/{total} steps · stopped (resumable)")
     else:
-        sps = S.seconds_per_step(snap.history)
-        eta = S.eta_seconds(snap.history, total)
+        sps = S.wall_seconds_per_step(snap.history) or S.seconds_per_step(snap.history)
+        eta = S.eta_seconds(snap.history, total, after=(snap.clock or {}).get("after_steps") or 0.0)
         elapsed = time.time() - (snap.started_at or time.time())
+        now = [t for t in (S.running_phase_text(snap.clock, _ui.fmt_seconds),
+                           S.overrun_text(snap.clock, _ui.fmt_seconds)) if t]
         st.progress(min(done_steps / total, 1.0) if last else _ui.planned_fraction(snap),
-                    text=f"{done_steps}/{total} steps · {sps:.2f} s/step (mean of the last {min(len(snap.history), 5)}) · "
-                         f"ETA {_ui.fmt_seconds(eta)} · running for {_ui.fmt_seconds(elapsed)}"
+                    text=f"{done_steps}/{total} steps · {sps:.2f} s/step (the last {min(len(snap.history), 5)}, checks "
+                         f"included) · ETA {_ui.fmt_seconds(eta)} · running for {_ui.fmt_seconds(elapsed)}"
+                         + "".join(f" · {t}" for t in now)
                     if last else _ui.preparing_text(snap))
     if last and cfg.get("method") in METHODS and (line := METHODS[cfg["method"]].progress(cfg, done_steps)):
         st.caption(f"{cfg['method']}: {line} · current loss {sum(last['losses']) / len(last['losses']):.3f}")

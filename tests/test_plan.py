@@ -216,6 +216,31 @@ def test_eta_is_the_recent_mean():
     assert S.eta_seconds([], 10) is None
 
 
+def test_eta_counts_the_checks_between_steps_and_what_follows_the_steps():
+    """Reports stamped as they arrived: the wall rate between them (a held-out check and its refit every second
+    step make it 3 s, though each step's own seconds are 1), times the steps left, plus the plan's seconds after
+    the steps (the final evaluation and the export)."""
+    history = [{"step": i, "seconds": 1.0, "received": 100.0 + 3.0 * i} for i in range(1, 7)]
+    assert S.wall_seconds_per_step(history) == pytest.approx(3.0)
+    assert S.eta_seconds(history, 10) == pytest.approx(12.0)
+    assert S.eta_seconds(history, 10, after=20.0) == pytest.approx(32.0)
+    assert S.wall_seconds_per_step(history[:1]) is None  # (one report: no interval yet; the steps' own seconds)
+    assert S.eta_seconds(history[:1], 10) == pytest.approx(9.0)
+
+
+def test_the_progress_line_names_the_work_running_and_a_phase_over_its_plan():
+    check = {"phase": "validation", "seconds": 8.0, "planned": 10.0}
+    assert S.running_phase_text(check) == "a held-out check running for 8 s"
+    assert S.running_phase_text({"phase": "steps", "seconds": 80.0}) is None and S.running_phase_text(None) is None
+    assert S.overrun_text(check) is None  # (within its plan)
+    stats = {"phase": "statistics", "seconds": 320.0, "planned": 10.0}
+    assert S.overrun_text(stats) == "statistics: 320 s, 32× the plan"
+    assert S.overrun_text({"phase": "refit", "seconds": 36.0, "planned": 20.0}) == "refit: 36 s, 1.8× the plan"
+    assert S.overrun_text({"phase": "refit", "seconds": 14.0, "planned": 2.0}) == "refit: 14 s, 7.0× the plan"
+    assert S.overrun_text({"phase": "refit", "seconds": 9.0, "planned": 2.0}) is None  # (within 10 s of the plan)
+    assert S.overrun_text({"phase": "load", "seconds": 50.0, "planned": None}) is None
+
+
 def test_config_differences_name_every_differing_setting():
     a = PruneConfig(steps=2).to_dict()
     b = {**PruneConfig(steps=10).to_dict(), "scope": "uniform"}

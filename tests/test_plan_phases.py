@@ -107,7 +107,10 @@ def test_phase_progress_counts_what_is_left_by_the_plan():
     with clock("statistics"):
         t[0] += 4
         status = phase_status(plan, clock)
-    assert status == {"phase": "statistics", "seconds": 4.0, "planned": 20.0, "phase_left": 16.0, "run_left": 46.0}
+    assert status == {"phase": "statistics", "seconds": 4.0, "planned": 20.0, "phase_left": 16.0, "run_left": 46.0,
+                      "after_steps": 0.0}
+    plan = {**plan, "evaluations": 9.0, "export": 2.0}  # (the final evaluation's share left, and the export)
+    assert phase_status(plan, clock)["after_steps"] == 11.0
 
 
 def test_plan_and_actual_side_by_side():

@@ -246,6 +246,7 @@ class JobManager:
 
             def observe(report) -> None:
                 line = dataclasses.asdict(dataclasses.replace(report, masks=None))  # (one step's masks kept: the last)
+                line["received"] = time.time()  # (the ETA's wall rate: the checks between steps included)
                 init = _init_view(run) if self._snap.init_view is None else None
                 with self._lock:
                     self._snap.history.append(line)

@@ -188,12 +188,52 @@ def seconds_per_step(history: list[dict], recent: int = 5) -> float | None:
     return sum(times) / len(times) if times else None
 
 
-def eta_seconds(history: list[dict], total_steps: int, recent: int = 5) -> float | None:
-    """Seconds left for the steps not yet done, at the recent mean step time; None before the first step."""
-    sps = seconds_per_step(history, recent)
+def wall_seconds_per_step(history: list[dict], recent: int = 5) -> float | None:
+    """The wall seconds between the last `recent` steps' reports as they arrived ("received", stamped by the app's
+    job): the held-out checks, their refits and the checkpoints between steps included; None with fewer than two
+    stamped reports."""
+    stamps = [r["received"] for r in history[-(recent + 1):] if isinstance(r.get("received"), (int, float))]
+    if len(stamps) < 2 or stamps[-1] <= stamps[0]:
+        return None
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def eta_seconds(history: list[dict], total_steps: int, recent: int = 5, after: float = 0.0) -> float | None:
+    """Seconds left for the steps not yet done at the recent rate between reports as they arrived (the checks
+    and refits between steps included; the steps' own seconds where reports carry no arrival time), plus `after`
+    (the plan's seconds for what follows the steps: the final evaluation, the export); None before the first step."""
+    sps = wall_seconds_per_step(history, recent) or seconds_per_step(history, recent)
     if sps is None:
         return None
-    return max(total_steps - history[-1]["step"], 0) * sps
+    return max(total_steps - history[-1]["step"], 0) * sps + after
+
+
+# what a run does in each phase of its clock, as the progress line names it while that phase runs
+PHASE_WORDS = {"validation": "a held-out check", "refit": "a refit", "evaluations": "an evaluation",
+               "statistics": "the refit's statistics", "export": "the export", "init metric": "the init metric",
+               "joint mix": "the joint mix", "calibration text": "sampling the calibration text"}
+
+
+def running_phase_text(clock: dict | None, fmt=lambda s: f"{s:.0f} s") -> str | None:
+    """The work running now between or after steps, named ("a held-out check running for 8 s"); None in the steps
+    themselves or without a clock."""
+    if not clock or clock.get("phase") in (None, "steps", "other", "load"):
+        return None
+    words = PHASE_WORDS.get(clock["phase"], clock["phase"])
+    return f"{words} running for {fmt(clock.get('seconds') or 0.0)}"
+
+
+def overrun_text(clock: dict | None, fmt=lambda s: f"{s:.0f} s", factor: float = 1.5, slack: float = 10.0) -> str | None:
+    """The phase open now when it has run over its plan ("statistics: 5 min 20 s, 32x the plan"): past `factor`
+    times its planned seconds and `slack` seconds beyond them; else None."""
+    if not clock or not clock.get("planned"):
+        return None
+    seconds, planned = clock.get("seconds") or 0.0, clock["planned"]
+    if seconds <= factor * planned or seconds - planned <= slack:
+        return None
+    ratio = seconds / planned
+    return f"{clock['phase']}: {fmt(seconds)}, {ratio:.0f}× the plan" if ratio >= 10 else \
+        f"{clock['phase']}: {fmt(seconds)}, {ratio:.1f}× the plan"
 
 
 # --- runs side by side --------------------------------------------------------------------------------------
