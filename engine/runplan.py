@@ -4,7 +4,9 @@ shown beside what the run measured (`seconds_by_phase`) when it ends.
 
 The rate is the probe's cached for this model, dtype, batch shape and thread count ($PG_PRUNE_CACHE, shared with
 the app's plan panel), or a probe of the run's own model, once: a warm-up forward and two timed ones of a
-calibration batch (for the default model about 8 s on 2 cores, counted in the run's load)."""
+calibration batch (for the default model about 8 s on 2 cores, counted in the run's load). With a cached rate, one
+forward of the run's model is timed against it: 1.5 times slower or more, the plan says the machine is busier
+than it was and takes today's rate (never cached)."""
 
 from __future__ import annotations
 
@@ -25,11 +27,29 @@ def run_rate(run: "PruneRun", skeleton, passes: str | None = None) -> tuple[floa
 
     c = run.config
     hit = cached_probe(cache_dir(), probe_key(c.model, c.dtype, c.batch_size, c.seqlen, passes))
-    if hit is not None:
+    if hit is not None:  # (one forward now, against the cached rate: a machine busier than then is said, and planned)
+        now = probe_seconds_per_token(skeleton, c.dtype, c.batch_size, c.seqlen, cache=None, repeats=1,
+                                      model=run.model, min_seconds=0.0, passes=passes)
+        if (line := busier_line(now, hit)) is not None:
+            run.log(line)
+            return now, "a fresh probe of this machine (busier than its cached one)"
         return hit, "a probe of this machine (cached)"
     rate = probe_seconds_per_token(skeleton, c.dtype, c.batch_size, c.seqlen, cache=cache_dir(), model=run.model,
                                    passes=passes)
     return rate, "a probe of this machine (one dense forward of a batch)"
+
+
+BUSIER = 1.5  # a fresh forward this many times slower than the cached probe: the machine is busier than it was
+
+
+def busier_line(now: float, cached: float, factor: float = BUSIER) -> str | None:
+    """The plan's warning when a forward now is `factor` times slower or more than the cached probe's (seconds
+    per token each): another job shares the cores; None otherwise."""
+    if now < factor * cached:
+        return None
+    return (f"plan: this machine is busier than when it was probed: a forward now takes {now * 1e3:.4f} ms per token, "
+            f"{now / cached:.1f}x the cached {cached * 1e3:.4f}; the plan takes today's rate (another job on these "
+            "cores slows every phase)")
 
 
 def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, float]:

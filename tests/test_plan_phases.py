@@ -184,3 +184,44 @@ def test_the_finished_run_shows_plan_and_actual_per_phase(tiny, tiny_path, small
     table = next(d.value for d in at.dataframe)
     assert list(table["phase"]) == [k for k, _, _ in plan_rows(plan, actual)]
     assert list(table["planned"]) == [fmt_seconds(plan.get(k)) for k in table["phase"]]
+
+
+def test_a_machine_busier_than_its_cached_probe_is_said_and_planned_at_todays_rate(tiny, tiny_path, small_eval_file,
+                                                                                   tmp_path, monkeypatch):
+    """A cached probe 10 times faster than a forward now: the run's plan says the machine is busier, and plans at
+    the rate measured now (the cache keeps its own); a cached rate near today's is used as it is."""
+    from engine import runplan
+    from engine.plan import cached_probe, probe_key
+    from engine.ppl_cache import cache_dir
+    from engine.pruner import PruneRun
+
+    from conftest import tiny_config
+
+    assert runplan.busier_line(1.4e-5, 1e-5) is None
+    assert "busier than when it was probed" in runplan.busier_line(3e-5, 1e-5) and "3.0x the cached" in \
+        runplan.busier_line(3e-5, 1e-5)
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))
+    config = tiny_config(small_eval_file, steps=1)
+    logged = []
+    run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=logged.append)
+    rate, _ = runplan.run_rate(run, run_skeleton(run))  # (the first: probed and cached)
+    key = probe_key(config.model, config.dtype, config.batch_size, config.seqlen, None)
+    cached = cached_probe(cache_dir(), key)
+    assert cached == rate
+    from engine.plan import _PROBE_FILE
+
+    table = tmp_path / "cache" / _PROBE_FILE
+    import json
+
+    data = json.loads(table.read_text())
+    data[key] = rate / 10  # (as if probed on an idle machine ten times faster)
+    table.write_text(json.dumps(data))
+    now, source = runplan.run_rate(run, run_skeleton(run))
+    assert "busier" in source and now > rate / 10 * 1.5 and any("busier than when it was probed" in m for m in logged)
+    assert cached_probe(cache_dir(), key) == rate / 10  # (today's rate is never cached)
+
+
+def run_skeleton(run):
+    from engine.plan import skeleton_of
+
+    return skeleton_of(run.model, run.config.model, "folder")
