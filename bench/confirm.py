@@ -7,8 +7,8 @@ A cell is one (set, rate, seed) of the default run as a user types it, with --ca
 Each export (RUN/model) is then measured window by window and example by example into RUN/measures.json:
 WikiText-2 test and validation (256 x 128), held-out C4 (the 300 documents no run reads, 128 x 128), the
 four-task zero-shot mean (500 each) and LAMBADA (500): the confirmation set's measures; a tuning cell is measured
-on the tuning set's judges only (WikiText-2 test, held-out C4, the zero-shot mean). The report pairs each run with its init: the change of each
-measure with its paired 95 % bootstrap interval (the same windows or examples resampled for both).
+on the tuning set's judges only (WikiText-2 test, held-out C4, the zero-shot mean). The report pairs each run with
+its init: the change of each measure with its paired 95 % bootstrap interval (the same windows or examples resampled for both).
 
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 3            # init, pg24, both measured
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.5 --seed 3 --only init
@@ -343,7 +343,6 @@ def checks(args) -> None:
     from engine.config import PruneConfig
     from engine.data import CalibrationSampler, load_calibration_texts
     from engine.pruner import PruneRun
-    from engine.runstate import report_masks
 
     folder = cell_dir(args.rate, args.seed, "pg24")
     dest = folder.parent / f"{folder.name}.checks.json"

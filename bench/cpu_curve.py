@@ -268,7 +268,8 @@ def svg(out: Path, width: int = 720, height: int = 420) -> str:
              f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
              f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="black"/>',
              f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="black"/>',
-             f'<text x="{(L + width - R) / 2}" y="{height - 8}" text-anchor="middle">CPU minutes of the run (one core), its final evaluation and export included</text>',
+             f'<text x="{(L + width - R) / 2}" y="{height - 8}" text-anchor="middle">CPU minutes of the run (one core), '
+             'its final evaluation and export included</text>',
              f'<text x="14" y="{(T + height - B) / 2}" transform="rotate(-90 14 {(T + height - B) / 2})" '
              f'text-anchor="middle">WikiText-2 perplexity, mean over seeds (256 windows)</text>']
     for k in range(6):

@@ -64,7 +64,8 @@ def main() -> None:
     if "layers" not in config.units or len(config.units) < 2:
         raise UserError(f"{args.cell} is not a joint cell (units {','.join(config.units)})")
     args.out.mkdir(parents=True, exist_ok=True)
-    dest = args.out / f"{args.cell.name}{'-seq' if args.sequential else ''}{'-lc' if args.layer_compensation else ''}{'-sf' if args.skip_first else ''}.json"
+    tags = ('-seq' if args.sequential else '') + ('-lc' if args.layer_compensation else '') + ('-sf' if args.skip_first else '')
+    dest = args.out / f"{args.cell.name}{tags}.json"
     done = json.loads(dest.read_text()) if dest.exists() else {"cell": args.cell.name, "seed": config.seed,
                                                                   "prune_ratio": config.prune_ratio, "counts": {}}
     own = json.loads((args.cell / "results.json").read_text()) if (args.cell / "results.json").exists() else {}

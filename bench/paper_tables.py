@@ -65,7 +65,8 @@ def cells(tables: set[int], seeds: list[int], rates: tuple[float, ...] = RATES) 
             out += [Cell(1, "Random", r, {**HC, "method": "metric", "scope": "uniform", "init": "random"}, pg=False),
                     Cell(1, "Magnitude-sp", r, {**HC, "method": "metric", "scope": "uniform", "init": "magnitude-sp"}, pg=False),
                     Cell(1, "Wanda-sp (uniform)", r, {**HC, "method": "metric", "scope": "uniform", "init": "wanda-sp"}, pg=False),
-                    Cell(1, "Wanda-sp metric, global ranking", r, {**HC, "method": "metric", "scope": "global", "init": "wanda-sp"}, pg=False)]
+                    Cell(1, "Wanda-sp metric, global ranking", r,
+                         {**HC, "method": "metric", "scope": "global", "init": "wanda-sp"}, pg=False)]
             out += [Cell(1, "PG (global, Wanda-sp init)", r, pg_global, seed=s) for s in seeds]
             out += [Cell(1, "PG (uniform, Wanda-sp init)", r, {**pg_global, "scope": "uniform"}, seed=s) for s in seeds]
         if 2 in tables:
@@ -260,9 +261,11 @@ def report(all_cells: list[Cell], results: dict[str, dict], args) -> str:
     if not done:
         return "no cell finished yet\n"
     dense = done[0]["ppl_dense"]
-    lines = [f"Model: {args.model} on {args.device}; WikiText-2 raw test, first {done[0]['eval_windows']} windows x {done[0]['seqlen']} tokens "
+    lines = [f"Model: {args.model} on {args.device}; WikiText-2 raw test, first {done[0]['eval_windows']} windows x "
+             f"{done[0]['seqlen']} tokens "
              f"(dense perplexity {dense:.2f}); calibration: local C4 sample, {args.init_batches} batches of 8 x 128 for the "
-             f"metrics ({args.layer_init_batches} for the layer metrics of table 3); PG: {args.steps} steps, lr {args.lr} cosine, N_s 2, T 5 unless stated. "
+             f"metrics ({args.layer_init_batches} for the layer metrics of table 3); PG: {args.steps} steps, lr {args.lr} "
+             "cosine, N_s 2, T 5 unless stated. "
              f"Each cell: perplexity [seeds] (parameters of the pruned model; dense {done[0]['params_dense'] / 1e6:.1f} M).", ""]
     if 5 in {c.table for c in all_cells}:
         lines[0] += (f" Gumbel-softmax: lr {args.gumbel_lr} (chosen with bench/gumbel_lr.py, calibration data only), "

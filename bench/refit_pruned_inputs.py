@@ -37,7 +37,7 @@ from engine.evaluate import decoder_forward
 from engine.unit_types import layer_unit_types
 from engine.reconstruction import reconstructed
 torch.set_num_threads(1)
-cell = Path(sys.argv[1]); nb = int(sys.argv[2]); passes = int(sys.argv[3])
+cell, nb, passes = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 mix = float(sys.argv[4]) if len(sys.argv) > 4 else 1.0  # weight of the pruned-model moments (1 - mix: dense)
 saved = json.loads((cell / "config.json").read_text())
 values = {**saved, "reconstruct_batches": nb, "reconstruct": True}
@@ -59,20 +59,25 @@ with tempfile.TemporaryDirectory() as tmp:
             def hook(mod, args):
                 x = args[0].detach().float().reshape(-1, args[0].shape[-1])
                 g, s = (x.T @ x).double(), x.sum(0).double()
-                if key in acc: acc[key][0].add_(g); acc[key][1].add_(s)
-                else: acc[key] = [g, s]
+                if key in acc:
+                    acc[key][0].add_(g)
+                    acc[key][1].add_(s)
+                else:
+                    acc[key] = [g, s]
             return hook
         t0 = time.process_time()
         with torch.no_grad(), reconstructed(ad, lay, masks, moments, c.reconstruct_ridge, c.bias_compensation) as fill:
             if it == 0:
-                run.masks.measured.clear(); print("dense-input refit", run.masked_perplexity(masks, "r", fill), flush=True)
+                run.masks.measured.clear()
+                print("dense-input refit", run.masked_perplexity(masks, "r", fill), flush=True)
             types = {t.name: t for t in layer_unit_types()}
             hs = [types[u].output_proj(ad, i).register_forward_pre_hook(recx((u, i))) for u, i in keys]
             with MaskHooks(ad) as hooks:
                 hooks.set({u: lay.split(u, m) for u, m in masks.items()}, fill)
                 for batch in batches:
                     decoder_forward(ad.model, batch)
-            for h in hs: h.remove()
+            for h in hs:
+                h.remove()
         tok = sum(b.numel() for b in batches)
         pruned = {k: (v[0].float(), v[1].float(), tok) for k, v in acc.items()}
         moments = {k: ((mix * pruned[k][0] / tok + (1 - mix) * dense[k][0] / dense[k][2]),

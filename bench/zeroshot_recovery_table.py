@@ -1,4 +1,5 @@
-"""Print the zero-shot, recovery and deployment table (docs/results.md) from the run folders that bench/zeroshot_recovery.sh fills (missing figures: "n/a").
+"""Print the zero-shot, recovery and deployment table (docs/results.md) from the run folders that
+bench/zeroshot_recovery.sh fills (missing figures: "n/a").
 
     python bench/zeroshot_recovery_table.py [--runs runs]
 """
@@ -28,14 +29,16 @@ def main() -> None:
     prune = {r: load(runs / f"pg{r}" / "results.json") for r in (30, 50)}
     ft = {r: load(runs / f"pg{r}-ft" / "finetune_results.json") for r in (30, 50)}
     dense_ppl = next((v["ppl_dense"] for v in prune.values() if v), None)
-    rows.append(("dense", "0 %", dense_ppl, load(z / "zs-dense" / "zeroshot.json"), next((v["params_dense"] for v in prune.values() if v), None)))
+    dense_params = next((v["params_dense"] for v in prune.values() if v), None)
+    rows.append(("dense", "0 %", dense_ppl, load(z / "zs-dense" / "zeroshot.json"), dense_params))
     for r in (30, 50):
         rows.append((f"PG {r} %", "no", prune[r] and prune[r]["ppl_pruned"], load(z / f"zs-pg{r}" / "zeroshot.json"),
                      prune[r] and prune[r]["params_pruned"]))
         rows.append((f"PG {r} % + LoRA", "yes", ft[r] and ft[r].get("ppl_after"), load(z / f"zs-pg{r}-ft" / "zeroshot.json"),
                      ft[r] and ft[r]["params"]))
     limit = next((row[3]["limit"] for row in rows if row[3]), None)
-    head = ["model", "recovery", "params", "WikiText-2 ppl (64x128)"] + [f"{t} ({'acc_norm' if t in ('hellaswag', 'arc_challenge') else 'acc'})" for t in TASKS] + ["average"]
+    metric = {t: "acc_norm" if t in ("hellaswag", "arc_challenge") else "acc" for t in TASKS}
+    head = ["model", "recovery", "params", "WikiText-2 ppl (64x128)"] + [f"{t} ({metric[t]})" for t in TASKS] + ["average"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for name, rec, ppl, zs, params in rows:

@@ -1,6 +1,7 @@
 """Policy-gradient structural pruning of decoder-only LLMs: KV groups, MLP channels and whole layers.
 
-From Python: `from engine import PruneConfig, prune` (docs/api.md), `engine.recover(run_dir, out, ...)`; from the shell: `python -m engine` or `pg-prune`."""
+From Python: `from engine import PruneConfig, prune` (docs/api.md), `engine.recover(run_dir, out, ...)`; from the
+shell: `python -m engine` or `pg-prune`."""
 
 import time
 

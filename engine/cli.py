@@ -197,12 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("finetune", help="LoRA recovery fine-tuning of a (pruned) model folder, merged and saved")
     f.add_argument("--model", required=True, help="the model folder, e.g. RUN/model (a pruned export)")
-    f.add_argument("--out", required=True, help="folder for model/ (merged), finetune_config.json, finetune_log.jsonl, finetune_results.json")
+    f.add_argument("--out", required=True,
+                   help="folder for model/ (merged), finetune_config.json, finetune_log.jsonl, finetune_results.json")
     f.add_argument("--overwrite", action="store_true", help="replace an earlier finetune output in --out (only its own files)")
     for name, help_ in (("samples", "training segments (the paper: 4000)"), ("seqlen", "tokens per segment (the paper: 1024)"),
                         ("epochs", None), ("batch_size", "segments per forward"), ("grad_accum", "forwards per optimizer step"),
                         ("warmup_steps", "linear warm-up steps"), ("lora_r", None), ("eval_seqlen", None), ("seed", None)):
-        f.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(F, name), help=f"{help_ + ' ' if help_ else ''}(default %(default)s)")
+        f.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(F, name),
+                       help=f"{help_ + ' ' if help_ else ''}(default %(default)s)")
     for name in ("lr", "lora_alpha", "lora_dropout", "weight_decay"):
         f.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(F, name), help="(default %(default)s)")
     f.add_argument("--calib", default=None, help="training text: C4-style JSON lines file or folder (default: the local C4 sample)")
@@ -441,7 +443,8 @@ def _prune_writer(args, world) -> int:
                   f"dense {results['ppl_dense']:.2f} | init ({_init_label(config)}) "
                   + (f"{results['ppl_init']:.2f}" if results["ppl_init"] is not None else "skipped (--eval-init)") + " | "
                   f"pruned {results['ppl_pruned']:.2f}"
-                  + (f" (least-squares reconstruction; {r['ppl_before']:.2f} before it)" if "ppl_before" in (r := results.get("reconstruction") or {})
+                  + (f" (least-squares reconstruction; {r['ppl_before']:.2f} before it)"
+                     if "ppl_before" in (r := results.get("reconstruction") or {})
                      else f" (reconstruction skipped: {r['skipped']})" if "skipped" in r
                      else " (least-squares reconstruction)" if r else ""))  # (ppl_before: only with --eval-unrefit)
             print(f"parameters: {results['params_dense']:,} -> {results['params_pruned']:,}; "
@@ -618,9 +621,11 @@ def cmd_finetune(args) -> int:
     config.validate()
     r = finetune(config, args.out, overwrite=args.overwrite)
     if "ppl_before" in r:
-        print(f"perplexity ({r['eval_windows']} windows x {config.eval_seqlen} tokens): before {r['ppl_before']:.2f} | after {r['ppl_after']:.2f}")
-    print(f"training loss (first {config.loss_probe_segments} segments): before {r['train_loss_before']:.4f} | after {r['train_loss_after']:.4f}; "
-          f"{r['samples_used']} segments x {config.seqlen} tokens, {r['steps']} steps, {r['train_seconds']:.0f} s; merged model in {r['out_model']}")
+        print(f"perplexity ({r['eval_windows']} windows x {config.eval_seqlen} tokens): before {r['ppl_before']:.2f} | "
+              f"after {r['ppl_after']:.2f}")
+    print(f"training loss (first {config.loss_probe_segments} segments): before {r['train_loss_before']:.4f} | "
+          f"after {r['train_loss_after']:.4f}; {r['samples_used']} segments x {config.seqlen} tokens, {r['steps']} steps, "
+          f"{r['train_seconds']:.0f} s; merged model in {r['out_model']}")
     return 0
 
 
@@ -636,8 +641,9 @@ def _recover_parser(sub) -> None:
                                                 "recover_checkpoint.pt and recover_results.json")
     g = r.add_mutually_exclusive_group()
     # (dest recover_resume: parse_args reads a prune run's saved config under args.resume)
-    g.add_argument("--resume", dest="recover_resume", action="store_true", help="continue the recovery in --out from its checkpoint (its saved "
-                                                        "settings; --steps or --time-budget given set how far)")
+    g.add_argument("--resume", dest="recover_resume", action="store_true",
+                   help="continue the recovery in --out from its checkpoint (its saved settings; --steps or "
+                        "--time-budget given set how far)")
     g.add_argument("--overwrite", action="store_true", help="replace an earlier recover output in --out (only its own files)")
     _setting_args(r, RecoverConfig)
 
@@ -775,8 +781,8 @@ def main(argv: list[str] | None = None) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, terminate) if in_main else None
     try:
-        commands = {"prune": cmd_prune, "export": cmd_export, "eval": cmd_eval, "zeroshot": cmd_zeroshot, "finetune": cmd_finetune, "measure": cmd_measure,
-                    "recover": cmd_recover}
+        commands = {"prune": cmd_prune, "export": cmd_export, "eval": cmd_eval, "zeroshot": cmd_zeroshot,
+                    "finetune": cmd_finetune, "measure": cmd_measure, "recover": cmd_recover}
         return commands[args.command](args)
     except UserError as e:
         print(error_line(e), file=sys.stderr)

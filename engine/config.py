@@ -230,7 +230,8 @@ class PruneConfig:
         "them, so a run starts from that run's mask), or training (without the documents held out for validation)"))
     # the defaults: the best quality per CPU minute measured on the default model (docs/pg-optimizer.md); the
     # paper's settings are the preset "paper"
-    steps: int = setting(50, minimum=1, label="Steps", help="optimisation steps (with --time-budget: the plan until the first step is timed)")
+    steps: int = setting(50, minimum=1, label="Steps",
+                         help="optimisation steps (with --time-budget: the plan until the first step is timed)")
     time_budget: float | None = setting(None, minimum=0.0, maximum=MAX_TIME_BUDGET, exclusive=True, label="Time budget (minutes)",
                                         help="methods that optimise: the whole run's wall minutes (loading, evaluations and "
                                              "export included); the step count follows from the measured step time, "
@@ -273,7 +274,8 @@ class PruneConfig:
         "the calibration batches the reconstruction's statistics read: init (the init metric's stream, in one "
         "statistics pass with it) or own (a stream of their own, as runs before the one pass read)"))
     step_refit: bool = setting(False, label="Score samples refit", help=(
-        "with --reconstruct (without it: nothing to refit, ignored): the steps score every sampled mask as it would be exported, its least-squares refit "
+        "with --reconstruct (without it: nothing to refit, ignored): the steps score every sampled mask as it would be "
+        "exported, its least-squares refit "
         "solved per sample before its forward (a solve costs about a third of an 8 x 128 forward of SmolLM2-135M on "
         "one core: docs/log/reward-study.md); off: samples are scored with the compensation only"))
     reconstruct_ridge: float = setting(0.1, minimum=0.0, label="Reconstruction ridge",

@@ -9,8 +9,9 @@ type, or with a metric that compares across types, such as FLAP's, one ranking o
 run on held-out batches (with the bias compensation when the run has it, and refit when it reconstructs), and the
 run starts from the mix that loses least. A candidate costs a forward pass per batch: --mix-search grid (the default)
 scores every other count and then the neighbours of the best until they are scored, the choice of the full scan
-(--mix-search exhaustive) whenever the loss over the counts is unimodal (search_counts), in fewer forwards. PG then learns the mix from there (the projection trades a
-layer's probability against its widths' through one multiplier, engine/budget.ParamBudget)."""
+(--mix-search exhaustive) whenever the loss over the counts is unimodal (search_counts), in fewer forwards. PG then
+learns the mix from there (the projection trades a layer's probability against its widths' through one multiplier,
+engine/budget.ParamBudget)."""
 
 from __future__ import annotations
 

@@ -139,7 +139,8 @@ def _entry(key: str) -> dict:
 
 
 def _positive(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and 0 < value < math.inf else None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if number and value == value and 0 < value < math.inf else None
 
 
 def lookup(key: str) -> float | None:

@@ -266,8 +266,9 @@ class PruneRun:
         good, saved_at = self.checkpoints.snapshot(state), time.monotonic()  # the last finished step
         self.call_hooks("on_start", state)
         try:
-            with open(self.out / METRICS_FILE if self.out else os.devnull, "ab", buffering=0, opener=_no_follow) as metrics, self.phases("steps"), (  # (the loop: checkpoints too; unbuffered: a full disk fails once, in append_line)
-                    contextlib.closing(bar) if bar else contextlib.nullcontext()):
+            # (the loop: checkpoints too; unbuffered: a full disk fails once, in append_line)
+            with open(self.out / METRICS_FILE if self.out else os.devnull, "ab", buffering=0, opener=_no_follow) as metrics, \
+                    self.phases("steps"), (contextlib.closing(bar) if bar else contextlib.nullcontext()):
                 while self.method.optimises and state.step < self.ctx.steps:  # (--time-budget re-plans ctx.steps)
                     if stop is not None and stop.is_set():
                         return True

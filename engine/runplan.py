@@ -58,11 +58,12 @@ def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, floa
 
 
 def plan_with_steps(run: "PruneRun", done_steps: int | None = None) -> tuple[dict[str, float], float | None]:
-    """(the plan, the steps that fit under --time-budget: None without one). The plan of this session of the run in results.json's form (phase -> seconds, "other", "total"), made once
-    the model and the data are in memory (the probe runs the model; the dense perplexity's cache is keyed by the
-    evaluation windows): its "load" is what loading took until then (the CLI's imports, the model, the data and
-    the probe), its "calibration text" what the calibration source's text took (generated, or read from its
-    cache), the rest is planned. A fresh run (done_steps None) or one resumed at done_steps. Logged."""
+    """(the plan, the steps that fit under --time-budget: None without one). The plan of this session of the run in
+    results.json's form (phase -> seconds, "other", "total"), made once the model and the data are in memory (the probe
+    runs the model; the dense perplexity's cache is keyed by the evaluation windows): its "load" is what loading took
+    until then (the CLI's imports, the model, the data and the probe), its "calibration text" what the calibration
+    source's text took (generated, or read from its cache), the rest is planned. A fresh run (done_steps None) or one
+    resumed at done_steps. Logged."""
     from .calib_sources import PHASE as CALIB_PHASE
     from .hooks.reconstruction import Reconstruction
     from .plan import pass_dtype_of, plan_time, skeleton_of

@@ -10,8 +10,8 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from engine.tools.chat import (PROMPTS_FILE, GenerationSettings, masked_from_run, prompt_problem,  # noqa: E402
-                               recovered_folder, saved_prompts, speed_comparison, stream)
+from engine.tools.chat import (MIN_SPEED_TOKENS, PROMPTS_FILE, GenerationSettings, masked_from_run,  # noqa: E402
+                               prompt_problem, recovered_folder, saved_prompts, speed_comparison, stream)
 from engine.errors import UserError  # noqa: E402
 
 st.title(":material/forum: Chat: dense vs pruned")

@@ -87,7 +87,8 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
         c5.selectbox(_ui.label_of(PruneConfig, "layer_init"), list(_ui.choices(PruneConfig, "layer_init")),
                      help=_ui.help_of(PruneConfig, "layer_init"), key="layer_init")
         c5.checkbox("Fixed layers (the steps learn the kept layers' widths)", key="fixed_layers",
-                    help="--layer-score-const 1: the layers the init removes stay removed; " + _ui.help_of(PruneConfig, "layer_score_const"))
+                    help="--layer-score-const 1: the layers the init removes stay removed; "
+                         + _ui.help_of(PruneConfig, "layer_score_const"))
     c4.button("The joint preset: layers and widths, the best mask per CPU minute measured", key="preset-joint",
               on_click=_ui.apply_preset, args=("joint",), icon=":material/layers:",
               help="engine/config.py's preset 'joint', as `--preset joint` on the command line: "
@@ -105,7 +106,8 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
         h1.number_input("Evaluation windows (0 = all)", step=1,
                         help="WikiText-2 windows used for the dense, init and pruned perplexities. "
                              "The command line's default is 256 (the results tables' protocol); all of them "
-                             "(about 2,400 of 128 tokens) take 9x as long: 15-40 min per evaluation for SmolLM2 on 2 cores.", key="max_windows")
+                             "(about 2,400 of 128 tokens) take 9x as long: 15-40 min per evaluation for SmolLM2 on 2 "
+                             "cores.", key="max_windows")
         h1.number_input("MLP channels per layer: a multiple of", step=1,
                         help="Final mask: every layer keeps a multiple of this many MLP channels "
                              "(never over the budget). 32 gives llama.cpp whole Q8_0 blocks and GEMM tiles; 1 = off.",

@@ -5,7 +5,6 @@ run folders or list their cells do so on an empty folder. The default-model runs
 
 from __future__ import annotations
 
-import os
 import runpy
 import subprocess
 import sys

@@ -358,7 +358,8 @@ def test_config_file_starts_a_run_and_flags_override_it(tmp_path):
     args = parse_args(["prune", "--config", str(tmp_path / "run.json"), "--preset", "paper", "--steps", "9", "--out", "x"])
     assert (args.model, args.units, args.steps, args.seed) == ("m", ["heads", "layers"], 9, 4)  # the flag beats the file
     assert args.lr == 0.05 and args.num_mask_samples == PruneConfig().num_mask_samples  # the file beats the preset
-    assert (args.gumbel_temperature, args.gumbel_straight_through, args.gumbel_final_temperature) == (2.0, True, 0.1)  # the saved options, written out whole
+    # the saved options, written out whole
+    assert (args.gumbel_temperature, args.gumbel_straight_through, args.gumbel_final_temperature) == (2.0, True, 0.1)
 
 
 def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():

@@ -15,7 +15,7 @@ import torch
 
 from engine.distributed import World, dealt, digest, launched, on_cpu, share, shares
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, Ran, clean_env, engine_in_process
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, Ran, clean_env, engine_in_process
 
 TIMING = ("seconds", "eta_seconds")
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "masks.safetensors", "masks.json", "results.json")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from engine.pruner import PruneRun, StepReport
 from engine.outdir import LOCK_FILE
 from engine.rundir import RUN_MARKER
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, engine_in_process, quiet
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, engine_in_process, quiet
 
 TIMING = ("seconds", "eta_seconds")
 STEPS = 30

@@ -5,8 +5,6 @@ input cases 7-9, 12 and 13 are in test_faults_inputs.py)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +21,7 @@ from engine.errors import UserError
 from engine.outdir import LOCK_FILE, OutputKind, check_output_folder, folder_lock, output_folder
 from engine.pruner import PruneRun
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, clean_env, engine_in_process, one_error, quiet
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, engine_in_process, one_error, quiet
 
 TIMING = ("seconds", "eta_seconds")
 

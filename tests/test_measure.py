@@ -76,7 +76,7 @@ def test_cli_prints_one_table_row_per_model(tiny_path, half_export, capfd):
             "--repeats", "1", "--no-memory"]
     assert main(argv) == 0
     out = capfd.readouterr().out.strip().splitlines()
-    rows = [l for l in out if l.startswith("| ") and "params" not in l]
+    rows = [ln for ln in out if ln.startswith("| ") and "params" not in ln]
     assert len(rows) == 2 and rows[0].startswith(f"| {tiny_path}") and rows[1].startswith(f"| {half_export}")
 
 

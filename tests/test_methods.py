@@ -20,14 +20,14 @@ from engine.arch import ModelAdapter
 from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.evaluate import batch_loss, token_loss
-from engine.export import build_pruned_model, export_pruned
+from engine.export import export_pruned
 from engine.masking import MaskHooks
 from engine.policy import (keep_count, leave_one_out_baselines, policy_gradient, progressive_stages, relaxed_bernoulli,
                            sample_masks, stage_at)
 from engine.pruner import PruneRun
 from engine.units import UnitLayout
 
-from conftest import SMALL_CALIB, clean_env
+from conftest import clean_env
 from test_adapters_export import ARCHS, build_model, masked_logits
 from test_pruner import metric_lines, quiet, small_config
 from engine.unit_types import unit_sizes

@@ -114,7 +114,8 @@ def test_a_row_run_once_takes_the_first_of_the_seeds():
     default, other = pt.cells({1, 2, 3, 4, 5}, [0, 1, 2]), pt.cells({1, 2, 3, 4, 5}, [3, 4, 5])
     assert len(other) == len(default)  # --seeds 3,4,5 drops no row
     # the PG rows of tables 1, 4 and 5 run every seed; tables 2 and 3 and the one-shot rows run once
-    multi = lambda c: c.table in (4, 5) or (c.table == 1 and c.row.startswith("PG"))
+    def multi(c):
+        return c.table in (4, 5) or (c.table == 1 and c.row.startswith("PG"))
     assert {c.seed for c in other if not multi(c)} == {3}
     assert {c.seed for c in other if multi(c)} == {3, 4, 5}
     for row in {c.row for c in other if multi(c)}:

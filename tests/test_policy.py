@@ -252,7 +252,8 @@ def test_estimate_is_zero_at_saturated_scores(estimator):
 def test_expected_estimate_does_not_depend_on_the_baseline(estimator, clamp):
     # E[m - s] = 0 makes any constant baseline drop out of the mean, also for scores inside the
     # clamp (0.005, 0.995 with clamp 1e-2), where the denominator is clamped.
-    loss = lambda m: m @ BOUNDARY_W + 4.0
+    def loss(m):
+        return m @ BOUNDARY_W + 4.0
     ref = exact_expectation(BOUNDARY_S, loss, 0.0, estimator, clamp)
     for baseline in (4.0, 50.0, -30.0):
         torch.testing.assert_close(exact_expectation(BOUNDARY_S, loss, baseline, estimator, clamp), ref,
@@ -288,7 +289,8 @@ def test_metric_control_variate_is_unbiased_and_cuts_variance():
     z = torch.tensor([1.0, -0.5, 2.0, 0.3, -1.2], dtype=F64)
     s = torch.tensor([0.6, 0.3, 0.8, 0.5, 0.45], dtype=F64)
     beta = 0.7
-    loss = lambda m: 2.0 - beta * (m @ z) + 0.2 * m[..., 0] * m[..., 1]
+    def loss(m):
+        return 2.0 - beta * (m @ z) + 0.2 * m[..., 0] * m[..., 1]
     masks = all_masks(5)
     p = mask_probs(masks, s)
     exact = -beta * z + torch.tensor([0.2 * s[1], 0.2 * s[0], 0, 0, 0], dtype=F64)
@@ -299,7 +301,8 @@ def test_metric_control_variate_is_unbiased_and_cuts_variance():
     with_cv = torch.stack([policy_gradient(s, m[None], (loss(m) - beta * fj)[None], b) for m, fj in zip(masks, f)]) - beta * z
     for est in (plain, with_cv):
         torch.testing.assert_close((p[:, None] * est).sum(0), exact, rtol=1e-10, atol=1e-10)
-    var = lambda est: (p[:, None] * (est - exact) ** 2).sum(0)
+    def var(est):
+        return (p[:, None] * (est - exact) ** 2).sum(0)
     assert torch.all(var(with_cv) < 0.2 * var(plain))
 
 

@@ -87,8 +87,8 @@ def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, tiny, 
     another CPU every phase is float32."""
     monkeypatch.setenv(precision.NATIVE_ENV, native)
     model, tokenizer = tiny
-    config = small_config(tiny_path, small_eval_file, **{**PRESETS["joint"], "init_batches": 2}, steps=2, budget="params", prune_ratio=0.6, reconstruct=True,
-                          reconstruct_batches=2, refit_stream="init", mix_batches=2, pass_dtype="auto")
+    config = small_config(tiny_path, small_eval_file, **{**PRESETS["joint"], "init_batches": 2}, steps=2, budget="params",
+                          prune_ratio=0.6, reconstruct=True, reconstruct_batches=2, refit_stream="init", mix_batches=2, pass_dtype="auto")
     assert PruneConfig().pass_dtype == "auto"  # (the default; a config saved before it was float32's: .of migrates)
     run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tokenizer, log=quiet)
     seen: dict[str, set] = defaultdict(set)

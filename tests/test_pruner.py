@@ -377,7 +377,6 @@ def test_a_check_of_an_unchanged_mask_reuses_its_held_out_perplexity(tiny, tiny_
     """Steps too small to change the hard mask (lr 1e-12): the held-out batches run once, for the init mask, and
     every later check reports that figure; steps that change the mask (lr 5 against the metric) run them once for
     each mask they reach."""
-    import engine.hooks.validation as validation
     from engine.methods.base import StepGradient
 
     calls, real = [], CrossEntropy.held_out_means

@@ -297,7 +297,8 @@ def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny, ti
     assert not config_text_cached(config) and not config_text_cached(small_config(tiny_path, small_eval_file))
     PruneRun(config, tmp_path / "A", log=quiet).run(progress=False)  # (the model read from its files: cached)
     assert config_text_cached(config)
-    assert not config_text_cached(dataclasses.replace(config, seed=1)) and not config_text_cached(dataclasses.replace(config, self_tokens=71))
+    assert not config_text_cached(dataclasses.replace(config, seed=1))
+    assert not config_text_cached(dataclasses.replace(config, self_tokens=71))
     second = PruneRun(config, tmp_path / "B", log=quiet).run(progress=False)  # (read from the cache: about 0 s)
     assert second["seconds_by_phase"].get(CALIB_PHASE, 0.0) < 1.0
     # a model in memory is never taken for the files' (no cache), unless the caller says it is them (the app)

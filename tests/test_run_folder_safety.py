@@ -14,7 +14,7 @@ import pytest
 from engine.cli import main
 from engine.errors import UserError
 
-from conftest import SMALL_CALIB, TINY_MODEL, one_error, quiet, tiny_config
+from conftest import one_error, quiet, tiny_config
 
 FINISHED_STEPS = 2  # (the finished run's steps: a resume to 3 continues it)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env, process_alive
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, calib_data_dir, clean_env, process_alive
 
 LINUX = Path("/proc/1/stat").exists()
 

@@ -44,7 +44,8 @@ def test_task_configs_include_the_harness_and_read_local_files(task_dir):
         files = yaml.safe_load(text.replace("!function", ""))["dataset_kwargs"]["data_files"]
         zeroshot = (DATA_DIR / "zeroshot").resolve()  # (shared/ may be a link: compare the real paths)
         assert all(Path(p).is_file() and Path(p).resolve().is_relative_to(zeroshot) for p in files.values())
-    tasks = TaskManager(include_path=str(task_dir), include_defaults=False).load(["arc_easy", "boolq", "lambada_openai", "winogrande"])["tasks"]
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    tasks = manager.load(["arc_easy", "boolq", "lambada_openai", "winogrande"])["tasks"]
     # every document of the real splits, with the harness's own prompts
     assert len(tasks["arc_easy"].eval_docs) == 2376
     assert len(tasks["winogrande"].eval_docs) == 1267

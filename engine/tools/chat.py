@@ -264,7 +264,8 @@ def gguf_chat(path: Path, run_dir: Path, params: int, label: str, threads: int |
     llm = llamacpp.open_gguf(path, n_ctx=2048, threads=threads)
     trained = config.get("max_position_embeddings")
     context = min(2048, int(trained)) if isinstance(trained, int) and trained > 0 else 2048  # (llama.cpp's window)
-    return ChatModel(LlamaCppGenerator(llm, stop), tok, label, int(params or 0), info={"gguf": str(path), "context": context, "threads": threads},
+    return ChatModel(LlamaCppGenerator(llm, stop), tok, label, int(params or 0),
+                     info={"gguf": str(path), "context": context, "threads": threads},
                      backend=f"llama.cpp {gguf_outtype(path) or 'GGUF'}")
 
 

@@ -9,8 +9,8 @@ Per model:
   set (VmHWM) over the resident set after loading, while it runs one prefill and one generation
   (the peak counter is reset after loading through /proc/self/clear_refs, so loading does not
   count; before that every weight page is touched and freed heap is returned with malloc_trim, so
-  memory-mapped safetensors and a GGUF load's freed buffers do not distort the baseline); on CUDA, torch.cuda.max_memory_allocated during the same work, minus the memory
-  allocated after loading.
+  memory-mapped safetensors and a GGUF load's freed buffers do not distort the baseline); on CUDA,
+  torch.cuda.max_memory_allocated during the same work, minus the memory allocated after loading.
 - prefill: seconds of one forward pass of batch x seqlen tokens (random token ids, seeded) with the
   KV cache on, as generation's first step does.
 - generation: greedy decoding of exactly new_tokens tokens per row after that prompt

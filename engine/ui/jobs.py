@@ -16,18 +16,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from ..config import PruneConfig
 from ..errors import UserError
 from ..runstate import report_masks
 from .paths import RUNS_DIR_ENV, default_runs_dir  # noqa: F401  (the runs folder: the pages import it from here)
+
+if TYPE_CHECKING:  # annotations only
+    from .masks import MaskView
 
 
 # Job status values. "idle": nothing started yet in this process.

@@ -25,8 +25,8 @@ HYPERPARAMETERS = ("lr", "lr_schedule", "num_mask_samples", "batch_size", "seqle
 DIRECT = {"units": "units", "rate": "prune_ratio", "budget": "budget", "scope": "scope", "init": "init",
           "steps": "steps", "time_budget": "time_budget", "method": "method", "layer_init": "layer_init",
           **{h: h for h in HYPERPARAMETERS}}
-SETTINGS_FILE = ".app-prune-settings.json"
-APP_MAX_WINDOWS = 64  # the app evaluates on the first 64 windows unless told otherwise (all: 13 min for SmolLM2)  # the last settings of the Prune page, beside the runs
+SETTINGS_FILE = ".app-prune-settings.json"  # the last settings of the Prune page, beside the runs
+APP_MAX_WINDOWS = 64  # the app evaluates on the first 64 windows unless told otherwise (all: 13 min for SmolLM2)
 
 
 def option_key(method: str, name: str) -> str:
