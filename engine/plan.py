@@ -24,6 +24,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 from pathlib import Path
 
 from .errors import UserError
@@ -676,9 +677,17 @@ def probe_seconds_per_token(skeleton: Skeleton, dtype: str, batch_size: int, seq
 class MemoryPlan:
     parts: dict[str, float] = field(default_factory=dict)  # bytes
 
+    LOAD_ONLY: ClassVar[tuple[str, ...]] = ("loading a GGUF",)  # freed before the run's own buffers are made
+    KEPT: ClassVar[tuple[str, ...]] = ("process", "weights")
+
     @property
     def total(self) -> float:
-        return sum(self.parts.values())
+        """The peak: the process and the weights, then the larger of what loading holds for a moment and what the
+        run holds together (activations, gradients, the refit's moments, the dense targets)."""
+        kept = sum(v for k, v in self.parts.items() if k in self.KEPT)
+        loading = sum(v for k, v in self.parts.items() if k in self.LOAD_ONLY)
+        running = sum(v for k, v in self.parts.items() if k not in self.KEPT and k not in self.LOAD_ONLY)
+        return kept + max(loading, running)
 
 
 def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
@@ -694,6 +703,9 @@ def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
     tokens = max(config.batch_size * config.seqlen, config.eval_batch_size * config.eval_seqlen)
     inter = getattr(skeleton.adapter.config, "intermediate_size", 4 * skeleton.hidden_size)
     parts["activations"] = tokens * (2 * skeleton.vocab_size + 3 * inter) * 4
+    moments = refit_moment_bytes(config, skeleton)
+    if moments:
+        parts["refit moments (float64)"] = moments
     if _reward(config.reward).needs_dense:  # (the KL reward's dense targets: bounded, engine/rewards.py)
         from .rewards import DENSE_HIDDEN_BATCHES, DENSE_LOGP_BYTES
 
@@ -701,6 +713,18 @@ def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
         parts["dense targets (KL)"] = (max(DENSE_LOGP_BYTES, batch * skeleton.vocab_size * 4)
                                        + DENSE_HIDDEN_BATCHES * batch * skeleton.hidden_size * 4)
     return MemoryPlan(parts)
+
+
+def refit_moment_bytes(config, skeleton: Skeleton) -> int:
+    """The least-squares refit's input moments, kept for the run (--reconstruct with width units): per layer and
+    unit type, the float64 X^T X and column sums of its output projection's inputs."""
+    from .unit_types import layer_unit_types
+
+    if not config.reconstruct:
+        return 0
+    sizes = [t.output_proj(skeleton.adapter, i).in_features for t in layer_unit_types() if t.name in config.units
+             for i in range(skeleton.num_layers)]
+    return sum(8 * (n * n + n) for n in sizes)
 
 
 # --- what a time budget trades ------------------------------------------------------------------------------

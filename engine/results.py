@@ -21,6 +21,17 @@ if TYPE_CHECKING:  # annotations only
     from .pruner import PruneRun
 
 
+def planned_memory_mb(run: "PruneRun") -> float | None:
+    """The plan's estimate of the run's peak memory (MB), beside the measured peak; None where it cannot be made."""
+    from .plan import plan_memory, skeleton_of
+
+    try:
+        skeleton = skeleton_of(run.model, run.config.model, "gguf" if run.source.gguf_file else "folder")
+        return round(plan_memory(run.config, skeleton).total / 2**20, 1)
+    except Exception:  # (an estimate: never a failed run for it)
+        return None
+
+
 def exported_step(state: RunState, scores: dict) -> int:
     """The step whose mask the final scores are: best-val's best step, the init's (0: a transform exported the init
     mask, as a time budget that fitted fewer steps than pay does), or the last step."""
@@ -72,6 +83,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "time_budget": c.time_budget,  # minutes, or None
         "time_used": state.time_used,  # --time-budget: the wall seconds at the last step, all sessions
         "peak_rss_mb": peak_rss_mb(),  # (of rank 0 in a data-parallel run)
+        "plan_memory_mb": planned_memory_mb(run),  # (the plan's estimate of that peak, engine/plan.py's plan_memory)
         "pass_dtype": run_pass_dtype(c, run.model),  # the one-shot passes' matrix products (--pass-dtype)
         "world_size": run.world.size,  # torchrun's ranks in the session that finished the run
         "mask_samples_by_rank": shares(c.num_mask_samples, run.world.size),  # which rank ran which of the N_s samples

@@ -187,6 +187,18 @@ def planned_fraction(snap) -> float:
     return min(max(1.0 - c["run_left"] / plan["total"], 0.0), 1.0)
 
 
+def memory_text(results: dict) -> str | None:
+    """The run's measured peak memory beside the plan's estimate (results.json), or None without the peak."""
+    peak, plan = results.get("peak_rss_mb"), results.get("plan_memory_mb")
+    if not isinstance(peak, (int, float)) or peak <= 0:
+        return None
+    text = f"Memory: peak {peak * 2**20 / 1e9:.2f} GB resident (the process's maximum RSS)"
+    if isinstance(plan, (int, float)) and plan > 0:
+        text += (f"; the plan estimated {plan * 2**20 / 1e9:.2f} GB ({peak / plan:.2f}× the plan: the plan counts the weights, "
+                 "the largest forward's activations, the refit's moments and the KL targets, not the allocator's slack)")
+    return text
+
+
 def reduced_text(results: dict) -> str | None:
     """What the time budget cut from the run's settings (results.json's "reduced"), as the run's log says it."""
     from engine.results import reduced_line
@@ -231,6 +243,8 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
             if plan := results.get("plan_seconds_by_phase"):  # (the plan the run started with, beside it)
                 plan_table(plan, phases, key)
         if line := reduced_text(results):
+            st.caption(line)
+        if line := memory_text(results):
             st.caption(line)
         if run_dir is not None:
             deploy_panel(run_dir, key)

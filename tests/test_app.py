@@ -334,6 +334,8 @@ def test_recover_on_a_finished_run_shows_its_loss_live_and_writes_run_recover(ru
     at.session_state["selected_run"] = str(run)
     at.switch_page("pages/prune.py").run()
     assert not at.exception, at.exception
+    memory = [c.value for c in at.caption if c.value.startswith("Memory: peak")]  # (the peak beside the plan's)
+    assert len(memory) == 1 and "the plan estimated" in memory[0], [c.value for c in at.caption]
     next(n for n in at.number_input if n.key.endswith("-recover-min")).set_value(0.1)
     next(b for b in at.button if b.label == "Recover").click().run()
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])

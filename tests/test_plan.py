@@ -106,6 +106,24 @@ def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
     assert taylor.total - wanda.total == pytest.approx(taylor.parts["gradients (Taylor init)"])
 
 
+def test_the_memory_plan_counts_the_refits_moments_and_loading_apart(tiny_path):
+    """--reconstruct keeps float64 X^T X and column sums of each output projection's inputs per layer and width
+    unit type; a GGUF's dequantisation holds its buffer only while loading, so the peak is the larger of the two."""
+    from engine.plan import MemoryPlan, refit_moment_bytes
+
+    skeleton = model_skeleton(str(tiny_path))
+    cfg = skeleton.adapter.config
+    config = PruneConfig(model=str(tiny_path), units=["heads", "channels"], reconstruct=True)
+    n_heads_in = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    want = cfg.num_hidden_layers * 8 * (n_heads_in ** 2 + n_heads_in + cfg.intermediate_size ** 2 + cfg.intermediate_size)
+    assert refit_moment_bytes(config, skeleton) == want
+    assert plan_memory(config, skeleton).parts["refit moments (float64)"] == want
+    assert refit_moment_bytes(PruneConfig(model=str(tiny_path), reconstruct=False), skeleton) == 0
+    plan = MemoryPlan({"process": 1.0, "weights": 2.0, "loading a GGUF": 2.0, "activations": 3.0})
+    assert plan.total == 6.0  # (1 + 2 + max(2, 3))
+    assert MemoryPlan({"process": 1.0, "weights": 2.0, "loading a GGUF": 5.0, "activations": 3.0}).total == 8.0
+
+
 def test_the_steps_count_their_dense_forward_and_their_refits(skeleton, tiny_path):
     """--reward kl adds the step batch's dense forward to each step; --step-refit adds each sample's refit to the
     refit phase (where a run records it); under --time-budget the steps and their refits share what is left."""
