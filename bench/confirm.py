@@ -228,7 +228,9 @@ def cell(args) -> None:
                 raise SystemExit(code)
         t0 = cpu()
         wanted = tuple(m for m in MEASURES[set_of(args.seed)] if m not in args.without)
-        measure(str(folder / "model"), folder.parent / f"{folder.name}.measures.json", wanted)
+        dest = folder.parent / f"{folder.name}.measures.json"
+        if not all(m in load(dest) for m in wanted):
+            measure(str(ensure_export(folder)), dest, wanted)
         info["cpu_seconds_measure"] = info.get("cpu_seconds_measure", 0.0) + cpu() - t0
         res = load(folder / "results.json")
         info.update({k: res.get(k) for k in ("steps", "ppl_dense", "ppl_init", "ppl_pruned", "params_pruned")})
@@ -384,11 +386,7 @@ def checks(args) -> None:
     res = load(folder / "results.json")
     done["exported_step"] = res.get("mask_step")
     if res.get("mask_step") in by_step:  # (the step lines' masks are the masks a step exports: checked on the export)
-        from safetensors.torch import load_file
-
-        final = {k.split(".", 1)[1]: v for k, v in load_file(str(folder / "masks.safetensors")).items()
-                 if k.startswith("masks.")}
-        done["step_mask_is_the_export"] = same_mask(by_step[res["mask_step"]], final)
+        done["step_mask_is_the_export"] = same_mask(by_step[res["mask_step"]], final_masks(folder))
     save(dest, done)
     print(f"{folder.name}: chosen steps {done['chosen']} (the run exported step {done['exported_step']})", flush=True)
 
@@ -397,14 +395,7 @@ def rule(args) -> None:
     """Each rule's chosen step (the cell's checks.json) measured on its set's judges as the run would export it: the
     init's and the exported step's are the cells' own measures; any other step's mask is refit and exported here
     (the run's own statistics) and measured into <cell>-step<N>.measures.json."""
-    import dataclasses
     import tempfile
-
-    import torch
-
-    from engine.config import PruneConfig
-    from engine.export import export_pruned
-    from engine.pruner import PruneRun
 
     folder = cell_dir(args.rate, args.seed, "pg24")
     info = load(folder.parent / f"{folder.name}.checks.json")
@@ -417,17 +408,53 @@ def rule(args) -> None:
     if not todo:
         print(f"{folder.name}: every rule's choice is measured ({info['chosen']})", flush=True)
         return
-    by_step, config = step_masks(folder), PruneConfig.load(folder / "config.json")
+    by_step = step_masks(folder)
+    with tempfile.TemporaryDirectory() as tmp:
+        dests = {c: Path(tmp) / f"step{c}" for c in todo}
+        export_masks(folder, {dests[c]: by_step[c] for c in todo})
+        for c in todo:
+            measure(str(dests[c]), step_measures(folder, c), wanted)
+
+
+def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
+    """Each hard mask exported as the run in `folder` exports its final one: the run started again from its
+    config (its init and its refit statistics, no evaluation), each mask refit with them and sliced into its dest
+    (a finished run's export rebuilt in a later session, whose model/ git does not keep, is its final mask's)."""
+    import dataclasses
+    import tempfile
+
+    import torch
+
+    from engine.config import PruneConfig
+    from engine.export import export_pruned
+    from engine.pruner import PruneRun
+
+    config = PruneConfig.load(folder / "config.json")
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         run_ = PruneRun(dataclasses.replace(config, eval_init=False), Path(tmp) / "run",
                         log=lambda m: print(m, flush=True))
         run_.fresh_state()
-        for c in todo:
-            masks = by_step[c]
+        for dest, masks in masks_by_dest.items():
             with run_.masks.weights(masks) as fill:
-                export_pruned(run_.model, run_.tokenizer, run_.layout, masks, Path(tmp) / f"step{c}",
-                              run_.fill if fill is ... else fill)
-            measure(str(Path(tmp) / f"step{c}"), step_measures(folder, c), wanted)
+                export_pruned(run_.model, run_.tokenizer, run_.layout, masks, dest, run_.fill if fill is ... else fill)
+
+
+def final_masks(folder: Path) -> dict:
+    """The mask a finished run exported (masks.safetensors' masks), unit type -> 0/1 tensor over all layers."""
+    from safetensors.torch import load_file
+
+    return {k.split(".", 1)[1]: v for k, v in load_file(str(folder / "masks.safetensors")).items()
+            if k.startswith("masks.")}
+
+
+def ensure_export(folder: Path) -> Path:
+    """A finished run's model/, rebuilt from its masks when this checkout lacks it (git keeps the masks, not the
+    export): folder/model."""
+    if not (folder / "model" / "config.json").is_file():
+        print(f"{folder.name}: rebuilding its export from masks.safetensors (refit with the run's statistics)",
+              flush=True)
+        export_masks(folder, {folder / "model": final_masks(folder)})
+    return folder / "model"
 
 
 def step_measures(folder: Path, step: int) -> Path:

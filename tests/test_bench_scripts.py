@@ -5,6 +5,7 @@ run folders or list their cells do so on an empty folder. The default-model runs
 
 from __future__ import annotations
 
+import json
 import runpy
 import subprocess
 import sys
@@ -470,3 +471,68 @@ def test_the_final_choice_checks_score_each_validated_mask_on_both_texts_on_the_
         assert got["checks"][str(s)]["calib"] == pytest.approx(value, rel=1e-6)
     assert all(v["other"] > 0 for v in got["checks"].values()) and set(got["chosen"]) == set(confirm.RULES)
     assert got["exported_step"] == json.loads((folder / "results.json").read_text())["mask_step"]
+
+
+def test_the_recovery_study_lists_its_rungs_and_reports_each_rows_mean_beside_the_export(monkeypatch, tmp_path, capsys):
+    """bench/recover_study.py: `list` names every (set, rate, seed, row, text) cell's rungs, done or to run; `report`
+    puts each row and text at each rung (the mean over the seeds measured) under the export before recovery."""
+    import json
+    import math
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import confirm
+    import recover_study as rs
+
+    monkeypatch.setattr(confirm, "OUT", tmp_path / "confirm")
+    monkeypatch.setattr(rs, "OUT", tmp_path / "study")
+
+    def measures(scale):
+        m = {k: {"losses": [math.log(100.0 * scale)] * 4} for k in confirm.PERPLEXITIES}
+        m["zeroshot"] = {"scores": {t: "1100" for t in confirm.ZEROSHOT_TASKS}}
+        m["lambada"] = {"scores": {"lambada_openai": "1000"}}
+        return json.dumps(m)
+
+    (tmp_path / "confirm" / "tune").mkdir(parents=True)
+    for seed in (0, 1):
+        (tmp_path / "confirm" / "tune" / f"r30-s{seed}-pg24.measures.json").write_text(measures(1.0))
+        cell = rs.cell_dir(0.3, seed, "kl-lora", "c4")
+        cell.mkdir(parents=True)
+        (cell / "measures-2min.json").write_text(measures(0.8 if seed == 0 else 0.6))
+        (cell.parent / f"{cell.name}.cell.json").write_text(json.dumps({"minutes": 2.0}))
+    rs.listing(SimpleNamespace())
+    listed = capsys.readouterr().out
+    assert "tune/r30-s0-kl-lora-c4: 2 min done, 5 min to run, 10 min to run, 30 min to run" in listed
+    assert "confirm/r50-s5-mix-lora-own: 2 min to run" in listed
+    rs.report(SimpleNamespace(all=False))
+    out = capsys.readouterr().out
+    assert "| before recovery (pg24) | | 0 | 2 | 100.00 |" in out
+    assert "| kl-lora | c4 | 2 | 2 | 70.00 |" in out  # (the mean of 80 and 60)
+    assert "## confirm" not in out and (tmp_path / "study" / "table.md").read_text().strip() == out.strip()
+
+
+def test_a_recovery_cell_trains_its_rungs_by_resuming_and_measures_each(monkeypatch, tmp_path, finished_template):
+    """A cell's ladder on a finished tiny run: the first rung a fresh recovery, the next one resumed from its
+    checkpoint for the minutes between them, each rung's export measured once; a rerun trains nothing."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import confirm
+    import recover_study as rs
+
+    monkeypatch.setattr(rs, "OUT", tmp_path / "study")
+    monkeypatch.setattr(rs, "student", lambda rate, seed: finished_template)
+    monkeypatch.setattr(rs, "training_text", lambda rate, seed, text, run_dir: str(SMALL_CALIB))
+    measured = []
+    monkeypatch.setattr(confirm, "measure", lambda model, dest, wanted: measured.append((Path(dest).name, model)) or
+                        confirm.save(Path(dest), {m: {} for m in wanted}))
+    args = SimpleNamespace(rate=0.3, seed=0, row="kl-lora", text="c4", minutes=[0.01, 0.02], without=[],
+                           drop_model=False)
+    rs.cell(args)
+    folder = rs.cell_dir(0.3, 0, "kl-lora", "c4")
+    book = json.loads((folder.parent / f"{folder.name}.cell.json").read_text())
+    assert book["minutes"] == 0.02 and list(book["rungs"]) == ["0.01", "0.02"]
+    assert book["rungs"]["0.02"]["steps"] > book["rungs"]["0.01"]["steps"] >= 1  # (resumed: the steps go on)
+    assert [m[0] for m in measured] == ["measures-0.01min.json", "measures-0.02min.json"]
+    rs.cell(args)  # (everything done: nothing trained, nothing measured again)
+    assert len(measured) == 2

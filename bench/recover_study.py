@@ -1,0 +1,201 @@
+"""The recovery study (issue 67): which distillation recovers the default run's exports best per CPU minute?
+
+A cell is one (rate, seed, row, text) of `engine recover` on the default run's 24-step export of bench/confirm.py's
+cell (bench/results/confirm/<set>/r<rate>-s<seed>-pg24: its model/, rebuilt from its masks when this checkout
+lacks it), one thread, in a ladder of minutes: 2, then resumed to 5, 10 and 30 minutes of training in all (the
+learning rate is constant after its warm-up, so each rung is where one longer recovery passes; the rungs' exports
+are measured as they come). Rows:
+- `ce-lora`: CE only, LoRA (what `finetune` trains: the baseline);
+- `kl-lora`: KL from the dense model, LoRA (recover's default);
+- `kl-full`: KL, every decoder weight;
+- `mix-lora`: half KL, half CE, LoRA.
+Text: `c4`, the set's C4 calibration file (the run's own); `own`, the dense model's own text (256 documents of 256
+tokens sampled as the engine's own-text source samples them, seeded by the cell's seed; cached beside the cells).
+Each rung's export is measured on the set's judges (bench/confirm.py's measures: the confirmation set's WikiText-2
+test and validation, held-out C4, LAMBADA and the four-task zero-shot mean; the tuning set's test, held-out C4
+and zero-shot), and its CPU seconds recorded. Tune on the tuning seeds (0-2), report on the confirmation seeds.
+
+    OMP_NUM_THREADS=1 python bench/recover_study.py cell --rate 0.3 --seed 0 --row kl-lora --text c4
+    OMP_NUM_THREADS=1 python bench/recover_study.py cell --rate 0.3 --seed 0 --row kl-lora --text c4 --minutes 2,5
+    python bench/recover_study.py list                     # every cell and rung, done or to do
+    python bench/recover_study.py report                   # the tables, running nothing
+
+Cells: bench/results/recover_study/<set>/r<rate>-s<seed>-<row>-<text>/ (the recovery's own files; its model/ and
+checkpoint are working files); each rung's measures in <cell>/measures-<M>min.json and its CPU in cell.json. A
+rerun skips what a cell holds and resumes a stopped rung.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from pathlib import Path
+
+import confirm
+from cli_common import ROOT, positive, run
+
+OUT = ROOT / "bench" / "results" / "recover_study"
+ROWS = {  # row -> recover's settings
+    "ce-lora": {"mode": "lora", "ce_weight": 1.0},
+    "kl-lora": {"mode": "lora", "ce_weight": 0.0},
+    "kl-full": {"mode": "full", "ce_weight": 0.0},
+    "mix-lora": {"mode": "lora", "ce_weight": 0.5},
+}
+TEXTS = ("c4", "own")
+RUNGS = (2.0, 5.0, 10.0, 30.0)  # minutes of training in all
+OWN_DOCS, OWN_TOKENS = 256, 256
+
+
+def cell_dir(rate: float, seed: int, row: str, text: str) -> Path:
+    return OUT / confirm.set_of(seed) / f"r{round(rate * 100)}-s{seed}-{row}-{text}"
+
+
+def student(rate: float, seed: int) -> Path:
+    """The default run's 24-step cell of bench/confirm.py, finished, with its export on disk."""
+    folder = confirm.cell_dir(rate, seed, "pg24")
+    if not (folder / "results.json").is_file():
+        raise SystemExit(f"error: {folder} has not finished: python bench/confirm.py cell --rate {rate:g} --seed {seed} "
+                         "--only pg24 runs it")
+    confirm.ensure_export(folder)
+    return folder
+
+
+def training_text(rate: float, seed: int, text: str, run_dir: Path) -> str:
+    """The training text's file: the set's C4 calibration file, or the dense model's own text (made once)."""
+    if text == "c4":
+        return str(confirm.SHARED / "c4" / confirm.SETS[confirm.set_of(seed)][1])
+    path = OUT / "own-text" / f"own-s{seed}.json.gz"
+    if not path.is_file():
+        import dataclasses
+
+        from engine.calib_sources import CALIB_SOURCES, write_documents
+        from engine.config import PruneConfig
+        from engine.data import load_calibration_texts
+        from engine.loading import load_model, resolve_model
+
+        config = dataclasses.replace(PruneConfig.load(run_dir / "config.json"), self_docs=OWN_DOCS,
+                                     self_tokens=OWN_TOKENS, seed=seed)
+        model, tok = load_model(resolve_model(config.model))
+        texts, _ = load_calibration_texts(config.calib)
+        docs, _ = CALIB_SOURCES["self"](texts, model, tok, config, None, log=lambda m: print(m, flush=True))
+        if not write_documents(path, docs, print):
+            raise SystemExit(f"error: cannot write {path}")
+    return str(path)
+
+
+def cell(args) -> None:
+    from engine.tools.recover import CHECKPOINT_FILE, recover
+
+    folder = cell_dir(args.rate, args.seed, args.row, args.text)
+    book = folder.parent / f"{folder.name}.cell.json"
+    info = confirm.load(book)
+    wanted = tuple(m for m in confirm.MEASURES[confirm.set_of(args.seed)] if m not in args.without)
+    run_dir = student(args.rate, args.seed)
+    calib = training_text(args.rate, args.seed, args.text, run_dir)
+    done_minutes = info.get("minutes", 0.0)
+    for rung in sorted(args.minutes):
+        dest = folder / f"measures-{rung:g}min.json"
+        if rung <= done_minutes + 1e-9:
+            if not all(m in confirm.load(dest) for m in wanted):
+                if rung != done_minutes:
+                    print(f"{folder.name}: the {rung:g}-minute rung's export is gone (a later rung is trained); "
+                          "its measures stay as they are", flush=True)
+                else:
+                    confirm.measure(str(folder / "model"), dest, wanted)
+            continue
+        t0, w0 = time.process_time(), time.monotonic()
+        again = (folder / CHECKPOINT_FILE).is_file()
+        r = recover(run_dir, folder, resume=again, overwrite=not again and folder.exists(),
+                    time_budget=rung - done_minutes, skip_eval=True, calib=calib, seed=args.seed,
+                    log=lambda m: print(m, flush=True), **ROWS[args.row])
+        info.setdefault("rungs", {})[f"{rung:g}"] = {
+            "cpu_seconds": info.get("cpu_seconds", 0.0) + time.process_time() - t0,
+            "train_seconds": r.results.get("train_seconds"), "steps": r.results.get("steps"),
+            "loss_last": r.results.get("loss_last"), "kl_last": r.results.get("kl_last")}
+        info.update(minutes=rung, cpu_seconds=info.get("cpu_seconds", 0.0) + time.process_time() - t0,
+                    wall_seconds=info.get("wall_seconds", 0.0) + time.monotonic() - w0, row=args.row,
+                    text=args.text, settings=ROWS[args.row], calib=calib)
+        confirm.save(book, info)
+        done_minutes = rung
+        confirm.measure(str(folder / "model"), dest, wanted)
+    if args.drop_model and (folder / "model").is_dir():
+        shutil.rmtree(folder / "model")
+
+
+def cells() -> list[tuple[float, int, str, str]]:
+    return [(rate, seed, row, text) for seeds, _ in confirm.SETS.values() for seed in seeds for rate in (0.3, 0.5)
+            for row in ROWS for text in TEXTS]
+
+
+def listing(args) -> None:
+    for rate, seed, row, text in cells():
+        folder = cell_dir(rate, seed, row, text)
+        minutes = confirm.load(folder.parent / f"{folder.name}.cell.json").get("minutes", 0.0)
+        rungs = ", ".join(f"{m:g} min {'done' if m <= minutes else 'to run'}" for m in RUNGS)
+        print(f"{folder.parent.name}/{folder.name}: {rungs}")
+
+
+def report(args) -> None:
+    """Per set and rate: each row and text at each rung, the mean over the seeds measured of each judge, beside the
+    export before recovery (the pg24 cell's measures)."""
+    lines = ["# The recovery study: the default run's exports recovered by distillation", "",
+             "(bench/recover_study.py report; SmolLM2-135M-Instruct, the default preset's 24-step export of "
+             "bench/confirm.py's cells; one thread a cell; minutes of training in all, CPU seconds recorded per "
+             "rung; perplexities 256 x 128, held-out C4 128 x 128; mean over the seeds measured)", ""]
+    for set_name, (seeds, _) in confirm.SETS.items():
+        names = confirm.MEASURES[set_name]
+        for rate in (0.3, 0.5):
+            base = [confirm.load(confirm.cell_dir(rate, s, "pg24").parent / f"r{round(rate * 100)}-s{s}-pg24.measures.json")
+                    for s in seeds]
+            rows = []
+            for row in ROWS:
+                for text in TEXTS:
+                    for rung in RUNGS:
+                        got = [confirm.load(cell_dir(rate, s, row, text) / f"measures-{rung:g}min.json") for s in seeds]
+                        got = [m for m in got if all(n in m for n in names)]
+                        if got:
+                            rows.append(f"| {row} | {text} | {rung:g} | {len(got)} | " + " | ".join(
+                                confirm.fmt_value(n, sum(confirm.value(m, n) for m in got) / len(got)) for n in names)
+                                + " |")
+            if not rows and not args.all:
+                continue
+            done = [m for m in base if all(n in m for n in names)]
+            before = " | ".join(confirm.fmt_value(n, sum(confirm.value(m, n) for m in done) / len(done)) for n in names) \
+                if done else " | ".join("not finished" for _ in names)
+            lines += [f"## {set_name}, {round(rate * 100)} %", "",
+                      "| row | text | minutes | seeds | " + " | ".join(confirm.LABELS[n] for n in names) + " |",
+                      "|---" * (len(names) + 4) + "|", f"| before recovery (pg24) | | 0 | {len(done)} | {before} |", *rows,
+                      ""]
+    text = "\n".join(lines) + "\n"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "table.md").write_text(text)
+    print(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="stage", required=True)
+    s = sub.add_parser("cell", help="one (rate, seed, row, text): its rungs trained, resumed and measured")
+    s.add_argument("--rate", type=positive(float), default=0.3)
+    s.add_argument("--seed", type=int, required=True)
+    s.add_argument("--row", choices=tuple(ROWS), required=True)
+    s.add_argument("--text", choices=TEXTS, required=True)
+    s.add_argument("--minutes", type=lambda v: [float(x) for x in v.split(",")], default=list(RUNGS),
+                   help="the rungs: minutes of training in all (default 2,5,10,30)")
+    s.add_argument("--without", action="append", default=[], choices=confirm.MEASURES["confirm"],
+                   help="a measure left for a later pass")
+    s.add_argument("--drop-model", action="store_true", help="remove the cell's model/ after its last rung")
+    sub.add_parser("list", help="every cell's rungs, done or to run")
+    s = sub.add_parser("report", help="the tables from the cells on disk")
+    s.add_argument("--all", action="store_true", help="also the (set, rate) pairs with no measured rung")
+    args = p.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.stage == "cell" and not any(args.seed in seeds for seeds, _ in confirm.SETS.values()):
+        raise SystemExit(f"error: seed {args.seed} is in no set")
+    {"cell": cell, "list": listing, "report": report}[args.stage](args)
+
+
+if __name__ == "__main__":
+    run(main)
