@@ -582,6 +582,13 @@ def test_browser_end_to_end(server, browser):
     assert all(c in wait(lambda: table_columns(d)[0], what="the comparison table") for c in KEY_COLUMNS), \
         table_columns(d)
     shot(d, "compare-1400", plots=2)
+    # At 1000 px the Runs table starts with the run's name (issue 66: two runs of one setting read apart).
+    d.set_window_size(1000, HEIGHT)
+    goto(d, "Runs")
+    time.sleep(1.5)
+    first = wait(lambda: [c for c in table_columns(d)[0] if c][:1], what="the runs table at 1000 px")
+    assert first == ["run"], table_columns(d)
+    shot(d, "runs-1000")
     d.set_window_size(WIDTH, HEIGHT)
     goto(d, "Runs")
 
@@ -621,6 +628,10 @@ def test_browser_end_to_end(server, browser):
         removed_rows = wait(lambda: removed_heatmap_rows(d), what="the removed layers in the heatmap")
         assert removed_rows == [i for i, k in enumerate(kept) if not k] and removed_rows
         shot(d, "prune-removed-layer", plots=2)
+        # A reload (a new session) keeps the loaded run: its name is in the URL (?run=NAME).
+        assert "run=zz-layers-width" in d.current_url, d.current_url
+        d.refresh()
+        wait(lambda: "Run zz-layers-width" in page_text(d), what="the loaded run after a reload")
     print(f"browser test took {time.time() - t0:.0f} s")
 
 
