@@ -187,6 +187,20 @@ def planned_fraction(snap) -> float:
     return min(max(1.0 - c["run_left"] / plan["total"], 0.0), 1.0)
 
 
+def too_few_steps_text(config, times) -> str | None:
+    """Under a time budget whose plan fits fewer steps than pay (engine/hooks/time_budget.py's MIN_STEPS): what
+    the run will do instead, said before Start; None otherwise."""
+    from engine.hooks.time_budget import MIN_STEPS, too_few_line
+    from engine.methods import METHODS
+
+    fit = times.steps_fit
+    optimises = METHODS[config.method].optimises if config.method in METHODS else True
+    if not config.time_budget or fit is None or not optimises or fit >= min(MIN_STEPS, config.steps):
+        return None
+    line = too_few_line(fit, 60.0 * config.time_budget)
+    return line[0].upper() + line[1:] + "."
+
+
 def memory_text(results: dict) -> str | None:
     """The run's measured peak memory beside the plan's estimate (results.json), or None without the peak."""
     peak, plan = results.get("peak_rss_mb"), results.get("plan_memory_mb")
@@ -708,6 +722,8 @@ def plan_panel(config, problem: str | None) -> float | None:
                 + (f" Earlier runs of this model peaked at {max(peaks) / 1e3:.1f} GB." if peaks else ""))
     for trade in budget_trades(config, times):  # (what the time budget would trade for time: said before Start)
         box.warning(trade[0].upper() + trade[1:] + ".", icon=":material/timer:")
+    if (line := too_few_steps_text(config, times)) is not None:  # (the run says it again when it starts)
+        box.warning(line, icon=":material/timer_off:")
     if not measured and box.button("Measure this machine's speed", key="probe", icon=":material/speed:",
                                    help="One forward of a calibration batch through the model built with random "
                                         "weights (no file is read); remembered for this model and batch shape."):

@@ -735,6 +735,18 @@ def test_a_run_over_10_minutes_asks_first(runs_dir):
     at.number_input(key="time_budget").set_value(None).run()
 
 
+def test_a_budget_that_fits_too_few_steps_says_so_before_start(runs_dir):
+    """A time budget whose plan fits fewer steps than pay: the plan panel says the run takes none and exports its
+    init, before Start; a budget with room for the steps says nothing of it."""
+    at = fill_prune_form(app(), steps=50)
+    at.number_input(key="time_budget").set_value(0.05).run()
+    said = [w.value for w in at.warning if "measured to pay" in w.value]
+    assert len(said) == 1 and "no steps; the init mask" in said[0] and "steps fit in 0.05 min" in said[0], said
+    at.number_input(key="time_budget").set_value(600.0).run()
+    assert not [w.value for w in at.warning if "measured to pay" in w.value]
+    at.number_input(key="time_budget").set_value(None).run()
+
+
 def test_estimated_speedup_of_a_run(runs_dir):
     from engine.plan import model_skeleton, speedup
     from engine.ui.settings import estimated_speedup
