@@ -5,9 +5,23 @@ counted once, in the inner one (an evaluation during the steps is an evaluation)
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from typing import Callable
+
+
+SLOW_ENV = "PG_PRUNE_SLOW_PHASE"  # "NAME:SECONDS": that phase sleeps so long each time it starts (the progress
+# line's tests slow a run on purpose; unset, nothing sleeps)
+
+
+def slow_phase(name: str, env=os.environ) -> float:
+    """The seconds $PG_PRUNE_SLOW_PHASE asks phase `name` to sleep on entry (0 unless it names it)."""
+    want, _, seconds = env.get(SLOW_ENV, "").partition(":")
+    try:
+        return max(float(seconds), 0.0) if want == name else 0.0
+    except ValueError:
+        return 0.0
 
 
 class PhaseClock:
@@ -34,6 +48,8 @@ class PhaseClock:
         self.stack.append([name, now])
         self.last = name
         try:
+            if pause := slow_phase(name):
+                time.sleep(pause)
             yield
         finally:
             now = self.clock()

@@ -747,6 +747,28 @@ def test_a_budget_that_fits_too_few_steps_says_so_before_start(runs_dir):
     at.number_input(key="time_budget").set_value(None).run()
 
 
+def progress_text(at: AppTest) -> str:
+    return " ".join(p.proto.text for p in at.get("progress"))
+
+
+def test_a_slowed_check_is_named_and_its_overrun_said_in_the_progress_line(runs_dir, monkeypatch):
+    """A run slowed on purpose ($PG_PRUNE_SLOW_PHASE: each held-out check sleeps 15 s): while a check runs, the
+    progress line names it and says it is over its plan, by how much."""
+    from engine.phases import SLOW_ENV
+
+    monkeypatch.setenv(SLOW_ENV, "validation:15")
+    at = fill_prune_form(app(), steps=5000)
+    start_button(at).click().run()
+    confirm_long_run(at)
+    assert not at.error, [e.value for e in at.error]
+    at = wait_for(at, lambda a: "a held-out check running for" in progress_text(a)
+                  and "× the plan" in progress_text(a), timeout=240, every=1.0)
+    line = progress_text(at)
+    assert "validation: " in line and "checks included" in line, line  # (the steps have begun: their line)
+    next(b for b in at.button if "Stop" in b.label).click().run()
+    wait_for(at, lambda a: "Stopped" in status(a) or "Done" in status(a), timeout=120)
+
+
 def test_estimated_speedup_of_a_run(runs_dir):
     from engine.plan import model_skeleton, speedup
     from engine.ui.settings import estimated_speedup
