@@ -200,3 +200,15 @@ def test_the_time_budgets_help_states_the_minimum_the_hook_applies():
 
     field = next(f for f in dataclasses.fields(PruneConfig) if f.name == "time_budget")
     assert f"fewer than {MIN_STEPS} steps" in " ".join(str(v) for v in field.metadata.values())
+
+
+def test_a_short_schedule_never_steps_further_than_a_24_step_runs_first_step():
+    """Issue 65: with few steps left the schedule is safe: every learning rate of an 8-step (or 2-step) schedule is
+    at most the 24-step schedule's first, which is the same learning rate (the schedules start at --lr)."""
+    from engine.policy import LR_SCHEDULE_FNS
+
+    for name, fn in LR_SCHEDULE_FNS.items():
+        first = fn(0.1, 0, 24)
+        for length in (2, 8):
+            assert fn(0.1, 0, length) == pytest.approx(first), name
+            assert all(fn(0.1, i, length) <= first + 1e-12 for i in range(length)), name
