@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The recovery study's cells (bench/recover_study.py) in two lanes, one thread each, in the background: the tuning
+# seeds first (0, 1, 2: where a row is chosen), every row and text at the 2- and 5-minute rungs (the rows that
+# lose at 5 minutes are dropped before 30 are spent on them: give the kept rows as ROWS="kl-lora kl-full" and
+# RUNGS=2,5,10,30 for the next pass), lane a at 30 %, lane b at 50 %. Each cell needs its confirmation cell's
+# pg24 run (bench/confirm_lanes.sh) finished. A cell resumes where it stopped. Logs:
+# bench/results/recover_study/logs/.
+#   bash bench/recover_lanes.sh                         # the first pass: every row, rungs 2 and 5, seeds 0-2
+#   ROWS="kl-lora mix-lora" RUNGS=2,5,10,30 SEEDS="0 1 2 3 4 5" bash bench/recover_lanes.sh
+#   bash bench/recover_lanes.sh status
+set -uo pipefail
+cd "$(dirname "$0")/.."
+HERE=$(pwd)
+LOGS=$HERE/bench/results/recover_study/logs
+mkdir -p "$LOGS"
+ROWS=${ROWS:-"ce-lora kl-lora kl-full mix-lora"}
+RUNGS=${RUNGS:-2,5}
+SEEDS=${SEEDS:-"0 1 2"}
+if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi
+lane() {  # a rate: every seed, row and text
+  local r="$1"
+  for s in $SEEDS; do for row in $ROWS; do for text in c4 own; do
+    local name="r$r-s$s-$row-$text"
+    echo "$(date -u +%FT%TZ) start $name $RUNGS" >> "$LOGS/lanes.txt"
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PG_PRUNE_CACHE="$HERE/bench/results/confirm/cache" \
+      PG_PRUNE_SELF_CALIB_CACHE="$HERE/bench/results/confirm/selfcalib" \
+      python "$HERE/bench/recover_study.py" cell --rate "0.$r" --seed "$s" --row "$row" --text "$text" \
+      --minutes "$RUNGS" --without zeroshot >> "$LOGS/$name.log" 2>&1
+    echo "$(date -u +%FT%TZ) end $name rc=$?" >> "$LOGS/lanes.txt"
+  done; done; done
+}
+for r in 30 50; do  # each lane a session of its own, its autogroup at nice 19 (plain nice would not yield the cores)
+  setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; $(declare -f lane); HERE='$HERE'; LOGS='$LOGS'; \
+    ROWS='$ROWS'; RUNGS='$RUNGS'; SEEDS='$SEEDS'; lane $r" > /dev/null 2>&1 < /dev/null &
+done
+echo "two lanes started (rows: $ROWS; rungs: $RUNGS; seeds: $SEEDS); bash bench/recover_lanes.sh status"
