@@ -46,7 +46,10 @@ lane_b() {
   cells 50 --without zeroshot
   cells 50
 }
-if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi
+if [[ "${1:-}" == "status" ]]; then
+  if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
+  exit 0
+fi
 # each lane a session of its own (setsid), its autogroup at nice 19: the kernel groups processes by session, so
 # plain nice would not yield the cores to foreground work
 for lane in lane_a lane_b; do

@@ -16,7 +16,10 @@ mkdir -p "$LOGS"
 ROWS=${ROWS:-"ce-lora kl-lora kl-full mix-lora"}
 RUNGS=${RUNGS:-2,5}
 SEEDS=${SEEDS:-"0 1 2"}
-if [[ "${1:-}" == "status" ]]; then tail -n 20 "$LOGS/lanes.txt"; exit 0; fi
+if [[ "${1:-}" == "status" ]]; then
+  if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
+  exit 0
+fi
 lane() {  # a rate: every seed, row and text
   local r="$1"
   for s in $SEEDS; do for row in $ROWS; do for text in c4 own; do

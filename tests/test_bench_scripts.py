@@ -536,3 +536,10 @@ def test_a_recovery_cell_trains_its_rungs_by_resuming_and_measures_each(monkeypa
     assert [m[0] for m in measured] == ["measures-0.01min.json", "measures-0.02min.json"]
     rs.cell(args)  # (everything done: nothing trained, nothing measured again)
     assert len(measured) == 2
+
+
+@pytest.mark.parametrize("script", ["confirm_lanes.sh", "recover_lanes.sh"])
+def test_the_lanes_say_what_ran_and_start_nothing_when_asked_their_status(script):
+    proc = subprocess.run(["bash", str(BENCH / script), "status"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    assert "two lanes started" not in proc.stdout  # (a status, never a launch)
