@@ -73,8 +73,9 @@ def _method_option_args(p: argparse.ArgumentParser) -> None:
             kw = dict(dest=f"{name}_{f.name}", default=None, help=help_)
             if hints[f.name] is bool:
                 p.add_argument(_option_flag(name, f), action=argparse.BooleanOptionalAction, **kw)
-            else:
-                p.add_argument(_option_flag(name, f), type=hints[f.name], choices=choices_of(f),
+            else:  # (an optional option, float | None, parses as its type: its default None is "not given")
+                kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+                p.add_argument(_option_flag(name, f), type=kind, choices=choices_of(f),
                                metavar=None if choices_of(f) else f.name.upper(), **kw)
 
 

@@ -522,6 +522,10 @@ def option_widgets(options_cls, defaults: dict | None = None, key: str | None = 
         elif hints[f.name] is float:
             values[f.name] = float(col.number_input(label, format="%.4g", **kw) if seeded else
                                    col.number_input(label, value=float(default), format="%.4g", **kw))
+        elif set(typing.get_args(hints[f.name])) == {float, type(None)}:  # (an optional number: empty is None)
+            got = col.number_input(label, format="%.4g", **kw) if seeded else \
+                col.number_input(label, value=None if default is None else float(default), format="%.4g", **kw)
+            values[f.name] = None if got is None else float(got)
         else:
             values[f.name] = col.text_input(label, **kw) if seeded else col.text_input(label, str(default), **kw)
     return values

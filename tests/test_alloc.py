@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from engine.budget import unit_weights
 from engine.config import PruneConfig
 from engine.initialise import fresh_state
-from engine.methods.alloc import (antithetic_offsets, expand_offsets, learned_layers, offset_gradient, offset_index,
+from engine.methods.alloc import (within_radius, antithetic_offsets, expand_offsets, learned_layers, offset_gradient, offset_index,
                                   scale_free_step, shifted_scores)
 from engine.pruner import PruneRun
 from engine.unit_types import UNIT_TYPES
@@ -215,6 +215,7 @@ def test_step_refit_scores_every_sample_refit(tiny, eval_file):
 @pytest.mark.parametrize("flags, needle", [
     (["--alloc-sigma", "0"], "sigma must be above 0"),
     (["--alloc-step", "-1"], "step must be above 0"),
+    (["--alloc-radius", "0"], "radius must be above 0"),
     (["--num-mask-samples", "3"], "antithetic pairs: num mask samples must be even, got 3"),
     (["--init", "random-progressive"], "random-progressive"),
 ])
@@ -244,3 +245,15 @@ def test_two_ranks_give_the_single_process_run_bit_for_bit(eval_file, tmp_path):
                                                              "--reward", "kl", "--step-refit"])
     assert json.loads((two / "config.json").read_text())["step_refit"] is True
     assert float(checkpoint(two)["method_state"]["alloc"]["mu"].abs().sum()) > 0
+
+
+def test_the_trust_region_scales_the_offsets_back_onto_its_ball_and_leaves_them_inside_it():
+    """--alloc-radius R (issue 64's trust-region candidate): offsets whose root mean square is above R are scaled
+    back to R, in the same direction; inside the ball, or without a radius, they stay as they are."""
+    mu = torch.tensor([0.3, -0.4, 0.0, 0.5], dtype=torch.float64)
+    rms = float(mu.pow(2).mean().sqrt())
+    out = within_radius(mu, 0.1)
+    assert float(out.pow(2).mean().sqrt()) == pytest.approx(0.1)
+    assert torch.allclose(out / out.norm(), mu / mu.norm())
+    assert within_radius(mu, rms + 1e-9) is mu and within_radius(mu, None) is mu
+    assert within_radius(torch.zeros(0, dtype=torch.float64), 0.1).numel() == 0

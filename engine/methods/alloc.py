@@ -108,6 +108,15 @@ def scale_free_step(mu: torch.Tensor, g: torch.Tensor, size: float) -> torch.Ten
     return mu if rms == 0.0 else mu - size * g / rms
 
 
+def within_radius(mu: torch.Tensor, radius: float | None) -> torch.Tensor:
+    """The trust region around the init (mu = 0: the start's scores): mu scaled back onto the ball of root mean
+    square `radius` when it lies outside (None: no region)."""
+    if radius is None or not mu.numel():
+        return mu
+    rms = float(mu.pow(2).mean().sqrt())
+    return mu if rms <= radius else mu * (radius / rms)
+
+
 # --- the method -------------------------------------------------------------------------------------------------
 @dataclass
 class AllocOptions:
@@ -119,6 +128,10 @@ class AllocOptions:
     step: float = setting(0.25, minimum=0.0, exclusive=True, flag="--alloc-step", label="Offset step alpha",
                           help="each step moves the offsets by alpha * sigma (root mean square over the offsets), "
                                "times the learning-rate schedule's factor")
+    radius: float | None = setting(None, minimum=0.0, exclusive=True, flag="--alloc-radius", label="Trust radius",
+                                   help="a trust region around the init: the offsets' root mean square is kept at "
+                                        "most this (after each step; default: none). 24 steps at the default alpha "
+                                        "and sigma move it by at most 0.6")
 
     def validate(self, config=None) -> None:
         n = getattr(config, "num_mask_samples", None)
@@ -154,7 +167,8 @@ class LayerAllocation(Method):
             g[ids[ids >= 0]] = grads[u][ids >= 0].double()
         lr0 = m.setdefault("lr0", float(lr))  # the schedule's factor: this step's rate over the first step's
         factor = lr / lr0 if lr0 > 0 else 1.0
-        m["mu"] = scale_free_step(m["mu"], g, self.options.step * self.options.sigma * factor)
+        m["mu"] = within_radius(scale_free_step(m["mu"], g, self.options.step * self.options.sigma * factor),
+                                self.options.radius)
         return self.scores(state)
 
     def scores(self, state) -> dict[str, torch.Tensor]:
