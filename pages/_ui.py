@@ -306,7 +306,8 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
         st.plotly_chart(figures.layers_figure(layers, kept.get("layers")), key=f"{key}-layers",
                         width="stretch", config=PLOT_CONFIG)
     if history:
-        st.plotly_chart(figures.loss_figure(history), key=f"{key}-loss", width="stretch", config=PLOT_CONFIG)
+        st.plotly_chart(figures.loss_figure(history, reward=config.get("reward", "ce")), key=f"{key}-loss",
+                        width="stretch", config=PLOT_CONFIG)
     sizes = {u: [len(r) for r in rows] for u, rows in view.masks.items()} if view is not None else None
     rows = layer_rows(kept, sizes)
     title = f"Masks per layer ({view.label})" if view is not None else "Kept per layer"
@@ -707,8 +708,8 @@ def plan_panel(config, problem: str | None) -> float | None:
               help="Dense over pruned matrix parameters a token multiplies (decoder and LM head); attention over "
                    "the context left out. llama.cpp measured 1.40× for 30 % of SmolLM2 (docs/gguf.md).")
     split = ", ".join(f"{UNIT_TYPES[u].title if u in UNIT_TYPES else u} {n:,}" for u, n in removal.by_type.items())
-    how = ("the split between unit types comes from the init metric's one ranking of them (its data decide it; "
-           "shown: the same share of each)" if removal.split_from_metric
+    how = ("how much each unit type loses is decided by the init metric's ranking of all units together, once it "
+           "has read the data (shown here: the same share of each)" if removal.split_from_metric
            else "the split between unit types is where the run starts: the method learns it" if removal.split_learned
            else "per unit type")
     box.markdown(f"Will remove **{removal.params_removed:,}** parameters"
@@ -721,7 +722,7 @@ def plan_panel(config, problem: str | None) -> float | None:
     phases = " · ".join(f"{k} {fmt_seconds(v)}" for k, v in times.phases.items() if v >= 0.5)
     box.caption(f"Time: {phases}" + (f" (the time budget stops it at {config.time_budget:g} min)" if config.time_budget else "")
                 + f". Rate: {rate * 1e3:.3f} ms per token, from {source}"
-                + (f"; the one-shot passes in {passes}: {pass_rate * 1e3:.3f}" if pass_rate else
+                + (f"; the one-shot passes in {passes}: {pass_rate * 1e3:.3f} ms per token" if pass_rate else
                    f"; the one-shot passes will run in {passes} (planned at this rate)" if passes else "") + "."
                 + (f" Earlier runs of this model peaked at {max(peaks) / 1e3:.1f} GB." if peaks else ""))
     for trade in budget_trades(config, times):  # (what the time budget would trade for time: said before Start)

@@ -104,10 +104,10 @@ if b is not None:
                        "rounds per layer; the parameter budget (the default) removes the same share of parameters in "
                        "both scopes.")
         else:
-            st.success(f"Both runs removed the same parameters, within 0.5 % of the model: A {removed[0]:,}, "
-                       f"B {removed[1]:,}.")
+            st.success(f"Both runs removed the same number of parameters (not the same units), within 0.5 % of the "
+                       f"model: A {removed[0]:,}, B {removed[1]:,}.")
     else:
-        st.info("Whether the two runs removed the same parameters shows once both have finished.")
+        st.info("Whether the two runs removed the same number of parameters shows once both have finished.")
 
 # --- charts: one colour per run -------------------------------------------------------------------------------
 order_types = list(UNIT_TYPES)  # the registry's order; a unit type it no longer has goes last

@@ -787,3 +787,16 @@ def test_a_metric_cards_duration_is_short():
 
     assert [fmt_duration(s) for s in (0.4, 59.4, 60, 89, 91, 1098, 3569, 3571, 3600, 3931, 36000)] == [
         "0 s", "59 s", "1 min", "1 min", "2 min", "18 min", "59 min", "1 h 00", "1 h 00", "1 h 06", "10 h 00"]
+
+
+def test_special_tokens_spelled_with_ordinary_tokens_are_not_printed():
+    """Issue 66: the tiny model's answers began with a literal <|end_story|> (spelled "<|" "end_story" "|>", which
+    skip_special_tokens cannot drop): every special token's text is taken out of the stream, across pieces."""
+    from engine.tools.chat import without_special_text
+
+    specials = ["<|end_story|>", "<unk>", "<|start_story|>"]
+    pieces = ["<|", "end_story", "|>Once", " upon a <", "|start_story|>time <un", "k>.", " <|"]
+    out = list(without_special_text(pieces, specials))
+    assert "".join(out) == "Once upon a time . <|"  # (a trailing "<|" that began nothing is given back at the end)
+    assert out[0] == "Once" and all("end_story" not in p for p in out)
+    assert "".join(without_special_text(["a <b> c"], specials)) == "a <b> c"

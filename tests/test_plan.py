@@ -339,3 +339,29 @@ def test_scoring_over_the_vocabulary_is_planned_where_a_phase_scores(skeleton, t
     ce = PruneConfig.of(**{**joint.to_dict(), "reward": "ce"})
     assert phase_tokens(ce, skeleton)["validation scoring"] < tokens["validation scoring"]  # (the KL beside the CE)
     assert plan_time(ce, skeleton, 1e-4, "t").phases["steps"] < plan_time(joint, skeleton, 1e-4, "t").phases["steps"]
+
+
+def test_a_run_that_prunes_no_whole_layer_lists_no_layer_settings():
+    """Issue 66: a heads/channels run's Config said "Initial scores of layers: sleb", a setting that did nothing."""
+    widths = {r["setting"] for r in S.settings_table(PruneConfig(units=["heads", "channels"]).to_dict())}
+    joint = {r["setting"] for r in S.settings_table(PruneConfig(units=["layers", "heads", "channels"]).to_dict())}
+    assert S.setting_label("layer_init") in joint and S.setting_label("layer_init") not in widths
+    assert S.setting_label("units") in widths and S.setting_label("layer_init_batches") not in widths
+
+
+def test_the_loss_chart_draws_a_kl_runs_check_as_a_kl_and_a_ce_runs_as_a_log_perplexity():
+    """Issue 66: the held-out point was a log-perplexity on the "calibration loss" axis, also for a KL run, whose
+    check is a mean KL (0.80 read as a perplexity below 1)."""
+    import math
+
+    from engine.ui.figures import loss_figure
+
+    history = [{"step": s, "losses": [0.9, 0.8], "baseline": 0.85, "lr": 0.1, "val_ppl": v}
+               for s, v in ((1, None), (2, 0.8036))]
+    kl = loss_figure(history, reward="kl")
+    check = next(t for t in kl.data if t.name.startswith("hard mask"))
+    assert check.name == "hard mask, held-out (mean KL)" and list(check.y) == [0.8036]
+    assert "KL" in kl.layout.yaxis.title.text
+    ce = loss_figure([{**r, "val_ppl": 120.0 if r["val_ppl"] else None} for r in history], reward="ce")
+    check = next(t for t in ce.data if t.name.startswith("hard mask"))
+    assert check.name == "hard mask, held-out (log ppl)" and list(check.y) == [pytest.approx(math.log(120.0))]

@@ -362,15 +362,34 @@ class GenerationStats:
         return (self.new_tokens - 1) / rest if rest > 0 else None
 
 
-class Generation:
-    """Iterate for text pieces as they come; `stats` fills in, final once iteration ends."""
+def without_special_text(pieces, specials: list[str]):
+    """The text pieces with every special token's text taken out, also when a model spells one with ordinary
+    tokens ("<|" "end_story" "|>": skip_special_tokens cannot drop it): a piece's end that could begin one is
+    held back until the next piece tells."""
+    specials = [s for s in specials if len(s) > 1]
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        for s in specials:
+            buf = buf.replace(s, "")
+        hold = max((k for s in specials for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        out, buf = buf[:len(buf) - hold], buf[len(buf) - hold:]
+        if out:
+            yield out
+    if buf:
+        yield buf
 
-    def __init__(self, streamer, stats: GenerationStats, thread: threading.Thread):
-        self._streamer, self.stats, self._thread = streamer, stats, thread
+
+class Generation:
+    """Iterate for text pieces as they come (special tokens' text taken out); `stats` fills in, final once
+    iteration ends."""
+
+    def __init__(self, streamer, stats: GenerationStats, thread: threading.Thread, specials: list[str] = ()):
+        self._streamer, self.stats, self._thread, self._specials = streamer, stats, thread, list(specials)
         self.text = ""
 
     def __iter__(self):
-        for piece in self._streamer:
+        for piece in without_special_text(self._streamer, self._specials):
             self.text += piece
             yield piece
         self._thread.join()
@@ -427,7 +446,7 @@ def stream(chat: ChatModel, prompt: str, settings: GenerationSettings) -> Genera
 
     thread = threading.Thread(target=work, name="chat-generate", daemon=True)
     thread.start()
-    return Generation(streamer, stats, thread)
+    return Generation(streamer, stats, thread, getattr(tok, "all_special_tokens", []))
 
 
 def _generate(chat: ChatModel, input_ids: torch.Tensor, streamer, kwargs: dict) -> None:

@@ -166,8 +166,10 @@ def layers_figure(layer_scores: list[float], kept: list[float] | None, title: st
     return _layout(fig, title or f"Whole layers: keep probability s{sub}", height=340)
 
 
-def loss_figure(history: list[dict], title: str = "") -> go.Figure:
-    """Each mask sample's loss, the moving-average baseline, and the learning rate (right axis)."""
+def loss_figure(history: list[dict], title: str = "", reward: str = "ce") -> go.Figure:
+    """Each mask sample's loss, the moving-average baseline, the held-out check of the hard mask, and the learning
+    rate (right axis). The loss and the check are the reward's: under kl the mean KL from the dense model (nats per
+    token; the check's value is that, not a perplexity), under ce the cross-entropy (the check: log perplexity)."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     steps = [r["step"] for r in history]
     n_samples = max((len(r["losses"]) for r in history), default=0)
@@ -178,16 +180,20 @@ def loss_figure(history: list[dict], title: str = "") -> go.Figure:
     if any(r["baseline"] for r in history):
         fig.add_scatter(x=steps, y=[r["baseline"] for r in history], name="baseline", mode="lines",
                         line=dict(width=2.5, color="black"), secondary_y=False)
-    val = [(r["step"], math.log(r["val_ppl"])) for r in history if r.get("val_ppl")]
-    if val:
-        fig.add_scatter(x=[v[0] for v in val], y=[v[1] for v in val], name="hard mask, held-out (log ppl)",
+    kl = reward == "kl"
+    val = [(r["step"], r["val_ppl"] if kl else math.log(r["val_ppl"])) for r in history if r.get("val_ppl")]
+    if val:  # (a held-out value is the reward's: a mean KL under kl, a perplexity under ce, drawn as its log)
+        fig.add_scatter(x=[v[0] for v in val], y=[v[1] for v in val],
+                        name="hard mask, held-out (mean KL)" if kl else "hard mask, held-out (log ppl)",
                         mode="markers+lines", marker=dict(size=8, symbol="diamond", color="#54a24b"),
-                        hovertemplate="step %{x}: held-out ppl %{customdata:.2f}<extra></extra>",
-                        customdata=[math.exp(v[1]) for v in val], secondary_y=False)
+                        hovertemplate=("step %{x}: held-out mean KL %{y:.4f}<extra></extra>" if kl else
+                                       "step %{x}: held-out ppl %{customdata:.2f}<extra></extra>"),
+                        customdata=None if kl else [math.exp(v[1]) for v in val], secondary_y=False)
     fig.add_scatter(x=steps, y=[r["lr"] for r in history], name="learning rate", mode="lines",
                     line=dict(width=1.5, dash="dot", color="#e45756"), secondary_y=True)
     fig.update_xaxes(title="step", tickformat="d", dtick=max(1, math.ceil(len(steps) / 10)) if steps else None)
-    fig.update_yaxes(title="calibration loss", secondary_y=False)
+    fig.update_yaxes(title="mean KL from the dense model (nats)" if kl else "cross-entropy (nats; held-out: log ppl)",
+                     secondary_y=False)
     fig.update_yaxes(title="lr", secondary_y=True, showgrid=False, tickformat=".1e", rangemode="tozero")
     return _layout(fig, title or "Calibration loss per mask sample, baseline, learning rate", height=400)
 

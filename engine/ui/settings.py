@@ -326,10 +326,20 @@ def rows_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+LAYER_SETTINGS = ("layer_init", "layer_init_batches", "layer_score_const", "sleb_finalists")
+
+
 def settings_table(config: dict) -> list[dict]:
-    """A run's config as rows (setting label, value) for a table; method options as 'option of METHOD'."""
+    """A run's config as rows (setting label, value) for a table; method options as 'option of METHOD'. The
+    settings of whole-layer pruning are left out of a run that prunes no whole layer (they did nothing there)."""
+    from ..unit_types import UNIT_TYPES
+
+    units = config.get("units") or []
+    layers = any(UNIT_TYPES[u].whole_layer for u in units if u in UNIT_TYPES)
     rows = []
     for k, v in config.items():
+        if k in LAYER_SETTINGS and not layers:
+            continue
         if k == "method_options" and isinstance(v, dict):
             rows += [{"setting": f"{name} (option of {config.get('method')})", "value": _cell(x)} for name, x in v.items()]
         else:
