@@ -187,7 +187,7 @@ def live() -> None:
 
     cfg = snap.config or {}
     last = snap.last
-    head = st.columns([3, 1])
+    head = st.columns([3, 1], vertical_alignment="center")  # (Stop and Resume level with the status)
     badge = {"loading": ":material/hourglass_top:", "running": ":material/play_circle:", "stopping": ":material/pending:",
              "stopped": ":material/pause_circle:", "done": ":material/check_circle:", "failed": ":material/error:"}
     head[0].subheader(f"{badge.get(snap.status, '')} {snap.status.capitalize()}: {Path(cfg.get('model', '')).name}")

@@ -54,7 +54,7 @@ if b1.button("Load into the pages", icon=":material/upload:", type="primary",
     _ui.select_run(run.path)
     _ui.load_into_form(run.config, run.name)
     st.success(f"Loaded {run.name}: its charts and its settings are on **Prune**.")
-if b2.button("Re-run with these settings", icon=":material/replay:",
+if b2.button("Re-run", icon=":material/replay:",
              help="Fill the Prune form with this run's settings (every one of them, also those the form does not "
                   "show) and open Prune: check the plan and press Start."):
     _ui.load_into_form(run.config, run.name)

@@ -595,7 +595,7 @@ def test_browser_end_to_end(server, browser):
     # Re-run the short run with its settings: the new run's config is the same.
     if not REAL:
         pick_run(d, short_run.name)
-        button(d, "Re-run with these settings").click()
+        button(d, "Re-run").click()
         wait(lambda: d.find_element(By.TAG_NAME, "h1").text.endswith("Prune"), what="the Prune page")
         open_expander(d, "Run settings")
         wait(lambda: "Settings from run" in page_text(d) and short_run.name in page_text(d), what="the run's settings")
