@@ -25,6 +25,10 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 _CALIB_SUBDIR = "c4"
 _EVAL_SUBDIR = "wikitext-2-raw-v1"
 _TEXT_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+# the default data folder's C4 documents that the results' held-out C4 perplexity reads (docs/results.md, "Two
+# sets"): the default calibration leaves them out, so that no default run calibrates on its own judge (a --calib
+# that names the file, or a folder given by the user, still reads it)
+HELDOUT_C4_FILES = ("c4-en.llamafactory-c4_demo.300.text-only.json.gz",)
 
 
 def default_data_dir() -> Path | None:
@@ -62,14 +66,18 @@ def _read_failure(path: Path, e: BaseException) -> str:
 
 # --- calibration ------------------------------------------------------------------------------
 def load_calibration_texts(path: str | None = None) -> tuple[list[str], str]:
-    """Documents for calibration and where they came from. A file or folder of JSON lines with `text`."""
-    if path is None:
+    """Documents for calibration and where they came from. A file or folder of JSON lines with `text`. The
+    default (no path): the default data folder's c4/, less the held-out C4 judge's file (HELDOUT_C4_FILES)."""
+    default = path is None
+    if default:
         base = default_data_dir()
         if base is not None and (base / _CALIB_SUBDIR).is_dir():
             path = str(base / _CALIB_SUBDIR)
         else:
             return _hub_texts("allenai/c4", "en", "train", data_files="en/c4-train.00000-of-01024.json.gz"), "hub:allenai/c4"
     files = _files_in(Path(path), _TEXT_SUFFIXES)
+    if default:
+        files = [f for f in files if f.name not in HELDOUT_C4_FILES] or files
     texts: list[str] = []
     for f in files:
         try:
