@@ -230,8 +230,8 @@ def one_and_two_ranks(eval_file, tmp_path, steps: int, extra: list[str]):
 
 
 @pytest.mark.parametrize("case, extra", [  # (each case costs a run in one process and one on 2 ranks: ~25 s)
-    ("moving-average", ["--num-mask-samples", "3", "--baseline", "moving-average"]),  # 3 samples: shares of 2 and 1
-    ("kl", ["--num-mask-samples", "3", "--reward", "kl"]),  # each rank scores its share against the same dense forward
+    # 3 samples: shares of 2 and 1; under kl each rank scores its share against the same dense forward
+    ("moving-average+kl", ["--num-mask-samples", "3", "--baseline", "moving-average", "--reward", "kl"]),
     ("antithetic+leave-one-out+control-variate", ["--num-mask-samples", "4", "--mask-sampling", "antithetic",
                                                   "--sample-forward", "sequential", "--baseline", "leave-one-out",
                                                   "--control-variate", "init-metric"]),
@@ -253,11 +253,12 @@ INIT_METRICS = [  # every width and layer metric that reads data, and the compen
     ("layers-layerwise-ppl+wanda-sp+bias-compensation", ["--units", "layers,heads,channels", "--layer-init",
                                                          "layerwise-ppl", "--init", "wanda-sp", "--bias-compensation",
                                                          "--prune-ratio", "0.5"]),
-    ("flap", ["--init", "flap"]),
     ("layers-sleb+taylor", ["--units", "layers,heads,channels", "--layer-init", "sleb", "--init", "taylor",
                             "--no-bias-compensation"]),
-    # SLEB with a finalist: every candidate on the first batch, the finalist on the other 2 (dealt out too)
-    ("layers-sleb-finalists", ["--units", "layers", "--layer-init", "sleb", "--sleb-finalists", "1", "--prune-ratio", "0.5"]),
+    # SLEB with a finalist (every candidate on the first batch, the finalist on the other 2, dealt out too), and
+    # FLAP's widths
+    ("layers-sleb-finalists+flap", ["--units", "layers,heads,channels", "--layer-init", "sleb", "--sleb-finalists",
+                                    "1", "--init", "flap", "--prune-ratio", "0.5"]),
 ]
 
 
