@@ -513,23 +513,27 @@ def report(args) -> None:
             for seed in seeds:
                 a = load(cell_dir(rate, seed, "init").parent / f"r{round(rate * 100)}-s{seed}-init.measures.json")
                 b = load(cell_dir(rate, seed, "pg24").parent / f"r{round(rate * 100)}-s{seed}-pg24.measures.json")
-                if not all(n in a and n in b for n in names):
+                have = [n for n in names if n in a and n in b]  # (a measure not in yet: pending, the others shown)
+                if not have:
                     rows.append(f"| {seed} | " + " | ".join("not finished" for _ in names) + " |")
                     continue
-                c = changes(a, b, names)
+                c = changes(a, b, have)
                 per_seed.append(c)
                 rows.append(f"| {seed} | " + " | ".join(
-                    f"{fmt_value(n, value(a, n))} → {fmt_value(n, value(b, n))} ({fmt_change(n, c[n])})"
-                    for n in names) + " |")
+                    f"{fmt_value(n, value(a, n))} → {fmt_value(n, value(b, n))} ({fmt_change(n, c[n])})" if n in c
+                    else "pending" for n in names) + " |")
             if not per_seed and not args.all:
                 continue
             lines += [f"## {set_name}, {round(rate * 100)} %", "",
                       "| seed | " + " | ".join(LABELS[n] for n in names) + " |", "|---" * (len(names) + 1) + "|", *rows]
             if per_seed:
-                means = {n: mean_draws([c[n] for c in per_seed]) for n in names}
-                lines.append(f"| mean of {len(per_seed)} | " + " | ".join(fmt_change(n, means[n]) for n in names) + " |")
-                if set_name == "confirm" and len(per_seed) == len(seeds):
-                    verdicts.append(rule_verdict(rate, per_seed))
+                means = {n: [c[n] for c in per_seed if n in c] for n in names}
+                lines.append("| mean | " + " | ".join(
+                    f"{fmt_change(n, mean_draws(means[n]))} (of {len(means[n])})" if means[n] else "pending"
+                    for n in names) + " |")
+                judged = [c for c in per_seed if "wikitext_valid" in c and "c4" in c]
+                if set_name == "confirm" and len(judged) == len(seeds):
+                    verdicts.append(rule_verdict(rate, judged))
             lines.append("")
     for rule_name in RULES:  # each final-choice rule's export against the init, the same cells
         for set_name, (seeds, _) in SETS.items():

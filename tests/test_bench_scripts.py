@@ -543,3 +543,26 @@ def test_the_lanes_say_what_ran_and_start_nothing_when_asked_their_status(script
     proc = subprocess.run(["bash", str(BENCH / script), "status"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
     assert "two lanes started" not in proc.stdout  # (a status, never a launch)
+
+
+def test_the_confirmation_report_shows_the_measures_in_and_marks_the_rest_pending(monkeypatch, tmp_path, capsys):
+    """A cell measured but for its zero-shot mean (the lanes' first pass): its perplexities and LAMBADA are in the
+    table with their intervals, the zero-shot mean reads 'pending', and each mean says of how many seeds."""
+    import math
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import confirm
+
+    monkeypatch.setattr(confirm, "OUT", tmp_path)
+    (tmp_path / "confirm").mkdir()
+    for name, scale in (("r30-s3-init", 1.0), ("r30-s3-pg24", 0.9)):
+        m = {k: {"losses": [math.log(100.0 * scale)] * 8} for k in confirm.PERPLEXITIES}
+        m["lambada"] = {"scores": {"lambada_openai": "1" * 5 + "0" * 5}}
+        (tmp_path / "confirm" / f"{name}.measures.json").write_text(json.dumps(m))
+    confirm.report(SimpleNamespace(all=False))
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| 3 |"))
+    assert "100.00 → 90.00 (-10.0 % [-10.0, -10.0])" in row and row.count("pending") == 1
+    assert "| mean | -10.0 % [-10.0, -10.0] (of 1) |" in out and "| 4 | not finished |" in out
+    assert "## The rule" not in out  # (one confirmation seed of three: no verdict yet)
