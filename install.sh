@@ -15,7 +15,7 @@ python -m pip install --quiet --no-deps --no-build-isolation -e .
 # about 25 s on 2 cores; the copy loads in about a second): engine/model_cache.py, in $PG_PRUNE_CACHE or
 # ~/.cache/pg-prune. The test install skips it (the tests keep caches of their own).
 if [[ "${1:-}" != "--test" ]]; then
-  python -m engine.model_cache || echo "install.sh: the default model's copy was not built; the first run builds it" >&2
+  python -m engine.tools.model_copy || echo "install.sh: the default model's copy was not built; the first run builds it" >&2
 fi
 if [[ "${1:-}" == "--test" ]] && ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"

@@ -131,6 +131,9 @@ def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | No
         results = run.run(resume=resume, progress=False)
     finished_cpu = time.process_time() + trace.offset
     points = [json.loads(x) for x in trace.file.read_text().splitlines()]
+    exported = results.get("mask_step")  # (the run's last word: a time budget that fitted too few steps exports the
+    if exported is not None and (cell / "masks" / f"step{exported}.pt").exists():  # init, whatever best-val kept)
+        points[-1]["best_step"] = exported
     if run.windows.shape[0] != EVAL_WINDOWS:  # the curve's evaluations are on the protocol's windows
         text, _ = load_eval_text(run.config.eval_data)
         run.windows = eval_windows(run.tokenizer, text, run.config.eval_seqlen, EVAL_WINDOWS)

@@ -79,27 +79,3 @@ def save_plain(model, folder: Path) -> None:
         model.generation_config.save_pretrained(folder)
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
-
-def build_default() -> Path | None:
-    """The default model's copy, built now if it is missing (install.sh calls this: a first run then loads the copy
-    instead of de-quantising the GGUF); where it is, or None when the cache is off."""
-    from .loading import DEFAULT_MODEL, load_model, resolve_model
-
-    source = resolve_model(DEFAULT_MODEL)
-    folder = copy_folder(source.path, source.gguf_file, "float32") if source.gguf_file else None
-    if folder is not None and not has_copy(folder):
-        load_model(source)  # (the first load writes the copy)
-    return folder if has_copy(folder) else None
-
-
-if __name__ == "__main__":  # python -m engine.model_cache: the default model's copy (install.sh)
-    import sys
-
-    from .errors import UserError
-
-    try:
-        where = build_default()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-    print(f"the default model's de-quantised copy: {where}" if where else "the model cache is off: no copy")

@@ -354,7 +354,8 @@ def test_chat_puts_the_recovered_model_in_a_third_column(runs_dir):
     from engine.tools.recover import recover
 
     run = finished_run(runs_dir, "global")
-    recover(run, run / "recover", steps=1, seqlen=32, batch_size=2, skip_eval=True, log=lambda m: None)
+    recover(run, run / "recover", overwrite=(run / "recover").exists(), steps=1, seqlen=32, batch_size=2,
+            skip_eval=True, log=lambda m: None)
     at = app()
     at.session_state["selected_run"] = str(run)
     at.switch_page("pages/chat.py").run()

@@ -298,7 +298,7 @@ def test_one_parameter_count_per_run_the_results_params_removed(tmp_path, monkey
     pick(at, ["a", "b"])
     table = picker(at).value.set_index("run")
     assert table.loc["a", "removed"] == 118_272 and table.loc["b", "removed"] == 118_300
-    said = next(s.value for s in at.success if "removed the same parameters" in s.value)
+    said = next(s.value for s in at.success if "removed the same number of parameters" in s.value)
     assert "A 118,272" in said and "B 118,300" in said
     page = " ".join(e.value for e in [*at.markdown, *at.success, *at.warning, *at.info, *at.caption])
     assert "117,760" not in page and "117760" not in page

@@ -156,22 +156,19 @@ def test_the_plan_counts_the_copy_once_it_exists(tmp_path, monkeypatch):
     assert after < before and load_seconds(skeleton, "bfloat16") == before  # (a copy per dtype)
 
 
-@pytest.mark.filterwarnings("ignore:'engine.model_cache' found in sys.modules")
 def test_the_install_builds_the_default_models_copy_once(default_model_cache, monkeypatch, capsys):
-    """install.sh's `python -m engine.model_cache`: the default model's copy where a run looks for it; with the copy
-    there it loads nothing (no GGUF is read again); with the cache off it says so."""
-    import runpy
-
+    """install.sh's `python -m engine.tools.model_copy`: the default model's copy where a run looks for it; with the
+    copy there it loads nothing (no GGUF is read again); with the cache off it says so."""
     from engine import model_cache
+    from engine.tools import model_copy
 
-    monkeypatch.setenv("PG_PRUNE_CACHE", str(default_model_cache["root"]))
-    monkeypatch.setattr("engine.loading.load_model", lambda *a, **k: pytest.fail("loaded the GGUF again"))
-    where = model_cache.build_default()
-    assert where is not None and model_cache.has_copy(where) and where.parent == default_model_cache["root"] / "models"
-    monkeypatch.setenv("PG_PRUNE_CACHE", "off")
-    assert model_cache.build_default() is None
-    runpy.run_module("engine.model_cache", run_name="__main__")
-    assert "the model cache is off" in capsys.readouterr().out
     from conftest import REPO
 
-    assert "python -m engine.model_cache" in (REPO / "install.sh").read_text()
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(default_model_cache["root"]))
+    monkeypatch.setattr(model_copy, "load_model", lambda *a, **k: pytest.fail("loaded the GGUF again"))
+    where = model_copy.build_default()
+    assert where is not None and model_cache.has_copy(where) and where.parent == default_model_cache["root"] / "models"
+    monkeypatch.setenv("PG_PRUNE_CACHE", "off")
+    assert model_copy.build_default() is None
+    assert model_copy.main() == 0 and "the model cache is off" in capsys.readouterr().out
+    assert "python -m engine.tools.model_copy" in (REPO / "install.sh").read_text()

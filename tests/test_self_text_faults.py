@@ -247,8 +247,11 @@ def test_an_interrupted_generation_says_the_command_that_continues_it(sig, eval_
     argv = tiny_run(eval_file, tmp_path / "run")
     argv[argv.index("--self-docs") + 1], argv[argv.index("--self-tokens") + 1] = "192", "150"  # (6 batches of 32)
     env = clean_env(OMP_NUM_THREADS="1", PG_PRUNE_SELF_CALIB_CACHE=str(cache))
+    # (Ctrl-C's default in the child: an xdist worker ignores SIGINT, and a child would inherit that, as a program
+    # started in the background does, and Python then leaves SIGINT ignored)
     proc = subprocess.Popen([sys.executable, "-m", "engine", *argv], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not _partial(cache) and proc.poll() is None and time.monotonic() < deadline:

@@ -408,12 +408,15 @@ def list_runs(runs_dir: str | Path) -> list[RunInfo]:
 
 
 def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
-    """Delete a run's files (and its folder, when nothing else is in it). Refused while a job runs in it:
-    the check and the removal hold the job manager's lock, so no job can start in between."""
+    """Delete a run's files, its chained recovery's (RUN/recover: prune --recover, the app's Recover) and its folder,
+    when nothing else is in it. Refused while a job runs in it: the check and the removal hold the job manager's
+    lock, so no job can start in between."""
     from contextlib import nullcontext
 
-    from ..outdir import cleanup_out_dir, folder_lock
+    from ..outdir import cleanup_out_dir, folder_lock, remove_owned
     from ..rundir import is_run_dir, remove_run_files
+    from ..runfiles import RECOVER_DIR
+    from ..tools.recover import RECOVER_OUTPUT
 
     p = Path(run_dir)
     with jobs.holding(p) if jobs is not None else nullcontext():
@@ -421,6 +424,11 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
             raise UserError(f"{p} holds no run; not deleting it")
         with folder_lock(p, what="delete"):  # a run another process writes is refused, naming it
             remove_run_files(p)  # what the run wrote; a file the user put there stays
+            recovered = p / RECOVER_DIR
+            if RECOVER_OUTPUT.owns(recovered):  # (its own files and model/; anything else there stays)
+                with folder_lock(recovered, what="delete"):
+                    remove_owned(recovered, (*RECOVER_OUTPUT.files, RECOVER_OUTPUT.marker), RECOVER_OUTPUT.dirs)
+                cleanup_out_dir([recovered])
         cleanup_out_dir([p])  # the folder too, when only the lock file is left
 
 
