@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 
 from . import IMPORTED
-from .config import DEFAULT_PRESET, PRESETS, PruneConfig, default_preset, preset_text
+from .config import DEFAULT_PRESET, PRESETS, PruneConfig, default_preset, no_steps_line, preset_text, takes_no_steps
 from .fields import choices_of
 from .methods import METHODS
 from .errors import MAX_LINE, UserError, shorten
@@ -420,6 +420,8 @@ def _prune_writer(args, world) -> int:
         # model and data loaded: only now may --overwrite remove the old run, not for a typo in an argument
         check_out_dir(out, args.resume, args.overwrite)
         if getattr(args, "default_preset", None):  # (after every refusal: a refused run's stderr is its one error line)
+            if getattr(args, "no_steps", False):
+                run.log(no_steps_line(config.prune_ratio))
             run.log(f"the default preset {args.default_preset}: {preset_text(args.default_preset)} (--preset fast, "
                     "or --units, for the settings' own defaults)")
         saved_steps = PruneConfig.load(out / CONFIG_FILE).steps if args.resume else config.steps
@@ -709,6 +711,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _prune_parser(parser).set_defaults(**defaults)
         args = parser.parse_args(argv)
     args.default_preset, args.steps_given = chosen, steps_given
+    args.no_steps = args.command == "prune" and not args.resume and takes_no_steps(
+        chosen, args.prune_ratio, _given(argv, "method"), _given(argv, "steps"))
+    if args.no_steps:  # (the default preset from NO_STEPS_FROM up: the init alone, said when the run starts)
+        args.method = "flap"
     if args.command == "prune" and not args.resume:  # (under --resume a flag is checked against the saved run's)
         refuse_inert_flags(args, _given_of(argv, _INERT))
     return args
