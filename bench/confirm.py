@@ -200,6 +200,16 @@ def cell_dir(rate: float, seed: int, which: str) -> Path:
     return OUT / set_of(seed) / f"r{round(rate * 100)}-s{seed}-{which}"
 
 
+def beside(folder: Path, suffix: str) -> Path:
+    """A cell's own file beside its run folder (--overwrite empties the run's folder): r30-s3-pg24<suffix>."""
+    return folder.parent / f"{folder.name}{suffix}"
+
+
+def cell_measures(rate: float, seed: int, which: str) -> dict:
+    """A cell run's measures ({} before any)."""
+    return load(beside(cell_dir(rate, seed, which), ".measures.json"))
+
+
 def run_argv(rate: float, seed: int, which: str, folder: Path) -> list[str]:
     calib = SHARED / "c4" / SETS[set_of(seed)][1]
     return ["prune", "--prune-ratio", f"{rate:g}", "--seed", str(seed), "--calib", str(calib), *RUNS[which],
@@ -213,7 +223,7 @@ def cell(args) -> None:
         raise SystemExit(f"error: seed {args.seed} is in no set ({', '.join(f'{k}: {v[0]}' for k, v in SETS.items())})")
     for which in ([args.only] if args.only else RUNS):
         folder = cell_dir(args.rate, args.seed, which)
-        book = folder.parent / f"{folder.name}.cell.json"  # (beside the run: --overwrite empties the run's folder)
+        book = beside(folder, ".cell.json")
         info = load(book)
         if not (folder / "results.json").is_file():
             t0, w0 = cpu(), time.monotonic()
@@ -228,7 +238,7 @@ def cell(args) -> None:
                 raise SystemExit(code)
         t0 = cpu()
         wanted = tuple(m for m in MEASURES[set_of(args.seed)] if m not in args.without)
-        dest = folder.parent / f"{folder.name}.measures.json"
+        dest = beside(folder, ".measures.json")
         if not all(m in load(dest) for m in wanted):
             measure(str(ensure_export(folder)), dest, wanted)
         info["cpu_seconds_measure"] = info.get("cpu_seconds_measure", 0.0) + cpu() - t0
@@ -253,7 +263,7 @@ def same_init(rate: float, seed: int) -> None:
     mask_a = {k.split(".", 1)[1]: v for k, v in a.items() if k.startswith("masks.")}
     mask_b = {k.split(".", 1)[1]: v for k, v in b.items() if k.startswith("init_masks.")}
     same = same_mask(mask_a, mask_b)
-    book = pg.parent / f"{pg.name}.cell.json"
+    book = beside(pg, ".cell.json")
     info = load(book)
     info["init_is_the_init_runs_mask"] = same
     save(book, info)
@@ -347,7 +357,7 @@ def checks(args) -> None:
     from engine.pruner import PruneRun
 
     folder = cell_dir(args.rate, args.seed, "pg24")
-    dest = folder.parent / f"{folder.name}.checks.json"
+    dest = beside(folder, ".checks.json")
     if not (folder / "results.json").is_file() or not (folder / "metrics.jsonl").is_file():
         raise SystemExit(f"error: {folder.name} has not finished on this machine (results.json and metrics.jsonl)")
     done = load(dest)
@@ -398,7 +408,7 @@ def rule(args) -> None:
     import tempfile
 
     folder = cell_dir(args.rate, args.seed, "pg24")
-    info = load(folder.parent / f"{folder.name}.checks.json")
+    info = load(beside(folder, ".checks.json"))
     if "chosen" not in info:
         raise SystemExit(f"error: {folder.name} has no checks yet: python bench/confirm.py checks --rate {args.rate:g} "
                          f"--seed {args.seed}")
@@ -458,22 +468,22 @@ def ensure_export(folder: Path) -> Path:
 
 
 def step_measures(folder: Path, step: int) -> Path:
-    return folder.parent / f"{folder.name}-step{step}.measures.json"
+    return beside(folder, f"-step{step}.measures.json")
 
 
 def chosen_measures(rate: float, seed: int, rule_name: str) -> dict:
     """The measures of the mask a final-choice rule exports for this cell ({} until its checks and measures)."""
     folder = cell_dir(rate, seed, "pg24")
-    info = load(folder.parent / f"{folder.name}.checks.json")
+    info = load(beside(folder, ".checks.json"))
     if rule_name not in info.get("chosen", {}):
         return {}
     c = info["chosen"][rule_name]
     if c == 0:
         init = cell_dir(rate, seed, "init")
-        same = load(folder.parent / f"{folder.name}.cell.json").get("init_is_the_init_runs_mask")
-        return load(init.parent / f"{init.name}.measures.json") if same else {}
+        same = load(beside(folder, ".cell.json")).get("init_is_the_init_runs_mask")
+        return load(beside(init, ".measures.json")) if same else {}
     if c == info["exported_step"]:
-        return load(folder.parent / f"{folder.name}.measures.json")
+        return load(beside(folder, ".measures.json"))
     return load(step_measures(folder, c))
 
 
@@ -496,6 +506,13 @@ def fmt_change(name: str, draws: list[float]) -> str:
     return f"{p:+.1f}{unit} [{lo:+.1f}, {hi:+.1f}]"
 
 
+def pair_cells(a: dict, b: dict, c: dict, names) -> str:
+    """A table row's cells: each measure before → after (its change and interval), or 'pending' where the change
+    is not in yet."""
+    return " | ".join(f"{fmt_value(n, value(a, n))} → {fmt_value(n, value(b, n))} ({fmt_change(n, c[n])})" if n in c
+                      else "pending" for n in names)
+
+
 def report(args) -> None:
     everything = MEASURES["confirm"]
     lines = ["# The confirmation set: the init alone against the default's 24 steps", "",
@@ -511,17 +528,14 @@ def report(args) -> None:
         for rate in (0.3, 0.5):
             rows, per_seed = [], []
             for seed in seeds:
-                a = load(cell_dir(rate, seed, "init").parent / f"r{round(rate * 100)}-s{seed}-init.measures.json")
-                b = load(cell_dir(rate, seed, "pg24").parent / f"r{round(rate * 100)}-s{seed}-pg24.measures.json")
+                a, b = cell_measures(rate, seed, "init"), cell_measures(rate, seed, "pg24")
                 have = [n for n in names if n in a and n in b]  # (a measure not in yet: pending, the others shown)
                 if not have:
                     rows.append(f"| {seed} | " + " | ".join("not finished" for _ in names) + " |")
                     continue
                 c = changes(a, b, have)
                 per_seed.append(c)
-                rows.append(f"| {seed} | " + " | ".join(
-                    f"{fmt_value(n, value(a, n))} → {fmt_value(n, value(b, n))} ({fmt_change(n, c[n])})" if n in c
-                    else "pending" for n in names) + " |")
+                rows.append(f"| {seed} | {pair_cells(a, b, c, names)} |")
             if not per_seed and not args.all:
                 continue
             lines += [f"## {set_name}, {round(rate * 100)} %", "",
@@ -541,17 +555,13 @@ def report(args) -> None:
             for rate in (0.3, 0.5):
                 rows, per_seed = [], []
                 for seed in seeds:
-                    a = load(cell_dir(rate, seed, "init").parent / f"r{round(rate * 100)}-s{seed}-init.measures.json")
-                    b = chosen_measures(rate, seed, rule_name)
+                    a, b = cell_measures(rate, seed, "init"), chosen_measures(rate, seed, rule_name)
                     if not all(n in a and n in b for n in names):
                         continue
-                    step = load(cell_dir(rate, seed, "pg24").parent /
-                                f"r{round(rate * 100)}-s{seed}-pg24.checks.json")["chosen"][rule_name]
+                    step = load(beside(cell_dir(rate, seed, "pg24"), ".checks.json"))["chosen"][rule_name]
                     c = changes(a, b, names)
                     per_seed.append(c)
-                    rows.append(f"| {seed} (step {step}) | " + " | ".join(
-                        f"{fmt_value(n, value(a, n))} → {fmt_value(n, value(b, n))} ({fmt_change(n, c[n])})"
-                        for n in names) + " |")
+                    rows.append(f"| {seed} (step {step}) | {pair_cells(a, b, c, names)} |")
                 if not per_seed:
                     continue
                 means = {n: mean_draws([c[n] for c in per_seed]) for n in names}
@@ -579,22 +589,24 @@ def rule_verdict(rate: float, per_seed: list[dict]) -> str:
             f"held-out C4 {means['c4']:+.1f} %; worst seed {worst['wikitext_valid']:+.1f} % / {worst['c4']:+.1f} %")
 
 
+def cell_args(s: argparse.ArgumentParser, without: bool = True) -> argparse.ArgumentParser:
+    """A cell's flags: --rate, --seed, and (without) --without MEASURE, repeatable (also bench/recover_study.py's)."""
+    s.add_argument("--rate", type=positive(float), default=0.3)
+    s.add_argument("--seed", type=int, required=True)
+    if without:
+        s.add_argument("--without", action="append", default=[], choices=MEASURES["confirm"],
+                       help="a measure left for a later pass (the lanes measure every cell's perplexities first)")
+    return s
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True)
-    s = sub.add_parser("cell", help="a (rate, seed)'s init and pg24 runs, each measured")
-    s.add_argument("--rate", type=positive(float), default=0.3)
-    s.add_argument("--seed", type=int, required=True)
+    s = cell_args(sub.add_parser("cell", help="a (rate, seed)'s init and pg24 runs, each measured"))
     s.add_argument("--only", choices=tuple(RUNS), default=None, help="one of the two runs")
-    s.add_argument("--without", action="append", default=[], choices=MEASURES["confirm"],
-                   help="a measure left for a later pass (the lanes run every cell's perplexities first)")
-    s = sub.add_parser("checks", help="a finished pg24 cell's validated masks on two held-out texts; each rule's choice")
-    s.add_argument("--rate", type=positive(float), default=0.3)
-    s.add_argument("--seed", type=int, required=True)
-    s = sub.add_parser("rule", help="each rule's chosen step of a checked pg24 cell, exported and measured")
-    s.add_argument("--rate", type=positive(float), default=0.3)
-    s.add_argument("--seed", type=int, required=True)
-    s.add_argument("--without", action="append", default=[], choices=MEASURES["confirm"])
+    cell_args(sub.add_parser("checks", help="a finished pg24 cell's validated masks on two held-out texts; each "
+                                            "rule's choice"), without=False)
+    cell_args(sub.add_parser("rule", help="each rule's chosen step of a checked pg24 cell, exported and measured"))
     sub.add_parser("dense", help="the dense model's measures")
     s = sub.add_parser("report", help="the tables from the cells on disk")
     s.add_argument("--all", action="store_true", help="also the (set, rate) pairs with no finished cell")

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import confirm
-from cli_common import ROOT, positive, run
+from cli_common import ROOT, run
 
 OUT = ROOT / "bench" / "results" / "recover_study"
 ROWS = {  # row -> recover's settings
@@ -89,7 +89,7 @@ def cell(args) -> None:
     from engine.tools.recover import CHECKPOINT_FILE, recover
 
     folder = cell_dir(args.rate, args.seed, args.row, args.text)
-    book = folder.parent / f"{folder.name}.cell.json"
+    book = confirm.beside(folder, ".cell.json")
     info = confirm.load(book)
     wanted = tuple(m for m in confirm.MEASURES[confirm.set_of(args.seed)] if m not in args.without)
     run_dir = student(args.rate, args.seed)
@@ -132,7 +132,7 @@ def cells() -> list[tuple[float, int, str, str]]:
 def listing(args) -> None:
     for rate, seed, row, text in cells():
         folder = cell_dir(rate, seed, row, text)
-        minutes = confirm.load(folder.parent / f"{folder.name}.cell.json").get("minutes", 0.0)
+        minutes = confirm.load(confirm.beside(folder, ".cell.json")).get("minutes", 0.0)
         rungs = ", ".join(f"{m:g} min {'done' if m <= minutes else 'to run'}" for m in RUNGS)
         print(f"{folder.parent.name}/{folder.name}: {rungs}")
 
@@ -147,8 +147,7 @@ def report(args) -> None:
     for set_name, (seeds, _) in confirm.SETS.items():
         names = confirm.MEASURES[set_name]
         for rate in (0.3, 0.5):
-            base = [confirm.load(confirm.cell_dir(rate, s, "pg24").parent / f"r{round(rate * 100)}-s{s}-pg24.measures.json")
-                    for s in seeds]
+            base = [confirm.cell_measures(rate, s, "pg24") for s in seeds]
             rows = []
             for row in ROWS:
                 for text in TEXTS:
@@ -177,15 +176,12 @@ def report(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True)
-    s = sub.add_parser("cell", help="one (rate, seed, row, text): its rungs trained, resumed and measured")
-    s.add_argument("--rate", type=positive(float), default=0.3)
-    s.add_argument("--seed", type=int, required=True)
+    s = confirm.cell_args(sub.add_parser("cell", help="one (rate, seed, row, text): its rungs trained, resumed and "
+                                                       "measured"))
     s.add_argument("--row", choices=tuple(ROWS), required=True)
     s.add_argument("--text", choices=TEXTS, required=True)
     s.add_argument("--minutes", type=lambda v: [float(x) for x in v.split(",")], default=list(RUNGS),
                    help="the rungs: minutes of training in all (default 2,5,10,30)")
-    s.add_argument("--without", action="append", default=[], choices=confirm.MEASURES["confirm"],
-                   help="a measure left for a later pass")
     s.add_argument("--drop-model", action="store_true", help="remove the cell's model/ after its last rung")
     sub.add_parser("list", help="every cell's rungs, done or to run")
     s = sub.add_parser("report", help="the tables from the cells on disk")

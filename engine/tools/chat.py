@@ -291,7 +291,7 @@ def speed_comparison(dense_backend: str, dense_tps: float | None, pruned_backend
     if dense_backend != pruned_backend:
         return (f"No speed-up: dense ran in {dense_backend}, pruned in {pruned_backend}; tokens/s of different "
                 "backends do not compare.")
-    if not dense_tps or not pruned_tps or dense_tps <= 0 or pruned_tps <= 0:
+    if min(dense_tps or 0.0, pruned_tps or 0.0) <= 0:  # (None: too few tokens to time)
         return (f"No speed-up: a side generated fewer than {MIN_SPEED_TOKENS} tokens, too few to time "
                 f"({dense_backend}).")
     text = (f"Speed-up, same backend ({dense_backend}): {pruned_tps:.1f} / {dense_tps:.1f} tokens/s = "

@@ -132,14 +132,50 @@ def _ended(result: dict) -> dict:
     return {"status": DONE, "phase": f"done: perplexity {result['ppl_dense']:.2f} dense -> {result['ppl_pruned']:.2f} pruned"}
 
 
-class JobManager:
-    """Owns at most one pruning thread. All public methods are thread-safe."""
+class BackgroundJob:
+    """One worker thread and the snapshot it fills, under one lock: what the app's pruning job (JobManager) and its
+    recovery (engine/ui/recover_job.py) share. A snapshot has status, phase, error, error_detail and finished_at."""
 
-    def __init__(self, keep_model: bool = True):
+    def __init__(self, snap):
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._snap = JobSnapshot()
+        self._snap = snap
+
+    def wait(self, timeout: float | None = None):
+        """Block until the current job ends (tests, scripts); its snapshot."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+        return self.snapshot()
+
+    def _set(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self._snap, k, v)
+
+    def _log(self, message: str) -> None:
+        with self._lock:
+            if self._snap.status != STOPPING:
+                self._snap.phase = message
+
+    def _failed(self, e: Exception) -> None:
+        """The job ended on an exception: one line for bad input (UserError) and the environment (OSError: a full
+        disk, a folder that went away), the traceback too for anything else (a bug: the UI stays alive)."""
+        if isinstance(e, UserError):
+            error, detail = str(e), None
+        elif isinstance(e, OSError):
+            error, detail = f"{e.strerror or type(e).__name__}" + (f": {e.filename}" if e.filename else ""), None
+        else:
+            error, detail = f"{type(e).__name__}: {e}", traceback.format_exc()
+        self._set(status=FAILED, error=error, error_detail=detail, phase="failed", finished_at=time.time())
+
+
+class JobManager(BackgroundJob):
+    """Owns at most one pruning thread. All public methods are thread-safe."""
+
+    def __init__(self, keep_model: bool = True):
+        super().__init__(JobSnapshot())
         self._models = _ModelCache(keep_model)
         self._run = None  # the PruneRun of the current job once it exists: its phase clock and plan are read
 
@@ -192,13 +228,6 @@ class JobManager:
                                        result=dict(s.result) if s.result else None, clock=clock,
                                        plan=dict(run.plan) if run is not None and run.plan else s.plan)
 
-    def wait(self, timeout: float | None = None) -> JobSnapshot:
-        """Block until the current job ends (tests, scripts)."""
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
-        return self.snapshot()
-
     def busy_with(self, out_dir: str | Path) -> bool:
         with self._lock:
             return self._busy_with_locked(out_dir)
@@ -216,16 +245,6 @@ class JobManager:
             yield
 
     # --- the worker ------------------------------------------------------------------------
-    def _set(self, **kw) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                setattr(self._snap, k, v)
-
-    def _log(self, message: str) -> None:
-        with self._lock:
-            if self._snap.status != STOPPING:
-                self._snap.phase = message
-
     def _work(self, config: PruneConfig, out: Path, resume: bool, stop: threading.Event) -> None:
         try:
             from ..pruner import PruneRun
@@ -261,15 +280,8 @@ class JobManager:
 
             result = run.run(resume=resume, observer=observe, stop=stop, progress=False)
             self._set(**_ended(result), result=result, finished_at=time.time())
-        except UserError as e:
-            self._set(status=FAILED, error=str(e), phase="failed", finished_at=time.time())
-        except OSError as e:  # the environment (a full disk, a folder that went away): one line, no traceback
-            where = f": {e.filename}" if e.filename else ""
-            self._set(status=FAILED, error=f"{e.strerror or type(e).__name__}{where}", phase="failed",
-                      finished_at=time.time())
-        except Exception as e:  # a bug or an environment problem: keep the UI alive and show it
-            self._set(status=FAILED, error=f"{type(e).__name__}: {e}", error_detail=traceback.format_exc(),
-                      phase="failed", finished_at=time.time())
+        except Exception as e:  # (bad input, the environment, or a bug: said in the page, the UI stays alive)
+            self._failed(e)
 
 
 # --- runs on disk ------------------------------------------------------------------------------

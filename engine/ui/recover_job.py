@@ -14,14 +14,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError
 from ..runfiles import RECOVER_DIR
+from .jobs import DONE, IDLE, RUNNING, STOPPED, STOPPING, BackgroundJob, JobBusy
 
-IDLE, RUNNING, STOPPING, DONE, STOPPED, FAILED = "idle", "running", "stopping", "done", "stopped", "failed"
 ACTIVE = (RUNNING, STOPPING)
 
 
@@ -44,20 +42,16 @@ class RecoverSnapshot:
         return self.status in ACTIVE
 
 
-class RecoverJobs:
+class RecoverJobs(BackgroundJob):
     """Owns at most one recovery thread; every public method is thread-safe."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._snap = RecoverSnapshot()
+        super().__init__(RecoverSnapshot())
 
     def start(self, run_dir: str | Path, minutes: float, **options) -> None:
         """Distil RUN/model for `minutes` into RUN/recover (an earlier recovery there is replaced; one with its
         checkpoint is continued when resume=True is given in options)."""
         from ..tools.recover import RecoverConfig, run_settings
-        from .jobs import JobBusy
 
         run_dir = Path(run_dir)
         with self._lock:
@@ -88,23 +82,7 @@ class RecoverJobs:
             s = self._snap
             return dataclasses.replace(s, records=list(s.records), result=dict(s.result) if s.result else None)
 
-    def wait(self, timeout: float | None = None) -> RecoverSnapshot:
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
-        return self.snapshot()
-
     # --- the worker ------------------------------------------------------------------------
-    def _set(self, **kw) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                setattr(self._snap, k, v)
-
-    def _log(self, message: str) -> None:
-        with self._lock:
-            if self._snap.status != STOPPING:
-                self._snap.phase = message
-
     def _on_step(self, record: dict) -> None:
         with self._lock:
             self._snap.records.append(dict(record))
@@ -121,11 +99,5 @@ class RecoverJobs:
             ended = STOPPED if r.results.get("ended_by") == "stop" else DONE
             self._set(status=ended, result=r.results, phase=f"{ended}: {r.results.get('steps')} steps",
                       finished_at=time.time())
-        except UserError as e:
-            self._set(status=FAILED, error=str(e), phase="failed", finished_at=time.time())
-        except OSError as e:
-            self._set(status=FAILED, error=f"{e.strerror or type(e).__name__}: {e.filename or ''}".rstrip(": "),
-                      phase="failed", finished_at=time.time())
-        except Exception as e:  # a bug: the page stays alive and shows it
-            self._set(status=FAILED, error=f"{type(e).__name__}: {e}", error_detail=traceback.format_exc(),
-                      phase="failed", finished_at=time.time())
+        except Exception as e:  # (said in the page, the UI stays alive)
+            self._failed(e)
