@@ -130,6 +130,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("val_refit", False)  # and validated the masks unrefit (a resumed run compares like with like)
     data.setdefault("init_data", "training")  # and the init read the calibration documents the steps read
     data.setdefault("pass_dtype", "float32")  # and ran its one-shot passes in its weights' dtype
+    data.setdefault("eval_dtype", "float32")  # and its evaluations
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -342,6 +343,9 @@ class PruneConfig:
         "the matrix products of the statistics pass, the init metric and the joint mix (autocast; the weights, the "
         "sums, the evaluations and the steps keep --dtype): auto is bfloat16 on a CPU that runs it natively "
         "(AVX-512 BF16 or AMX) for float32 weights, else --dtype; float32 keeps --dtype"))
+    eval_dtype: str = setting("float32", choices=PASS_DTYPES, label="dtype of the evaluations", help=(
+        "the matrix products of the WikiText perplexities (autocast; the weights and the sums keep --dtype): auto is "
+        "bfloat16 on a CPU that runs it natively for float32 weights, else --dtype; float32 keeps --dtype"))
     device: str = setting("cpu", label="Device", help="cpu, cuda, cuda:N, or auto (accelerate device_map)")
     checkpoint_every: int = setting(50, minimum=1, label="Checkpoint every N steps", help="save state every N steps")
     checkpoint_minutes: float = setting(2.0, minimum=0.0, label="Checkpoint every N minutes",

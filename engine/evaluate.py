@@ -34,10 +34,54 @@ def decoder_forward(model, input_ids: torch.Tensor) -> None:
     model.base_model(input_ids=input_ids.to(model_device(model)), use_cache=False)
 
 
+# Where a score needs no gradient, the LM head runs on HEAD_TOKENS token positions at a time, and each chunk's
+# logits are reduced to a value per token before the next: the (rows x T x vocabulary) float32 logits and their
+# log-softmax never exist whole (8 x 128 tokens of a 49k vocabulary: 200 MB each; 50 MB a chunk). The families this
+# tool prunes (LLaMA, Mistral, Qwen2, Qwen3) compute their logits as the head of the decoder's last hidden state,
+# nothing after it, so the values are the forward's.
+HEAD_TOKENS = 256
+
+
+def head_input(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """(rows, T, hidden) the LM head's input: the decoder stack's last hidden state (its final norm applied), from
+    transformers' get_decoder() with the model's hooks as they are (a PEFT model's: its adapters inside)."""
+    return model.get_decoder()(input_ids=input_ids.to(model_device(model)), use_cache=False).last_hidden_state
+
+
+def per_token(model, hidden: torch.Tensor, value, tokens: int | None = None) -> torch.Tensor:
+    """(rows, T) float32: value(logits, start) -> (n,) for each chunk of at most `tokens` (HEAD_TOKENS) positions
+    of `hidden` read row after row (start: the chunk's first position in that order; logits: (n, vocab) float32,
+    the head of those positions)."""
+    tokens = tokens or HEAD_TOKENS
+    rows, length = hidden.shape[:2]
+    flat, head = hidden.reshape(rows * length, -1), model.get_output_embeddings()
+    out = torch.empty(rows * length, dtype=torch.float32, device=hidden.device)
+    for start in range(0, rows * length, tokens):
+        out[start:start + tokens] = value(head(flat[start:start + tokens]).float(), start)
+    return out.view(rows, length)
+
+
+def shifted_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's next token, -100 (ignored) at the last position of each row, flattened row after row."""
+    targets = input_ids.roll(-1, dims=1)
+    targets[:, -1] = -100
+    return targets.reshape(-1)
+
+
+def ce_by_chunks(model, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """(rows,) mean over positions 0..T-2 of each row's next-token cross-entropy, the head run by chunks."""
+    targets = shifted_targets(input_ids.to(hidden.device))
+
+    def ce(logits, start):
+        return F.cross_entropy(logits, targets[start:start + logits.shape[0]], reduction="none", ignore_index=-100)
+
+    return per_token(model, hidden, ce)[:, :-1].mean(1)
+
+
 @torch.no_grad()
 def batch_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of each row: (batch,), on the CPU."""
-    return token_loss(model, input_ids).cpu()
+    """Mean next-token cross-entropy of each row: (batch,), on the CPU (token_loss's values, the head by chunks)."""
+    return ce_by_chunks(model, head_input(model, input_ids), input_ids).cpu()
 
 
 @torch.no_grad()

@@ -527,6 +527,9 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
     calibration text a source generates: planned from its tokens unless `text_cached`, or the seconds it took
     (`text_seconds`, with `load`). Under --time-budget the steps fill what the budget leaves."""
     from .calib_sources import PHASE as TEXT_PHASE
+    from .precision import run_eval_dtype, run_pass_dtype
+
+    passes = PASS_PHASES + (("evaluations",) if run_eval_dtype(config) == run_pass_dtype(config) != config.dtype else ())
 
     def seconds(config) -> dict[str, float]:
         tokens = phase_tokens(config, skeleton, dense_cached, done_steps, text_cached or text_seconds is not None)
@@ -535,7 +538,7 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
             phases[TEXT_PHASE] = text_seconds
         for phase in RUN_PHASES:
             if phase in tokens:
-                rate = pass_seconds_per_token if phase in PASS_PHASES and pass_seconds_per_token else seconds_per_token
+                rate = pass_seconds_per_token if phase in passes and pass_seconds_per_token else seconds_per_token
                 phases[phase] = tokens[phase] * rate
         for key, value in tokens.items():  # (the scoring at the float32 rate; fixed seconds as they are)
             if key == MIX_REFITS or key.endswith(SCORED):
@@ -702,7 +705,12 @@ def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
         parts["gradients (Taylor init)"] = weights
     tokens = max(config.batch_size * config.seqlen, config.eval_batch_size * config.eval_seqlen)
     inter = getattr(skeleton.adapter.config, "intermediate_size", 4 * skeleton.hidden_size)
-    parts["activations"] = tokens * (2 * skeleton.vocab_size + 3 * inter) * 4
+    # (a score without gradients runs the head on HEAD_TOKENS positions at a time: their logits, log-softmax and
+    # KL terms; Taylor's backward needs the whole batch's logits and log-softmax)
+    from .evaluate import HEAD_TOKENS
+
+    logits = 2 * tokens if "gradients (Taylor init)" in parts else 3 * min(tokens, HEAD_TOKENS)
+    parts["activations"] = (logits * skeleton.vocab_size + tokens * 3 * inter) * 4
     moments = refit_moment_bytes(config, skeleton)
     if moments:
         parts["refit moments (float64)"] = moments
@@ -710,7 +718,7 @@ def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
         from .rewards import DENSE_HIDDEN_BATCHES, DENSE_LOGP_BYTES
 
         batch = config.batch_size * config.seqlen
-        parts["dense targets (KL)"] = (max(DENSE_LOGP_BYTES, batch * skeleton.vocab_size * 4)
+        parts["dense targets (KL)"] = (max(DENSE_LOGP_BYTES, batch * skeleton.vocab_size * 4)  # (>= the batch in use)
                                        + DENSE_HIDDEN_BATCHES * batch * skeleton.hidden_size * 4)
     return MemoryPlan(parts)
 

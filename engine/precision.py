@@ -77,6 +77,14 @@ def run_pass_dtype(config, model=None) -> str:
     return resolve_pass_dtype(config.pass_dtype, config.dtype, device)
 
 
+def run_eval_dtype(config, model=None) -> str:
+    """A run's evaluations' dtype: its --eval-dtype resolved as --pass-dtype is (run_pass_dtype)."""
+    from .loading import model_device
+
+    device = model_device(model).type if model is not None else str(config.device).split(":")[0]
+    return resolve_pass_dtype(config.eval_dtype, config.dtype, device)
+
+
 def run_passes(run):
     """The context of a run's one-shot passes (run_pass_dtype's autocast)."""
     from .loading import model_device

@@ -11,7 +11,7 @@ from .distributed import shares
 from .io import atomic_write_text
 from .loading import count_parameters
 from .phases import phase_line
-from .precision import run_pass_dtype
+from .precision import run_eval_dtype, run_pass_dtype
 from .rundir import MODEL_DIR, RESULTS_FILE
 from .runplan import PLAN_KEY
 from .runstate import RunState, peak_rss_mb
@@ -85,6 +85,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "peak_rss_mb": peak_rss_mb(),  # (of rank 0 in a data-parallel run)
         "plan_memory_mb": planned_memory_mb(run),  # (the plan's estimate of that peak, engine/plan.py's plan_memory)
         "pass_dtype": run_pass_dtype(c, run.model),  # the one-shot passes' matrix products (--pass-dtype)
+        "eval_dtype": run_eval_dtype(c, run.model),  # the evaluations' (--eval-dtype)
         "world_size": run.world.size,  # torchrun's ranks in the session that finished the run
         "mask_samples_by_rank": shares(c.num_mask_samples, run.world.size),  # which rank ran which of the N_s samples
         "worlds": state.worlds,  # each session's ranks from the step it started at
@@ -121,10 +122,20 @@ def report(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl_prun
     for hook in run.hooks:
         results.update(hook.results())
     results["seconds_by_phase"] = run.phases.report()  # (this session's; a resumed run's earlier ones are in time_used)
+    results["peak_rss_mb_by_phase"] = run.phases.peak_report()  # (which phase set the peak: this session's)
     if results.get("reduced"):  # (what the run traded for time, said again where a user reads last)
         run.log(reduced_line(results["reduced"]))
     run.log(phase_line(results["seconds_by_phase"]))
+    if results["peak_rss_mb_by_phase"]:
+        run.log(peak_line(results["peak_rss_mb_by_phase"]))
     return results
+
+
+def peak_line(raised: dict[str, float]) -> str:
+    """The log's memory line: "memory: peak 3802 MiB, reached in steps (before: load 610, statistics 2410)"."""
+    (last, peak), before = list(raised.items())[-1], list(raised.items())[:-1]
+    earlier = f" (before: {', '.join(f'{k} {v:.0f}' for k, v in before)})" if before else ""
+    return f"memory: peak {peak:.0f} MiB, reached in {last}{earlier}"
 
 
 def reduced_line(reduced: dict) -> str:

@@ -23,7 +23,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
-from .evaluate import _row_losses, batch_loss
+from .evaluate import batch_loss, head_input, per_token, shifted_targets
 from .loading import model_device
 from .registry import add_entry
 
@@ -45,14 +45,32 @@ def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids.to(model_device(model)), use_cache=False).logits.float()
 
 
-def row_kl(logits: torch.Tensor, dense_logp: torch.Tensor) -> torch.Tensor:
+def token_kl(logits: torch.Tensor, dense_logp: torch.Tensor) -> torch.Tensor:
+    """(n,) KL(p_dense || p) at each of n positions, p = softmax(logits); both (n, vocab), float32."""
+    return F.kl_div(F.log_softmax(logits, dim=-1), dense_logp, reduction="none", log_target=True).sum(-1)
+
+
+def dense_rows(flat_dense: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """(n, vocab) the dense log-probabilities of positions start..start+n of rows that repeat the dense batch's
+    (k copies one after another): a slice where the chunk lies in one copy, else the positions gathered."""
+    first = start % flat_dense.shape[0]
+    if first + n <= flat_dense.shape[0]:
+        return flat_dense[first:first + n]
+    return flat_dense[torch.arange(start, start + n, device=flat_dense.device) % flat_dense.shape[0]]
+
+
+def row_kl(logits: torch.Tensor, dense_logp: torch.Tensor, rows_at_once: int = 1) -> torch.Tensor:
     """(rows,) mean over positions 0..T-2 of KL(p_dense || p) per row, p = softmax(logits). logits may hold k
-    copies of the dense batch's rows one after another (k * rows_dense rows): each copy is compared with it."""
+    copies of the dense batch's rows one after another (k * rows_dense rows): each copy is compared with it. The
+    log-softmax and the KL's terms are made `rows_at_once` rows at a time (never the whole batch's at once)."""
     rows, length, vocab = logits.shape
-    copies = rows // dense_logp.shape[0]
-    logq = F.log_softmax(logits[:, :-1], dim=-1).view(copies, -1, length - 1, vocab)
-    kl = F.kl_div(logq, dense_logp[None, :, :-1], reduction="none", log_target=True).sum(-1)
-    return kl.reshape(rows, length - 1).mean(1)
+    flat_dense = dense_logp.reshape(-1, vocab)
+    out = []
+    for r in range(0, rows, rows_at_once):
+        part = logits[r:r + rows_at_once]
+        kl = token_kl(part.reshape(-1, vocab), dense_rows(flat_dense, r * length, part.shape[0] * length))
+        out.append(kl.view(part.shape[0], length)[:, :-1].mean(1))
+    return torch.cat(out)
 
 
 class Reward:
@@ -74,8 +92,12 @@ class Reward:
         raise NotImplementedError
 
     def rows(self, logits: torch.Tensor, ids: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-        """(rows,) the reward of each row from logits already computed on ids (a held-out check computes the
-        CE and the reward from one forward)."""
+        """(rows,) the reward of each row from logits already computed on ids."""
+        raise NotImplementedError
+
+    def token_values(self, batch: torch.Tensor):
+        """value(logits, start) -> (n,) the reward at each of n positions (flattened row after row, from `start`)
+        of `batch`, from their logits (n, vocab): what a held-out check reads beside the CE, chunk by chunk."""
         raise NotImplementedError
 
     @staticmethod
@@ -87,9 +109,20 @@ class Reward:
         """(mean token CE, mean reward) of the model as it is now over the batches, one forward per batch."""
         ce, score = [], []
         for b in batches:
-            logits = logits_of(model, b)
-            ce.append(_row_losses(logits, b.to(logits.device)).cpu())
-            score.append(self.rows(logits, b, b).cpu())
+            hidden = head_input(model, b)
+            targets, reward = shifted_targets(b.to(hidden.device)), self.token_values(b)
+            both = torch.empty(2, *b.shape, dtype=torch.float32, device=hidden.device)
+
+            def value(logits, start):  # (the CE and the reward of one chunk of logits)
+                flat, n = both.view(2, -1), logits.shape[0]
+                flat[0, start:start + n] = F.cross_entropy(logits, targets[start:start + n], reduction="none",
+                                                           ignore_index=-100)
+                flat[1, start:start + n] = reward(logits, start)
+                return flat[1, start:start + n]
+
+            per_token(model, hidden, value)
+            ce.append(both[0, :, :-1].mean(1).cpu())
+            score.append(both[1, :, :-1].mean(1).cpu())
         return torch.cat(ce).double().mean(), torch.cat(score).double().mean()
 
     def prepare(self, model, batches) -> None:
@@ -103,6 +136,8 @@ class CrossEntropy(Reward):
         return batch_loss  # (the very function the executors always called: ce is today's loss, bit for bit)
 
     def rows(self, logits, ids, batch):
+        from .evaluate import _row_losses
+
         return _row_losses(logits, ids.to(logits.device))
 
     @staticmethod
@@ -119,11 +154,12 @@ def batch_key(batch: torch.Tensor) -> tuple:
 
 
 # What the KL reward's dense targets may hold in memory as full log-probabilities (the last batches', at least
-# one): 512 MiB is two batches of 8 x 128 tokens of a 49k vocabulary. Every batch seen also keeps the LM head's input
-# (rows x T x hidden, 1/85 of its log-probabilities on SmolLM2), from which its log-probabilities are computed again,
-# exactly, when they were dropped: the head and the final norm are never pruned or refit. Before this bound the
-# cache held 24 batches (4.8 GB; a 24-step run peaked at 7.5 GB, though a step's batch is never scored again).
-DENSE_LOGP_BYTES = 512 << 20
+# the one in use, the older ones dropped before a new one is made): 256 MiB is one batch of 8 x 128 tokens of a 49k
+# vocabulary, all a step's N_s samples score. Every batch seen also keeps the LM head's input (rows x T x hidden,
+# 1/85 of its log-probabilities on SmolLM2), from which its log-probabilities are computed again, exactly, when they
+# were dropped: the head and the final norm are never pruned or refit. Before a bound the cache held 24 batches
+# (4.8 GB; a 24-step run peaked at 7.5 GB); with two batches (512 MiB) and whole-batch logits it peaked at 3.8 GB.
+DENSE_LOGP_BYTES = 256 << 20
 DENSE_HIDDEN_BATCHES = 64
 
 
@@ -158,32 +194,43 @@ class DenseKL(Reward):
         if self.frozen:
             raise RuntimeError("the kl reward's dense target was asked for while the weights are edited: "
                                "prepare() the batches first")
-        self._head = model.get_output_embeddings()  # (never pruned nor refit: its input gives the logits again)
-        seen = []
-        hook = self._head.register_forward_hook(lambda m, inputs, out: seen.append(inputs[0].detach()))
-        try:
-            with torch.no_grad():
-                logp = F.log_softmax(logits_of(model, batch), dim=-1)
-        finally:
-            hook.remove()
+        self._head_of = model  # (its head and final norm are never pruned nor refit: the head input gives them again)
+        with torch.no_grad():
+            hidden = head_input(model, batch)
         self.dense_forwards += 1
-        self._hidden[key] = seen[-1]
+        self._hidden[key] = hidden
         while len(self._hidden) > self.keep:
             self._hidden.popitem(last=False)
-        return self._keep(key, logp)
+        return self._keep(key, hidden)
+
+    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, T, vocab) float32 log-probabilities of the head of `hidden`, made chunk by chunk into one tensor
+        (never a second one of its size)."""
+        rows, length = hidden.shape[:2]
+        vocab = self._head_of.get_output_embeddings().weight.shape[0]
+        out = torch.empty(rows * length, vocab, dtype=torch.float32, device=hidden.device)
+
+        def fill(logits, start):
+            out[start:start + logits.shape[0]] = F.log_softmax(logits, dim=-1)
+            return logits[:, 0]
+
+        with torch.no_grad():
+            per_token(self._head_of, hidden, fill)
+        return out.view(rows, length, vocab)
 
     def _recompute(self, key) -> torch.Tensor:
         """A dropped batch's log-probabilities from its kept LM head input: the forward's last product, bit for bit."""
         self._hidden.move_to_end(key)
-        with torch.no_grad():
-            logp = F.log_softmax(self._head(self._hidden[key]).float(), dim=-1)
         self.head_recomputes += 1
-        return self._keep(key, logp)
+        return self._keep(key, self._hidden[key])
 
-    def _keep(self, key, logp: torch.Tensor) -> torch.Tensor:
-        self._dense[key] = logp
-        while len(self._dense) > 1 and sum(t.numel() * t.element_size() for t in self._dense.values()) > self.max_bytes:
+    def _keep(self, key, hidden: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities of `hidden`'s head, kept; older batches' dropped first, as many as the bound asks
+        with the new one counted (the new one is kept in any case)."""
+        need = hidden.shape[0] * hidden.shape[1] * self._head_of.get_output_embeddings().weight.shape[0] * 4
+        while self._dense and sum(t.numel() * t.element_size() for t in self._dense.values()) + need > self.max_bytes:
             self._dense.popitem(last=False)
+        self._dense[key] = logp = self._log_probs(hidden)
         return logp
 
     def prepare(self, model, batches) -> None:
@@ -193,14 +240,22 @@ class DenseKL(Reward):
     def scorer(self, model, batch):
         dense = self.dense_logp(model, batch)  # (computed here, before the masks' hooks are set)
 
+        flat = dense.reshape(-1, dense.shape[-1])
+
         @torch.no_grad()
-        def score(masked_model, ids):
-            return row_kl(logits_of(masked_model, ids), dense).cpu()
+        def score(masked_model, ids):  # (the head by chunks: no logits of the whole batch at once)
+            kl = per_token(masked_model, head_input(masked_model, ids),
+                           lambda logits, start: token_kl(logits, dense_rows(flat, start, logits.shape[0])))
+            return kl[:, :-1].mean(1).cpu()
 
         return score
 
     def rows(self, logits, ids, batch):
         return row_kl(logits, self._dense_of(batch))
+
+    def token_values(self, batch):
+        flat = self._dense_of(batch).reshape(-1, self._dense_of(batch).shape[-1])
+        return lambda logits, start: token_kl(logits, dense_rows(flat, start, logits.shape[0]))
 
     def _dense_of(self, batch):
         """A prepared batch's dense log-probabilities (from the kept head input, where they were dropped)."""

@@ -11,7 +11,9 @@ import torch
 
 from . import ppl_cache
 from .evaluate import batch_loss, perplexity
+from .loading import model_device
 from .policy import LR_SCHEDULE_FNS, stage_at
+from .precision import pass_precision, run_eval_dtype
 
 if TYPE_CHECKING:  # annotations only
     from .pruner import PruneRun
@@ -109,7 +111,9 @@ class RunMasks:
         one) and the entry, from before the cache kept them, has none: it is measured again, once."""
         r, c = self.run, self.run.config
         fingerprint = ppl_cache.model_fingerprint(r.source.path, r.source.gguf_file) if r.from_disk else None
-        key = ppl_cache.dense_key(fingerprint, c.dtype, c.device, r.windows) if fingerprint else None
+        evals = run_eval_dtype(c, r.model)  # (a dense figure in another dtype than the weights' is its own entry)
+        dtype = c.dtype if evals == c.dtype else f"{c.dtype}, evaluated in {evals}"
+        key = ppl_cache.dense_key(fingerprint, dtype, c.device, r.windows) if fingerprint else None
         cached = ppl_cache.lookup(key) if key else None
         seconds = ppl_cache.lookup_seconds(key) if cached is not None else None
         if cached is not None and not (seconds is not None or c.evaluates_init or c.time_budget is None):
@@ -147,7 +151,8 @@ class RunMasks:
             return self.run.ctx.losses({u: m[None] for u, m in flat_masks.items()}, batch, fill).expand(batch.shape[0])
 
         t0 = time.monotonic()
-        with self.run.phases("evaluations"):
+        evals = run_eval_dtype(self.run.config, self.run.model)
+        with self.run.phases("evaluations"), pass_precision(evals, model_device(self.run.model).type):
             ppl = perplexity(self.run.model, self.run.windows, self.run.config.eval_batch_size, self.run.progress,
                              batch_loss if flat_masks is None else masked_loss)
         self.longest_eval = max(self.longest_eval, time.monotonic() - t0)

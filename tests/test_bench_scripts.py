@@ -37,6 +37,7 @@ PLAIN_RUNS = {
     # method was made from the run, not its step context)
     "plain_copy.py": (["{tmp}/copy", "--model", TINY], ["plain copy in"]),
     "plan_phases.py": (["--model", TINY], ["| measured / planned |", "outside 0.7x-1.3x of the plan"]),
+    "eval_dtype.py": ([TINY, "--max-windows", "4", "--seqlen", "32", "--threads", "1"], ["| model |", "largest change"]),
     "runs_page.py": (["--count", "3"], ["with 3 finished runs on disk", "second render:", "cache emptied:"]),
 }
 

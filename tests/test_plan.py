@@ -103,7 +103,11 @@ def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
         sleb_runs(n, 8, 0, removals, 1) / sleb_runs(n, 8, 0, removals)) and shortlist["init metric"] < eight["init metric"]
     taylor = plan_memory(base, skeleton)
     wanda = plan_memory(PruneConfig(model=str(tiny_path), init="wanda-sp"), skeleton)
-    assert taylor.total - wanda.total == pytest.approx(taylor.parts["gradients (Taylor init)"])
+    # (Taylor's backward: its gradients, and the whole batch's logits where a score without gradients has the
+    # head's chunks)
+    assert taylor.total - wanda.total == pytest.approx(taylor.parts["gradients (Taylor init)"] + taylor.parts[
+        "activations"] - wanda.parts["activations"])
+    assert taylor.parts["activations"] > wanda.parts["activations"]
 
 
 def test_the_memory_plan_counts_the_refits_moments_and_loading_apart(tiny_path):

@@ -79,16 +79,17 @@ def test_statistics_in_bfloat16_are_close_to_float32():
     assert any(not torch.equal(s16[k], s32[k]) for k in s32)
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["native-bf16-cpu", "other-cpu"])
-def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, tiny, tiny_path, small_eval_file, tmp_path,
-                                                                   monkeypatch):
-    """The default --pass-dtype auto on a CPU with native bfloat16: the statistics pass, Layerwise-PPL and the joint
-    mix's forwards multiply in bfloat16; the evaluations and the steps in float32; results.json says which. On
-    another CPU every phase is float32."""
+@pytest.mark.parametrize("native, evals", [("1", "auto"), ("0", "bfloat16")], ids=["native-bf16-cpu", "other-cpu"])
+def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, evals, tiny, tiny_path, small_eval_file,
+                                                                   tmp_path, monkeypatch):
+    """--pass-dtype auto on a CPU with native bfloat16: the statistics pass, Layerwise-PPL and the joint mix's
+    forwards multiply in bfloat16, the steps in float32; results.json says which. On another CPU those are float32.
+    The evaluations follow --eval-dtype alone (auto: as the passes; bfloat16 asked for: bfloat16 on any CPU)."""
     monkeypatch.setenv(precision.NATIVE_ENV, native)
     model, tokenizer = tiny
     config = small_config(tiny_path, small_eval_file, **{**PRESETS["joint"], "init_batches": 2}, steps=2, budget="params",
-                          prune_ratio=0.6, reconstruct=True, reconstruct_batches=2, refit_stream="init", mix_batches=2, pass_dtype="auto")
+                          prune_ratio=0.6, reconstruct=True, reconstruct_batches=2, refit_stream="init", mix_batches=2, pass_dtype="auto",
+                          eval_dtype=evals)
     assert PruneConfig().pass_dtype == "auto"  # (the default; a config saved before it was float32's: .of migrates)
     run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tokenizer, log=quiet)
     seen: dict[str, set] = defaultdict(set)
@@ -106,8 +107,9 @@ def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, tiny, 
     assert results["pass_dtype"] == str(passes).removeprefix("torch.")
     for phase in ("statistics", "init metric", "joint mix"):
         assert seen[phase] == {passes}, (phase, str(dict(seen)))
-    for phase in ("evaluations", "steps"):
-        assert seen[phase] == {torch.float32}, (phase, dict(seen))
+    assert seen["steps"] == {torch.float32}, dict(seen)
+    evaluated = torch.bfloat16 if evals == "bfloat16" else passes
+    assert seen["evaluations"] == {evaluated} and results["eval_dtype"] == str(evaluated).removeprefix("torch.")
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 

@@ -142,6 +142,48 @@ def test_row_kl_compares_every_copy_with_the_dense_rows():
     torch.testing.assert_close(copies[:2], row_kl(other, dense))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scores_run_the_head_by_chunks_and_equal_the_whole_batch_logits(arch, monkeypatch):
+    """Without gradients, the CE, the KL and a held-out check run the LM head on HEAD_TOKENS positions at a time
+    (chunks that cross rows and copies included): no logits or log-softmax of the whole batch exist, and the values
+    are those of the forward's whole logits."""
+    import engine.evaluate as evaluate
+
+    model = build_model(arch)
+    ids = batch(model)  # (rows x T: a chunk of 5 positions crosses rows)
+    monkeypatch.setattr(evaluate, "HEAD_TOKENS", 5)
+    vocab, largest = model.config.vocab_size, []
+    head = model.get_output_embeddings().register_forward_hook(lambda m, i, out: largest.append(out.numel()))
+    real_log_softmax = torch.nn.functional.log_softmax
+    monkeypatch.setattr(torch.nn.functional, "log_softmax",
+                        lambda x, *a, **k: largest.append(x.numel()) or real_log_softmax(x, *a, **k))
+    try:
+        ce = batch_loss(model, ids)
+        reward = DenseKL()
+        dense = reward.dense_logp(model, ids)
+        with MaskHooks(ModelAdapter.for_model(model)) as hooks:
+            layout = full_layout(model)
+            hooks.set({u: layout.split(u, m[0]) for u, m in random_samples(layout, 1, seed=2).items()})
+            kl = reward.scorer(model, ids)(model, ids.repeat(2, 1))  # (two copies of the batch)
+            held_ce, held_kl = reward.held_out_means(model, [ids])
+            largest_scored = max(largest)
+            masked_logits = model(input_ids=ids).logits.float()
+    finally:
+        head.remove()
+    assert largest_scored <= 5 * vocab
+    full = model(input_ids=ids).logits.float()
+    from engine.evaluate import _row_losses
+
+    torch.testing.assert_close(ce, _row_losses(full, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense, torch.log_softmax(full, -1), rtol=1e-5, atol=1e-5)
+    want = row_kl(masked_logits, dense)
+    torch.testing.assert_close(kl, torch.cat([want, want]), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(float(held_kl), float(want.double().mean()), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(float(held_ce), float(_row_losses(masked_logits, ids).double().mean()), rtol=1e-5,
+                               atol=1e-5)
+    assert float(kl.min()) > 0
+
+
 def kl_config(tiny_path, small_eval_file, **kw) -> PruneConfig:
     return small_config(tiny_path, small_eval_file, reward="kl", **kw)
 
