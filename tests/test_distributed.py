@@ -213,7 +213,8 @@ def assert_same_run(a: Path, b: Path, also: tuple[str, ...] = ()) -> None:
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
     ra, rb = (json.loads((d / "results.json").read_text()) for d in (a, b))
     varies = {"seconds_per_step", "seconds_in_steps", "seconds_by_phase", "peak_rss_mb", "peak_rss_mb_by_phase",
-              "world_size", "mask_samples_by_rank", "worlds", "plan_seconds_by_phase"}  # (the plan: from each session's measured load and probe)
+              "world_size", "mask_samples_by_rank", "worlds",
+              "plan_seconds_by_phase"}  # (the plan: from each session's measured load and probe)
     assert {k: v for k, v in ra.items() if k not in varies} == {k: v for k, v in rb.items() if k not in varies}
 
 
