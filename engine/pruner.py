@@ -36,11 +36,12 @@ from .errors import UserError
 from .executors import EXECUTORS, resolve_executor
 from .hooks import KEEP, RUN_HOOKS, RunChanges, RunView, joined_transforms
 from .initialise import fresh_state, metric_cache_folder, start_state
-from .loading import check_positions, load_model, resolve_model
+from .loading import check_positions, load_model, model_device, resolve_model
 from .methods import METHODS, method_options
 from .outdir import folder_lock
 from .phases import PhaseClock
 from .plan import say_text_plan
+from .precision import emulated_bf16_line
 from .runplan import plan_with_steps
 from .results import finish
 from .memory_check import check_run_fits
@@ -136,6 +137,8 @@ class PruneRun:
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
         self.model, self.tokenizer, self.adapter = model, tokenizer, ModelAdapter.for_model(model)
+        if slow := emulated_bf16_line(c, model_device(model).type):
+            log(slow)
         check_positions(model.config, {"seqlen": c.seqlen, "eval seqlen": c.eval_seqlen})
         check_run_fits(c, model)  # (before the data: a batch whose logits cannot fit is refused in one line)
         metric_cache_folder()  # (a $PG_PRUNE_METRIC_CACHE that is a file: refused now, not after the model's work)

@@ -17,7 +17,7 @@ from engine.statistics import ColumnMoments, one_pass
 
 from test_adapters_export import build_model
 from test_one_pass import stream_of
-from test_pruner import quiet, small_config
+from test_pruner import small_config
 
 ZEN5 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni\nbugs\t\t: none\n"
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
@@ -91,7 +91,8 @@ def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, evals,
                           prune_ratio=0.6, reconstruct=True, reconstruct_batches=2, refit_stream="init", mix_batches=2, pass_dtype="auto",
                           eval_dtype=evals)
     assert PruneConfig().pass_dtype == "auto"  # (the default; a config saved before it was float32's: .of migrates)
-    run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tokenizer, log=quiet)
+    said = []
+    run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tokenizer, log=said.append)
     seen: dict[str, set] = defaultdict(set)
 
     def record(module, args, out):
@@ -110,7 +111,22 @@ def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, evals,
     assert seen["steps"] == {torch.float32}, dict(seen)
     evaluated = torch.bfloat16 if evals == "bfloat16" else passes
     assert seen["evaluations"] == {evaluated} and results["eval_dtype"] == str(evaluated).removeprefix("torch.")
+    # (bfloat16 asked for on a CPU that emulates it: said once, at the start; auto says nothing)
+    assert [m for m in said if "without native bfloat16" in m] == (["note: --eval-dtype bfloat16 on a CPU without "
+        "native bfloat16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): its matrix products are emulated, several "
+        "times slower than float32 here (auto runs float32 on this CPU)"] if native == "0" else [])
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_bfloat16_asked_for_where_the_cpu_emulates_it_is_said():
+    from engine.precision import emulated_bf16_line
+
+    both = PruneConfig.of(pass_dtype="bfloat16", eval_dtype="bfloat16")
+    line = emulated_bf16_line(both, "cpu", native=False)
+    assert line.startswith("note: --pass-dtype bfloat16 and --eval-dtype bfloat16 on a CPU without native bfloat16")
+    assert emulated_bf16_line(both, "cpu", native=True) is None  # (native: nothing to say)
+    assert emulated_bf16_line(both, "cuda", native=False) is None  # (a GPU's bfloat16 is its own)
+    assert emulated_bf16_line(PruneConfig.of(pass_dtype="auto", eval_dtype="float32"), "cpu", native=False) is None
 
 
 def test_the_bench_counts_mask_differences_as_the_model_runs_them(monkeypatch):
