@@ -80,8 +80,8 @@ def reset_peak_of(device: str) -> None:
 
 
 def setup(args):
-    """Identical set-up for every worker: model copy, data, a PG run and a Gumbel-softmax run over
-    the same model object, with the PG run's initial state."""
+    """Identical set-up for every worker: model copy, data, a PG run and (unless --no-gumbel) a Gumbel-softmax run
+    over the same model object, with the PG run's initial state."""
     from dataclasses import replace
 
     from engine.config import PruneConfig
@@ -91,24 +91,27 @@ def setup(args):
                          num_mask_samples=args.num_mask_samples, baseline="moving-average", max_windows=1,
                          prune_ratio=args.prune_ratio, dtype=args.dtype, device=args.device)
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
-    gumbel = PruneRun(replace(config, method="gumbel", method_options={}), tempfile.mkdtemp(), model=run.model,
-                      tokenizer=run.tokenizer,
-                      log=lambda m: None)
-    run.progress = gumbel.progress = False
+    gumbel = None  # (--no-gumbel: not made, nor its data read)
+    if args.gumbel:
+        gumbel = PruneRun(replace(config, method="gumbel", method_options={}), tempfile.mkdtemp(), model=run.model,
+                          tokenizer=run.tokenizer, log=lambda m: None)
+        gumbel.progress = False
+    run.progress = False
     state = run.fresh_state()
     return run, gumbel, state
 
 
 # the parent's own arguments, never passed on to a worker (a worker gets the plain copy, not the model)
-PARENT_ONLY = ("worker", "plain_copy", "out", "gumbel", "random_config", "model", "ranks")
+PARENT_ONLY = ("worker", "plain_copy", "out", "random_config", "model", "ranks")
 
 
 def worker_flags(args) -> list[str]:
     """The parent's settings as a worker's flags: --NAME=VALUE for each one set (a list comma-joined), the
     parent's own (PARENT_ONLY) and those left unset (None: the worker's default is the same) left out, so that a
     worker never parses "None" (--ranks=None killed every worker of a plain run)."""
-    return [f"--{key.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
-            for key, v in vars(args).items() if key not in PARENT_ONLY and v is not None]
+    flags = [f"--{key.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
+             for key, v in vars(args).items() if key not in (*PARENT_ONLY, "gumbel") and v is not None]
+    return flags + ([] if args.gumbel else ["--no-gumbel"])  # (a worker told --no-gumbel makes no Gumbel run)
 
 
 def rank_worker(args) -> dict | None:
