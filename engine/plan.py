@@ -714,6 +714,14 @@ def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
     moments = refit_moment_bytes(config, skeleton)
     if moments:
         parts["refit moments (float64)"] = moments
+        parts["refit: the columns it edits, kept to restore"] = refit_edit_bytes(config, skeleton)
+    from .executors import resolve_executor
+
+    if resolve_executor(config.sample_forward, config.device) == "sliced":  # (a masked forward's own smaller copy)
+        from .budget import decoder_params
+
+        parts["a masked forward's sliced weights"] = ((1.0 - config.prune_ratio) * decoder_params(skeleton.adapter)
+                                                     * _BYTES.get(config.dtype, 4))
     if _reward(config.reward).needs_dense:  # (the KL reward's dense targets: bounded, engine/rewards.py)
         from .rewards import DENSE_HIDDEN_BATCHES, DENSE_LOGP_BYTES
 
@@ -721,6 +729,16 @@ def plan_memory(config, skeleton: Skeleton) -> MemoryPlan:
         parts["dense targets (KL)"] = (max(DENSE_LOGP_BYTES, batch * skeleton.vocab_size * 4)  # (>= the batch in use)
                                        + DENSE_HIDDEN_BATCHES * batch * skeleton.hidden_size * 4)
     return MemoryPlan(parts)
+
+
+def refit_edit_bytes(config, skeleton: Skeleton) -> int:
+    """What a refit keeps of the weights it edits, to restore them: each width unit type's output projection in
+    every layer (engine/reconstruction.py's reconstructed)."""
+    from .unit_types import layer_unit_types
+
+    projections = [t.output_proj(skeleton.adapter, i) for t in layer_unit_types() if t.name in config.units
+                   for i in range(skeleton.num_layers)]
+    return sum(p.in_features * p.out_features for p in projections) * _BYTES.get(config.dtype, 4)
 
 
 def refit_moment_bytes(config, skeleton: Skeleton) -> int:

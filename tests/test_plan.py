@@ -123,6 +123,16 @@ def test_the_memory_plan_counts_the_refits_moments_and_loading_apart(tiny_path):
     assert refit_moment_bytes(config, skeleton) == want
     assert plan_memory(config, skeleton).parts["refit moments (float64)"] == want
     assert refit_moment_bytes(PruneConfig(model=str(tiny_path), reconstruct=False), skeleton) == 0
+    # (the refit keeps the columns it edits of each output projection to restore them; on the CPU a masked
+    # forward runs a sliced copy of the kept weights)
+    edits = cfg.num_hidden_layers * 4 * (n_heads_in * cfg.hidden_size + cfg.intermediate_size * cfg.hidden_size)
+    parts = plan_memory(config, skeleton).parts
+    assert parts["refit: the columns it edits, kept to restore"] == edits
+    from engine.budget import decoder_params
+
+    assert parts["a masked forward's sliced weights"] == pytest.approx(0.7 * 4 * decoder_params(skeleton.adapter))
+    hooked = plan_memory(PruneConfig(model=str(tiny_path), reconstruct=False, sample_forward="sequential"), skeleton)
+    assert not {"a masked forward's sliced weights", "refit: the columns it edits, kept to restore"} & set(hooked.parts)
     plan = MemoryPlan({"process": 1.0, "weights": 2.0, "loading a GGUF": 2.0, "activations": 3.0})
     assert plan.total == 6.0  # (1 + 2 + max(2, 3))
     assert MemoryPlan({"process": 1.0, "weights": 2.0, "loading a GGUF": 5.0, "activations": 3.0}).total == 8.0
