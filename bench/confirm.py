@@ -556,20 +556,23 @@ def report(args) -> None:
                 rows, per_seed = [], []
                 for seed in seeds:
                     a, b = cell_measures(rate, seed, "init"), chosen_measures(rate, seed, rule_name)
-                    if not all(n in a and n in b for n in names):
+                    have = [n for n in names if n in a and n in b]  # (as the tables above: the rest pending)
+                    if not have:
                         continue
                     step = load(beside(cell_dir(rate, seed, "pg24"), ".checks.json"))["chosen"][rule_name]
-                    c = changes(a, b, names)
+                    c = changes(a, b, have)
                     per_seed.append(c)
                     rows.append(f"| {seed} (step {step}) | {pair_cells(a, b, c, names)} |")
                 if not per_seed:
                     continue
-                means = {n: mean_draws([c[n] for c in per_seed]) for n in names}
+                means = {n: [c[n] for c in per_seed if n in c] for n in names}
                 lines += [f"## Rule `{rule_name}`: {set_name}, {round(rate * 100)} %", "",
                           "| seed (chosen step) | " + " | ".join(LABELS[n] for n in names) + " |",
                           "|---" * (len(names) + 1) + "|", *rows,
-                          f"| mean of {len(per_seed)} | " + " | ".join(fmt_change(n, means[n]) for n in names) + " |", ""]
-                if set_name == "confirm" and len(per_seed) == len(seeds):
+                          "| mean | " + " | ".join(f"{fmt_change(n, mean_draws(means[n]))} (of {len(means[n])})"
+                                                 if means[n] else "pending" for n in names) + " |", ""]
+                if set_name == "confirm" and len(per_seed) == len(seeds) and all(
+                        "wikitext_valid" in c and "c4" in c for c in per_seed):
                     verdicts.append(f"- rule `{rule_name}`, " + rule_verdict(rate, per_seed)[2:])
     if verdicts:
         lines += ["## The rule (docs/results.md): steps only if the mean gain is ≥ 5 % on WikiText validation and held-out "
