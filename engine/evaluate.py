@@ -48,17 +48,21 @@ def head_input(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model.get_decoder()(input_ids=input_ids.to(model_device(model)), use_cache=False).last_hidden_state
 
 
-def per_token(model, hidden: torch.Tensor, value, tokens: int | None = None) -> torch.Tensor:
-    """(rows, T) float32: value(logits, start) -> (n,) for each chunk of at most `tokens` (HEAD_TOKENS) positions
-    of `hidden` read row after row (start: the chunk's first position in that order; logits: (n, vocab) float32,
-    the head of those positions)."""
+def head_chunks(model, hidden: torch.Tensor, tokens: int | None = None):
+    """(start, logits) for each chunk of at most `tokens` (HEAD_TOKENS) positions of `hidden` read row after row:
+    start, the chunk's first position in that order; logits, (n, vocab) float32, the head of those positions."""
     tokens = tokens or HEAD_TOKENS
-    rows, length = hidden.shape[:2]
-    flat, head = hidden.reshape(rows * length, -1), model.get_output_embeddings()
-    out = torch.empty(rows * length, dtype=torch.float32, device=hidden.device)
-    for start in range(0, rows * length, tokens):
-        out[start:start + tokens] = value(head(flat[start:start + tokens]).float(), start)
-    return out.view(rows, length)
+    flat, head = hidden.reshape(-1, hidden.shape[-1]), model.get_output_embeddings()
+    for start in range(0, flat.shape[0], tokens):
+        yield start, head(flat[start:start + tokens]).float()
+
+
+def per_token(model, hidden: torch.Tensor, value, tokens: int | None = None) -> torch.Tensor:
+    """(rows, T) float32: value(logits, start) -> (n,) for each of head_chunks' chunks of `hidden`."""
+    out = torch.empty(hidden.shape[0] * hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    for start, logits in head_chunks(model, hidden, tokens):
+        out[start:start + logits.shape[0]] = value(logits, start)
+    return out.view(hidden.shape[:2])
 
 
 def shifted_targets(input_ids: torch.Tensor) -> torch.Tensor:

@@ -68,13 +68,17 @@ def pass_precision(dtype: str, device_type: str = "cpu"):
     return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
+def _device_type(config, model=None) -> str:
+    """The device type a run's model is on (without a model, its --device's: what a plan made before loading says)."""
+    from .loading import model_device
+
+    return model_device(model).type if model is not None else str(config.device).split(":")[0]
+
+
 def run_pass_dtype(config, model=None) -> str:
     """A run's one-shot passes' dtype: its --pass-dtype resolved on the device its model is on (without a model,
     on its --device: what a plan made before loading says)."""
-    from .loading import model_device
-
-    device = model_device(model).type if model is not None else str(config.device).split(":")[0]
-    return resolve_pass_dtype(config.pass_dtype, config.dtype, device)
+    return resolve_pass_dtype(config.pass_dtype, config.dtype, _device_type(config, model))
 
 
 def emulated_bf16_line(config, device_type: str, native: bool | None = None) -> str | None:
@@ -92,10 +96,7 @@ def emulated_bf16_line(config, device_type: str, native: bool | None = None) -> 
 
 def run_eval_dtype(config, model=None) -> str:
     """A run's evaluations' dtype: its --eval-dtype resolved as --pass-dtype is (run_pass_dtype)."""
-    from .loading import model_device
-
-    device = model_device(model).type if model is not None else str(config.device).split(":")[0]
-    return resolve_pass_dtype(config.eval_dtype, config.dtype, device)
+    return resolve_pass_dtype(config.eval_dtype, config.dtype, _device_type(config, model))
 
 
 def run_passes(run):

@@ -23,7 +23,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
-from .evaluate import batch_loss, head_input, per_token, shifted_targets
+from .evaluate import _row_losses, batch_loss, head_chunks, head_input, per_token, shifted_targets
 from .loading import model_device
 from .registry import add_entry
 
@@ -112,15 +112,11 @@ class Reward:
             hidden = head_input(model, b)
             targets, reward = shifted_targets(b.to(hidden.device)), self.token_values(b)
             both = torch.empty(2, *b.shape, dtype=torch.float32, device=hidden.device)
-
-            def value(logits, start):  # (the CE and the reward of one chunk of logits)
-                flat, n = both.view(2, -1), logits.shape[0]
-                flat[0, start:start + n] = F.cross_entropy(logits, targets[start:start + n], reduction="none",
-                                                           ignore_index=-100)
-                flat[1, start:start + n] = reward(logits, start)
-                return flat[1, start:start + n]
-
-            per_token(model, hidden, value)
+            flat = both.view(2, -1)
+            for start, logits in head_chunks(model, hidden):  # (the CE and the reward of each chunk of logits)
+                end = start + logits.shape[0]
+                flat[0, start:end] = F.cross_entropy(logits, targets[start:end], reduction="none", ignore_index=-100)
+                flat[1, start:end] = reward(logits, start)
             ce.append(both[0, :, :-1].mean(1).cpu())
             score.append(both[1, :, :-1].mean(1).cpu())
         return torch.cat(ce).double().mean(), torch.cat(score).double().mean()
@@ -136,8 +132,6 @@ class CrossEntropy(Reward):
         return batch_loss  # (the very function the executors always called: ce is today's loss, bit for bit)
 
     def rows(self, logits, ids, batch):
-        from .evaluate import _row_losses
-
         return _row_losses(logits, ids.to(logits.device))
 
     @staticmethod
@@ -206,17 +200,12 @@ class DenseKL(Reward):
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, T, vocab) float32 log-probabilities of the head of `hidden`, made chunk by chunk into one tensor
         (never a second one of its size)."""
-        rows, length = hidden.shape[:2]
         vocab = self._head_of.get_output_embeddings().weight.shape[0]
-        out = torch.empty(rows * length, vocab, dtype=torch.float32, device=hidden.device)
-
-        def fill(logits, start):
-            out[start:start + logits.shape[0]] = F.log_softmax(logits, dim=-1)
-            return logits[:, 0]
-
+        out = torch.empty(hidden.shape[0] * hidden.shape[1], vocab, dtype=torch.float32, device=hidden.device)
         with torch.no_grad():
-            per_token(self._head_of, hidden, fill)
-        return out.view(rows, length, vocab)
+            for start, logits in head_chunks(self._head_of, hidden):
+                out[start:start + logits.shape[0]] = F.log_softmax(logits, dim=-1)
+        return out.view(*hidden.shape[:2], vocab)
 
     def _recompute(self, key) -> torch.Tensor:
         """A dropped batch's log-probabilities from its kept LM head input: the forward's last product, bit for bit."""
