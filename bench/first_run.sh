@@ -62,7 +62,7 @@ for s in "${SEEDS[@]}"; do
         "${PIN[@]}" "${command[@]}" "${extra[@]}" > "$CLONE/log.txt" 2>&1 ) || { echo "  failed: $(tail -n 2 "$CLONE/log.txt")"; }
     mkdir -p "$dest"
     cp "$CLONE/log.txt" "$dest/run.log"; cp "$CLONE/time.txt" "$dest/time.txt"
-    grep -m1 "^plan:" "$CLONE/log.txt" > "$dest/plan.txt" || true  # (kept: the probe's rate; the log is not)
+    grep -m1 "^plan:.*ms per token from" "$CLONE/log.txt" > "$dest/plan.txt" || true  # (kept: the probe's rate)
     for f in results.json config.json; do [[ -f $CLONE/repo/runs/quickstart/$f ]] && cp "$CLONE/repo/runs/quickstart/$f" "$dest/"; done
     grep -E "Elapsed \(wall" "$dest/time.txt" | sed 's/^\s*/  /'
     tail -n 2 "$dest/run.log" | sed 's/^/  /'

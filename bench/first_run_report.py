@@ -45,8 +45,11 @@ def row(folder: Path) -> str | None:
         return f"| {folder.parent.name} | {folder.name} | not finished | | | | | |"
     res = json.loads(res_file.read_text())
     time_txt = (folder / "time.txt").read_text() if (folder / "time.txt").is_file() else ""
-    log = next((f.read_text() for f in (folder / "plan.txt", folder / "run.log") if f.is_file()), "")
-    wall, ms = wall_seconds(time_txt), probe_ms(log)
+    # (the plan's line with the probe's rate; plan.txt kept only the first plan line before 2026-12-02, which may
+    # be the budget's warning)
+    ms = next((probe_ms(f.read_text()) for f in (folder / "plan.txt", folder / "run.log")
+               if f.is_file() and probe_ms(f.read_text()) is not None), None)
+    wall = wall_seconds(time_txt)
     phases = res.get("seconds_by_phase", {})
     shown = ", ".join(f"{k} {v:.0f}" for k, v in phases.items() if k not in ("total", "other") and v >= 1)
     return (f"| {folder.parent.name} | {folder.name} | {'' if wall is None else f'{wall / 60:.1f} min'} | "
