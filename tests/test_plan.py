@@ -361,6 +361,8 @@ def test_a_run_that_prunes_no_whole_layer_lists_no_layer_settings():
     joint = {r["setting"] for r in S.settings_table(PruneConfig(units=["layers", "heads", "channels"]).to_dict())}
     assert S.setting_label("layer_init") in joint and S.setting_label("layer_init") not in widths
     assert S.setting_label("units") in widths and S.setting_label("layer_init_batches") not in widths
+    for name in ("layer_prob_map", "mix_batches", "mix_search"):  # (the layers' map, the joint mix of layers and widths)
+        assert S.setting_label(name) in joint and S.setting_label(name) not in widths, name
 
 
 def test_the_loss_chart_draws_a_kl_runs_check_as_a_kl_and_a_ce_runs_as_a_log_perplexity():

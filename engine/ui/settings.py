@@ -326,7 +326,9 @@ def rows_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-LAYER_SETTINGS = ("layer_init", "layer_init_batches", "layer_score_const", "sleb_finalists")
+# (the joint mix splits the budget between whole layers and widths: without layers there is no mix)
+LAYER_SETTINGS = ("layer_init", "layer_init_batches", "layer_prob_map", "layer_score_const", "sleb_finalists",
+                  "mix_batches", "mix_reward", "mix_refit", "mix_search", "mix_refine_batches")
 
 
 def settings_table(config: dict) -> list[dict]:
