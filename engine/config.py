@@ -131,6 +131,7 @@ def _migrate(data: dict) -> dict:
     data.setdefault("init_data", "training")  # and the init read the calibration documents the steps read
     data.setdefault("pass_dtype", "float32")  # and ran its one-shot passes in its weights' dtype
     data.setdefault("eval_dtype", "float32")  # and its evaluations
+    data.setdefault("step_dtype", "float32")  # and its steps
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -346,6 +347,11 @@ class PruneConfig:
     eval_dtype: str = setting("float32", choices=PASS_DTYPES, label="dtype of the evaluations", help=(
         "the matrix products of the WikiText perplexities (autocast; the weights and the sums keep --dtype): auto is "
         "bfloat16 on a CPU that runs it natively for float32 weights, else --dtype; float32 keeps --dtype"))
+    step_dtype: str = setting("float32", choices=PASS_DTYPES, label="dtype of the steps", help=(
+        "the matrix products of the steps' masked forwards and of their batch's dense forward (autocast; the LM head, "
+        "the KL or CE the estimate reads, the weights and the refit's solves keep --dtype): auto is bfloat16 on a CPU "
+        "that runs it natively for float32 weights, else --dtype; bfloat16 is refused on a CPU that would emulate it "
+        "(several times slower than float32)"))
     device: str = setting("cpu", label="Device", help="cpu, cuda, cuda:N, or auto (accelerate device_map)")
     checkpoint_every: int = setting(50, minimum=1, label="Checkpoint every N steps", help="save state every N steps")
     checkpoint_minutes: float = setting(2.0, minimum=0.0, label="Checkpoint every N minutes",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.nn.functional as F
 
@@ -48,13 +51,34 @@ def head_input(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model.get_decoder()(input_ids=input_ids.to(model_device(model)), use_cache=False).last_hidden_state
 
 
+_HEAD_FLOAT32 = contextvars.ContextVar("head_float32", default=False)
+
+
+@contextlib.contextmanager
+def head_in_float32():
+    """Within it, head_chunks runs the LM head outside any autocast, in float32 (the steps' bfloat16 forwards keep
+    the logits their KL or CE reads exact to float32: engine/precision.py's step_precision)."""
+    token = _HEAD_FLOAT32.set(True)
+    try:
+        yield
+    finally:
+        _HEAD_FLOAT32.reset(token)
+
+
 def head_chunks(model, hidden: torch.Tensor, tokens: int | None = None):
     """(start, logits) for each chunk of at most `tokens` (HEAD_TOKENS) positions of `hidden` read row after row:
-    start, the chunk's first position in that order; logits, (n, vocab) float32, the head of those positions."""
+    start, the chunk's first position in that order; logits, (n, vocab) float32, the head of those positions
+    (within head_in_float32, computed in float32 whatever autocast is on)."""
     tokens = tokens or HEAD_TOKENS
     flat, head = hidden.reshape(-1, hidden.shape[-1]), model.get_output_embeddings()
+    exact = _HEAD_FLOAT32.get() and torch.is_autocast_enabled(flat.device.type)
     for start in range(0, flat.shape[0], tokens):
-        yield start, head(flat[start:start + tokens]).float()
+        if exact:  # (the with ends before the yield: the caller's code between chunks runs under its own autocast)
+            with torch.autocast(flat.device.type, enabled=False):
+                logits = head(flat[start:start + tokens].float())
+        else:
+            logits = head(flat[start:start + tokens])
+        yield start, logits.float()
 
 
 def per_token(model, hidden: torch.Tensor, value, tokens: int | None = None) -> torch.Tensor:

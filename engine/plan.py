@@ -527,9 +527,12 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
     calibration text a source generates: planned from its tokens unless `text_cached`, or the seconds it took
     (`text_seconds`, with `load`). Under --time-budget the steps fill what the budget leaves."""
     from .calib_sources import PHASE as TEXT_PHASE
-    from .precision import run_eval_dtype, run_pass_dtype
+    from .precision import run_eval_dtype, run_pass_dtype, run_step_dtype
 
-    passes = PASS_PHASES + (("evaluations",) if run_eval_dtype(config) == run_pass_dtype(config) != config.dtype else ())
+    # (the evaluations and the steps at the passes' rate where they run in the passes' dtype)
+    passes = PASS_PHASES + tuple(phase for phase, dtype in (("evaluations", run_eval_dtype(config)),
+                                                            ("steps", run_step_dtype(config)))
+                                 if dtype == run_pass_dtype(config) != config.dtype)
 
     def seconds(config) -> dict[str, float]:
         tokens = phase_tokens(config, skeleton, dense_cached, done_steps, text_cached or text_seconds is not None)

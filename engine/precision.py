@@ -1,4 +1,5 @@
-"""The dtype of a fresh run's one-shot passes: the statistics pass, the init metric and the joint mix.
+"""The dtype of a fresh run's one-shot passes: the statistics pass, the init metric and the joint mix; of its
+evaluations (--eval-dtype) and of its steps' forwards (--step-dtype).
 
 These passes only rank and measure (FLAP's moments, the refit's moments, Layerwise-PPL's losses, the mix's scores);
 where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), torch's autocast runs their matrix products in
@@ -92,6 +93,37 @@ def emulated_bf16_line(config, device_type: str, native: bool | None = None) -> 
         return None
     return (f"note: {' and '.join(asked)} on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
             "its matrix products are emulated, several times slower than float32 here (auto runs float32 on this CPU)")
+
+
+def run_step_dtype(config, model=None) -> str:
+    """A run's steps' dtype: its --step-dtype resolved as --pass-dtype is (run_pass_dtype)."""
+    return resolve_pass_dtype(config.step_dtype, config.dtype, _device_type(config, model))
+
+
+def step_dtype_problem(config, device_type: str, native: bool | None = None) -> str | None:
+    """Why a run cannot take its steps in bfloat16 here: --step-dtype bfloat16 on a CPU that does not multiply it
+    natively (native: that answer, default this machine's), where the steps, a run's longest part, would run
+    several times slower than in float32. None where nothing stops it (auto runs float32 on such a CPU)."""
+    if getattr(config, "step_dtype", None) != "bfloat16" or device_type != "cpu":
+        return None
+    if native_bf16_cpu() if native is None else native:
+        return None
+    return ("--step-dtype bfloat16: this CPU does not multiply bfloat16 natively (no avx512_bf16 or amx_bf16 in "
+            "/proc/cpuinfo), so the steps would be emulated, several times slower than float32; use --step-dtype "
+            "auto (float32 on this CPU) or float32")
+
+
+def step_precision(dtype: str, device_type: str = "cpu"):
+    """The context of a step's forwards: pass_precision's autocast, the LM head kept in float32 (the KL or CE each
+    sample's score and the estimate read: engine/evaluate.py's head_chunks)."""
+    if dtype != "bfloat16":
+        return contextlib.nullcontext()
+    from .evaluate import head_in_float32
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(pass_precision(dtype, device_type))
+    stack.enter_context(head_in_float32())
+    return stack
 
 
 def run_eval_dtype(config, model=None) -> str:

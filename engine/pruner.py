@@ -41,7 +41,7 @@ from .methods import METHODS, method_options
 from .outdir import folder_lock
 from .phases import PhaseClock
 from .plan import say_text_plan
-from .precision import emulated_bf16_line
+from .precision import emulated_bf16_line, run_step_dtype, step_dtype_problem, step_precision
 from .runplan import plan_with_steps
 from .results import finish
 from .memory_check import check_run_fits
@@ -133,12 +133,17 @@ class PruneRun:
         self.out = Path(out_dir) if out_dir is not None else None  # None: a run in memory (engine.api), no files
         self.log, self.progress, self.world = log, True, world  # tqdm bars; this torchrun rank
         self.source = resolve_model(c.model)
+        if problem := step_dtype_problem(c, model_device(model).type if model is not None else str(c.device).split(":")[0]):
+            raise UserError(problem)  # (before the model loads: the CPU decides it)
         self.from_disk = model is None or from_files  # (only a model read from its files is cached)
         if model is None:
             model, tokenizer = load_model(self.source, c.dtype, c.device)
         self.model, self.tokenizer, self.adapter = model, tokenizer, ModelAdapter.for_model(model)
         if slow := emulated_bf16_line(c, model_device(model).type):
             log(slow)
+        self.step_dtype = run_step_dtype(c, model)  # (the steps' forwards: step())
+        if c.step_dtype == "auto" and self.step_dtype != "bfloat16" and model_device(model).type == "cpu":
+            log(f"steps in {self.step_dtype}: --step-dtype auto and this CPU has no native bfloat16")
         check_positions(model.config, {"seqlen": c.seqlen, "eval seqlen": c.eval_seqlen})
         check_run_fits(c, model)  # (before the data: a batch whose logits cannot fit is refused in one line)
         metric_cache_folder()  # (a $PG_PRUNE_METRIC_CACHE that is a file: refused now, not after the model's work)
@@ -215,7 +220,8 @@ class PruneRun:
         s <- proj_C(s - lr g) for every unit type."""
         t0, batch = time.perf_counter(), self.sampler.next_batch()
         keep, lr = self.keep_ratio_at(state.step), self.lr_at(state.step)
-        g = self.method.gradient(state, batch)
+        with step_precision(self.step_dtype, model_device(self.model).type):  # (--step-dtype; the head in float32)
+            g = self.method.gradient(state, batch)
         proposed = self.method.next_scores(state, g.grads, lr)
         state.scores = self.budget.project(proposed, keep) if self.method.projects else proposed  # (Method.projects)
         state.step += 1

@@ -11,7 +11,7 @@ from .distributed import shares
 from .io import atomic_write_text
 from .loading import count_parameters
 from .phases import phase_line
-from .precision import run_eval_dtype, run_pass_dtype
+from .precision import run_eval_dtype, run_pass_dtype, run_step_dtype
 from .rundir import MODEL_DIR, RESULTS_FILE
 from .runplan import PLAN_KEY
 from .runstate import RunState, peak_rss_mb
@@ -86,6 +86,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "plan_memory_mb": planned_memory_mb(run),  # (the plan's estimate of that peak, engine/plan.py's plan_memory)
         "pass_dtype": run_pass_dtype(c, run.model),  # the one-shot passes' matrix products (--pass-dtype)
         "eval_dtype": run_eval_dtype(c, run.model),  # the evaluations' (--eval-dtype)
+        "step_dtype": run_step_dtype(c, run.model),  # the steps' forwards' (--step-dtype)
         "world_size": run.world.size,  # torchrun's ranks in the session that finished the run
         "mask_samples_by_rank": shares(c.num_mask_samples, run.world.size),  # which rank ran which of the N_s samples
         "worlds": state.worlds,  # each session's ranks from the step it started at

@@ -3,6 +3,7 @@ CPU runs it natively (engine/precision.py, --pass-dtype); the evaluations, the s
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import pytest
@@ -142,3 +143,83 @@ def test_the_bench_counts_mask_differences_as_the_model_runs_them(monkeypatch):
     assert mask_differences(a, b) == {"channels": 1, "layers": 0}  # (channel 1; 3-5 are in the removed layer)
     b["layers"] = torch.tensor([1.0, 1.0])
     assert mask_differences(a, b) == {"channels": 3, "layers": 1}  # (1, and 4 and 5 in the layer b now keeps)
+
+
+def test_within_head_in_float32_the_lm_head_ignores_autocast():
+    """Issue 65: the steps' forwards under bfloat16 autocast keep the LM head in float32 (each sample's KL or CE,
+    and so the estimate, read float32 logits): inside head_in_float32 the logits equal the float32 head's exactly;
+    outside it, under the same autocast, they are bfloat16 products (they differ)."""
+    from engine.evaluate import head_chunks, head_in_float32
+
+    model = build_model("llama")
+    hidden = torch.randn(2, 5, model.config.hidden_size)
+    exact = torch.cat([x for _, x in head_chunks(model, hidden, tokens=4)])
+    with pass_precision("bfloat16"):
+        rounded = torch.cat([x for _, x in head_chunks(model, hidden, tokens=4)])
+        with head_in_float32():
+            kept = [x for _, x in head_chunks(model, hidden, tokens=4)]
+            assert torch.is_autocast_enabled("cpu")  # (the caller's code between chunks keeps its autocast)
+    assert torch.equal(torch.cat(kept), exact) and all(x.dtype == torch.float32 for x in kept)
+    assert not torch.equal(rounded, exact) and torch.allclose(rounded, exact, rtol=0.05, atol=0.05)
+
+
+def test_the_step_dtype_resolves_and_bfloat16_is_refused_where_emulated():
+    from engine.precision import run_step_dtype, step_dtype_problem
+
+    assert PruneConfig().step_dtype == "float32"  # (the default until its quality is measured on 3 seeds)
+    asked = PruneConfig.of(step_dtype="bfloat16")
+    assert step_dtype_problem(asked, "cpu", native=False).startswith("--step-dtype bfloat16: this CPU does not multiply")
+    assert step_dtype_problem(asked, "cpu", native=True) is None and step_dtype_problem(asked, "cuda", native=False) is None
+    assert step_dtype_problem(PruneConfig.of(step_dtype="auto"), "cpu", native=False) is None  # (auto: float32 there)
+    assert PruneConfig.of(**{k: v for k, v in PruneConfig().to_dict().items() if k != "step_dtype"}).step_dtype == \
+        "float32"  # (a config saved before the option: float32, as its steps ran)
+    assert run_step_dtype(PruneConfig.of(step_dtype="float32")) == "float32"
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native-bf16-cpu", "other-cpu"])
+def test_steps_in_bfloat16_run_the_decoder_in_bfloat16_and_the_head_in_float32(native, tiny, tiny_path,
+                                                                               small_eval_file, tmp_path, monkeypatch):
+    """--step-dtype auto on a CPU with native bfloat16: the steps' masked forwards multiply in bfloat16 inside the
+    decoder and in float32 in the LM head, and the step losses stay within bfloat16's rounding of a float32 run's
+    (same seed, same masks sampled). On another CPU auto runs float32 and says so, and bfloat16 asked for is
+    refused in one line before any work."""
+    from engine.errors import UserError
+
+    monkeypatch.setenv(precision.NATIVE_ENV, native)
+    model, tokenizer = tiny
+    config = small_config(tiny_path, small_eval_file, steps=2, reward="kl", step_dtype="auto", eval_init=False)
+    said = []
+    run = PruneRun(config, tmp_path / "auto", model=model, tokenizer=tokenizer, log=said.append)
+    head = model.get_output_embeddings()
+    seen: dict[str, set] = defaultdict(set)
+
+    def record(module, args, out):
+        if run.phases.stack and run.phases.stack[-1][0] == "steps":
+            seen["head" if module is head else "decoder"].add(out.dtype)
+
+    handles = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        results = run.run(progress=False)
+    finally:
+        for h in handles:
+            h.remove()
+    stepped = torch.bfloat16 if native == "1" else torch.float32
+    assert results["step_dtype"] == str(stepped).removeprefix("torch.")
+    assert seen == {"decoder": {stepped}, "head": {torch.float32}}, dict(seen)
+    assert [m for m in said if m.startswith("steps in float32")] == (
+        [] if native == "1" else ["steps in float32: --step-dtype auto and this CPU has no native bfloat16"])
+    if native == "1":
+        plain = PruneRun(small_config(tiny_path, small_eval_file, steps=2, reward="kl", step_dtype="float32",
+                                      eval_init=False), tmp_path / "f32", model=model, tokenizer=tokenizer,
+                         log=lambda m: None)
+        plain.run(progress=False)
+        lines = [[json.loads(x)["losses"] for x in (p / "metrics.jsonl").read_text().splitlines()]
+                 for p in (tmp_path / "auto", tmp_path / "f32")]
+        got, want = (torch.tensor(v) for v in lines)
+        assert got.shape == want.shape and not torch.equal(got, want)
+        assert torch.allclose(got, want, rtol=0.05), (got, want)
+    else:
+        with pytest.raises(UserError, match=r"^--step-dtype bfloat16: this CPU does not multiply bfloat16 natively"):
+            PruneRun(small_config(tiny_path, small_eval_file, steps=2, step_dtype="bfloat16"), tmp_path / "asked",
+                     model=model, tokenizer=tokenizer, log=lambda m: None)
+        assert not (tmp_path / "asked").exists()
