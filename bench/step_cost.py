@@ -2,6 +2,7 @@
 
     python bench/step_cost.py [--model smollm2-135m-instruct | --random-config 1b|7b] [--repeats 5]
                               [--batch-size 8] [--seqlen 128] [--executors sequential,batched,sliced]
+                              [--reward ce|kl] [--step-dtypes float32,bfloat16]
                               [--device cpu|cuda|auto] [--dtype float32] [--no-gumbel] [--out DIR]
 
 Prints seconds per PG step / seconds per dense forward of the same batch, for every executor of the
@@ -89,7 +90,7 @@ def setup(args):
 
     config = PruneConfig.of(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
                          num_mask_samples=args.num_mask_samples, baseline="moving-average", max_windows=1,
-                         prune_ratio=args.prune_ratio, dtype=args.dtype, device=args.device)
+                         prune_ratio=args.prune_ratio, dtype=args.dtype, device=args.device, reward=args.reward)
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
     gumbel = None  # (--no-gumbel: not made, nor its data read)
     if args.gumbel:
@@ -173,9 +174,9 @@ def worker(args) -> dict:
     run, gumbel, state = setup(args)
     batch = run.sampler.next_batch()
 
-    def pg_step(executor):
+    def pg_step(executor, dtype="float32"):
         def step():
-            run.sample_losses = EXECUTORS[executor]
+            run.sample_losses, run.step_dtype = EXECUTORS[executor], dtype  # (--step-dtypes: the step's autocast)
             run.step(state)
         return step
 
@@ -188,6 +189,8 @@ def worker(args) -> dict:
 
     work = {"dense": lambda: batch_loss(run.model, batch)}
     work |= {f"pg-{e}": pg_step(e) for e in args.executors}
+    if args.worker == "time":  # (each further --step-dtypes entry: the same steps under its autocast, timed only)
+        work |= {f"pg-{e}-{d}": pg_step(e, d) for e in args.executors for d in args.step_dtypes if d != "float32"}
     if args.worker == "time":
         # the floor of any executor: N_s forwards of a physically smaller model that keeps the same fraction
         # (the run's final mask at its initial probabilities), with no gathers and no hooks
@@ -231,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gumbel", dest="gumbel", action="store_false", help="skip the Gumbel-softmax step")
     p.add_argument("--executors", default="sequential,batched,sliced",
                    type=lambda v: [e.strip() for e in v.split(",") if e.strip()])
+    p.add_argument("--reward", default="ce", help="the step's reward (engine/rewards.py: ce or kl)")
+    p.add_argument("--step-dtypes", default=["float32"], type=csv_list(str, lambda d: d in ("float32", "bfloat16"), "dtypes"),
+                   help="e.g. float32,bfloat16: each executor's step also under --step-dtype bfloat16 (the decoder's "
+                        "products under autocast, the head in float32), timed beside the float32 one")
     p.add_argument("--out", default=None, help="folder for a JSON record of the figures (bench/results/step_cost)")
     p.add_argument("--ranks", type=csv_list(int, lambda k: k > 0, "rank counts"), default=None,
                    help="e.g. 1,2: the data-parallel step time with each number of ranks (torchrun) instead of the table")
@@ -258,6 +265,7 @@ def main() -> None:
     from engine.executors import EXECUTORS
     from engine.export import build_pruned_model
     from engine.loading import load_model, resolve_model
+    from engine.precision import native_bf16_cpu
     from engine.units import UnitLayout
 
     unknown = [e for e in args.executors if e not in EXECUTORS]
@@ -306,7 +314,8 @@ def main() -> None:
     t, md = out["time"], out["mem-dense"]["peak_mb"]
     lines = [f"model {args.model} ({args.dtype}, {args.device}), batch {args.batch_size}x{args.seqlen}, "
              f"N_s={args.num_mask_samples}, {args.prune_ratio:.0%} pruned (masks sampled from keep probabilities "
-             f"~{1 - args.prune_ratio:.0%}), median of {args.repeats}; torch threads {torch.get_num_threads()}; "
+             f"~{1 - args.prune_ratio:.0%}), reward {args.reward}, median of {args.repeats}; torch threads "
+             f"{torch.get_num_threads()}; native bfloat16 CPU: {native_bf16_cpu()}; "
              f"load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load_before)}, "
              f"after: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}",
              f"dense forward (with loss): {t['sec_dense']:.3f} s;  peak memory of inference {md:.0f} MB",
@@ -317,6 +326,9 @@ def main() -> None:
     for e in args.executors:
         lines.append(f"| {e} | {t[f'sec_pg-{e}']:.3f} | {t[f'sec_pg-{e}'] / t['sec_dense']:.2f} | "
                      f"{out[f'mem-pg-{e}']['peak_mb'] / md:.3f} | {out[f'mem-pg-{e}']['peak_mb']:.0f} |")
+        for d in (d for d in args.step_dtypes if d != "float32"):
+            lines.append(f"| {e}, --step-dtype {d} ({t[f'sec_pg-{e}'] / t[f'sec_pg-{e}-{d}']:.2f}x faster than "
+                         f"float32) | {t[f'sec_pg-{e}-{d}']:.3f} | {t[f'sec_pg-{e}-{d}'] / t['sec_dense']:.2f} | | |")
     if args.gumbel:
         mg = out["mem-gumbel"]["peak_mb"]
         lines.append(f"| Gumbel-softmax (back-propagation) | {t['sec_gumbel']:.3f} | {t['sec_gumbel'] / t['sec_dense']:.2f} | "
