@@ -116,7 +116,8 @@ def test_step_cost_passes_its_settings_to_its_workers_as_they_parse_them(monkeyp
 
     parser = step_cost.build_parser()
     for argv in ([], ["--ranks", "1,2", "--executors", "sliced,batched", "--threads-per-rank", "2"],
-                 ["--random-config", "1b", "--no-gumbel", "--device", "auto"]):
+                 ["--random-config", "1b", "--no-gumbel", "--device", "auto"],
+                 ["--reward", "kl", "--step-dtypes", "float32,bfloat16", "--executors", "sliced"]):
         parent = parser.parse_args(argv)
         flags = step_cost.worker_flags(parent)
         assert not any(f.endswith("=None") for f in flags), flags
