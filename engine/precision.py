@@ -69,7 +69,7 @@ def pass_precision(dtype: str, device_type: str = "cpu"):
     return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
-def _device_type(config, model=None) -> str:
+def run_device_type(config, model=None) -> str:
     """The device type a run's model is on (without a model, its --device's: what a plan made before loading says)."""
     from .loading import model_device
 
@@ -79,7 +79,7 @@ def _device_type(config, model=None) -> str:
 def run_pass_dtype(config, model=None) -> str:
     """A run's one-shot passes' dtype: its --pass-dtype resolved on the device its model is on (without a model,
     on its --device: what a plan made before loading says)."""
-    return resolve_pass_dtype(config.pass_dtype, config.dtype, _device_type(config, model))
+    return resolve_pass_dtype(config.pass_dtype, config.dtype, run_device_type(config, model))
 
 
 def emulated_bf16_line(config, device_type: str, native: bool | None = None) -> str | None:
@@ -97,7 +97,7 @@ def emulated_bf16_line(config, device_type: str, native: bool | None = None) -> 
 
 def run_step_dtype(config, model=None) -> str:
     """A run's steps' dtype: its --step-dtype resolved as --pass-dtype is (run_pass_dtype)."""
-    return resolve_pass_dtype(config.step_dtype, config.dtype, _device_type(config, model))
+    return resolve_pass_dtype(config.step_dtype, config.dtype, run_device_type(config, model))
 
 
 def step_dtype_problem(config, device_type: str, native: bool | None = None) -> str | None:
@@ -128,7 +128,7 @@ def step_precision(dtype: str, device_type: str = "cpu"):
 
 def run_eval_dtype(config, model=None) -> str:
     """A run's evaluations' dtype: its --eval-dtype resolved as --pass-dtype is (run_pass_dtype)."""
-    return resolve_pass_dtype(config.eval_dtype, config.dtype, _device_type(config, model))
+    return resolve_pass_dtype(config.eval_dtype, config.dtype, run_device_type(config, model))
 
 
 def run_passes(run):

@@ -41,7 +41,7 @@ from .methods import METHODS, method_options
 from .outdir import folder_lock
 from .phases import PhaseClock
 from .plan import say_text_plan
-from .precision import emulated_bf16_line, run_step_dtype, step_dtype_problem, step_precision
+from .precision import emulated_bf16_line, run_device_type, run_step_dtype, step_dtype_problem, step_precision
 from .runplan import plan_with_steps
 from .results import finish
 from .memory_check import check_run_fits
@@ -133,7 +133,7 @@ class PruneRun:
         self.out = Path(out_dir) if out_dir is not None else None  # None: a run in memory (engine.api), no files
         self.log, self.progress, self.world = log, True, world  # tqdm bars; this torchrun rank
         self.source = resolve_model(c.model)
-        if problem := step_dtype_problem(c, model_device(model).type if model is not None else str(c.device).split(":")[0]):
+        if problem := step_dtype_problem(c, run_device_type(c, model)):
             raise UserError(problem)  # (before the model loads: the CPU decides it)
         self.from_disk = model is None or from_files  # (only a model read from its files is cached)
         if model is None:

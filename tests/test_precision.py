@@ -80,6 +80,16 @@ def test_statistics_in_bfloat16_are_close_to_float32():
     assert any(not torch.equal(s16[k], s32[k]) for k in s32)
 
 
+def run_watching_linears(run, model, record) -> dict:
+    """run.run() with `record(module, args, out)` hooked on every nn.Linear of `model` (removed after): results."""
+    handles = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        return run.run(progress=False)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @pytest.mark.parametrize("native, evals", [("1", "auto"), ("0", "bfloat16")], ids=["native-bf16-cpu", "other-cpu"])
 def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, evals, tiny, tiny_path, small_eval_file,
                                                                    tmp_path, monkeypatch):
@@ -99,12 +109,7 @@ def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, evals,
     def record(module, args, out):
         seen[run.phases.stack[-1][0] if run.phases.stack else None].add(out.dtype)
 
-    handles = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    try:
-        results = run.run(progress=False)
-    finally:
-        for h in handles:
-            h.remove()
+    results = run_watching_linears(run, model, record)
     passes = torch.bfloat16 if native == "1" else torch.float32
     assert results["pass_dtype"] == str(passes).removeprefix("torch.")
     for phase in ("statistics", "init metric", "joint mix"):
@@ -197,12 +202,7 @@ def test_steps_in_bfloat16_run_the_decoder_in_bfloat16_and_the_head_in_float32(n
         if run.phases.stack and run.phases.stack[-1][0] == "steps":
             seen["head" if module is head else "decoder"].add(out.dtype)
 
-    handles = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    try:
-        results = run.run(progress=False)
-    finally:
-        for h in handles:
-            h.remove()
+    results = run_watching_linears(run, model, record)
     stepped = torch.bfloat16 if native == "1" else torch.float32
     assert results["step_dtype"] == str(stepped).removeprefix("torch.")
     assert seen == {"decoder": {stepped}, "head": {torch.float32}}, dict(seen)
