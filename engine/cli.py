@@ -713,7 +713,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.default_preset, args.steps_given = chosen, steps_given
     args.no_steps = args.command == "prune" and not args.resume and takes_no_steps(
         chosen, args.prune_ratio, _given(argv, "method"), _given(argv, "steps"))
-    if args.no_steps:  # (the default preset from NO_STEPS_FROM up: the init alone, said when the run starts)
+    if args.no_steps:  # (the default preset: the init alone, STEP_VERDICTS; said when the run starts)
         args.method = "flap"
     if args.command == "prune" and not args.resume:  # (under --resume a flag is checked against the saved run's)
         refuse_inert_flags(args, _given_of(argv, _INERT))

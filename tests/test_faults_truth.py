@@ -250,10 +250,22 @@ def test_absurd_time_budgets_are_one_line(value, said, eval_file, tmp_path, capf
 
 
 @pytest.mark.parametrize("method", ["metric", "flap"])
-def test_a_time_budget_on_a_one_shot_method_is_refused(method, eval_file, tmp_path, capfd):
+def test_a_time_budget_on_a_one_shot_method_without_a_refit_is_refused(method, eval_file, tmp_path, capfd):
     capfd.readouterr()
-    assert main(["prune", *tiny_flags(eval_file), "--method", method, "--time-budget", "1", "--out", str(tmp_path / "r")]) == 2
+    assert main(["prune", *tiny_flags(eval_file), "--method", method, "--no-reconstruct", "--time-budget", "1",
+                 "--out", str(tmp_path / "r")]) == 2
     one_error(capfd, f"method {method} is one-shot", "drop --time-budget")
+
+
+def test_a_time_budget_on_a_one_shot_run_with_a_refit_runs_it_and_takes_no_steps(eval_file, tmp_path, capfd):
+    """The default preset's run (no steps, STEP_VERDICTS) under README command 1's --time-budget: the budget bounds
+    the refit's statistics; no step is planned or said to be missing."""
+    capfd.readouterr()
+    out = tmp_path / "r"
+    assert main(["prune", *tiny_flags(eval_file), "--method", "flap", "--time-budget", "5", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "done" and results["steps"] == 0 and results["time_budget"] == 5.0
+    assert "steps fit in" not in capfd.readouterr().err  # (the steps' too-few line is a stepping run's)
 
 
 def test_a_calibration_file_with_a_utf8_bom_is_read(tmp_path):

@@ -57,7 +57,11 @@ class TimeBudget(RunHook):
         self.resumed_per_step = float(used.get("per_step", 0.0))
 
     def on_start(self, state) -> RunChanges | None:
+        from ..methods import METHODS
+
         self.last = self.clock()
+        if not METHODS[self.run.config.method].optimises:  # (a one-shot run: its budget bounds the refit alone)
+            return None
         if state.step and self.resumed_per_step:  # a resumed run: planned from the last session's step time
             return RunChanges(steps=self.plan(state, self.resumed_per_step))
         fit = self.run.plan_steps
