@@ -13,6 +13,7 @@ its init: the change of each measure with its paired 95 % bootstrap interval (th
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 3            # init, pg24, both measured
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.5 --seed 3 --only init
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 3 --without zeroshot   # the hour-long one later
+    OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 0 --only init-bi      # a variant of the init
     OMP_NUM_THREADS=1 python bench/confirm.py dense                               # the dense model's measures
     OMP_NUM_THREADS=1 python bench/confirm.py checks --rate 0.3 --seed 0          # the final-choice rules' checks
     OMP_NUM_THREADS=1 python bench/confirm.py rule --rate 0.3 --seed 0            # and each rule's choice measured
@@ -55,7 +56,12 @@ MEASURES = {  # each set's judges: the tuning set never measures the confirmatio
 RUNS = {  # a cell's runs: the flags after the default command's
     "init": ["--method", "flap"],
     "pg24": ["--steps", "24"],
+    # a variant of the init, run with --only and reported against it (issue 65: the layer order from block influence,
+    # one forward, instead of Layerwise-PPL's one forward per layer)
+    "init-bi": ["--method", "flap", "--layer-init", "block-influence"],
 }
+CELL_RUNS = ("init", "pg24")  # what a cell runs unless --only names one
+VARIANTS = tuple(r for r in RUNS if r not in CELL_RUNS)
 DRAWS = 2000
 
 
@@ -221,7 +227,7 @@ def cell(args) -> None:
 
     if not any(args.seed in seeds for seeds, _ in SETS.values()):
         raise SystemExit(f"error: seed {args.seed} is in no set ({', '.join(f'{k}: {v[0]}' for k, v in SETS.items())})")
-    for which in ([args.only] if args.only else RUNS):
+    for which in ([args.only] if args.only else CELL_RUNS):
         folder = cell_dir(args.rate, args.seed, which)
         book = beside(folder, ".cell.json")
         info = load(book)
@@ -574,6 +580,29 @@ def report(args) -> None:
                 if set_name == "confirm" and len(per_seed) == len(seeds) and all(
                         "wikitext_valid" in c and "c4" in c for c in per_seed):
                     verdicts.append(f"- rule `{rule_name}`, " + rule_verdict(rate, per_seed)[2:])
+    for variant in VARIANTS:  # each variant of the init against the init, the same cells
+        for set_name, (seeds, _) in SETS.items():
+            names = MEASURES[set_name]
+            for rate in (0.3, 0.5):
+                rows, per_seed = [], []
+                for seed in seeds:
+                    a, b = cell_measures(rate, seed, "init"), cell_measures(rate, seed, variant)
+                    have = [n for n in names if n in a and n in b]
+                    if not have:
+                        continue
+                    c = changes(a, b, have)
+                    per_seed.append(c)
+                    secs = [phase_seconds(cell_dir(rate, seed, w), "init metric") for w in ("init", variant)]
+                    rows.append(f"| {seed} | {pair_cells(a, b, c, names)} | " + " → ".join(
+                        f"{x:.0f} s" if x is not None else "?" for x in secs) + " |")
+                if not per_seed:
+                    continue
+                means = {n: [c[n] for c in per_seed if n in c] for n in names}
+                lines += [f"## `{variant}` ({' '.join(RUNS[variant])}) against `init`: {set_name}, {round(rate * 100)} %",
+                          "", "| seed | " + " | ".join(LABELS[n] for n in names) + " | init metric, wall |",
+                          "|---" * (len(names) + 2) + "|", *rows,
+                          "| mean | " + " | ".join(f"{fmt_change(n, mean_draws(means[n]))} (of {len(means[n])})"
+                                                 if means[n] else "pending" for n in names) + " | |", ""]
     if verdicts:
         lines += ["## The rule (docs/results.md): steps only if the mean gain is ≥ 5 % on WikiText validation and held-out "
                   "C4, and no seed worse than its init by more than 1 % on either", "", *verdicts, ""]
@@ -581,6 +610,11 @@ def report(args) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "table.md").write_text(text)
     print(text)
+
+
+def phase_seconds(folder: Path, phase: str) -> float | None:
+    """A finished run's wall seconds in one phase (results.json's seconds_by_phase), None where it lacks them."""
+    return (load(folder / "results.json").get("seconds_by_phase") or {}).get(phase)
 
 
 def rule_verdict(rate: float, per_seed: list[dict]) -> str:
@@ -606,7 +640,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True)
     s = cell_args(sub.add_parser("cell", help="a (rate, seed)'s init and pg24 runs, each measured"))
-    s.add_argument("--only", choices=tuple(RUNS), default=None, help="one of the two runs")
+    s.add_argument("--only", choices=tuple(RUNS), default=None, help="one run: init or pg24 (a cell's two), or a variant of the init (%(choices)s)")
     cell_args(sub.add_parser("checks", help="a finished pg24 cell's validated masks on two held-out texts; each "
                                             "rule's choice"), without=False)
     cell_args(sub.add_parser("rule", help="each rule's chosen step of a checked pg24 cell, exported and measured"))
