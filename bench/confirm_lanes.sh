@@ -6,7 +6,7 @@
 # A cell resumes where it stopped; a finished one is skipped in seconds. Logs: bench/results/confirm/logs/.
 #   bash bench/confirm_lanes.sh            # start both lanes (from this checkout's engine; see CODE below)
 #   bash bench/confirm_lanes.sh status     # what each lane did last
-#   bash bench/confirm_lanes.sh a          # lane a alone (b: lane b alone)
+#   bash bench/confirm_lanes.sh a          # lane a alone (b: lane b alone; c: lane b's first part, the layer order)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -57,12 +57,14 @@ lane_a() {
   cells 50 3 4 5
 }
 lane_b() {
-  variant init-bi 30 0 1
+  lane_c
   cells 30 0 1 2 --without zeroshot
-  variant init-bi 30 2
   cells 50 0 1 2 --without zeroshot
   cells 30 0 1 2
   cells 50 0 1 2
+}
+lane_c() {  # the layer order alone (issue 65), the tuning seeds (seed 2's pair once its init cell is in)
+  variant init-bi 30 0 1 2
 }
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
@@ -74,13 +76,14 @@ lanes=(lane_a lane_b)
 case "${1:-}" in
   a) lanes=(lane_a) ;;
   b) lanes=(lane_b) ;;
+  c) lanes=(lane_c) ;;
   "") ;;
-  *) echo "error: expected status, a, b or nothing, got '$1'" >&2; exit 2 ;;
+  *) echo "error: expected status, a, b, c or nothing, got '$1'" >&2; exit 2 ;;
 esac
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "
 for lane in "${lanes[@]}"; do
-  setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; ${wait_for}$(declare -f cell cells variant $lane); CODE='$CODE'; HERE='$HERE'; LOGS='$LOGS'; $lane" \
+  setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; ${wait_for}$(declare -f cell cells variant lane_c $lane); CODE='$CODE'; HERE='$HERE'; LOGS='$LOGS'; $lane" \
     > /dev/null 2>&1 < /dev/null &
 done
 echo "${#lanes[@]} lane(s) started (engine from $CODE${AFTER:+, after process $AFTER}); bash bench/confirm_lanes.sh status"

@@ -3,10 +3,11 @@
 # seeds first (0, 1, 2: where a row is chosen), every row and text at the 2- and 5-minute rungs (the rows that
 # lose at 5 minutes are dropped before 30 are spent on them: give the kept rows as ROWS="kl-lora kl-full" and
 # RUNGS=2,5,10,30 for the next pass), lane a at 30 %, lane b at 50 %. Each cell needs its confirmation cell's
-# pg24 run (bench/confirm_lanes.sh) finished. A cell resumes where it stopped. Logs:
+# init run (bench/confirm_lanes.sh: the default's export, no steps) finished. A cell resumes where it stopped. Logs:
 # bench/results/recover_study/logs/.
 #   bash bench/recover_lanes.sh                         # the first pass: every row, rungs 2 and 5, seeds 0-2
 #   ROWS="kl-lora mix-lora" RUNGS=2,5,10,30 SEEDS="0 1 2 3 4 5" bash bench/recover_lanes.sh
+#   RATES=30 SEEDS=0 AFTER=PID bash bench/recover_lanes.sh  # one lane (30 %), once process PID has ended
 #   bash bench/recover_lanes.sh status
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,7 @@ mkdir -p "$LOGS"
 ROWS=${ROWS:-"ce-lora kl-lora kl-full mix-lora"}
 RUNGS=${RUNGS:-2,5}
 SEEDS=${SEEDS:-"0 1 2"}
+RATES=${RATES:-"30 50"}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -32,8 +34,10 @@ lane() {  # a rate: every seed, row and text
     echo "$(date -u +%FT%TZ) end $name rc=$?" >> "$LOGS/lanes.txt"
   done; done; done
 }
-for r in 30 50; do  # each lane a session of its own, its autogroup at nice 19 (plain nice would not yield the cores)
-  setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; $(declare -f lane); HERE='$HERE'; LOGS='$LOGS'; \
-    ROWS='$ROWS'; RUNGS='$RUNGS'; SEEDS='$SEEDS'; lane $r" > /dev/null 2>&1 < /dev/null &
+wait_for=""
+[[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "
+for r in $RATES; do  # each lane a session of its own, its autogroup at nice 19 (plain nice would not yield the cores)
+  setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; ${wait_for}$(declare -f lane); HERE='$HERE'; \
+    LOGS='$LOGS'; ROWS='$ROWS'; RUNGS='$RUNGS'; SEEDS='$SEEDS'; lane $r" > /dev/null 2>&1 < /dev/null &
 done
-echo "two lanes started (rows: $ROWS; rungs: $RUNGS; seeds: $SEEDS); bash bench/recover_lanes.sh status"
+echo "lane(s) $RATES started (rows: $ROWS; rungs: $RUNGS; seeds: $SEEDS${AFTER:+; after process $AFTER}); bash bench/recover_lanes.sh status"

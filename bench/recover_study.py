@@ -1,7 +1,8 @@
 """The recovery study (issue 67): which distillation recovers the default run's exports best per CPU minute?
 
-A cell is one (rate, seed, row, text) of `engine recover` on the default run's 24-step export of bench/confirm.py's
-cell (bench/results/confirm/<set>/r<rate>-s<seed>-pg24: its model/, rebuilt from its masks when this checkout
+A cell is one (rate, seed, row, text) of `engine recover` on the default run's export, bench/confirm.py's init cell
+(the default takes no steps since 2026-12-02, docs/results.md; bench/results/confirm/<set>/r<rate>-s<seed>-init:
+its model/, rebuilt from its masks when this checkout
 lacks it), one thread, in a ladder of minutes: 2, then resumed to 5, 10 and 30 minutes of training in all (the
 learning rate is constant after its warm-up, so each rung is where one longer recovery passes; the rungs' exports
 are measured as they come). Rows:
@@ -52,12 +53,15 @@ def cell_dir(rate: float, seed: int, row: str, text: str) -> Path:
     return OUT / confirm.set_of(seed) / f"r{round(rate * 100)}-s{seed}-{row}-{text}"
 
 
+STUDENT = "init"  # the confirmation cell's run that the default makes (no steps: engine/config.py's STEP_VERDICTS)
+
+
 def student(rate: float, seed: int) -> Path:
-    """The default run's 24-step cell of bench/confirm.py, finished, with its export on disk."""
-    folder = confirm.cell_dir(rate, seed, "pg24")
+    """The default run's cell of bench/confirm.py (STUDENT), finished, with its export on disk."""
+    folder = confirm.cell_dir(rate, seed, STUDENT)
     if not (folder / "results.json").is_file():
         raise SystemExit(f"error: {folder} has not finished: python bench/confirm.py cell --rate {rate:g} --seed {seed} "
-                         "--only pg24 runs it")
+                         f"--only {STUDENT} runs it")
     confirm.ensure_export(folder)
     return folder
 
@@ -137,36 +141,44 @@ def listing(args) -> None:
         print(f"{folder.parent.name}/{folder.name}: {rungs}")
 
 
+def mean_cells(measured: list[dict], names) -> str:
+    """Each measure's mean over the measured cells that hold it, with how many ("pending" where none does)."""
+    def one(n):
+        have = [m for m in measured if n in m]
+        if not have:
+            return "pending"
+        return confirm.fmt_value(n, sum(confirm.value(m, n) for m in have) / len(have)) + (
+            f" ({len(have)})" if len(have) != len(measured) else "")
+    return " | ".join(one(n) for n in names)
+
+
 def report(args) -> None:
     """Per set and rate: each row and text at each rung, the mean over the seeds measured of each judge, beside the
-    export before recovery (the pg24 cell's measures)."""
+    export before recovery (the STUDENT cell's measures)."""
     lines = ["# The recovery study: the default run's exports recovered by distillation", "",
-             "(bench/recover_study.py report; SmolLM2-135M-Instruct, the default preset's 24-step export of "
-             "bench/confirm.py's cells; one thread a cell; minutes of training in all, CPU seconds recorded per "
-             "rung; perplexities 256 x 128, held-out C4 128 x 128; mean over the seeds measured)", ""]
+             f"(bench/recover_study.py report; SmolLM2-135M-Instruct, the default preset's export (bench/confirm.py's "
+             f"`{STUDENT}` cells); one thread a cell; minutes of training in all, CPU seconds recorded per "
+             "rung; perplexities 256 x 128, held-out C4 128 x 128; mean over the seeds measured, with the count where "
+             "a measure has fewer)", ""]
     for set_name, (seeds, _) in confirm.SETS.items():
         names = confirm.MEASURES[set_name]
         for rate in (0.3, 0.5):
-            base = [confirm.cell_measures(rate, s, "pg24") for s in seeds]
             rows = []
             for row in ROWS:
                 for text in TEXTS:
                     for rung in RUNGS:
                         got = [confirm.load(cell_dir(rate, s, row, text) / f"measures-{rung:g}min.json") for s in seeds]
-                        got = [m for m in got if all(n in m for n in names)]
+                        got = [m for m in got if m]
                         if got:
-                            rows.append(f"| {row} | {text} | {rung:g} | {len(got)} | " + " | ".join(
-                                confirm.fmt_value(n, sum(confirm.value(m, n) for m in got) / len(got)) for n in names)
-                                + " |")
+                            rows.append(f"| {row} | {text} | {rung:g} | {len(got)} | {mean_cells(got, names)} |")
             if not rows and not args.all:
                 continue
-            done = [m for m in base if all(n in m for n in names)]
-            before = " | ".join(confirm.fmt_value(n, sum(confirm.value(m, n) for m in done) / len(done)) for n in names) \
-                if done else " | ".join("not finished" for _ in names)
+            base = [m for m in (confirm.cell_measures(rate, s, STUDENT) for s in seeds) if m]
+            before = mean_cells(base, names) if base else " | ".join("not finished" for _ in names)
             lines += [f"## {set_name}, {round(rate * 100)} %", "",
                       "| row | text | minutes | seeds | " + " | ".join(confirm.LABELS[n] for n in names) + " |",
-                      "|---" * (len(names) + 4) + "|", f"| before recovery (pg24) | | 0 | {len(done)} | {before} |", *rows,
-                      ""]
+                      "|---" * (len(names) + 4) + "|", f"| before recovery ({STUDENT}) | | 0 | {len(base)} | {before} |",
+                      *rows, ""]
     text = "\n".join(lines) + "\n"
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "table.md").write_text(text)

@@ -761,7 +761,7 @@ def budget_trades(config, plan: TimePlan) -> list[str]:
     """What --time-budget would trade for time, said before Start (a run that does it says so again in its last
     lines and in results.json's "reduced"): the refit's statistics stop at a third of the time left when they
     start (engine/hooks/reconstruction.py), which the one statistics pass reaches after loading and the data."""
-    from .hooks.reconstruction import batches_within_share
+    from .hooks.reconstruction import batches_within_share, optimises, statistics_allowance
     from .metrics import METRICS
     from .unit_types import UNIT_TYPES
 
@@ -773,12 +773,15 @@ def budget_trades(config, plan: TimePlan) -> list[str]:
     before = sum(plan.phases.get(k, 0.0) for k in ("load", "calibration text", "loading", "data and export"))
     per_batch = config.batch_size * config.seqlen * plan.seconds_per_token
     n = config.reconstruct_batches
-    kept = batches_within_share(n, per_batch, 60.0 * config.time_budget - before, anyway)
+    share, reserve = statistics_allowance(optimises(config), plan.phases)
+    kept = batches_within_share(n, per_batch, 60.0 * config.time_budget - before, anyway, share, reserve)
     if kept >= n:
         return []
+    rule = "a third of the time left when they start" if share < 1.0 else (
+        f"the time left when they start but the {reserve:.0f} s kept for the phases after them")
     return [f"the time budget would cut the refit's statistics (--reconstruct-batches {n}) to about {kept} batches "
-            f"(they may take a third of the time left when they start): a less exact refit, and the pruned perplexity "
-            f"moves with it; a budget of about {(before + 3 * n * per_batch) / 60:.1f} min or more keeps all {n}"]
+            f"(they may take {rule}): a less exact refit, and the pruned perplexity moves with it; a budget of about "
+            f"{(before + reserve + n * per_batch / share) / 60:.1f} min or more keeps all {n}"]
 
 
 def say_text_plan(model, config, left: int, probe: bool, log) -> None:

@@ -285,6 +285,44 @@ def test_the_plan_says_what_the_budget_would_cut(tiny_path):
     assert batches_within_share(64, 0.1, 0.0, read_anyway=16) == 16
 
 
+
+def test_a_run_without_steps_gives_its_statistics_what_its_later_phases_leave():
+    """A stepping run's statistics take at most a third of the time left (the steps get the rest); a one-shot run
+    (the default preset's: no steps) may take all of it but its plan's later phases, with LATER_MARGIN."""
+    from engine.hooks.reconstruction import LATER_MARGIN, STATISTICS_SHARE, batches_within_share, statistics_allowance
+
+    plan = {"load": 50.0, "statistics": 200.0, "init metric": 40.0, "joint mix": 80.0, "evaluations": 80.0,
+            "export": 2.0, "other": 0.0, "total": 452.0}
+    assert statistics_allowance(True, plan) == (STATISTICS_SHARE, 0.0)
+    assert statistics_allowance(False, None) == (STATISTICS_SHARE, 0.0)  # (no plan: as a stepping run)
+    share, reserve = statistics_allowance(False, plan)
+    assert share == 1.0 and reserve == pytest.approx(LATER_MARGIN * 202.0)
+    # 550 s left when they start, 1.6 s a batch of 128: a third keeps 114, the one-shot rule all 128
+    assert batches_within_share(128, 1.6, 550.0) == 114
+    assert batches_within_share(128, 1.6, 550.0, 0, share, reserve) == 128
+    assert batches_within_share(128, 1.6, 300.0, 0, share, reserve) == 62  # (never below a third: 100 s)
+    assert batches_within_share(128, 1.6, 450.0, 0, share, reserve) == 123  # (450 - 252.5 s over 1.6 s)
+
+
+def test_the_plan_of_a_one_shot_run_cuts_less_than_a_stepping_ones(tiny_path):
+    from engine.plan import budget_trades, model_skeleton, plan_time
+
+    skeleton = model_skeleton(str(tiny_path))
+    base = dict(model=str(tiny_path), reconstruct=True, reconstruct_batches=64, batch_size=8, seqlen=128,
+                time_budget=0.2, max_windows=8)  # (12 s; the statistics' 64 batches plan 12.3 s, the rest 1 s)
+    rate = 1e-4
+    import re
+
+    def kept(config):
+        said = budget_trades(config, plan_time(config, skeleton, rate, "test"))
+        return int(re.search(r"to about (\d+) batches", said[0])[1]) if said else 64
+
+    stepping, one_shot = kept(PruneConfig.of(**base)), kept(PruneConfig.of(**base, method="flap"))
+    assert 8 <= stepping < one_shot < 64, (stepping, one_shot)  # (a third of 6 s left, against 6 s less the rest)
+    roomier = dict(base, time_budget=0.3)
+    assert kept(PruneConfig.of(**roomier)) < kept(PruneConfig.of(**roomier, method="flap")) == 64
+
+
 # --- torchrun ---------------------------------------------------------------------------------------------------
 @pytest.mark.torchrun  # (launches ranks: deselected by the fast tier, docs/testing.md)
 @pytest.mark.parametrize("extra", [["--no-reconstruct"], ["--reconstruct-batches", "3"]], ids=["dealt-out", "every-rank"])

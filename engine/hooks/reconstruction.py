@@ -4,8 +4,9 @@ the final mask's evaluation and its export; the final mask is also evaluated wit
 The statistics are the dense model's, on the first --reconstruct-batches batches of the init stream, read in the
 run's one statistics pass with the init metric's (engine/statistics.py; a resumed run reads the same batches
 again, alone; --refit-stream own: a stream of their own, seed + 5, as runs before the one pass read). Under
---time-budget they stop at a third of the time left when they start (at least 8 batches): the run says so in its
-log, in results.json ("reduced") and in the plan before it starts (engine/plan.py)."""
+--time-budget they stop at a third of the time left when they start in a run that takes steps, and where the
+plan's later phases need the rest in one that takes none (at least 8 batches): the run says so in its log, in
+results.json ("reduced") and in the plan before it starts (engine/plan.py)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,58 @@ from .time_budget import share_of_time_left
 STREAM = 5  # the statistics' batches: the calibration documents, seeded seed + STREAM
 STATISTICS_SHARE = 1 / 3  # --time-budget: the statistics take at most this share of the time left when they start
 MIN_BATCHES = 8  # ... and never fewer batches than this (or --reconstruct-batches, if fewer)
+# a run that takes no steps (a one-shot method: the default preset's run) has nothing to leave the time to: its
+# statistics may take all of it but what its plan's later phases need, this much more than planned
+LATER_MARGIN = 1.25
+# the plan's phases before the statistics, the statistics' own and the sums (engine/runplan.py's "other", "total");
+# every other phase of the plan comes after them
+NOT_LATER = ("load", "calibration text", "loading", "data and export", "statistics", "refit statistics", "other",
+             "total")
 
 
-def batches_within_share(n: int, per_batch: float, seconds_left: float, read_anyway: int = 0) -> int:
+def optimises(config) -> bool:
+    from ..methods import METHODS
+
+    return METHODS[config.method].optimises if config.method in METHODS else True
+
+
+def statistics_allowance(steps: bool, plan: dict[str, float] | None) -> tuple[float, float]:
+    """(share, reserve): under --time-budget the statistics may take `share` of the time left when they start, less
+    `reserve` seconds, and never less than STATISTICS_SHARE of it (allowed_seconds). A run that takes steps:
+    STATISTICS_SHARE (the steps get the rest); one that takes none: all of it but LATER_MARGIN times what its plan
+    gives the phases after the statistics (the init metric, the joint mix, the evaluations, the export); with no
+    plan, the share as for steps."""
+    if steps or not plan:
+        return STATISTICS_SHARE, 0.0
+    return 1.0, LATER_MARGIN * sum(v for k, v in plan.items() if k not in NOT_LATER)
+
+
+def batches_within_share(n: int, per_batch: float, seconds_left: float, read_anyway: int = 0,
+                         share: float = STATISTICS_SHARE, reserve: float = 0.0) -> int:
     """The batches of n the statistics read under --time-budget when one costs `per_batch` seconds and
     `seconds_left` remain when they start, as their stop rule (share_of_time_left) decides: they go on while one
-    more batch stays within STATISTICS_SHARE of that time, never below MIN_BATCHES (or n) nor below the batches the
-    one pass runs for its other readers anyway (`read_anyway`). The plan says it before a run (engine/plan.py)."""
+    more batch stays within allowed_seconds (statistics_allowance's share and reserve), never below MIN_BATCHES
+    (or n) nor below the batches the one pass runs for its other readers anyway (`read_anyway`). The plan says it
+    before a run (engine/plan.py)."""
     floor = min(n, max(MIN_BATCHES, read_anyway))
     if per_batch <= 0:
         return n
-    fit = math.floor(STATISTICS_SHARE * max(seconds_left, 0.0) / per_batch + 1e-9)
+    fit = math.floor(allowed_seconds(seconds_left, share, reserve) / per_batch + 1e-9)
     return max(floor, min(n, fit))
+
+
+def allowed_seconds(seconds_left: float, share: float, reserve: float) -> float:
+    """The statistics' seconds when `seconds_left` remain as they start (statistics_allowance's share and reserve):
+    never less than STATISTICS_SHARE of it."""
+    left = max(seconds_left, 0.0)
+    return max(STATISTICS_SHARE * left, share * max(left - reserve, 0.0))
+
+
+def share_text(run) -> str:
+    """What the statistics may take, in words, for a run's log and results.json."""
+    share, reserve = statistics_allowance(optimises(run.config), run.plan)
+    return "a third of the time left" if share < 1.0 else (
+        f"the time left but the {reserve:.0f} s kept for the phases after them")
 
 
 class Reconstruction(RunHook):
@@ -64,7 +105,8 @@ class Reconstruction(RunHook):
         """The statistics' reader: --reconstruct-batches batches, under --time-budget at most STATISTICS_SHARE of the
         time left when it starts."""
         r, n = self.run, self.run.config.reconstruct_batches
-        stop = share_of_time_left(r, STATISTICS_SHARE, min(MIN_BATCHES, n))
+        share, reserve = statistics_allowance(optimises(r.config), r.plan)
+        stop = share_of_time_left(r, share, min(MIN_BATCHES, n), reserve)
         return InputMoments(n, r.layout.unit_types, stop=stop)
 
     def statistics_wanted(self, batches) -> list:
@@ -94,7 +136,7 @@ class Reconstruction(RunHook):
             self.moments, self.batches = reader.result, reader.batches
             if reader.batches < reader.asked:
                 self.reduced = {"reconstruct_batches": [reader.asked, reader.batches], "why": (
-                    f"--time-budget: the refit's statistics may take a third of the time left when they start, and "
+                    f"--time-budget: the refit's statistics may take {share_text(r)} when they start, and "
                     f"{reader.asked} batches would not have fit (at least {MIN_BATCHES} are read); fewer batches, a "
                     "less exact refit")}
                 r.log(f"reduced: the refit's statistics read {reader.batches} of {reader.asked} batches "

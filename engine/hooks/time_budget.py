@@ -113,15 +113,17 @@ class TimeBudget(RunHook):
         return planned
 
 
-def share_of_time_left(run, share: float, minimum: int):
+def share_of_time_left(run, share: float, minimum: int, reserve: float = 0.0):
     """Under --time-budget, a stop rule for work done in units (batches) that may take `share` of the time left
-    when it starts: stop(done) is true once `minimum` units are done and one more (at their mean cost) would pass
-    that share; rank 0's clock decides for every rank of a data-parallel run. None without a time budget (the work
-    runs to its end)."""
+    when it starts, less `reserve` seconds (and at least a third of it: reconstruction.allowed_seconds): stop(done) is
+    true once `minimum` units are done and one more (at their mean cost) would pass that; rank 0's clock decides for every rank of a data-parallel run. None without a time
+    budget (the work runs to its end)."""
     budget = next((h for h in run.hooks if isinstance(h, TimeBudget)), None)
     if budget is None:
         return None
-    start, allowed = budget.clock(), share * max(budget.limit - budget.elapsed(), 0.0)
+    from .reconstruction import allowed_seconds
+
+    start, allowed = budget.clock(), allowed_seconds(budget.limit - budget.elapsed(), share, reserve)
 
     def stop(done: int) -> bool:
         spent = budget.clock() - start

@@ -12,6 +12,7 @@ READS = frozenset({
     "ctx", "masks", "hard_masks", "keep_ratio_at", "masked_perplexity",  # masking, the masks and their perplexity
     "hooks",  # the other hooks (--time-budget reserves time for their final evaluations)
     "plan_steps",  # the steps the run's plan fits under --time-budget (its minimum of steps)
+    "plan",  # the run's time plan, phase -> seconds (--time-budget: what a one-shot run's later phases need)
 })
 
 
