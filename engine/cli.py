@@ -504,23 +504,15 @@ def say_recovered(r) -> None:
 
 def budget_trades_of(run) -> list[str]:
     """What --time-budget will cut in this run (the refit's statistics: results.json's "reduced" records it after),
-    planned as the run plans its time (engine/plan.py's budget_trades, at the rate of the run's probe, which the run's
-    plan then reads from the cache), before the work; none without a budget or a refit."""
-    import time
-
-    from .calib_sources import PHASE
-    from .plan import budget_trades, plan_time, skeleton_of
-    from .runplan import run_rate
+    from the plan the run makes of its time (engine/runplan.py's time_plan: this machine's probe, the passes' dtype,
+    the dense perplexity's cache), before the work; none without a budget or a refit."""
+    from .plan import budget_trades
+    from .runplan import time_plan
 
     c = run.config
     if c.time_budget is None or not c.reconstruct:
         return []
-    skeleton = skeleton_of(run.model, c.model, "gguf" if run.source.gguf_file else "folder")
-    rate, source = run_rate(run, skeleton)
-    text = run.phases.seconds.get(PHASE)
-    plan = plan_time(c, skeleton, rate, source, load=time.monotonic() - run.started - (text or 0.0), text_cached=True,
-                     text_seconds=text)
-    return budget_trades(c, plan)
+    return budget_trades(c, time_plan(run)[0])
 
 
 def error_line(e: BaseException) -> str:

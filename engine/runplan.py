@@ -57,15 +57,12 @@ def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, floa
     return plan_with_steps(run, done_steps)[0]
 
 
-def plan_with_steps(run: "PruneRun", done_steps: int | None = None) -> tuple[dict[str, float], float | None]:
-    """(the plan, the steps that fit under --time-budget: None without one). The plan of this session of the run in
-    results.json's form (phase -> seconds, "other", "total"), made once the model and the data are in memory (the probe
-    runs the model; the dense perplexity's cache is keyed by the evaluation windows): its "load" is what loading took
-    until then (the CLI's imports, the model, the data and the probe), its "calibration text" what the calibration
-    source's text took (generated, or read from its cache), the rest is planned. A fresh run (done_steps None) or one
-    resumed at done_steps. Logged."""
+def time_plan(run: "PruneRun", done_steps: int | None = None):
+    """(the TimePlan of this session of the run, the forward's seconds per token, where that rate came from, the
+    one-shot passes' dtype when it is another, their rate): engine/plan.py's plan_time at this machine's rates, the
+    dense perplexity's cache and the calibration text's seconds as the run has them now. The one plan that the
+    run's plan line, --time-budget's trades and the steps that fit are read from."""
     from .calib_sources import PHASE as CALIB_PHASE
-    from .hooks.reconstruction import Reconstruction
     from .plan import pass_dtype_of, plan_time, skeleton_of
 
     c = run.config
@@ -78,6 +75,19 @@ def plan_with_steps(run: "PruneRun", done_steps: int | None = None) -> tuple[dic
     plan = plan_time(c, skeleton, rate, source, dense_cached=dense_cached, done_steps=done_steps,
                      load=time.monotonic() - run.started - (text or 0.0) if done_steps is None else run.phases.seconds["load"],
                      pass_seconds_per_token=pass_rate, text_cached=True, text_seconds=text)
+    return plan, rate, source, passes, pass_rate
+
+
+def plan_with_steps(run: "PruneRun", done_steps: int | None = None) -> tuple[dict[str, float], float | None]:
+    """(the plan, the steps that fit under --time-budget: None without one). The plan of this session of the run in
+    results.json's form (phase -> seconds, "other", "total"), made once the model and the data are in memory (the probe
+    runs the model; the dense perplexity's cache is keyed by the evaluation windows): its "load" is what loading took
+    until then (the CLI's imports, the model, the data and the probe), its "calibration text" what the calibration
+    source's text took (generated, or read from its cache), the rest is planned. A fresh run (done_steps None) or one
+    resumed at done_steps. Logged."""
+    from .hooks.reconstruction import Reconstruction
+
+    plan, rate, source, passes, pass_rate = time_plan(run, done_steps)
     phases = dict(plan.phases)
     if any(isinstance(h, Reconstruction) and h.skipped for h in run.hooks):  # (no statistics, no refit)
         phases.pop("refit statistics", None)
