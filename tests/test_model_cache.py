@@ -172,3 +172,22 @@ def test_the_install_builds_the_default_models_copy_once(default_model_cache, mo
     assert model_copy.build_default() is None
     assert model_copy.main() == 0 and "the model cache is off" in capsys.readouterr().out
     assert "python -m engine.tools.model_copy" in (REPO / "install.sh").read_text()
+
+
+def test_the_install_caches_the_dense_perplexity_a_first_run_takes(tiny_path, small_eval_file, monkeypatch, tmp_path):
+    """install.sh's second build: the dense perplexity on a run's evaluation windows, stored as the run stores it
+    (with its seconds, which a budgeted run needs), so that a run of the same model and windows takes it."""
+    from engine.config import PruneConfig
+    from engine.pruner import PruneRun
+    from engine.tools import model_copy
+
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))
+    settings = dict(eval_data=str(small_eval_file), max_windows=4, eval_seqlen=32)
+    figure = model_copy.dense_perplexity(str(tiny_path), **settings)
+    assert figure is not None and figure > 1.0
+    run = PruneRun(PruneConfig.of(model=str(tiny_path), time_budget=5.0, **settings), None,
+                   log=lambda m: None)
+    key, cached, seconds = run.masks.cached_dense()
+    assert cached == figure and seconds is not None and seconds >= 0.0  # (a budgeted run takes it: seconds kept)
+    monkeypatch.setenv("PG_PRUNE_CACHE", "off")
+    assert model_copy.dense_perplexity(str(tiny_path), **settings) is None
