@@ -640,7 +640,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True)
     s = cell_args(sub.add_parser("cell", help="a (rate, seed)'s init and pg24 runs, each measured"))
-    s.add_argument("--only", choices=tuple(RUNS), default=None, help="one run: init or pg24 (a cell's two), or a variant of the init (%(choices)s)")
+    s.add_argument("--only", choices=tuple(RUNS), default=None,
+                   help="one run: init or pg24 (a cell's two), or a variant of the init (%(choices)s)")
     cell_args(sub.add_parser("checks", help="a finished pg24 cell's validated masks on two held-out texts; each "
                                             "rule's choice"), without=False)
     cell_args(sub.add_parser("rule", help="each rule's chosen step of a checked pg24 cell, exported and measured"))

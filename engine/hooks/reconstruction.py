@@ -18,7 +18,7 @@ from ..precision import run_passes
 from ..statistics import init_stream, one_pass
 from ..unit_types import UNIT_TYPES, layer_unit_types
 from .base import RunHook
-from .time_budget import share_of_time_left
+from .time_budget import allowed_seconds, share_of_time_left
 
 STREAM = 5  # the statistics' batches: the calibration documents, seeded seed + STREAM
 STATISTICS_SHARE = 1 / 3  # --time-budget: the statistics take at most this share of the time left when they start
@@ -40,7 +40,7 @@ def optimises(config) -> bool:
 
 def statistics_allowance(steps: bool, plan: dict[str, float] | None) -> tuple[float, float]:
     """(share, reserve): under --time-budget the statistics may take `share` of the time left when they start, less
-    `reserve` seconds, and never less than STATISTICS_SHARE of it (allowed_seconds). A run that takes steps:
+    `reserve` seconds, and never less than STATISTICS_SHARE of it (time_budget.allowed_seconds). A run that takes steps:
     STATISTICS_SHARE (the steps get the rest); one that takes none: all of it but LATER_MARGIN times what its plan
     gives the phases after the statistics (the init metric, the joint mix, the evaluations, the export); with no
     plan, the share as for steps."""
@@ -59,15 +59,8 @@ def batches_within_share(n: int, per_batch: float, seconds_left: float, read_any
     floor = min(n, max(MIN_BATCHES, read_anyway))
     if per_batch <= 0:
         return n
-    fit = math.floor(allowed_seconds(seconds_left, share, reserve) / per_batch + 1e-9)
+    fit = math.floor(allowed_seconds(seconds_left, share, reserve, STATISTICS_SHARE) / per_batch + 1e-9)
     return max(floor, min(n, fit))
-
-
-def allowed_seconds(seconds_left: float, share: float, reserve: float) -> float:
-    """The statistics' seconds when `seconds_left` remain as they start (statistics_allowance's share and reserve):
-    never less than STATISTICS_SHARE of it."""
-    left = max(seconds_left, 0.0)
-    return max(STATISTICS_SHARE * left, share * max(left - reserve, 0.0))
 
 
 def share_text(run) -> str:
@@ -106,7 +99,7 @@ class Reconstruction(RunHook):
         time left when it starts."""
         r, n = self.run, self.run.config.reconstruct_batches
         share, reserve = statistics_allowance(optimises(r.config), r.plan)
-        stop = share_of_time_left(r, share, min(MIN_BATCHES, n), reserve)
+        stop = share_of_time_left(r, share, min(MIN_BATCHES, n), reserve, STATISTICS_SHARE)
         return InputMoments(n, r.layout.unit_types, stop=stop)
 
     def statistics_wanted(self, batches) -> list:

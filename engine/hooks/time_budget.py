@@ -113,17 +113,22 @@ class TimeBudget(RunHook):
         return planned
 
 
-def share_of_time_left(run, share: float, minimum: int, reserve: float = 0.0):
+def allowed_seconds(seconds_left: float, share: float, reserve: float = 0.0, at_least: float = 0.0) -> float:
+    """The seconds a piece of work may take when `seconds_left` remain as it starts: `share` of them less `reserve`,
+    and never less than `at_least` of them."""
+    left = max(seconds_left, 0.0)
+    return max(at_least * left, share * max(left - reserve, 0.0))
+
+
+def share_of_time_left(run, share: float, minimum: int, reserve: float = 0.0, at_least: float = 0.0):
     """Under --time-budget, a stop rule for work done in units (batches) that may take `share` of the time left
-    when it starts, less `reserve` seconds (and at least a third of it: reconstruction.allowed_seconds): stop(done) is
-    true once `minimum` units are done and one more (at their mean cost) would pass that; rank 0's clock decides for every rank of a data-parallel run. None without a time
-    budget (the work runs to its end)."""
+    when it starts, less `reserve` seconds, and at least `at_least` of it (allowed_seconds): stop(done) is true once
+    `minimum` units are done and one more (at their mean cost) would pass that; rank 0's clock decides for every
+    rank of a data-parallel run. None without a time budget (the work runs to its end)."""
     budget = next((h for h in run.hooks if isinstance(h, TimeBudget)), None)
     if budget is None:
         return None
-    from .reconstruction import allowed_seconds
-
-    start, allowed = budget.clock(), allowed_seconds(budget.limit - budget.elapsed(), share, reserve)
+    start, allowed = budget.clock(), allowed_seconds(budget.limit - budget.elapsed(), share, reserve, at_least)
 
     def stop(done: int) -> bool:
         spent = budget.clock() - start
