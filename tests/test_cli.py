@@ -494,3 +494,14 @@ def test_the_no_steps_line_gives_the_verdict_of_the_nearest_rate_measured_below(
     assert step_verdict(0.1) == STEP_VERDICTS[min(STEP_VERDICTS)]  # below every measured rate: the lowest's
     assert "4.6 %" in no_steps_line(0.4) and "5.0 % worse" in no_steps_line(0.5)
     assert "--steps N or --method pg-alloc" in no_steps_line(0.3)
+
+
+def test_readme_command_1s_run_is_the_joint_preset_without_steps_from_python():
+    """docs/api.md: `PruneConfig(**{**PRESETS["joint"], "method": "flap"})` is the run `prune` makes with no flag
+    but --out (the default preset, no steps: STEP_VERDICTS), field for field."""
+    from engine.cli import _config_from_args, parse_args
+    from engine.config import PRESETS
+
+    cli = _config_from_args(parse_args(["prune", "--out", "x"])).validate().to_dict()
+    api = PruneConfig(**{**PRESETS["joint"], "method": "flap"}).validate().to_dict()
+    assert cli == api
