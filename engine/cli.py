@@ -12,7 +12,8 @@ import typing
 from pathlib import Path
 
 from . import IMPORTED
-from .config import DEFAULT_PRESET, PRESETS, PruneConfig, default_preset, no_steps_line, preset_text, takes_no_steps
+from .config import (DEFAULT_PRESET, PRESETS, PruneConfig, default_preset, no_steps_line, preset_text,
+                     steps_bought_line, takes_no_steps)
 from .fields import choices_of
 from .methods import METHODS
 from .errors import MAX_LINE, UserError, shorten
@@ -422,6 +423,8 @@ def _prune_writer(args, world) -> int:
         if getattr(args, "default_preset", None):  # (after every refusal: a refused run's stderr is its one error line)
             if getattr(args, "no_steps", False):
                 run.log(no_steps_line(config.prune_ratio))
+            elif config.method == PRESETS[args.default_preset].get("method"):  # (the preset's steps, bought)
+                run.log(steps_bought_line(config.prune_ratio, config.steps, config.time_budget))
             run.log(f"the default preset {args.default_preset}: {preset_text(args.default_preset)} (--preset fast, "
                     "or --units, for the settings' own defaults)")
         saved_steps = PruneConfig.load(out / CONFIG_FILE).steps if args.resume else config.steps

@@ -90,6 +90,14 @@ def no_steps_line(prune_ratio: float) -> str:
             f"{step_verdict(prune_ratio)} (docs/results.md, \"Two sets\"). --steps N or --method pg-alloc buys them")
 
 
+def steps_bought_line(prune_ratio: float, steps: int, time_budget: float | None) -> str:
+    """What a run of the default preset that buys its steps is told they bought where they were measured (the
+    confirmation set's 24 steps: STEP_VERDICTS), before they run."""
+    count = f"up to {steps}, as many as fit in {time_budget:g} min" if time_budget is not None else f"{steps}"
+    return (f"steps: {count}, bought with --steps or --method; on the confirmation set (seeds 3-5, a C4 file no "
+            f"default reads) {step_verdict(prune_ratio)} (docs/results.md, \"Two sets\")")
+
+
 def default_preset(units_given: bool, scope: str, budget: str) -> str | None:
     """The preset a run that names none (nor a --config file) starts from: DEFAULT_PRESET, unless the run chose its
     units, or a scope or budget the joint does not take (uniform scope removes the same fraction of every layer;

@@ -505,3 +505,22 @@ def test_readme_command_1s_run_is_the_joint_preset_without_steps_from_python():
     cli = _config_from_args(parse_args(["prune", "--out", "x"])).validate().to_dict()
     api = PruneConfig(**{**PRESETS["joint"], "method": "flap"}).validate().to_dict()
     assert cli == api
+
+
+def test_a_default_run_that_buys_steps_is_told_what_they_bought(eval_file, tmp_path, capfd):
+    """--steps on the default preset: the log says before the steps what 24 of them did on the confirmation set at
+    the nearest rate measured (STEP_VERDICTS), as the no-steps line says why none are taken."""
+    from conftest import SMALL_CALIB, TINY_MODEL
+    from engine.config import step_verdict
+
+    flags = ["--model", str(TINY_MODEL), "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32",
+             "--max-windows", "2", "--init-batches", "1", "--num-mask-samples", "2", "--calib", str(SMALL_CALIB),
+             "--eval-data", str(eval_file), "--reconstruct-batches", "2"]
+    capfd.readouterr()
+    assert main(["prune", *flags, "--steps", "1", "--out", str(tmp_path / "r")]) == 0
+    said = capfd.readouterr()
+    lines = [ln for ln in (said.out + said.err).splitlines() if ln.startswith("steps: 1, bought")]
+    assert len(lines) == 1 and step_verdict(0.3) in lines[0], lines
+    assert main(["prune", *flags, "--out", str(tmp_path / "n")]) == 0  # (no steps: the other line, not this one)
+    said = capfd.readouterr()
+    assert "bought with --steps" not in said.out + said.err and "no steps at --prune-ratio 0.3" in said.out + said.err
