@@ -273,12 +273,13 @@ class PruneConfig:
     steps: int = setting(50, minimum=1, label="Steps",
                          help="optimisation steps (with --time-budget: the plan until the first step is timed)")
     time_budget: float | None = setting(None, minimum=0.0, maximum=MAX_TIME_BUDGET, exclusive=True, label="Time budget (minutes)",
-                                        help="methods that optimise: the whole run's wall minutes (loading, evaluations and "
-                                             "export included); the step count follows from the measured step time, "
-                                             "re-planned after every step, and the schedules stretch to it; a budget "
-                                             "that fits fewer than 7 steps (and fewer than --steps) takes none and "
-                                             "exports the init mask (fewer were not measured to pay); below "
-                                             "10080 (7 days) (default: off, --steps steps)")
+                                        help="the whole run's wall minutes (loading, evaluations and export included); "
+                                             "for a method that optimises the step count follows from the measured "
+                                             "step time, re-planned after every step, and the schedules stretch to "
+                                             "it; a budget that fits fewer than 7 steps (and fewer than --steps) "
+                                             "takes none and exports the init mask (fewer were not measured to pay); "
+                                             "for a one-shot run (the default preset's) it bounds the refit's "
+                                             "statistics; below 10080 (7 days) (default: off, --steps steps)")
     eval_init: bool | None = setting(None, label="Evaluate the init mask", help=(
         "evaluate the init mask's perplexity on the evaluation windows (results.json ppl_init; the pruned model's is "
         "always evaluated): on unless --time-budget, whose minutes go to the steps (default: that); --eval-init "
