@@ -99,6 +99,14 @@ def cell(args) -> None:
     run_dir = student(args.rate, args.seed)
     calib = training_text(args.rate, args.seed, args.text, run_dir)
     done_minutes = info.get("minutes", 0.0)
+    if done_minutes and max(args.minutes) > done_minutes and not (folder / CHECKPOINT_FILE).is_file():
+        # (a later session's checkout keeps the rungs' measures, not the checkpoint git ignores: a longer rung cannot
+        # resume the one trained, so the cell is trained again from its start, every rung measured anew)
+        print(f"{folder.name}: no checkpoint of its {done_minutes:g}-minute rung here: trained again from the start",
+              flush=True)
+        for old in folder.glob("measures-*min.json"):
+            old.unlink()
+        info, done_minutes = {}, 0.0
     for rung in sorted(args.minutes):
         dest = folder / f"measures-{rung:g}min.json"
         if rung <= done_minutes + 1e-9:

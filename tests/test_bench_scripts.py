@@ -544,6 +544,15 @@ def test_a_recovery_cell_trains_its_rungs_by_resuming_and_measures_each(monkeypa
     assert [m[0] for m in measured] == ["measures-0.01min.json", "measures-0.02min.json"]
     rs.cell(args)  # (everything done: nothing trained, nothing measured again)
     assert len(measured) == 2
+    # a later session's checkout: the measures and the book, not the checkpoint (git ignores it); a longer rung
+    # cannot resume the trained one, so the cell trains again from its start and measures every rung anew
+    from engine.tools.recover import CHECKPOINT_FILE
+
+    (folder / CHECKPOINT_FILE).unlink()
+    rs.cell(SimpleNamespace(**{**vars(args), "minutes": [0.01, 0.02, 0.03]}))
+    assert [m[0] for m in measured[2:]] == ["measures-0.01min.json", "measures-0.02min.json", "measures-0.03min.json"]
+    book = json.loads((folder.parent / f"{folder.name}.cell.json").read_text())
+    assert list(book["rungs"]) == ["0.01", "0.02", "0.03"] and book["minutes"] == 0.03
 
 
 @pytest.mark.parametrize("script", ["confirm_lanes.sh", "recover_lanes.sh"])
