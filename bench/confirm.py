@@ -519,6 +519,14 @@ def pair_cells(a: dict, b: dict, c: dict, names) -> str:
                       else "pending" for n in names)
 
 
+def mean_row(per_seed: list[dict], names, tail: str = "") -> str:
+    """A table's mean row: each measure's change averaged over the seeds that have it, with how many ("pending"
+    where none has it yet); `tail` closes the row's further columns."""
+    means = {n: [c[n] for c in per_seed if n in c] for n in names}
+    return "| mean | " + " | ".join(f"{fmt_change(n, mean_draws(means[n]))} (of {len(means[n])})" if means[n]
+                                    else "pending" for n in names) + " |" + tail
+
+
 def report(args) -> None:
     everything = MEASURES["confirm"]
     lines = ["# The confirmation set: the init alone against the default's 24 steps", "",
@@ -547,10 +555,7 @@ def report(args) -> None:
             lines += [f"## {set_name}, {round(rate * 100)} %", "",
                       "| seed | " + " | ".join(LABELS[n] for n in names) + " |", "|---" * (len(names) + 1) + "|", *rows]
             if per_seed:
-                means = {n: [c[n] for c in per_seed if n in c] for n in names}
-                lines.append("| mean | " + " | ".join(
-                    f"{fmt_change(n, mean_draws(means[n]))} (of {len(means[n])})" if means[n] else "pending"
-                    for n in names) + " |")
+                lines.append(mean_row(per_seed, names))
                 judged = [c for c in per_seed if "wikitext_valid" in c and "c4" in c]
                 if set_name == "confirm" and len(judged) == len(seeds):
                     verdicts.append(rule_verdict(rate, judged))
@@ -571,12 +576,9 @@ def report(args) -> None:
                     rows.append(f"| {seed} (step {step}) | {pair_cells(a, b, c, names)} |")
                 if not per_seed:
                     continue
-                means = {n: [c[n] for c in per_seed if n in c] for n in names}
                 lines += [f"## Rule `{rule_name}`: {set_name}, {round(rate * 100)} %", "",
                           "| seed (chosen step) | " + " | ".join(LABELS[n] for n in names) + " |",
-                          "|---" * (len(names) + 1) + "|", *rows,
-                          "| mean | " + " | ".join(f"{fmt_change(n, mean_draws(means[n]))} (of {len(means[n])})"
-                                                 if means[n] else "pending" for n in names) + " |", ""]
+                          "|---" * (len(names) + 1) + "|", *rows, mean_row(per_seed, names), ""]
                 if set_name == "confirm" and len(per_seed) == len(seeds) and all(
                         "wikitext_valid" in c and "c4" in c for c in per_seed):
                     verdicts.append(f"- rule `{rule_name}`, " + rule_verdict(rate, per_seed)[2:])
@@ -597,12 +599,9 @@ def report(args) -> None:
                         f"{x:.0f} s" if x is not None else "?" for x in secs) + " |")
                 if not per_seed:
                     continue
-                means = {n: [c[n] for c in per_seed if n in c] for n in names}
                 lines += [f"## `{variant}` ({' '.join(RUNS[variant])}) against `init`: {set_name}, {round(rate * 100)} %",
                           "", "| seed | " + " | ".join(LABELS[n] for n in names) + " | init metric, wall |",
-                          "|---" * (len(names) + 2) + "|", *rows,
-                          "| mean | " + " | ".join(f"{fmt_change(n, mean_draws(means[n]))} (of {len(means[n])})"
-                                                 if means[n] else "pending" for n in names) + " | |", ""]
+                          "|---" * (len(names) + 2) + "|", *rows, mean_row(per_seed, names, " |"), ""]
     if verdicts:
         lines += ["## The rule (docs/results.md): steps only if the mean gain is ≥ 5 % on WikiText validation and held-out "
                   "C4, and no seed worse than its init by more than 1 % on either", "", *verdicts, ""]
