@@ -346,14 +346,14 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
     fresh run. text_cached: the calibration source's generated text is in its cache (nothing to sample)."""
     from .calib_sources import PHASE as TEXT_PHASE, generated_tokens
     from .joint import MIX_FINALISTS, layer_counts, mix_candidates, mix_reward_name
-    from .methods import METHODS
+    from .methods import optimises as method_optimises
 
     batch = config.batch_size * config.seqlen
     n, keep = skeleton.num_layers, 1.0 - config.prune_ratio
     budget = _budget(config, skeleton)
     removals = n - budget_layers_kept(budget, keep, n)
     refit = _refit_applies(config)
-    optimises = METHODS[config.method].optimises if config.method in METHODS else True
+    optimises = method_optimises(config)
     fresh = done_steps is None
     out: dict[str, float] = {}
     sampled = 0 if text_cached else generated_tokens(config)
@@ -426,9 +426,9 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
 
 def step_refits(config) -> int:
     """Refits a step makes: one per mask sample under --step-refit (where the run refits at all), else none."""
-    from .methods import METHODS
+    from .methods import optimises as method_optimises
 
-    if config.method in METHODS and not METHODS[config.method].optimises:
+    if not method_optimises(config):
         return 0
     return config.num_mask_samples if config.step_refit and _refit_applies(config) else 0
 
@@ -437,9 +437,9 @@ def step_tokens(config, skeleton: Skeleton) -> tuple[float, float]:
     """One step's forward tokens: (its N_s masked forwards, and the dense forward a reward that reads the dense
     model needs for the step's batch; its N_s refits under --step-refit, which a run records as refit). (0, 0) for
     a method that takes no steps."""
-    from .methods import METHODS
+    from .methods import optimises as method_optimises
 
-    if config.method in METHODS and not METHODS[config.method].optimises:
+    if not method_optimises(config):
         return 0.0, 0.0
     batch = config.batch_size * config.seqlen
     samples = config.num_mask_samples * batch
@@ -761,7 +761,8 @@ def budget_trades(config, plan: TimePlan) -> list[str]:
     """What --time-budget would trade for time, said before Start (a run that does it says so again in its last
     lines and in results.json's "reduced"): the refit's statistics stop at a third of the time left when they
     start (engine/hooks/reconstruction.py), which the one statistics pass reaches after loading and the data."""
-    from .hooks.reconstruction import batches_within_share, optimises, statistics_allowance
+    from .hooks.reconstruction import batches_within_share, statistics_allowance
+    from .methods import optimises
     from .metrics import METRICS
     from .unit_types import UNIT_TYPES
 

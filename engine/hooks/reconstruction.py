@@ -32,12 +32,6 @@ NOT_LATER = ("load", "calibration text", "loading", "data and export", "statisti
              "total")
 
 
-def optimises(config) -> bool:
-    from ..methods import METHODS
-
-    return METHODS[config.method].optimises if config.method in METHODS else True
-
-
 def statistics_allowance(steps: bool, plan: dict[str, float] | None) -> tuple[float, float]:
     """(share, reserve): under --time-budget the statistics may take `share` of the time left when they start, less
     `reserve` seconds, and never less than STATISTICS_SHARE of it (time_budget.allowed_seconds). A run that takes steps:
@@ -65,6 +59,8 @@ def batches_within_share(n: int, per_batch: float, seconds_left: float, read_any
 
 def share_text(run) -> str:
     """What the statistics may take, in words, for a run's log and results.json."""
+    from ..methods import optimises
+
     share, reserve = statistics_allowance(optimises(run.config), run.plan)
     return "a third of the time left" if share < 1.0 else (
         f"the time left but the {reserve:.0f} s kept for the phases after them")
@@ -98,6 +94,8 @@ class Reconstruction(RunHook):
         """The statistics' reader: --reconstruct-batches batches, under --time-budget at most STATISTICS_SHARE of the
         time left when it starts."""
         r, n = self.run, self.run.config.reconstruct_batches
+        from ..methods import optimises
+
         share, reserve = statistics_allowance(optimises(r.config), r.plan)
         stop = share_of_time_left(r, share, min(MIN_BATCHES, n), reserve, STATISTICS_SHARE)
         return InputMoments(n, r.layout.unit_types, stop=stop)

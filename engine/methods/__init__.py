@@ -14,4 +14,11 @@ from .base import Method, StepGradient  # noqa: F401
 from .registry import method_options, METHODS, option_fields, register_method  # noqa: F401
 from . import pg, gumbel, metric, flap, bonsai, alloc  # noqa: E402,F401  (register in this order)
 
-__all__ = ["METHODS", "Method", "StepGradient", "method_options", "option_fields", "register_method"]
+
+
+def optimises(config) -> bool:
+    """Whether the config's method takes steps (a method not registered is taken to: it is refused elsewhere)."""
+    return METHODS[config.method].optimises if config.method in METHODS else True
+
+
+__all__ = ["METHODS", "Method", "StepGradient", "method_options", "optimises", "option_fields", "register_method"]
