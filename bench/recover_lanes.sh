@@ -8,6 +8,7 @@
 #   bash bench/recover_lanes.sh                         # the first pass: every row, rungs 2 and 5, seeds 0-2
 #   ROWS="kl-lora mix-lora" RUNGS=2,5,10,30 SEEDS="0 1 2 3 4 5" bash bench/recover_lanes.sh
 #   RATES=30 SEEDS=0 AFTER=PID bash bench/recover_lanes.sh  # one lane (30 %), once process PID has ended
+#   TEXTS=c4 bash bench/recover_lanes.sh                # the C4 text's cells only (TEXTS="c4 own" by default)
 #   CODE=/path/to/a/checkout bash bench/recover_lanes.sh   # that checkout's engine and bench (a worktree at a
 #                                          # fixed commit); the results land in this checkout's bench/results
 #   bash bench/recover_lanes.sh status
@@ -27,13 +28,14 @@ ROWS=${ROWS:-"ce-lora kl-lora kl-full mix-lora"}
 RUNGS=${RUNGS:-2,5}
 SEEDS=${SEEDS:-"0 1 2"}
 RATES=${RATES:-"30 50"}
+TEXTS=${TEXTS:-"c4 own"}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
 fi
 lane() {  # a rate: every seed, row and text
   local r="$1"
-  for s in $SEEDS; do for row in $ROWS; do for text in c4 own; do
+  for s in $SEEDS; do for text in $TEXTS; do for row in $ROWS; do  # (every row on a text before the next text)
     local name="r$r-s$s-$row-$text"
     echo "$(date -u +%FT%TZ) start $name $RUNGS" >> "$LOGS/lanes.txt"
     PYTHONPATH="$CODE" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PG_PRUNE_CACHE="$HERE/bench/results/confirm/cache" \
@@ -47,6 +49,6 @@ wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "
 for r in $RATES; do  # each lane a session of its own, its autogroup at nice 19 (plain nice would not yield the cores)
   setsid nohup bash -c "echo 19 > /proc/self/autogroup 2>/dev/null; ${wait_for}$(declare -f lane); HERE='$HERE'; CODE='$CODE'; \
-    LOGS='$LOGS'; ROWS='$ROWS'; RUNGS='$RUNGS'; SEEDS='$SEEDS'; lane $r" > /dev/null 2>&1 < /dev/null &
+    LOGS='$LOGS'; ROWS='$ROWS'; RUNGS='$RUNGS'; SEEDS='$SEEDS'; TEXTS='$TEXTS'; lane $r" > /dev/null 2>&1 < /dev/null &
 done
-echo "lane(s) $RATES started (rows: $ROWS; rungs: $RUNGS; seeds: $SEEDS${AFTER:+; after process $AFTER}); bash bench/recover_lanes.sh status"
+echo "lane(s) $RATES started (rows: $ROWS; texts: $TEXTS; rungs: $RUNGS; seeds: $SEEDS${AFTER:+; after process $AFTER}); bash bench/recover_lanes.sh status"

@@ -3,7 +3,8 @@
 A cell is one (rate, seed, row, text) of `engine recover` on the default run's export, bench/confirm.py's init cell
 (the default takes no steps since 2026-12-02, docs/results.md; bench/results/confirm/<set>/r<rate>-s<seed>-init:
 its model/, rebuilt from its masks when this checkout
-lacks it), one thread, in a ladder of minutes: 2, then resumed to 5, 10 and 30 minutes of training in all (the
+lacks it), one thread, in a ladder of minutes: 2, then resumed to 5, 10 and 30 minutes of training in all (CPU
+minutes of the process, `--budget-clock cpu`: equal work for every cell whatever else shares the cores; the
 learning rate is constant after its warm-up, so each rung is where one longer recovery passes; the rungs' exports
 are measured as they come). Rows:
 - `ce-lora`: CE only, LoRA (what `finetune` trains: the baseline);
@@ -99,6 +100,13 @@ def cell(args) -> None:
     run_dir = student(args.rate, args.seed)
     calib = training_text(args.rate, args.seed, args.text, run_dir)
     done_minutes = info.get("minutes", 0.0)
+    if done_minutes and info.get("budget_clock") != "cpu":
+        # (its rungs were wall minutes, fewer CPU seconds when other jobs shared the cores: trained again, as every
+        # cell is now, on CPU minutes)
+        print(f"{folder.name}: its rungs were wall minutes: trained again on CPU minutes", flush=True)
+        for old in folder.glob("measures-*min.json"):
+            old.unlink()
+        info, done_minutes = {}, 0.0
     if done_minutes and max(args.minutes) > done_minutes and not (folder / CHECKPOINT_FILE).is_file():
         # (a later session's checkout keeps the rungs' measures, not the checkpoint git ignores: a longer rung cannot
         # resume the one trained, so the cell is trained again from its start, every rung measured anew)
@@ -120,15 +128,15 @@ def cell(args) -> None:
         t0, w0 = time.process_time(), time.monotonic()
         again = (folder / CHECKPOINT_FILE).is_file()
         r = recover(run_dir, folder, resume=again, overwrite=not again and folder.exists(),
-                    time_budget=rung - done_minutes, skip_eval=True, calib=calib, seed=args.seed,
-                    log=lambda m: print(m, flush=True), **ROWS[args.row])
+                    time_budget=rung - done_minutes, budget_clock="cpu", skip_eval=True, calib=calib,
+                    seed=args.seed, log=lambda m: print(m, flush=True), **ROWS[args.row])
         info.setdefault("rungs", {})[f"{rung:g}"] = {
             "cpu_seconds": info.get("cpu_seconds", 0.0) + time.process_time() - t0,
             "train_seconds": r.results.get("train_seconds"), "steps": r.results.get("steps"),
             "loss_last": r.results.get("loss_last"), "kl_last": r.results.get("kl_last")}
         info.update(minutes=rung, cpu_seconds=info.get("cpu_seconds", 0.0) + time.process_time() - t0,
                     wall_seconds=info.get("wall_seconds", 0.0) + time.monotonic() - w0, row=args.row,
-                    text=args.text, settings=ROWS[args.row], calib=calib)
+                    text=args.text, settings=ROWS[args.row], calib=calib, budget_clock="cpu")
         confirm.save(book, info)
         done_minutes = rung
         confirm.measure(str(folder / "model"), dest, wanted)

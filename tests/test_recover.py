@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -289,6 +290,20 @@ def test_a_time_budget_stops_when_the_next_step_would_not_fit_and_bfloat16_is_sa
     assert all(p.dtype == torch.float32 for p in saved.parameters())
     auto = recover(finished_template, tmp_path / "a", steps=1, log=quiet, **SMALL).results
     assert auto["precision"] == "float32"  # (the suite runs as on a CPU without native bfloat16: PG_PRUNE_NATIVE_BF16=0)
+
+
+def test_a_cpu_clock_budget_counts_this_process_cpu_not_the_wait(finished_template, tmp_path):
+    """--budget-clock cpu: time the process spends off the CPU (here a sleep after every step, as when other jobs
+    hold the cores) does not count against the budget; the wall clock counts it and stops after the first step."""
+    nap = lambda record: time.sleep(0.6)
+    wall = recover(finished_template, tmp_path / "w", steps=3, time_budget=0.5 / 60, on_step=nap, log=quiet,
+                   **SMALL).results
+    cpu = recover(finished_template, tmp_path / "c", steps=3, time_budget=0.5 / 60, budget_clock="cpu", on_step=nap,
+                  log=quiet, **SMALL).results
+    assert wall["steps"] == 1 and wall["ended_by"] == "time budget"
+    assert cpu["steps"] == 3 and cpu["ended_by"] == "steps"
+    saved = json.loads((tmp_path / "c" / "recover_config.json").read_text())
+    assert saved["budget_clock"] == "cpu"
 
 
 # --- prune --recover MINUTES: the chain ------------------------------------------------------------------------

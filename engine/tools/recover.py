@@ -62,7 +62,10 @@ DEFAULT_MODE = "lora"
 DEFAULT_LR = {"lora": 5e-4, "full": 5e-5}
 DEFAULT_STEPS = 32  # without --steps or --time-budget (32 steps of 4 x 256 tokens: the CE-LoRA baseline's length)
 # what --resume may change: how far the recovery goes (everything else is the saved recovery's)
-RESUME_MAY_CHANGE = ("steps", "time_budget", "skip_eval")
+RESUME_MAY_CHANGE = ("steps", "time_budget", "budget_clock", "skip_eval")
+# what --time-budget counts: wall seconds (what a user waits), or this process's CPU seconds (equal work for every
+# cell of a study on a shared machine: at one thread, the seconds an idle core would take)
+BUDGET_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass
@@ -77,6 +80,9 @@ class RecoverConfig:
     time_budget: float | None = setting(None, minimum=0.0, maximum=MAX_TIME_BUDGET, exclusive=True, help=(
         "wall minutes of the training loop (this session's, a resumed one's too): it stops when the next step, "
         "timed as the last one, would not fit (default: off)"))
+    budget_clock: str = setting("wall", choices=tuple(BUDGET_CLOCKS), help=(
+        "what --time-budget counts: wall (minutes you wait) or cpu (this process's CPU minutes: equal work for "
+        "runs side by side on a shared machine, one thread each)"))
     ce_weight: float = setting(0.0, minimum=0.0, maximum=1.0, help=(
         "loss = (1 - W) KL(teacher || student) + W CE of the text (1: CE only, what finetune trains)"))
     lr: float | None = setting(None, minimum=0.0, exclusive=True, help=(
@@ -360,7 +366,8 @@ def train(trained, teacher, params, opt, segments: torch.Tensor, config: Recover
     being updated: then the last checkpoint stays), then propagates."""
     limit, n = config.step_limit, len(segments)
     budget = config.time_budget * 60 if config.time_budget is not None else None
-    began, last, updating = time.perf_counter(), None, False
+    clock = BUDGET_CLOCKS[config.budget_clock]
+    began, last, updating = clock(), None, False
 
     def checkpoint():
         save(state)
@@ -372,10 +379,10 @@ def train(trained, teacher, params, opt, segments: torch.Tensor, config: Recover
             if stop is not None and stop.is_set():
                 ended = "stop"
                 break
-            if not next_step_fits(time.perf_counter() - began, last, budget):
+            if not next_step_fits(clock() - began, last, budget):
                 ended = "time budget"
                 break
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), clock()
             batch = segments[batch_indices(state.step, n, config.batch_size, config.seed)]
             lr = config.learning_rate * lr_factor(state.step, config.warmup_steps)
             losses = backward_losses(trained, teacher, batch, opt, config.ce_weight, precision)
@@ -384,11 +391,11 @@ def train(trained, teacher, params, opt, segments: torch.Tensor, config: Recover
                                 "--dtype float32")
             updating = True
             apply_update(opt, lr)
-            last = time.perf_counter() - t0
+            wall, last = time.perf_counter() - t0, clock() - c0
             state.step += 1
-            state.seconds += last
+            state.seconds += wall
             updating = False
-            record = {"step": state.step, **losses, "lr": lr, "seconds": state.seconds, "step_seconds": last}
+            record = {"step": state.step, **losses, "lr": lr, "seconds": state.seconds, "step_seconds": wall}
             state.records.append(record)
             on_step(record)
             if state.step == 1 or state.step % 10 == 0 or state.step == limit:
@@ -480,8 +487,8 @@ def recover(run_dir: str | Path, out: str | Path, *, resume: bool = False, overw
             stop: threading.Event | None = None, **options) -> RecoverResult:
     """Distil the run's export RUN/model from its dense base model into the folder `out` (outdir's rule: a new or
     empty folder, or with overwrite an earlier recovery's); options are RecoverConfig's fields. resume: continue
-    the recovery in `out` from its checkpoint (its saved settings; only steps, time_budget and skip_eval may be
-    given anew). on_step(record) after every step; `stop` (an Event) ends the training after the current step,
+    the recovery in `out` from its checkpoint (its saved settings; only RESUME_MAY_CHANGE's may be given
+    anew). on_step(record) after every step; `stop` (an Event) ends the training after the current step,
     as the time budget does. Ctrl-C saves the last finished step and raises RecoverInterrupted."""
     from ..outdir import check_not_in_run_files, folder_lock, output_folder
 
@@ -530,7 +537,7 @@ def resumed_config(out: Path, given: RecoverConfig) -> RecoverConfig:
         raise UserError(f"--resume: the recovery in {out} is of the run {saved.run}, not {given.run}")
     changed = {"skip_eval": True} if given.skip_eval else {}
     if given.steps is not None or given.time_budget is not None:  # how far this session goes: as given, both
-        changed.update(steps=given.steps, time_budget=given.time_budget)
+        changed.update(steps=given.steps, time_budget=given.time_budget, budget_clock=given.budget_clock)
     return dataclasses.replace(saved, **changed).validate()
 
 
