@@ -8,7 +8,8 @@
 #   bash bench/confirm_lanes.sh status     # what each lane did last
 #   bash bench/confirm_lanes.sh a          # lane a alone (b: lane b alone; c: lane b's first part, the layer order;
 #                                          # d: the layer order's seed-2 init and confirmation seeds; e: the
-#                                          # layer order's confirmation seeds, then lane a's 50 % cells)
+#                                          # layer order's confirmation seeds, then lane a's 50 % cells; f:
+#                                          # the refit on 96 batches, tuning seeds)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -76,6 +77,9 @@ lane_e() {  # the layer order's last confirmation seed, then the 50 % table's se
   variant init-bi 30 3 4 5
   cells 50 3 4 5 --without zeroshot
 }
+lane_f() {  # the refit on 96 batches (issue 65), the tuning seeds
+  variant init-b96 30 0 1 2
+}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -89,8 +93,9 @@ case "${1:-}" in
   c) lanes=(lane_c) ;;
   d) lanes=(lane_d) ;;
   e) lanes=(lane_e) ;;
+  f) lanes=(lane_f) ;;
   "") ;;
-  *) echo "error: expected status, a, b, c, d, e or nothing, got '$1'" >&2; exit 2 ;;
+  *) echo "error: expected status, a, b, c, d, e, f or nothing, got '$1'" >&2; exit 2 ;;
 esac
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "
