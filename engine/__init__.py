@@ -1,6 +1,6 @@
 """Policy-gradient structural pruning of decoder-only LLMs: KV groups, MLP channels and whole layers.
 
-From Python: `from engine import PruneConfig, prune` (docs/api.md), `engine.recover(run_dir, out, ...)`; from the
+From Python: `from engine import PruneConfig, default_run, prune` (docs/api.md), `engine.recover(run_dir, out, ...)`; from the
 shell: `python -m engine` or `pg-prune`."""
 
 import time
@@ -26,6 +26,7 @@ def register_pruned_classes() -> None:
 
 
 _API = {"prune": "engine.api", "perplexity": "engine.api", "PruneResult": "engine.api", "PruneConfig": "engine.config",
+        "default_run": "engine.config",
         "recover": "engine.tools.recover", "RecoverResult": "engine.tools.recover"}
 
 

@@ -81,9 +81,12 @@ def check_vocabulary(model, tokenizer) -> None:
 
 
 def check_config(config) -> PruneConfig:
-    """The run's PruneConfig (None: the defaults), else one UserError naming `config`."""
+    """The run's PruneConfig (None: the default run, README command 1's: engine/config.py's default_run), else
+    one UserError naming `config`."""
     if config is None:
-        return PruneConfig()
+        from .config import default_run
+
+        return default_run()
     if not isinstance(config, PruneConfig):
         raise UserError(f"config must be an engine.PruneConfig (PruneConfig(prune_ratio=0.3, ...); a dict of settings: "
                         f"PruneConfig.of(**settings)), got {type(config).__name__}")
@@ -139,7 +142,7 @@ def _run_folder(out: Path | None, overwrite: bool):
 def prune(model, tokenizer, config: PruneConfig | None = None, calib=None, *, out: str | Path | None = None,
           overwrite: bool = False, observer: Callable[[StepReport], None] | None = None,
           log: Callable[[str], None] | None = None, progress: bool = False) -> PruneResult:
-    """Prune `model` (a transformers causal LM held in memory) by `config` (PruneConfig(); its `model` field only
+    """Prune `model` (a transformers causal LM held in memory) by `config` (None: the default run; its `model` field only
     names the run), calibrating on `calib` (a list of documents; None: the config's --calib data) and evaluating on
     the config's evaluation data. `observer` sees each step's report; `log` each progress line (default: none).
     With `out`, the run also writes its folder there, as `python -m engine prune --out OUT` does: a new or empty

@@ -108,6 +108,22 @@ def default_preset(units_given: bool, scope: str, budget: str) -> str | None:
     return DEFAULT_PRESET
 
 
+def default_run_values(units=None, scope: str = "global", budget: str = "params") -> dict:
+    """The settings a run gets from what its front end does not set, as the command line gives them to a prune run
+    that names no preset: DEFAULT_PRESET's, with its one-shot init alone (takes_no_steps: method flap), where the
+    run's units, scope and budget are the preset's (default_preset); else the settings' own defaults ({}: the fast
+    preset's). The app's form and `engine.prune(config=None)` start from these."""
+    joint = PRESETS[DEFAULT_PRESET]
+    chosen = default_preset(units is not None and list(units) != list(joint["units"]), scope, budget)
+    return {**PRESETS[chosen], "method": "flap"} if chosen else {}
+
+
+def default_run(**overrides) -> "PruneConfig":
+    """The run `python -m engine prune` makes with no flag but --out (README command 1 less its --time-budget):
+    PruneConfig(**default_run_values()), with `overrides` on top of it."""
+    return PruneConfig(**{**default_run_values(), **overrides})
+
+
 def preset_text(name: str) -> str:
     """A preset's settings as its help texts show them ("steps 50, lr 0.02, ..."; a list as its flag takes it)."""
     shown = lambda v: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)  # noqa: E731

@@ -611,10 +611,10 @@ def load_into_form(config: dict, source: str | None) -> None:
 
 
 def reset_prune_settings() -> None:
-    """Back to the defaults (a button's callback: runs before the widgets are drawn)."""
-    from engine.config import PruneConfig
+    """Back to the default run's settings (a button's callback: runs before the widgets are drawn)."""
+    from engine.config import default_run
 
-    load_into_form(PruneConfig().to_dict(), None)
+    load_into_form(default_run().to_dict(), None)
     st.session_state[FORM_BASE] = None
     save_prune_settings()
 

@@ -20,7 +20,6 @@ from engine.ui import checks
 from engine.ui import masks as M
 from engine.ui.jobs import DONE, FAILED, IDLE, STOPPED, new_run_name
 
-D = PruneConfig()
 HYPERPARAMETERS = S.HYPERPARAMETERS  # the run settings under "Hyperparameters" (engine/ui/settings.py)
 jobs = _ui.job_manager()
 
@@ -89,19 +88,19 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
         c5.checkbox("Fixed layers (the steps learn the kept layers' widths)", key="fixed_layers",
                     help="--layer-score-const 1: the layers the init removes stay removed; "
                          + _ui.help_of(PruneConfig, "layer_score_const"))
-    c4.button("The joint preset: layers and widths, the best mask per CPU minute measured", key="preset-joint",
-              on_click=_ui.apply_preset, args=("joint",), icon=":material/layers:",
+    c4.button("The joint preset with its steps: layers and widths, then PG over each kept layer's width",
+              key="preset-joint", on_click=_ui.apply_preset, args=("joint",), icon=":material/layers:",
               help="engine/config.py's preset 'joint', as `--preset joint` on the command line: "
-                   f"{preset_text('joint')}: PG's steps over each kept layer's width. The command line's "
-                   "default run is its one-shot init alone (--method flap): on the confirmation set 24 steps "
-                   "gained 12.7 % on WikiText validation but 4.6 % on held-out C4, short of the default's rule "
-                   "(docs/results.md)")
-    with st.expander("Hyperparameters: the fast preset (lr 0.02, N_s 8, leave-one-out); the paper's are one click away"):
+                   f"{preset_text('joint')}. The default run (this form's defaults, as the command line's) is "
+                   "its one-shot init alone (method flap): on the confirmation set 24 steps gained 12.7 % on "
+                   "WikiText validation but 4.6 % on held-out C4, short of the default's rule (docs/results.md)")
+    with st.expander("Hyperparameters: the steps' are the fast preset's (lr 0.02, N_s 8, leave-one-out); the paper's "
+                     "are one click away"):
         p1, p2, _ = st.columns([1, 1, 3])
         p1.button("The paper's (lr 0.002, N_s 2, moving average)", key="preset-paper", on_click=_ui.apply_preset,
                   args=("paper",), help="engine/config.py's preset 'paper', as `--preset paper` on the command line: "
                                         f"{preset_text('paper')}")
-        p2.button("The fast preset (the defaults)", key="preset-fast", on_click=_ui.apply_preset, args=("fast",),
+        p2.button("The fast preset (the settings' own)", key="preset-fast", on_click=_ui.apply_preset, args=("fast",),
                   help=f"{preset_text('fast')}")
         hyper = _ui.option_widgets(PruneConfig, key=None, names=HYPERPARAMETERS)
         h1, h2, h3 = st.columns(3)

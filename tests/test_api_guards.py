@@ -178,15 +178,16 @@ def test_a_wrong_object_is_one_user_error_naming_the_argument_before_any_work(ca
 
 
 def test_the_argument_checks_pass_what_a_run_takes(tiny):
-    """The checks themselves: the tiny model, its tokenizer, a PruneConfig (None: the defaults) and paths pass;
-    a tokenizer with fewer tokens than the embedding's rows (a padded embedding) passes too."""
+    """The checks themselves: the tiny model, its tokenizer, a PruneConfig (None: the default run, README command
+    1's) and paths pass; a tokenizer with fewer tokens than the embedding's rows (a padded embedding) passes too."""
     from engine.api import check_config, check_model, check_tokenizer, check_vocabulary, out_path
+    from engine.config import default_run
 
     model, tokenizer = tiny
     check_model(model)
     check_tokenizer(tokenizer)
     check_vocabulary(model, tokenizer)
-    assert check_config(None) == PruneConfig() and check_config(PruneConfig(steps=3)).steps == 3
+    assert check_config(None) == default_run() and check_config(PruneConfig(steps=3)).steps == 3
     assert out_path(None) is None and out_path("runs/x") == Path("runs/x") == out_path(Path("runs/x"))
 
     class Short:  # a tokenizer of 10 tokens for the model's 2,048 rows

@@ -45,8 +45,12 @@ def app() -> AppTest:
 
 
 def fill_prune_form(at: AppTest, model: str = str(TINY), rate: float = 0.5, steps: int = 6, scope: str = "global",
-                    **extra) -> AppTest:
+                    units=("heads", "channels"), method: str = "pg", **extra) -> AppTest:
+    """A policy-gradient run over KV groups and channels (the heatmap's steps; the form opens on the default run,
+    one-shot over layers too)."""
     at.radio(key="model_choice").set_value("local")
+    at.multiselect(key="units").set_value(list(units))
+    at.selectbox(key="method").set_value(method)
     at.text_input(key="model_path").input(model)
     at.slider(key="rate").set_value(rate)
     at.radio(key="scope").set_value(scope)
@@ -119,27 +123,32 @@ def finished_run(runs_dir: Path, scope: str) -> Path:
 
 # --- Prune -----------------------------------------------------------------------------------
 def test_prune_page_defaults(runs_dir):
+    """The form opens on the default run, as the command line's (engine/config.py's default_run: the joint
+    preset's one-shot init): its layers and widths, method flap."""
+    from engine.config import PRESETS, default_run
+
     at = app()
     assert at.title[0].value.endswith("Prune")
     assert at.slider(key="rate").value == pytest.approx(0.3)
-    from engine.config import PruneConfig
-
-    assert at.number_input(key="steps").value == PruneConfig().steps  # the run config's default
-    assert at.radio(key="scope").value == "global"
+    assert at.multiselect(key="units").value == PRESETS["joint"]["units"] and at.selectbox(key="method").value == "flap"
+    assert at.number_input(key="steps").value == default_run().steps  # (the steps' setting, inert under flap)
+    assert at.radio(key="scope").value == "global" and at.checkbox(key="fixed_layers").value is True
     assert any("No run yet" in i.value for i in at.info)
 
 
-def test_joint_preset_button_sets_layers_widths_and_fixed_layers(runs_dir, tmp_path, monkeypatch):
-    from engine.config import PRESETS, PruneConfig
+def test_joint_preset_button_sets_layers_widths_fixed_layers_and_steps(runs_dir, tmp_path, monkeypatch):
+    """The joint preset's button: its settings, and its method (pg-alloc: the steps the default run does not take)."""
+    from engine.config import PRESETS
 
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))  # (the form's settings persist beside the runs)
     at = app()
-    assert at.multiselect(key="units").value == PruneConfig().units
+    at.multiselect(key="units").set_value(["heads", "channels"]).run()
     next(b for b in at.button if b.key == "preset-joint").click().run()
     assert not at.exception, at.exception
     joint = PRESETS["joint"]
     assert at.multiselect(key="units").value == joint["units"] and at.selectbox(key="layer_init").value == joint["layer_init"]
     assert at.checkbox(key="fixed_layers").value is True and at.number_input(key="init_batches").value == joint["init_batches"]
+    assert at.selectbox(key="method").value == joint["method"]
     assert not [e for e in at.error], [e.value for e in at.error]  # the form's config validates
     at.checkbox(key="fixed_layers").uncheck().run()
     assert at.checkbox(key="fixed_layers").value is False and not at.exception

@@ -298,11 +298,43 @@ def show_status(d) -> None:
     d.execute_script("arguments[0].scrollIntoView({block: 'start'});", h)
 
 
+def remove_choice(d, text: str) -> None:
+    """Take an option out of a multiselect: its chip's remove button, until the chip is gone (once the chips are
+    drawn: some chip's button shows first)."""
+    wait(lambda: [b for b in d.find_elements(By.CSS_SELECTOR, 'button[aria-label^="Remove "]') if b.is_displayed()],
+         timeout=60 * SLOW, what="a multiselect's chips")
+
+    def attempt():
+        chips = [b for b in d.find_elements(By.CSS_SELECTOR, f'button[aria-label="Remove {text}"]') if b.is_displayed()]
+        if not chips:
+            return True
+        d.execute_script("arguments[0].scrollIntoView({block: 'center'});", chips[0])
+        chips[0].click()
+        return False
+
+    wait(attempt, timeout=60 * SLOW, what=f"'{text}' taken out")
+
+
+def choose(d, label: str, option_text: str) -> None:
+    """Choose an option of a select box by its label."""
+    box = by_label(d, label)
+    click_when_free(d, box)
+    option = wait(lambda: [o for o in d.find_elements(By.CSS_SELECTOR, '[role="option"]') if option_text in o.text],
+                  what=option_text)[0]
+    option.click()
+    wait(lambda: option_text in by_label(d, label).get_attribute("value") or option_text in page_text(d),
+         what=f"{option_text} chosen")
+
+
 def fill_form(d, steps: int) -> None:
+    """A policy-gradient run over KV groups and channels (the form opens on the default run: the joint preset's
+    one-shot init over whole layers too), its steps and small hyperparameters."""
     open_expander(d, "Run settings")
     if not REAL:
         click_text(d, "A local model folder or .gguf file", "p")
         set_input(d, "Local model path (used when 'A local model folder or .gguf file' is chosen)", TINY)
+    remove_choice(d, "Whole layers")
+    choose(d, "Method", "policy gradient (forward passes only)")
     set_input(d, "Steps", steps)
     open_expander(d, "Hyperparameters")
     settings = ((("Evaluation windows (0 = all)", 32), ("Init batches (metric)", 4), ("Learning rate η", 0.02),

@@ -497,14 +497,19 @@ def test_the_no_steps_line_gives_the_verdict_of_the_nearest_rate_measured_below(
 
 
 def test_readme_command_1s_run_is_the_joint_preset_without_steps_from_python():
-    """docs/api.md: `PruneConfig(**{**PRESETS["joint"], "method": "flap"})` is the run `prune` makes with no flag
-    but --out (the default preset, no steps: STEP_VERDICTS), field for field."""
+    """docs/api.md and README's Python line: `default_run(prune_ratio=0.3)` (= `PruneConfig(**{**PRESETS["joint"],
+    "method": "flap"})`) is the run `prune --prune-ratio 0.3` makes (the default preset, no steps: STEP_VERDICTS),
+    field for field, and what engine.prune runs with no config."""
+    import engine
+    from engine.api import check_config
     from engine.cli import _config_from_args, parse_args
     from engine.config import PRESETS
 
-    cli = _config_from_args(parse_args(["prune", "--out", "x"])).validate().to_dict()
-    api = PruneConfig(**{**PRESETS["joint"], "method": "flap"}).validate().to_dict()
-    assert cli == api
+    cli = _config_from_args(parse_args(["prune", "--prune-ratio", "0.3", "--out", "x"])).validate().to_dict()
+    assert engine.default_run(prune_ratio=0.3).validate().to_dict() == cli
+    assert PruneConfig(**{**PRESETS["joint"], "method": "flap"}).validate().to_dict() == cli
+    assert check_config(None).validate().to_dict() == cli
+    assert "default_run(prune_ratio=0.3)" in (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
 def test_a_default_run_that_buys_steps_is_told_what_they_bought(eval_file, tmp_path, capfd):

@@ -197,13 +197,19 @@ def test_form_values_round_trip_a_config(tiny_path):
 
 
 def test_a_fresh_form_is_the_command_lines_default_run():
-    """The Prune page's first values describe the run `python -m engine prune` makes with no flags (its windows
-    aside): today's defaults, not an old config's reading of the fields the form does not show (early stop, the
-    joint mix's batches, the bias compensation)."""
-    app, cli = S.form_config(S.default_values()).validate().to_dict(), PruneConfig().validate().to_dict()
+    """The Prune page's first values describe the run `python -m engine prune --out X` makes (README command 1 less
+    its time budget; its windows aside: the app's APP_MAX_WINDOWS) field for field: the default run
+    (engine/config.py's default_run: the joint preset's one-shot init), today's defaults, not an old config's
+    reading of the fields the form does not show (early stop, the joint mix's batches, the bias compensation)."""
+    from engine.cli import _config_from_args, parse_args
+    from engine.config import default_run
+
+    app = S.form_config(S.default_values()).validate().to_dict()
+    cli = _config_from_args(parse_args(["prune", "--out", "x"])).validate().to_dict()
     assert app.pop("max_windows") == S.APP_MAX_WINDOWS and cli.pop("max_windows") == DEFAULT_EVAL_WINDOWS
-    assert app == cli
-    assert app["bias_compensation"] and app["init"] == "flap" and app["early_stop"] == PruneConfig.early_stop
+    assert app == cli == {k: v for k, v in default_run().validate().to_dict().items() if k != "max_windows"}
+    assert app["method"] == "flap" and app["units"] == PRESETS["joint"]["units"] and app["bias_compensation"]
+    assert app["early_stop"] == PruneConfig.early_stop
 
 
 def test_form_config_refuses_a_missing_path():
@@ -223,7 +229,8 @@ def test_joint_preset_fills_the_form_and_the_fixed_layers_box_round_trips():
     assert joint["units"] == PRESETS["joint"]["units"] and joint["fixed_layers"] is True
     config = S.form_config({**S.default_values(), **joint}).validate()
     assert config.layer_score_const == 1.0 and config.fixed_layers and config.layer_init == "layerwise-ppl"
-    assert S.form_values(config)["fixed_layers"] is True and S.default_values()["fixed_layers"] is False
+    assert S.form_values(config)["fixed_layers"] is True
+    assert S.form_values(PruneConfig())["fixed_layers"] is False  # (the settings' own: no fixed layers)
     sharp = PruneConfig(units=["layers", "heads"], layer_score_const=0.95).to_dict()
     kept = S.form_config({**S.form_values(sharp), "fixed_layers": False}, base=sharp)
     assert kept.layer_score_const == 0.95  # unticked, a run's own c stays

@@ -295,7 +295,9 @@ def test_a_time_budget_stops_when_the_next_step_would_not_fit_and_bfloat16_is_sa
 def test_a_cpu_clock_budget_counts_this_process_cpu_not_the_wait(finished_template, tmp_path):
     """--budget-clock cpu: time the process spends off the CPU (here a sleep after every step, as when other jobs
     hold the cores) does not count against the budget; the wall clock counts it and stops after the first step."""
-    nap = lambda record: time.sleep(0.6)
+    def nap(record):
+        time.sleep(0.6)
+
     wall = recover(finished_template, tmp_path / "w", steps=3, time_budget=0.5 / 60, on_step=nap, log=quiet,
                    **SMALL).results
     cpu = recover(finished_template, tmp_path / "c", steps=3, time_budget=0.5 / 60, budget_clock="cpu", on_step=nap,

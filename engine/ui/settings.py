@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from ..config import PRESETS, PruneConfig
+from ..config import PRESETS, PruneConfig, default_run, default_run_values
 from ..errors import UserError
 from ..loading import DEFAULT_MODEL
 
@@ -56,11 +56,13 @@ def form_values(config: dict | PruneConfig) -> dict:
 
 def form_config(values: dict, base: dict | None = None) -> PruneConfig:
     """The PruneConfig the form's values describe, on top of `base` (a config dict: the settings the form does
-    not show; today's defaults when None, as the command line's: not an old config's, which
-    PruneConfig.from_dict would read into missing fields). Not validated (PruneConfig.validate says what is wrong)."""
+    not show; when None, today's as the command line gives them to a run of these units, scope and budget: the
+    default run's, engine/config.py's default_run_values; not an old config's, which PruneConfig.from_dict would
+    read into missing fields). Not validated (PruneConfig.validate says what is wrong)."""
     from ..methods import option_fields
 
-    data = dict(base) if base else PruneConfig().to_dict()
+    data = dict(base) if base else PruneConfig(**default_run_values(
+        values.get("units"), values.get("scope", "global"), values.get("budget", "params"))).to_dict()
     data.pop("method_options", None)
     for key, field in DIRECT.items():
         if key in values:
@@ -101,7 +103,8 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
 
 def preset_values(name: str, method: str = "pg") -> dict:
     """The widget values a preset sets (engine/config.py's PRESETS): its run settings and, for the options of
-    `method` it names (e.g. pg's baseline), the option widgets."""
+    `method` it names (e.g. pg's baseline), the option widgets and that method (the form's default run takes no
+    steps: a preset of the steps' settings is a run that takes them)."""
     from ..methods import option_fields
 
     preset, out = PRESETS[name], {}
@@ -115,14 +118,16 @@ def preset_values(name: str, method: str = "pg") -> dict:
             out[keys[field]] = value
         elif field in options:
             out[option_key(method, field)] = value
+            out.setdefault("method", preset.get("method", method))  # (its options' method: the paper's are PG's)
     return out
 
 
 def default_values() -> dict:
-    """The form's values for a fresh config, the options of every method with Options included."""
+    """The form's values for a fresh run: the default run's (README command 1's, engine/config.py's default_run),
+    the options of every method with Options included."""
     from ..methods import METHODS
 
-    values = {**form_values(PruneConfig()), "run_name": "", "max_windows": APP_MAX_WINDOWS}
+    values = {**form_values(default_run()), "run_name": "", "max_windows": APP_MAX_WINDOWS}
     for name, cls in METHODS.items():
         if cls.Options is not None:
             for f in dataclasses.fields(cls.Options):
