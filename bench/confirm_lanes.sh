@@ -9,7 +9,8 @@
 #   bash bench/confirm_lanes.sh a          # lane a alone (b: lane b alone; c: lane b's first part, the layer order;
 #                                          # d: the layer order's seed-2 init and confirmation seeds; e: the
 #                                          # layer order's confirmation seeds, then lane a's 50 % cells; f:
-#                                          # the refit on 96 batches, tuning seeds)
+#                                          # the refit on 96 batches, tuning seeds; g: the own text's fast
+#                                          # sampling at 50 %, tuning seeds)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -80,6 +81,10 @@ lane_e() {  # the layer order's last confirmation seed, then the 50 % table's se
 lane_f() {  # the refit on 96 batches (issue 65), the tuning seeds
   variant init-b96 30 0 1 2
 }
+lane_g() {  # the own text's fast sampling (issue 65) at 50 %: the tuning seeds' init cells, then the variant's
+  for s in 0 1 2; do cell "r50-s$s" cell --rate 0.5 --seed "$s" --only init --without zeroshot; done
+  variant init-gen 50 0 1 2
+}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -94,8 +99,9 @@ case "${1:-}" in
   d) lanes=(lane_d) ;;
   e) lanes=(lane_e) ;;
   f) lanes=(lane_f) ;;
+  g) lanes=(lane_g) ;;
   "") ;;
-  *) echo "error: expected status, a, b, c, d, e, f or nothing, got '$1'" >&2; exit 2 ;;
+  *) echo "error: expected status, a, b, c, d, e, f, g or nothing, got '$1'" >&2; exit 2 ;;
 esac
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "

@@ -716,7 +716,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # settings that apply to one part of a run only, and what a run without that part would do with them: nothing
-_SELF_TEXT = ("self_docs", "self_tokens", "self_temperature")  # the own text's (--calib-source self, mix, auto from 0.5)
+# the own text's (--calib-source self, mix, auto from 0.5)
+_SELF_TEXT = ("self_docs", "self_tokens", "self_temperature", "self_batch", "self_dtype")
 _MIX = ("mix_search", "mix_batches", "mix_reward", "mix_refit", "mix_refine_batches")  # the joint mix's
 _INERT = (*_SELF_TEXT, *_MIX)
 

@@ -206,6 +206,10 @@ DATA_SECONDS = 5.0  # reading and tokenising the calibration documents and WikiT
 GENERATE_WEIGHT = 2.2  # a token of --calib-source self's sampling (32 sequences a step, a token each, with their
 #                      KV cache) against one of a batched forward: 256 x 264 tokens took about 430 s at one thread
 #                      beside another cell, whose forwards ran at 3 ms a token (2026-11-28, Zen 5)
+# the sampling's speed-up over that (--self-batch, the resolved --self-dtype), measured on the default model: 128
+# documents x 128 tokens, one thread beside another cell, AVX-512 BF16 (bench/self_text_speed.py, 2026-12-02); a
+# pair not measured plans at 1 (the default's rate: an upper bound for a larger batch)
+GENERATE_SPEEDUP = {(32, "float32"): 1.0, (32, "bfloat16"): 1.79, (128, "float32"): 1.59, (128, "bfloat16"): 3.26}
 GRAM_WEIGHT = 1.15  # a multiply-add of the refit's statistics (x x^T and its float64 sums, in the hooks of the
 #                    statistics pass) against one of a forward: the tiny model's pass measured 1.17 forwards a batch
 STEP_SAMPLE_WEIGHT = 1.1  # a step's masked forward against a dense one, its reward's scoring apart: the default
@@ -358,7 +362,10 @@ def phase_tokens(config, skeleton: Skeleton, dense_cached: bool = False, done_st
     out: dict[str, float] = {}
     sampled = 0 if text_cached else generated_tokens(config)
     if sampled:
-        out[TEXT_PHASE] = sampled * GENERATE_WEIGHT
+        from .calib_sources import generation_dtype
+
+        speedup = GENERATE_SPEEDUP.get((config.self_batch, generation_dtype(config)), 1.0)
+        out[TEXT_PHASE] = sampled * GENERATE_WEIGHT / speedup
     phase, passes, metric_reads = statistics_plan(config, fresh)
     widths = any(u != "layers" for u in config.units)
     if fresh:

@@ -39,6 +39,8 @@ PLAIN_RUNS = {
     "plain_copy.py": (["{tmp}/copy", "--model", TINY], ["plain copy in"]),
     "plan_phases.py": (["--model", TINY], ["| measured / planned |", "outside 0.7x-1.3x of the plan"]),
     "eval_dtype.py": ([TINY, "--max-windows", "4", "--seqlen", "32", "--threads", "1"], ["| model |", "largest change"]),
+    "self_text_speed.py": (["--model", TINY, "--docs", "4", "--tokens", "8", "--batches", "2,4", "--threads", "1"],
+                           ["| batch | dtype | seconds |", "probe", "x |"]),
     "runs_page.py": (["--count", "3"], ["with 3 finished runs on disk", "second render:", "cache emptied:"]),
 }
 

@@ -388,3 +388,16 @@ def test_the_loss_chart_draws_a_kl_runs_check_as_a_kl_and_a_ce_runs_as_a_log_per
     ce = loss_figure([{**r, "val_ppl": 120.0 if r["val_ppl"] else None} for r in history], reward="ce")
     check = next(t for t in ce.data if t.name.startswith("hard mask"))
     assert check.name == "hard mask, held-out (log ppl)" and list(check.y) == [pytest.approx(math.log(120.0))]
+
+
+def test_the_own_texts_plan_follows_its_batch_and_dtype(tiny_path, skeleton, monkeypatch):
+    """The sampling's planned tokens: the default's (32 at a time, the weights' dtype) at GENERATE_WEIGHT, a measured
+    batch and dtype at its measured speed-up (GENERATE_SPEEDUP), one not measured at the default's rate."""
+    from engine.plan import GENERATE_SPEEDUP, GENERATE_WEIGHT
+
+    monkeypatch.setenv("PG_PRUNE_NATIVE_BF16", "1")  # (auto resolves to bfloat16, as on such a CPU)
+    text = {kw: phase_tokens(PruneConfig(model=str(tiny_path), calib_source="self", **dict(kw)), skeleton)
+            ["calibration text"] for kw in ((), (("self_batch", 128), ("self_dtype", "auto")), (("self_batch", 7),))}
+    default, fast, other = text.values()
+    assert default == pytest.approx(256 * (256 + 8) * GENERATE_WEIGHT)
+    assert fast == pytest.approx(default / GENERATE_SPEEDUP[(128, "bfloat16")]) and other == default

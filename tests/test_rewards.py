@@ -240,14 +240,14 @@ def test_a_cached_generation_serves_fewer_documents_and_goes_on_for_more(tiny, t
     and leaves the longer cache as it was."""
     model, tokenizer = tiny
     monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("engine.calib_sources.GENERATE_BATCH", 2)
     texts = [f"Note {i}: the dog ran to the gate and barked at the man with the hat." for i in range(7)]
 
-    def fresh(n):  # an uncached generation of n documents (no fingerprint: never cached)
-        return CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=n), None, log=quiet)[0]
+    def fresh(n):  # an uncached generation of n documents (no fingerprint: never cached), 2 a batch
+        return CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=n, self_batch=2), None,
+                                     log=quiet)[0]
 
     def cached(n, seen=None):
-        return CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=n), "model-A",
+        return CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=n, self_batch=2), "model-A",
                                      log=quiet if seen is None else seen.append)[0]
 
     want = {n: fresh(n) for n in (3, 4, 6)}
@@ -257,9 +257,9 @@ def test_a_cached_generation_serves_fewer_documents_and_goes_on_for_more(tiny, t
     sampled = []  # documents each generation sampled (its result less the whole batches it was given)
     real = calib_sources.sample_documents
 
-    def counting(model, tokenizer, prompt_ids, new_tokens, temperature, seed, log, done, keep):
-        docs = real(model, tokenizer, prompt_ids, new_tokens, temperature, seed, log, done, keep)
-        sampled.append(len(docs) - (len(done) - len(done) % calib_sources.GENERATE_BATCH))
+    def counting(model, tokenizer, prompt_ids, new_tokens, temperature, seed, log, done, keep, **how):
+        docs = real(model, tokenizer, prompt_ids, new_tokens, temperature, seed, log, done, keep, **how)
+        sampled.append(len(docs) - (len(done) - len(done) % how["batch_size"]))
         return docs
 
     monkeypatch.setattr("engine.calib_sources.sample_documents", counting)
@@ -355,21 +355,72 @@ def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny, ti
 def test_an_interrupted_generation_goes_on_from_its_last_batch(tiny, tmp_path, monkeypatch):
     model, tokenizer = tiny
     monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("engine.calib_sources.GENERATE_BATCH", 1)
     texts = [f"Tale {i}: a boy found a red ball under the big old tree near the river." for i in range(5)]
-    whole, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), None, log=quiet)  # (uncached)
+    one = self_config(self_batch=1)  # (one document a batch)
+    whole, _ = CALIB_SOURCES["self"](texts, model, tokenizer, one, None, log=quiet)  # (uncached)
 
     def stop_after_one(msg):
         if "1/3 documents" in msg:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=stop_after_one)
+        CALIB_SOURCES["self"](texts, model, tokenizer, one, "model-A", log=stop_after_one)
     (partial,) = (tmp_path / "cache").glob("*.partial.jsonl.gz")
     seen = []
-    docs, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=seen.append)
+    docs, _ = CALIB_SOURCES["self"](texts, model, tokenizer, one, "model-A", log=seen.append)
     assert docs == whole and any("1 documents from an interrupted generation" in m for m in seen)
     assert not partial.exists() and len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_the_self_batch_and_dtype_sample_their_own_text_under_their_own_cache_key(tiny, tmp_path, monkeypatch):
+    """--self-batch N samples N continuations at once, each batch from its own seed: a batch of 3 gives other
+    documents than batches of 1 (the seeds differ), the same ones again when asked again, and another cache entry;
+    --self-dtype bfloat16 samples with decode_bfloat16 under a key of its own, and leaves the weights as they were.
+    The default (32, the weights' dtype) keeps the key it had before the settings existed."""
+    model, tokenizer = tiny
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    texts = [f"Tale {i}: a boy found a red ball under the big old tree near the river." for i in range(5)]
+    digest = calib_sources.texts_digest(texts)
+    by = {b: CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_batch=b), "model-A", log=quiet)[0]
+          for b in (1, 3)}
+    assert by[1] != by[3] and len(by[3]) == 3
+    assert CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_batch=3), None, log=quiet)[0] == by[3]
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+    keys = {calib_sources.self_key("m", self_config(**kw), digest) for kw in
+            ({}, {"self_batch": 3}, {"self_dtype": "bfloat16"})}
+    assert len(keys) == 3
+    before = calib_sources.self_key("m", self_config(), digest)  # (the default's key: as the cached files were named)
+    import hashlib
+    old = ["m", "float32", 0, 20, 1.0, calib_sources.PROMPT_TOKENS, digest]
+    assert before == hashlib.sha256(json.dumps(old).encode()).hexdigest()[:20]
+    calls = []
+    real = calib_sources.decode_bfloat16
+    monkeypatch.setattr("engine.calib_sources.decode_bfloat16", lambda *a: calls.append(a[1].shape) or real(*a))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bf = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_dtype="bfloat16"), None, log=quiet)[0]
+    assert calls and len(bf) == 3
+    assert all(p.dtype == torch.float32 and torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
+def test_the_bfloat16_decoder_is_generate_with_a_kv_cache(tiny):
+    """decode_bfloat16 (the own text's sampler in bfloat16): at a temperature near 0 it continues each prompt as
+    transformers' greedy generate does with the same bfloat16 weights (its cache and positions are right), and it
+    gives prompt + continuation; inside bfloat16_linears every linear weight is bfloat16, outside it the model is
+    as it was, its LM head tied again."""
+    from engine.calib_sources import bfloat16_linears, decode_bfloat16
+
+    model, _ = tiny
+    prompt = torch.randint(5, 200, (3, 6), generator=torch.Generator().manual_seed(0))
+    with bfloat16_linears(model):
+        assert all(m.weight.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, torch.nn.Linear))
+        ours = decode_bfloat16(model, prompt, 7, 1e-6)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            greedy = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                    max_new_tokens=7, min_new_tokens=7, pad_token_id=0)
+    assert ours.shape == (3, 13) and torch.equal(ours[:, :6], prompt) and torch.equal(ours, greedy)
+    assert all(m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
 # --- --step-refit: samples scored as they would be exported ------------------------------------------
