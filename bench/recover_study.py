@@ -168,14 +168,31 @@ def mean_cells(measured: list[dict], names) -> str:
     return " | ".join(one(n) for n in names)
 
 
+def against_before(pairs: list[tuple[dict, dict]], names) -> str:
+    """Each measure's mean over the seeds whose rung and export before recovery both hold it, with the mean change
+    from before on those same seeds (perplexities in %, accuracies in points), and how many seeds where fewer
+    than all hold it."""
+    def one(n):
+        have = [(a, b) for a, b in pairs if n in a and n in b]
+        if not have:
+            return "pending"
+        after = sum(confirm.value(a, n) for a, _ in have) / len(have)
+        if n in confirm.PERPLEXITIES:
+            change = f"{100 * sum(confirm.value(a, n) / confirm.value(b, n) - 1 for a, b in have) / len(have):+.1f} %"
+        else:
+            change = f"{100 * sum(confirm.value(a, n) - confirm.value(b, n) for a, b in have) / len(have):+.1f} pt"
+        return f"{confirm.fmt_value(n, after)} ({change}" + (f", of {len(have)})" if len(have) != len(pairs) else ")")
+    return " | ".join(one(n) for n in names)
+
+
 def report(args) -> None:
     """Per set and rate: each row and text at each rung, the mean over the seeds measured of each judge, beside the
     export before recovery (the STUDENT cell's measures)."""
     lines = ["# The recovery study: the default run's exports recovered by distillation", "",
              f"(bench/recover_study.py report; SmolLM2-135M-Instruct, the default preset's export (bench/confirm.py's "
              f"`{STUDENT}` cells); one thread a cell; minutes of training in all, CPU seconds recorded per "
-             "rung; perplexities 256 x 128, held-out C4 128 x 128; mean over the seeds measured, with the count where "
-             "a measure has fewer)", ""]
+             "rung; perplexities 256 x 128, held-out C4 128 x 128; mean over the seeds measured, and in brackets the "
+             "mean change from before recovery on those same seeds (the first row: every seed's export))", ""]
     for set_name, (seeds, _) in confirm.SETS.items():
         names = confirm.MEASURES[set_name]
         for rate in (0.3, 0.5):
@@ -183,10 +200,11 @@ def report(args) -> None:
             for row in ROWS:
                 for text in TEXTS:
                     for rung in RUNGS:
-                        got = [confirm.load(cell_dir(rate, s, row, text) / f"measures-{rung:g}min.json") for s in seeds]
-                        got = [m for m in got if m]
+                        got = [(confirm.load(cell_dir(rate, s, row, text) / f"measures-{rung:g}min.json"),
+                                confirm.cell_measures(rate, s, STUDENT) or {}) for s in seeds]
+                        got = [(a, b) for a, b in got if a]
                         if got:
-                            rows.append(f"| {row} | {text} | {rung:g} | {len(got)} | {mean_cells(got, names)} |")
+                            rows.append(f"| {row} | {text} | {rung:g} | {len(got)} | {against_before(got, names)} |")
             if not rows and not args.all:
                 continue
             base = [m for m in (confirm.cell_measures(rate, s, STUDENT) for s in seeds) if m]

@@ -517,7 +517,8 @@ def test_the_recovery_study_lists_its_rungs_and_reports_each_rows_mean_beside_th
     rs.report(SimpleNamespace(all=False))
     out = capsys.readouterr().out
     assert "| before recovery (init) | | 0 | 2 | 100.00 | 100.00 | 50.0 % |" in out
-    assert "| kl-lora | c4 | 2 | 2 | 70.00 | 70.00 | 50.0 % (1) |" in out  # (the mean of 80 and 60; zero-shot: seed 0's)
+    # (the mean of 80 and 60, and of their changes from 100 on the same seeds; zero-shot: seed 0's alone)
+    assert "| kl-lora | c4 | 2 | 2 | 70.00 (-30.0 %) | 70.00 (-30.0 %) | 50.0 % (+0.0 pt, of 1) |" in out
     assert "## confirm" not in out and (tmp_path / "study" / "table.md").read_text().strip() == out.strip()
 
 
