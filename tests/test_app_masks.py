@@ -143,8 +143,11 @@ def _app(monkeypatch, runs: Path):
 
 
 def _fill(at, steps: int, rate: float = 0.3):
+    """A policy-gradient run over KV groups and channels (the form opens on the default run: one-shot, layers too)."""
     at.radio(key="model_choice").set_value("local")
     at.text_input(key="model_path").input(str(TINY))
+    at.multiselect(key="units").set_value(["heads", "channels"])
+    at.selectbox(key="method").set_value("pg")
     at.slider(key="rate").set_value(rate)
     for k, v in {**FAST, "steps": steps}.items():
         at.number_input(key=k).set_value(v)
@@ -211,7 +214,7 @@ def _record_fragments(monkeypatch) -> list:
 
 @needs_tiny
 def test_the_heatmap_draws_the_runs_own_masks_live_and_saved(tmp_path, monkeypatch):
-    """The page's defaults (KV groups and channels on one parameter budget, 30 %): during the run the heatmap's marks
+    """A PG run over KV groups and channels on one parameter budget, 30 %: during the run the heatmap's marks
     are the hard mask of the step it shows (metrics.jsonl), at the end masks.safetensors' final mask, cell by cell;
     the toggle shows the init mask too, and the page says which step the final mask is from. The page redraws itself
     only while the job runs. (Before issue 49 the app redrew the KV groups' mask on their own budget: 6 of 8 kept
