@@ -19,7 +19,6 @@ import time
 
 from cli_common import csv_list, positive, run
 
-PASS_DTYPES = ("auto", "float32", "bfloat16")  # (engine/precision.py's, without importing torch for --help)
 
 
 def main() -> None:
@@ -29,8 +28,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=positive(int), default=256, help="tokens sampled per document")
     ap.add_argument("--batches", type=csv_list(int, lambda v: v > 0, "batch sizes above 0"), default=[32, 128],
                     help="--self-batch values")
-    ap.add_argument("--dtypes", type=csv_list(str, lambda v: v in PASS_DTYPES, f"one of {', '.join(PASS_DTYPES)}"),
-                    default=["float32", "auto"], help="--self-dtype values")
+    ap.add_argument("--dtypes", type=csv_list(str, bool, "dtype names"), default=["float32", "auto"],
+                    help="--self-dtype values: auto, float32, bfloat16")
     ap.add_argument("--threads", type=positive(int), default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -40,8 +39,12 @@ def main() -> None:
     from engine.data import load_calibration_texts
     from engine.loading import load_model, resolve_model
     from engine.plan import probe_seconds_per_token, skeleton_of
-    from engine.precision import native_bf16_cpu, resolve_pass_dtype
+    from engine.errors import UserError
+    from engine.precision import PASS_DTYPES, native_bf16_cpu, resolve_pass_dtype
 
+    for d in args.dtypes:  # (checked here, against the engine's list: importing it loads torch, too slow for --help)
+        if d not in PASS_DTYPES:
+            raise UserError(f"--dtypes: {d!r} is not one of {', '.join(PASS_DTYPES)}")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(resolve_model(args.model), "float32", "cpu")
     model.eval()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .budget import BUDGETS, scope_problem
-from .calib_sources import CALIB_SOURCES, SELF_FROM
+from .calib_sources import CALIB_SOURCES, GENERATE_BATCH, SELF_FROM
 from .data import DEFAULT_EVAL_WINDOWS
 from .errors import UserError
 from .executors import EXECUTORS
@@ -363,14 +363,14 @@ class PruneConfig:
     self_temperature: float = setting(1.0, minimum=0.0, exclusive=True, label="Self-generation temperature",
                                       help="--calib-source self/mix: the sampling temperature (1: the model's own "
                                            "distribution)")
-    self_batch: int = setting(32, minimum=1, label="Self-generation batch", help=(
+    self_batch: int = setting(GENERATE_BATCH, minimum=1, label="Self-generation batch", help=(
         "--calib-source self/mix: continuations sampled at once, each batch from its own seed (more: fewer, larger "
         "forwards; a cached generation serves a run of its own batch only)"))
     self_dtype: str = setting("float32", choices=PASS_DTYPES, label="dtype of the self-generation", help=(
         "--calib-source self/mix: the sampling's precision: float32 is transformers' generate in --dtype; bfloat16 "
         "decodes with bfloat16 copies of the linear weights under autocast (the norms, the residual stream and the "
-        "next-token distribution in --dtype), 2.5x faster on a CPU that runs it natively; auto is bfloat16 there "
-        "for float32 weights, else --dtype"))
+        "next-token distribution in --dtype), 1.8x faster at 32 a batch and 3.3x at 128 on a CPU that runs it "
+        "natively (bench/self_text_speed.py); auto is bfloat16 there for float32 weights, else --dtype"))
     reward: str = setting("ce", choices=lambda: tuple(REWARDS), label="Reward", help=(
         "what a sampled mask is scored by, in the steps, the joint mix and best-val's held-out check: ce (the "
         "next-token cross-entropy of the calibration text) or kl (the KL divergence from the dense model's "

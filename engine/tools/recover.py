@@ -78,8 +78,8 @@ class RecoverConfig:
         f"optimizer steps in all (a resumed recovery continues to N) (default: {DEFAULT_STEPS} when no "
         "--time-budget is given; with it, no limit but the time)"))
     time_budget: float | None = setting(None, minimum=0.0, maximum=MAX_TIME_BUDGET, exclusive=True, help=(
-        "wall minutes of the training loop (this session's, a resumed one's too): it stops when the next step, "
-        "timed as the last one, would not fit (default: off)"))
+        "minutes of the training loop (this session's, a resumed one's too; wall minutes unless --budget-clock "
+        "cpu): it stops when the next step, timed as the last one, would not fit (default: off)"))
     budget_clock: str = setting("wall", choices=tuple(BUDGET_CLOCKS), help=(
         "what --time-budget counts: wall (minutes you wait) or cpu (this process's CPU minutes: equal work for "
         "runs side by side on a shared machine, one thread each)"))
