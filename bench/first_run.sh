@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 65's first-run protocol: README command 1 as a new user meets it. A fresh clone of this checkout's HEAD
-# beside ../shared, every cache empty ($PG_PRUNE_CACHE, $PG_PRUNE_METRIC_CACHE and $PG_PRUNE_SELF_CALIB_CACHE in one
-# new folder: the model's de-quantised copy, the dense perplexity, the speed probes, the metrics, the own text); then
+# beside ../shared, every cache empty ($PG_PRUNE_CACHE and $PG_PRUNE_SELF_CALIB_CACHE in one new
+# folder: the model's de-quantised copy, the dense perplexity, the speed probes, the statistics, the metrics, the own text); then
 # what install.sh builds in that cache (`python -m engine.tools.model_copy`: the model's copy and its dense perplexity;
 # timed apart, in install.txt: install.sh's minutes are not the run's; COLD=1 skips it, every cache empty at the run);
 # then `python -m engine prune --prune-ratio 0.3 --time-budget 10 --out runs/quickstart --overwrite` (with --seed S
@@ -68,7 +68,7 @@ for s in "${SEEDS[@]}"; do
     extra=(); [[ $s != 0 ]] && extra=(--seed "$s")
     echo "[$(date +%T)] $kind run, seed $s: ${PIN[*]} ${command[*]} ${extra[*]}"
     rm -rf "$CLONE/repo/runs/quickstart"
-    ( cd "$CLONE/repo" && PYTHONPATH="$CLONE/repo" PG_PRUNE_CACHE="$CACHE/cache" PG_PRUNE_METRIC_CACHE="$CACHE/metrics" \
+    ( cd "$CLONE/repo" && PYTHONPATH="$CLONE/repo" PG_PRUNE_CACHE="$CACHE/cache" \
         PG_PRUNE_SELF_CALIB_CACHE="$CACHE/self-calib" /usr/bin/time -v -o "$CLONE/time.txt" \
         "${PIN[@]}" "${command[@]}" "${extra[@]}" > "$CLONE/log.txt" 2>&1 ) || { echo "  failed: $(tail -n 2 "$CLONE/log.txt")"; }
     mkdir -p "$dest"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import ppl_cache
 from .errors import UserError
 from .io import atomic_write_text
 from .metrics import METRICS, MetricContext
@@ -40,19 +41,34 @@ def metric_batches(c, units: list[str]) -> int:
     return max(c.layer_init_batches if UNIT_TYPES[u].whole_layer else c.init_batches for u in units)
 
 
-def metric_cache_folder() -> str | None:
-    """$PG_PRUNE_METRIC_CACHE, or None when unset; one that names a file (or anything but a folder) is refused in
+def metric_cache_folder(from_disk: bool = True) -> str | None:
+    """$PG_PRUNE_METRIC_CACHE (off, 0, none or empty: no cache), else $PG_PRUNE_CACHE/metrics for a run whose model
+    was read from its files (None for one given in memory, or where $PG_PRUNE_CACHE is off): a second run on the
+    same batches takes its init metric from there. One that names a file (or anything but a folder) is refused in
     one line (PruneRun checks it before the model's work starts)."""
-    shared = os.environ.get("PG_PRUNE_METRIC_CACHE") or None
+    value = os.environ.get("PG_PRUNE_METRIC_CACHE")
+    if value is None:
+        root = ppl_cache.cache_dir() if from_disk else None
+        return str(root / "metrics") if root is not None else None
+    shared = None if value.strip().lower() in ("", "off", "0", "none") else value
     if shared and Path(shared).exists() and not Path(shared).is_dir():
         raise UserError(f"$PG_PRUNE_METRIC_CACHE is {shared}, which is a file, not a folder: point it at a folder "
                         "(it is created if missing), or unset it")
     return shared
 
 
+def run_metric_cache(run: "PruneRun") -> str | None:
+    """The run's metric cache folder (metric_cache_folder), as rank 0 finds it (every rank's answer)."""
+    world = run.world
+    return world.from_writer(metric_cache_folder(getattr(run, "from_disk", False)) if world.writes else None,
+                             "the metric cache's folder")
+
+
 def cache_entry(run: "PruneRun", name: str, units: list[str], ctx: MetricContext, folder: str, keep) -> Path:
     """The file in `folder` that holds the metric's value for ctx (see cached_metric)."""
     key = [name, units, run.source.path, run.source.gguf_file, keep, ctx.seed, run.config.dtype]
+    if getattr(run, "from_disk", False) and (files := ppl_cache.files_key(run.source, run.config.dtype)):
+        key.append({"files": files})  # (by content: weights written over at the same path are another model)
     if (passes := run_pass_dtype(run.config, run.model)) != run.config.dtype:  # (float32 passes keep their old keys)
         key.append({"passes": passes})
     if METRICS[name].greedy and ctx.finalists:  # (another order than SLEB's own; entries without finalists keep their key)
@@ -67,7 +83,7 @@ def metric_cached(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     """Does $PG_PRUNE_METRIC_CACHE hold this metric's value for ctx, so that cached_metric will not compute it? (A
     greedy metric's order is continued, never skipped: False.) Rank 0's folder answers for every rank."""
     world = run.world
-    shared = world.from_writer(metric_cache_folder() if world.writes else None, "the metric cache's folder")
+    shared = run_metric_cache(run)
     if not shared or METRICS[name].greedy:
         return False
     return bool(world.from_writer(cache_entry(run, name, units, ctx, shared, ctx.keep_ratio).is_file() if world.writes
@@ -86,7 +102,7 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     Without a cache folder a greedy metric keeps its order in the run's own folder (INIT_PROGRESS_DIR) until the
     run's first checkpoint, so that --resume after a stop during SLEB continues its removals."""
     world, metric = run.world, METRICS[name]
-    shared = world.from_writer(metric_cache_folder() if world.writes else None, "the metric cache's folder")
+    shared = run_metric_cache(run)
     folder = shared or (str(run.out / INIT_PROGRESS_DIR) if metric.greedy and run.out is not None else None)
     if not folder:
         return metric.fn(ctx, units)

@@ -36,6 +36,7 @@ from .errors import UserError
 from .executors import EXECUTORS, resolve_executor
 from .hooks import KEEP, RUN_HOOKS, RunChanges, RunView, joined_transforms
 from .initialise import fresh_state, metric_cache_folder, start_state
+from .statistics import STATS_CACHE_ENV, stats_cache_dir
 from .loading import check_positions, load_model, model_device, resolve_model
 from .methods import METHODS, method_options
 from .outdir import folder_lock
@@ -148,6 +149,7 @@ class PruneRun:
         check_run_fits(c, model)  # (before the data: a batch whose logits cannot fit is refused in one line)
         metric_cache_folder()  # (a $PG_PRUNE_METRIC_CACHE that is a file: refused now, not after the model's work)
         ppl_cache.check_cache_dir()  # (and a $PG_PRUNE_CACHE that is one)
+        ppl_cache.check_folder(STATS_CACHE_ENV, stats_cache_dir(), f" (or set {STATS_CACHE_ENV}=off)")  # (and its statistics')
         if CALIB_SOURCES[source_of(c)].generates:  # (and the self-generated text's cache)
             check_self_calib_cache()
             check_generation(c, model.config)  # (documents beyond the positions, or no longer than --seqlen)

@@ -103,6 +103,9 @@ class InputMoments(Statistic):
         sizes = [8 * t.output_proj(adapter, i).in_features ** 2 for t, i in keys]
         return [[keys[j] for j in group] for group in _groups(sizes, self.max_bytes)]
 
+    def cache_identity(self):
+        return ["input-moments", sorted(self.unit_types)]
+
     def add(self, key, x) -> None:
         gram, total = (x.T @ x).double(), x.sum(0).double()
         if key in self.acc:

@@ -27,11 +27,23 @@ group of projections, alone.
 torchrun: when every reader can combine the ranks' work exactly (`splits`: per-batch sums gathered and added in
 batch order, as column_moments does), the ranks deal the batches out (rank r runs batches r, r + K, ...);
 otherwise (the refit's float64 sums, which one process adds batch by batch) every rank runs every batch, as the
-refit always did, and the other readers read them too: each rank's statistics are one process's, bit for bit."""
+refit always did, and the other readers read them too: each rank's statistics are one process's, bit for bit.
+
+The dense model's statistics depend only on the model, the batches and the precision of the pass, not on the rate
+or the method: a second run on the same calibration batches (the same command again, or another --prune-ratio from
+the same seed and source) reads them from $PG_PRUNE_STATS_CACHE (default: $PG_PRUNE_CACHE/statistics; off: none),
+keyed by the model files' content, the reader, the dtypes, the device and the batches' token ids themselves
+(StatisticsCache). Half of a one-shot run's minutes on a CPU were this pass. A model given in memory, and torchrun,
+are not cached; the folder keeps its newest entries within STATS_CACHE_BYTES."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -81,6 +93,11 @@ class Statistic:
 
     def identity(self):
         """Readers with the same identity compute the same result (one of them reads for all); None: its own."""
+        return None
+
+    def cache_identity(self) -> list | None:
+        """What, beside the batches it reads, the model and the pass's precision, its result depends on, for the
+        statistics cache (StatisticsCache); None: never cached."""
         return None
 
 
@@ -134,6 +151,9 @@ class ColumnMoments(Statistic):
 
     def identity(self):
         return ("column-moments", self.asked)
+
+    def cache_identity(self):
+        return ["column-moments"]
 
 
 def fork(sampler):
@@ -225,6 +245,127 @@ def init_stream(run, batches: int) -> list[torch.Tensor]:
     return [sampler.next_batch() for _ in range(batches)]
 
 
+STATS_CACHE_ENV = "PG_PRUNE_STATS_CACHE"
+STATS_CACHE_BYTES = 4 << 30  # the statistics cache's folder at most (the least recently used entries go first)
+STATS_CACHE_VERSION = 1  # in every key: a change to what a reader sums is a new version
+
+
+def stats_cache_dir() -> Path | None:
+    """$PG_PRUNE_STATS_CACHE (off, 0, none or empty: no cache), else $PG_PRUNE_CACHE/statistics (None where that is
+    off)."""
+    from .ppl_cache import cache_dir
+
+    value = os.environ.get(STATS_CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in ("", "off", "0", "none") else Path(value).expanduser()
+    root = cache_dir()
+    return root / "statistics" if root is not None else None
+
+
+def tensors_bytes(value) -> int:
+    """The bytes of the tensors in a nest of dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensors_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensors_bytes(v) for v in value)
+    return 0
+
+
+class StatisticsCache:
+    """A folder of readers' results (torch.save of {"result", "tokens"}), one file per key: the reader's cache
+    identity, the model (`model_key`: its files by content), the weights' and the pass's dtypes, the device type,
+    and the token ids of the batches it reads. Entries are written whole (a temporary file renamed), read by the
+    weights-only loader, and an entry that cannot be read is computed again and written over, said in one line."""
+
+    def __init__(self, folder: Path, model_key: str, log: Callable[[str], None] = lambda s: None,
+                 max_bytes: int = STATS_CACHE_BYTES):
+        self.folder, self.model_key, self.log, self.max_bytes = Path(folder), model_key, log, max_bytes
+
+    @classmethod
+    def for_run(cls, run) -> "StatisticsCache | None":
+        """The run's cache: None without a folder, for a model given in memory (its files say nothing of its weights)
+        and under torchrun (the ranks need not share a folder)."""
+        from .ppl_cache import files_key
+        from .precision import run_device_type, run_pass_dtype
+
+        folder = stats_cache_dir()
+        if folder is None or not run.from_disk or run.world.size > 1:
+            return None
+        model = files_key(run.source, run.config.dtype)
+        if model is None:
+            return None
+        return cls(folder, json.dumps([model, run_pass_dtype(run.config, run.model),
+                                       run_device_type(run.config, run.model)]), run.log)
+
+    def path(self, reader: Statistic, stream: list[torch.Tensor]) -> Path | None:
+        who = reader.cache_identity()
+        if who is None:
+            return None
+        h = hashlib.sha256(json.dumps([STATS_CACHE_VERSION, who, self.model_key]).encode())
+        for b in stream[:reader.asked]:
+            h.update(str(tuple(b.shape)).encode())
+            h.update(b.numpy().tobytes())
+        return self.folder / f"{who[0]}-{h.hexdigest()[:20]}.pt"
+
+    def read(self, reader: Statistic, stream: list[torch.Tensor]) -> bool:
+        """The reader's result from the cache (result, tokens and batches set): True; False where it has none."""
+        from .checkpoints import safe_load
+
+        path = self.path(reader, stream)
+        if path is None or not path.is_file():
+            return False
+        try:
+            got = safe_load(path, "statistics cache entry", "")
+            if not isinstance(got, dict) or "result" not in got or not isinstance(got.get("tokens"), int):
+                raise ValueError("not an entry this cache writes")
+        except Exception as e:  # (an unreadable entry is computed again: the cache only saves time)
+            self.log(f"statistics: the cache's entry {path} cannot be read ({str(e).splitlines()[0][:160]}): "
+                     f"{reader.label} computed again")
+            return False
+        reader.result, reader.tokens, reader.batches = got["result"], got["tokens"], reader.asked
+        try:
+            os.utime(path)  # (recently used: kept before the others)
+        except OSError:
+            pass
+        self.log(f"statistics: {reader.label} ({reader.asked} batches) from the cache {path}")
+        return True
+
+    def write(self, reader: Statistic, stream: list[torch.Tensor]) -> None:
+        """The reader's finished result into the cache (a reader stopped early is not: another run reads its whole
+        count), then the oldest entries out until the folder is within max_bytes. A write that fails (a full disk,
+        a folder it may not write) costs the run nothing but the line that says so."""
+        path = self.path(reader, stream)
+        if path is None or reader.batches != reader.asked:
+            return
+        size = tensors_bytes(reader.result)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if size > self.max_bytes // 2 or shutil.disk_usage(self.folder).free < 2 * size + (1 << 30):
+                self.log(f"statistics: {reader.label} not cached ({size / 2**30:.1f} GiB: over half the cache's "
+                         f"{self.max_bytes / 2**30:.0f} GiB, or more than the disk has free)")
+                return
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            try:
+                torch.save({"result": reader.result, "tokens": reader.tokens}, tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            self.trim(keep=path)
+        except OSError as e:
+            self.log(f"statistics: {reader.label} not cached ({e})")
+
+    def trim(self, keep: Path) -> None:
+        entries = sorted((p for p in self.folder.glob("*.pt") if p.is_file()), key=lambda p: p.stat().st_mtime,
+                         reverse=True)
+        total = 0
+        for p in entries:
+            total += p.stat().st_size
+            if total > self.max_bytes and p != keep:
+                p.unlink(missing_ok=True)
+
+
 def statistics_pass(run, batches: list[torch.Tensor], readers: list[Statistic]) -> None:
     """A fresh run's one statistics pass: `readers` over the init stream, whose first batches are `batches` (the
     init batches the run drew; the stream goes on from there, the init sampler left where it is), in the phase
@@ -239,10 +380,15 @@ def statistics_pass(run, batches: list[torch.Tensor], readers: list[Statistic]) 
         return
     more = fork(run.init_sampler)
     stream = batches[:m] + [more.next_batch() for _ in range(m - len(batches))]
-    run.log(f"statistics: one pass over {m} calibration batches for " + ", ".join(
-        f"{r.label} ({r.batches})" for r in unique))
+    cache = StatisticsCache.for_run(run)
     with run.phases("statistics"):
-        one_pass(run.adapter, stream, unique, run.world, run.log)
+        todo = [r for r in unique if cache is None or not cache.read(r, stream)]
+        if todo:
+            run.log(f"statistics: one pass over {longest(todo)} calibration batches for " + ", ".join(
+                f"{r.label} ({r.batches})" for r in todo))
+            one_pass(run.adapter, stream, todo, run.world, run.log)
+            for r in todo if cache is not None else []:
+                cache.write(r, stream)
     for r in readers:
         twin = twins[r.identity() or id(r)]
         r.result, r.tokens, r.batches = twin.result, twin.tokens, twin.batches

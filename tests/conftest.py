@@ -30,6 +30,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # "auto" one-shot passes run in float32 on any CPU (engine/precision.py): the same results on an AVX-512 BF16 machine as
 # elsewhere; tests/test_precision.py sets it per test
 os.environ["PG_PRUNE_NATIVE_BF16"] = "0"
+# the caches of a run's dense statistics and init metric ($PG_PRUNE_CACHE/statistics and /metrics by default) are off:
+# a test's run computes what it checks; the tests of the caches point them at a folder of their own
+os.environ["PG_PRUNE_STATS_CACHE"] = "off"
+os.environ["PG_PRUNE_METRIC_CACHE"] = "off"
 os.environ.setdefault("PG_PRUNE_APP_FOLDERS", os.pathsep.join([str(REPO.parent / "shared"), tempfile.gettempdir()]))
 
 
@@ -37,7 +41,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     """Environment for child processes: offline, quiet, and without the repository on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PG_PRUNE_DATA_DIR")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               PG_PRUNE_NATIVE_BF16="0")  # (engine_in_process builds it from an emptied environment)
+               PG_PRUNE_NATIVE_BF16="0", PG_PRUNE_STATS_CACHE="off", PG_PRUNE_METRIC_CACHE="off")
+    # (engine_in_process builds it from an emptied environment: the caches off there too)
     env.update(extra)
     return env
 
@@ -84,7 +89,7 @@ class Ran:
     stderr: str
 
 
-def engine_in_process(*args: str) -> Ran:
+def engine_in_process(*args: str, env: dict[str, str] | None = None) -> Ran:
     """`python -m engine ARGS` run in this process through the CLI's own entry point, with clean_env's settings and
     on one thread, as a child of an xdist worker runs: for a test about what a command does or writes, not about its
     process (a fresh interpreter imports torch and transformers again: 5-8 s on 2 shared cores)."""
@@ -97,7 +102,7 @@ def engine_in_process(*args: str) -> Ran:
 
     saved, threads, err = dict(os.environ), torch.get_num_threads(), io.StringIO()
     os.environ.clear()
-    os.environ.update(clean_env())
+    os.environ.update(clean_env(**(env or {})))
     torch.set_num_threads(1)
     try:
         with contextlib.redirect_stderr(err):
