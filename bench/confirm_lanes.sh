@@ -81,9 +81,12 @@ lane_e() {  # the layer order's last confirmation seed, then the 50 % table's se
 lane_f() {  # the refit on 96 batches (issue 65), the tuning seeds
   variant init-b96 30 0 1 2
 }
-lane_g() {  # the own text's fast sampling (issue 65) at 50 %: the tuning seeds' init cells, then the variant's
-  for s in 0 1 2; do cell "r50-s$s" cell --rate 0.5 --seed "$s" --only init --without zeroshot; done
-  variant init-gen 50 0 1 2
+lane_g() {  # the own text's fast sampling (issue 65) at 50 %: each tuning seed's init cell, then its variant's
+  # (a seed's pair before the next seed: a lane stopped early leaves whole pairs)
+  for s in 0 1 2; do
+    cell "r50-s$s" cell --rate 0.5 --seed "$s" --only init --without zeroshot
+    variant init-gen 50 "$s"
+  done
 }
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
