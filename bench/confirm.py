@@ -63,7 +63,12 @@ RUNS = {  # a cell's runs: the flags after the default command's
     "init-b96": ["--method", "flap", "--reconstruct-batches", "96"],
     # (issue 65: the own text sampled 128 at a time in bfloat16, 3.3x faster: bench/self_text_speed.py; 50 % only)
     "init-gen": ["--method", "flap", "--self-batch", "128", "--self-dtype", "auto"],
+    # (issue 65: the joint mix's candidates scored on 4 calibration batches instead of 8, about half its 44-90 s)
+    "init-m4": ["--method", "flap", "--mix-batches", "4"],
 }
+# the phase each variant is about (its wall seconds against the init's in the report)
+VARIANT_PHASES = {"init-bi": "init metric", "init-b96": "statistics", "init-gen": "calibration text",
+                  "init-m4": "joint mix"}
 CELL_RUNS = ("init", "pg24")  # what a cell runs unless --only names one
 VARIANTS = tuple(r for r in RUNS if r not in CELL_RUNS)
 DRAWS = 2000
@@ -598,13 +603,13 @@ def report(args) -> None:
                         continue
                     c = changes(a, b, have)
                     per_seed.append(c)
-                    secs = [phase_seconds(cell_dir(rate, seed, w), "init metric") for w in ("init", variant)]
+                    secs = [phase_seconds(cell_dir(rate, seed, w), VARIANT_PHASES[variant]) for w in ("init", variant)]
                     rows.append(f"| {seed} | {pair_cells(a, b, c, names)} | " + " → ".join(
                         f"{x:.0f} s" if x is not None else "?" for x in secs) + " |")
                 if not per_seed:
                     continue
                 lines += [f"## `{variant}` ({' '.join(RUNS[variant])}) against `init`: {set_name}, {round(rate * 100)} %",
-                          "", "| seed | " + " | ".join(LABELS[n] for n in names) + " | init metric, wall |",
+                          "", "| seed | " + " | ".join(LABELS[n] for n in names) + f" | {VARIANT_PHASES[variant]}, wall |",
                           "|---" * (len(names) + 2) + "|", *rows, mean_row(per_seed, names, " |"), ""]
     if verdicts:
         lines += ["## The rule (docs/results.md): steps only if the mean gain is ≥ 5 % on WikiText validation and held-out "

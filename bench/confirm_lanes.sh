@@ -10,7 +10,8 @@
 #                                          # d: the layer order's seed-2 init and confirmation seeds; e: the
 #                                          # layer order's confirmation seeds, then lane a's 50 % cells; f:
 #                                          # the refit on 96 batches, tuning seeds; g: the own text's fast
-#                                          # sampling at 50 %, tuning seeds)
+#                                          # sampling at 50 %, tuning seeds; h: the joint mix on 4
+#                                          # batches, tuning seeds at 30 %)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -88,6 +89,9 @@ lane_g() {  # the own text's fast sampling (issue 65) at 50 %: each tuning seed'
     variant init-gen 50 "$s"
   done
 }
+lane_h() {  # the joint mix on 4 batches (issue 65), the tuning seeds at 30 %
+  variant init-m4 30 0 1 2
+}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -103,8 +107,9 @@ case "${1:-}" in
   e) lanes=(lane_e) ;;
   f) lanes=(lane_f) ;;
   g) lanes=(lane_g) ;;
+  h) lanes=(lane_h) ;;
   "") ;;
-  *) echo "error: expected status, a, b, c, d, e, f, g or nothing, got '$1'" >&2; exit 2 ;;
+  *) echo "error: expected status, a, b, c, d, e, f, g, h or nothing, got '$1'" >&2; exit 2 ;;
 esac
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "

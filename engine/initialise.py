@@ -50,7 +50,7 @@ def metric_cache_folder(from_disk: bool = True) -> str | None:
     if value is None:
         root = ppl_cache.cache_dir() if from_disk else None
         return str(root / "metrics") if root is not None else None
-    shared = None if value.strip().lower() in ("", "off", "0", "none") else value
+    shared = None if ppl_cache.switched_off(value) else value
     if shared and Path(shared).exists() and not Path(shared).is_dir():
         raise UserError(f"$PG_PRUNE_METRIC_CACHE is {shared}, which is a file, not a folder: point it at a folder "
                         "(it is created if missing), or unset it")

@@ -23,9 +23,17 @@ from .io import atomic_write_text
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".model")
 
 
+OFF_VALUES = ("", "off", "0", "none")
+
+
+def switched_off(value: str | None) -> bool:
+    """An environment setting that turns a cache off: off, 0, none or empty (unset is not off)."""
+    return value is not None and value.strip().lower() in OFF_VALUES
+
+
 def cache_dir() -> Path | None:
     value = os.environ.get("PG_PRUNE_CACHE")
-    if value is not None and value.strip().lower() in ("", "off", "0", "none"):
+    if switched_off(value):
         return None
     return Path(value).expanduser() if value else Path.home() / ".cache" / "pg-prune"
 

@@ -253,11 +253,11 @@ STATS_CACHE_VERSION = 1  # in every key: a change to what a reader sums is a new
 def stats_cache_dir() -> Path | None:
     """$PG_PRUNE_STATS_CACHE (off, 0, none or empty: no cache), else $PG_PRUNE_CACHE/statistics (None where that is
     off)."""
-    from .ppl_cache import cache_dir
+    from .ppl_cache import cache_dir, switched_off
 
     value = os.environ.get(STATS_CACHE_ENV)
     if value is not None:
-        return None if value.strip().lower() in ("", "off", "0", "none") else Path(value).expanduser()
+        return None if switched_off(value) else Path(value).expanduser()
     root = cache_dir()
     return root / "statistics" if root is not None else None
 
