@@ -82,6 +82,15 @@ def _groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return out
 
 
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    """x^T x as the pass's autocast computes it: under a lower-precision autocast, x is cast once (autocast casts
+    x^T and x apart, each a copy of x: 13 % of the product's time at 1024 x 1536 on one thread); the same values."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and (low := torch.get_autocast_dtype(device)) != x.dtype:
+        x = x.to(low)
+    return x.T @ x
+
+
 class InputMoments(Statistic):
     """The refit's reader in the one statistics pass (engine/statistics.py): (sum of x x^T, sum of x, tokens) of the
     inputs of `unit_types`' output projections, per (unit type, layer); summed in float64, kept in float32. The
@@ -107,12 +116,12 @@ class InputMoments(Statistic):
         return ["input-moments", sorted(self.unit_types)]
 
     def add(self, key, x) -> None:
-        gram, total = (x.T @ x).double(), x.sum(0).double()
+        gram, total = _gram(x), x.sum(0).double()
         if key in self.acc:
-            self.acc[key][0].add_(gram)
+            self.acc[key][0].add_(gram)  # (a bfloat16 Gram added as float64 without a float64 copy of it)
             self.acc[key][1].add_(total)
         else:
-            self.acc[key] = [gram, total]
+            self.acc[key] = [gram.double(), total]
 
     def finish(self, world, split, tokens) -> Moments:
         out = {k: (v[0].float().cpu(), v[1].cpu(), tokens) for k, v in self.acc.items()}  # (float32 kept: half the memory)

@@ -366,3 +366,20 @@ def test_an_offloaded_model_is_not_refit_and_says_why():
     hook.on_setup()
     assert "offloaded" in hook.skipped and any("reconstruction skipped" in m for m in logs)
     assert hook.results() == {"reconstruction": {"skipped": hook.skipped}}
+
+
+def test_the_moments_gram_under_autocast_is_autocasts_own_product():
+    """InputMoments casts a batch once under a bfloat16 autocast: its sums are the autocast products' float64
+    sums, value for value; without autocast, float32's."""
+    from engine.reconstruction import InputMoments
+
+    torch.manual_seed(0)
+    xs = [torch.randn(96, 24) for _ in range(3)]
+    for autocast in (True, False):
+        reader = InputMoments(3, ["channels"])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for x in xs:
+                reader.add("k", x)
+            want = sum((x.T @ x).double() for x in xs)
+        assert torch.equal(reader.acc["k"][0], want)
+        assert torch.equal(reader.acc["k"][1], sum(x.sum(0).double() for x in xs))
