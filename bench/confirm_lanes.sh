@@ -11,7 +11,7 @@
 #                                          # layer order's confirmation seeds, then lane a's 50 % cells; f:
 #                                          # the refit on 96 batches, tuning seeds; g: the own text's fast
 #                                          # sampling at 50 %, tuning seeds; h: the joint mix on 4
-#                                          # batches, tuning seeds at 30 %)
+#                                          # batches, tuning seeds at 30 %; i: the same, confirmation seeds)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -92,6 +92,9 @@ lane_g() {  # the own text's fast sampling (issue 65) at 50 %: each tuning seed'
 lane_h() {  # the joint mix on 4 batches (issue 65), the tuning seeds at 30 %
   variant init-m4 30 0 1 2
 }
+lane_i() {  # the joint mix on 4 batches, the confirmation seeds at 30 % (it held on the tuning seeds)
+  variant init-m4 30 3 4 5
+}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -108,8 +111,9 @@ case "${1:-}" in
   f) lanes=(lane_f) ;;
   g) lanes=(lane_g) ;;
   h) lanes=(lane_h) ;;
+  i) lanes=(lane_i) ;;
   "") ;;
-  *) echo "error: expected status, a, b, c, d, e, f, g, h or nothing, got '$1'" >&2; exit 2 ;;
+  *) echo "error: expected status, a, b, c, d, e, f, g, h, i or nothing, got '$1'" >&2; exit 2 ;;
 esac
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "
