@@ -20,7 +20,7 @@ from .metrics.registry import removal_order
 from .joint import choose_mix
 from .metrics.probability import initial_scores, standardize
 from .precision import run_pass_dtype, run_passes
-from .statistics import STATISTICS, Statistic, statistics_pass
+from .statistics import STATISTICS, Statistic, StatisticsCache, fork, statistics_pass
 from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
 from .runfiles import INIT_PROGRESS_DIR
 from .runstate import RunState, check_finite
@@ -190,14 +190,48 @@ def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, to
             for u in run.layout.unit_types}
 
 
+def init_batch_count(run: "PruneRun") -> int:
+    """The calibration batches a fresh run draws for its init metric and its hooks (0 where none reads data)."""
+    c, names = run.config, metric_names(run)
+    if not (any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())):
+        return 0
+    return max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
+
+
+def cached_phases(run: "PruneRun") -> frozenset[str]:
+    """The one-shot phases a fresh run will take whole from its caches, for its plan (0 s each): "init metric"
+    where the metric cache holds every init metric's value for the batches the run will draw, "statistics" where
+    the statistics cache holds every reader of the pass. Read on a copy of the init sampler (the run draws the
+    same batches after). Nothing under torchrun (the answer would be a collective; the statistics cache is off
+    there)."""
+    n = init_batch_count(run)
+    if not n or run.world.size > 1:
+        return frozenset()
+    peek = fork(run.init_sampler)
+    batches = [peek.next_batch() for _ in range(n)]
+    out = set()
+    contexts = metric_contexts(run, batches)
+    hits = [metric_cached(run, name, units, ctx) for name, units, ctx in contexts]
+    if all(hits):
+        out.add("init metric")
+    readers = [STATISTICS[s](len(ctx.batches)) for (name, units, ctx), hit in zip(contexts, hits)
+               for s in METRICS[name].statistics if not hit]
+    readers += [r for h in run.hooks for r in h.planned_statistics(batches)]
+    cache = StatisticsCache.for_run(run)
+    if readers and cache is not None:
+        m = max(r.asked for r in readers)
+        stream = batches[:m] + [peek.next_batch() for _ in range(m - len(batches))]
+        if all((p := cache.path(r, stream)) is not None and p.is_file() for r in readers):
+            out.add("statistics")
+    return frozenset(out)
+
+
 def fresh_state(run: "PruneRun") -> RunState:
     """Scores from the init metric (each hook's on_init runs on them), then the dense and init perplexities."""
     c, names = run.config, metric_names(run)
     run.stats_memo = {}  # activation statistics the metric and the hooks share (metrics.activations.column_moments)
     run.log(f"initialising scores ({', '.join(dict.fromkeys(names.values()))}, {c.prob_map})")
-    needs_data = any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())
-    n = max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
-    batches = [run.init_sampler.next_batch() for _ in range(n)] if needs_data else []
+    batches = [run.init_sampler.next_batch() for _ in range(init_batch_count(run))]
     with run_passes(run):  # (bfloat16 matrix products where the CPU runs them natively: --pass-dtype)
         statistics_pass(run, batches, statistics_readers(run, batches))  # (the dense model's, before any mask)
         with run.phases("init metric"):

@@ -16,6 +16,7 @@ from engine import statistics
 from engine.arch import ModelAdapter
 from engine.pruner import PruneRun
 from engine.reconstruction import InputMoments
+from engine.runplan import PLAN_KEY
 from engine.statistics import ColumnMoments, StatisticsCache, one_pass
 
 from conftest import engine_in_process
@@ -37,6 +38,21 @@ def weights(out) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model" / "model.safetensors"))
 
 
+def planned_caches(monkeypatch) -> list:
+    """The `cached` phases each fresh run's time plan is made with (engine/plan.py's plan_time), in order."""
+    from engine import plan
+
+    seen, real = [], plan.plan_time
+
+    def spy(*args, **kwargs):
+        if kwargs.get("done_steps") is None:
+            seen.append(kwargs.get("cached", frozenset()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan, "plan_time", spy)
+    return seen
+
+
 @pytest.fixture
 def caches(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
@@ -50,6 +66,7 @@ def test_a_second_run_reads_the_first_runs_statistics_and_ends_on_the_same_model
         caches, tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
     config = config_for(tiny_path, small_eval_file, "joint")
     seen = counting(monkeypatch)
+    planned = planned_caches(monkeypatch)
     first, logged = from_files(tiny, config, tmp_path / "first")
     assert len(seen) == config.reconstruct_batches and any("one pass over" in ln for ln in logged)
     entries = sorted(p.name for p in (caches / "statistics").iterdir())
@@ -65,6 +82,9 @@ def test_a_second_run_reads_the_first_runs_statistics_and_ends_on_the_same_model
     for k in ("kept_per_layer", "init_mix", "ppl_pruned", "reconstruction"):
         assert first[k] == second[k], k
     assert sorted(p.name for p in (caches / "statistics").iterdir()) == entries
+    # the second run's plan knew it (the cached phases planned at 0 s), the first's did not
+    assert planned == [frozenset(), frozenset({"statistics", "init metric"})]
+    assert second[PLAN_KEY]["statistics"] == second[PLAN_KEY]["init metric"] == 0
     # another seed draws other batches: its own entries
     from_files(tiny, config_for(tiny_path, small_eval_file, "joint", seed=1), tmp_path / "seed1")
     assert len(list((caches / "statistics").iterdir())) == 4

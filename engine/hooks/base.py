@@ -56,6 +56,11 @@ class RunHook:
         how many of the stream's batches it reads); the pass fills them before before_scores."""
         return []
 
+    def planned_statistics(self, batches: list[torch.Tensor]) -> list:
+        """What statistics_wanted would return, for the plan's look into the statistics cache before the run's
+        work: readers that are only asked who they are (nothing of the hook is kept or changed by the call)."""
+        return self.statistics_wanted(batches)
+
     def on_init(self, state: "RunState", batches: list[torch.Tensor]) -> RunChanges | None:
         """A fresh state: scores initialised, the init perplexities not yet measured."""
 

@@ -101,10 +101,17 @@ class Reconstruction(RunHook):
         return InputMoments(n, r.layout.unit_types, stop=stop)
 
     def statistics_wanted(self, batches) -> list:
-        if self.moments is not None or self.skipped is not None or self.run.config.refit_stream != "init":
+        if not self.reads_in_the_pass():
             return []
         self.reader = self.new_reader()  # (read in the fresh run's one pass, with the init metric's statistics)
         return [self.reader]
+
+    def planned_statistics(self, batches) -> list:
+        return [InputMoments(self.run.config.reconstruct_batches, self.run.layout.unit_types)] if (
+            self.reads_in_the_pass()) else []
+
+    def reads_in_the_pass(self) -> bool:
+        return self.moments is None and self.skipped is None and self.run.config.refit_stream == "init"
 
     def statistics(self):
         """The moments of the output projections' inputs on the dense model: from the fresh run's one statistics
