@@ -102,3 +102,15 @@ def test_cli_reference_names_every_flag():
             missing += [f"{name} {flag}" for flag in action.option_strings
                         if flag.startswith("--") and flag != "--help" and flag not in cli_md]
     assert not missing, f"flags missing from docs/cli.md: {missing}"
+
+
+def test_the_architecture_page_names_every_hook_in_its_order_and_counts_no_lines():
+    """docs/architecture.md's layer drawing lists RUN_HOOKS by file, in the order the run calls them, and states no
+    module's line count (a figure that goes stale with the next change)."""
+    from engine.hooks import RUN_HOOKS
+
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    drawing = text.split("engine/hooks/", 1)[1].split("engine/rundir.py", 1)[0]
+    listed = re.findall(r"[a-z_]+", drawing.split(":", 1)[1])
+    assert listed == [h.__module__.rsplit(".", 1)[-1] for h in RUN_HOOKS]
+    assert not re.search(r"\b\d+ lines\b", text)
