@@ -123,6 +123,12 @@ class InputMoments(Statistic):
         else:
             self.acc[key] = [gram.double(), total]
 
+    def partial_sums(self):
+        return self.acc  # (the float64 sums themselves: a later run adds its batches to them as this pass would)
+
+    def continue_sums(self, sums, done) -> None:
+        self.acc, self.start = sums, done
+
     def finish(self, world, split, tokens) -> Moments:
         out = {k: (v[0].float().cpu(), v[1].cpu(), tokens) for k, v in self.acc.items()}  # (float32 kept: half the memory)
         self.acc = {}

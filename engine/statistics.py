@@ -70,6 +70,8 @@ class Statistic:
         self.stop = stop  # asked after each batch once the other readers' batches are done: True ends it there
         self.result: Any = None  # set by the pass
         self.tokens = 0
+        self.start = 0  # the batches its sums already hold (continued from a cached partial: see StatisticsCache)
+        self.partial: Any = None  # a stopped reader's sums as the pass left them (partial_sums), until cached
 
     def groups(self, adapter: ModelAdapter) -> list[list[tuple[Any, int]]]:
         """The projections it reads, (unit type, layer), in groups: the pass reads the first with the other readers,
@@ -85,6 +87,16 @@ class Statistic:
 
     def finish(self, world: World, split: bool, tokens: int) -> Any:
         """The result, from this rank's sums (split: this rank ran its share of the batches only)."""
+        raise NotImplementedError
+
+    def partial_sums(self) -> Any:
+        """The sums so far, exactly as the pass holds them, for a stopped reader's entry in the statistics cache
+        (a later run continues them: continue_sums); None: it cannot be continued. Asked before finish."""
+        return None
+
+    def continue_sums(self, sums: Any, done: int) -> None:
+        """Take up `sums` of the stream's first `done` batches (partial_sums' of an earlier run on the same
+        stream): the pass then reads its batches from `done` on, and the result is the uninterrupted pass's."""
         raise NotImplementedError
 
     def memo_key(self, stream: list[torch.Tensor]):
@@ -127,6 +139,12 @@ class ColumnMoments(Statistic):
 
     def start_batch(self, j: int) -> None:
         self.parts[j], self.current = {}, j
+
+    def partial_sums(self):
+        return {j: p for j, p in self.parts.items() if j < self.batches}
+
+    def continue_sums(self, sums, done) -> None:
+        self.parts, self.start = dict(sums), done
 
     def add(self, key, x) -> None:
         part = self.parts[self.current]
@@ -191,6 +209,8 @@ def one_pass(adapter: ModelAdapter, stream: list[torch.Tensor], readers: list[St
         forwards += _run(adapter, stream, active, {id(r): groups[id(r)][g] for r in active}, world, split, g == 0, log)
     for r in readers:
         r.tokens = sum(b.numel() for b in stream[:r.batches])
+        if r.batches < r.asked and not split:  # (stopped: its sums as they are, for the cache to keep)
+            r.partial = r.partial_sums()
         r.result = r.finish(world, split, r.tokens)
     return forwards
 
@@ -218,7 +238,7 @@ def _run(adapter, stream, readers, keys, world, split, first, log) -> int:
     try:
         while done < longest(readers):
             j = done + rank  # (this rank's batch of the round; split: every K-th)
-            reading[:] = [r for r in readers if j < r.batches]
+            reading[:] = [r for r in readers if r.start <= j < r.batches]  # (start: summed by an earlier run)
             if reading:
                 for r in reading:
                     r.start_batch(j)
@@ -309,37 +329,67 @@ class StatisticsCache:
             h.update(b.numpy().tobytes())
         return self.folder / f"{who[0]}-{h.hexdigest()[:20]}.pt"
 
+    @staticmethod
+    def partial_path(path: Path) -> Path:
+        """Where a stopped reader's sums wait for a run that continues them (beside the whole entry's path)."""
+        return path.with_name(path.name.replace(".pt", ".partial.pt"))
+
     def read(self, reader: Statistic, stream: list[torch.Tensor]) -> bool:
-        """The reader's result from the cache (result, tokens and batches set): True; False where it has none."""
+        """The reader's result from the cache (result, tokens and batches set): True; False where it has none. A
+        reader an earlier run's time budget stopped left its sums: the reader continues them (its start set; still
+        False: the pass reads the batches after them)."""
+        path = self.path(reader, stream)
+        if path is None:
+            return False
+        if path.is_file() and (got := self._load(path, reader, ("result", "tokens"))) is not None:
+            reader.result, reader.tokens, reader.batches = got["result"], got["tokens"], reader.asked
+            self.log(f"statistics: {reader.label} ({reader.asked} batches) from the cache {path}")
+            return True
+        partial = self.partial_path(path)
+        if partial.is_file() and (got := self._load(partial, reader, ("sums", "done"))) is not None:
+            done = got["done"]
+            if isinstance(done, int) and 0 < done < reader.asked:
+                reader.continue_sums(got["sums"], done)
+                self.log(f"statistics: {reader.label}: {done} of {reader.asked} batches from the cache {partial} "
+                         "(an earlier run's time budget stopped them there), the rest read now")
+        return False
+
+    def _load(self, path: Path, reader: Statistic, keys: tuple[str, ...]) -> dict | None:
         from .checkpoints import safe_load
 
-        path = self.path(reader, stream)
-        if path is None or not path.is_file():
-            return False
         try:
             got = safe_load(path, "statistics cache entry", "")
-            if not isinstance(got, dict) or "result" not in got or not isinstance(got.get("tokens"), int):
+            if not isinstance(got, dict) or any(k not in got for k in keys) or not isinstance(got[keys[1]], int):
                 raise ValueError("not an entry this cache writes")
         except Exception as e:  # (an unreadable entry is computed again: the cache only saves time)
             self.log(f"statistics: the cache's entry {path} cannot be read ({str(e).splitlines()[0][:160]}): "
                      f"{reader.label} computed again")
-            return False
-        reader.result, reader.tokens, reader.batches = got["result"], got["tokens"], reader.asked
+            return None
         try:
             os.utime(path)  # (recently used: kept before the others)
         except OSError:
             pass
-        self.log(f"statistics: {reader.label} ({reader.asked} batches) from the cache {path}")
-        return True
+        return got
 
     def write(self, reader: Statistic, stream: list[torch.Tensor]) -> None:
-        """The reader's finished result into the cache (a reader stopped early is not: another run reads its whole
-        count), then the oldest entries out until the folder is within max_bytes. A write that fails (a full disk,
-        a folder it may not write) costs the run nothing but the line that says so."""
+        """The reader's finished result into the cache, or a stopped reader's sums (partial_path: a later run on the
+        same stream continues them), then the oldest entries out until the folder is within max_bytes. A write that
+        fails (a full disk, a folder it may not write) costs the run nothing but the line that says so."""
         path = self.path(reader, stream)
-        if path is None or reader.batches != reader.asked:
+        if path is None:
             return
-        size = tensors_bytes(reader.result)
+        if reader.batches != reader.asked:  # (stopped by the time budget)
+            sums, reader.partial = reader.partial, None  # (the float64 sums: released once written)
+            if sums is None or reader.batches <= reader.start:
+                return
+            entry, path = {"sums": sums, "done": reader.batches}, self.partial_path(path)
+        else:
+            entry = {"result": reader.result, "tokens": reader.tokens}
+            self.partial_path(path).unlink(missing_ok=True)  # (continued to the end: the whole entry replaces it)
+        self._save(entry, path, reader)
+
+    def _save(self, entry: dict, path: Path, reader: Statistic) -> None:
+        size = tensors_bytes(entry)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             if size > self.max_bytes // 2 or shutil.disk_usage(self.folder).free < 2 * size + (1 << 30):
@@ -348,7 +398,7 @@ class StatisticsCache:
                 return
             tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
             try:
-                torch.save({"result": reader.result, "tokens": reader.tokens}, tmp)
+                torch.save(entry, tmp)
                 os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
@@ -387,8 +437,10 @@ def statistics_pass(run, batches: list[torch.Tensor], readers: list[Statistic]) 
             run.log(f"statistics: one pass over {longest(todo)} calibration batches for " + ", ".join(
                 f"{r.label} ({r.batches})" for r in todo))
             one_pass(run.adapter, stream, todo, run.world, run.log)
-            for r in todo if cache is not None else []:
-                cache.write(r, stream)
+            for r in todo:
+                if cache is not None:
+                    cache.write(r, stream)
+                r.partial = None  # (a stopped reader's sums, kept for the cache alone)
     for r in readers:
         twin = twins[r.identity() or id(r)]
         r.result, r.tokens, r.batches = twin.result, twin.tokens, twin.batches

@@ -2,7 +2,8 @@
 init metric come from their caches on a run that reads the same batches of the same model ($PG_PRUNE_STATS_CACHE,
 $PG_PRUNE_METRIC_CACHE; by default under $PG_PRUNE_CACHE). The cached run is the computed one, weight for weight;
 another seed, another model file or a model given in memory computes its own; an unreadable entry is computed
-again and said; a reader stopped early is not cached; the folder keeps its newest entries within its bytes."""
+again and said; a reader stopped early leaves its sums, which the next run continues; the folder keeps its newest
+entries within its bytes."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def test_an_unreadable_entry_is_computed_again_and_said(caches, tiny, tiny_path,
     assert sum("from the cache" in ln for ln in logged) == 2 and third["ppl_pruned"] == first["ppl_pruned"]
 
 
-def test_the_cache_gives_the_readers_their_computed_results_and_skips_a_stopped_one(tmp_path):
+def test_the_cache_gives_the_readers_their_computed_results_and_a_stopped_ones_sums_to_continue(tmp_path):
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
     stream = stream_of(model, 5)
@@ -141,13 +142,36 @@ def test_the_cache_gives_the_readers_their_computed_results_and_skips_a_stopped_
     assert not cache.read(InputMoments(4, TYPES), stream[1:])
     assert not cache.read(InputMoments(3, TYPES), stream)
     assert not StatisticsCache(tmp_path, "another-model").read(InputMoments(4, TYPES), stream)
-    # a reader the time budget stopped holds a part of its batches: never cached
-    stopped = InputMoments(5, TYPES, stop=lambda done: done >= 2)
-    one_pass(a, stream, [stopped])
-    assert stopped.batches == 2
-    before = sorted(tmp_path.iterdir())
-    cache.write(stopped, stream)
-    assert sorted(tmp_path.iterdir()) == before
+    # a reader the time budget stopped holds a part of its batches: not its whole entry, but its sums, which the
+    # next reader of the same stream continues: stopped once more, then to the end, it ends on the
+    # uninterrupted pass's sums, value for value
+    whole = InputMoments(5, TYPES)
+    one_pass(a, stream, [whole])
+    for stops_at, then in ((2, 2), (4, 4), (None, 5)):
+        reader = InputMoments(5, TYPES, stop=(lambda done, k=stops_at: done >= k) if stops_at else None)
+        assert not cache.read(reader, stream)
+        assert reader.start == (0 if stops_at == 2 else (2 if stops_at == 4 else 4))
+        seen = counting_batches(reader)
+        one_pass(a, stream, [reader])
+        cache.write(reader, stream)
+        assert reader.batches == then and seen == list(range(reader.start, then))
+        assert reader.partial is None  # (released once written)
+    assert same_moments(reader.result, whole.result) and reader.tokens == whole.tokens
+    assert all(torch.equal(reader.result[k][0], whole.result[k][0]) for k in whole.result)
+    assert cache.read(InputMoments(5, TYPES), stream)  # whole now, and its partial entry gone
+    assert not list(tmp_path.glob("*.partial.pt"))
+
+
+def counting_batches(reader) -> list[int]:
+    """The batches `reader` is given, in order (start_batch's)."""
+    seen, real = [], reader.start_batch
+
+    def start_batch(j):
+        seen.append(j)
+        real(j)
+
+    reader.start_batch = start_batch
+    return seen
 
 
 def test_the_folder_keeps_its_newest_entries_within_its_bytes(tmp_path):
@@ -174,3 +198,29 @@ def test_a_stats_cache_that_is_a_file_is_one_error_line(tmp_path, tiny_path, sma
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode != 0 and len(lines) == 1 and "PG_PRUNE_STATS_CACHE" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_run_the_budget_cut_leaves_its_sums_and_the_next_run_continues_them(
+        caches, tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """A first run whose time budget stops the refit's statistics at 8 of 32 batches: its sums are kept; a second
+    run on the same batches without the cut reads batches 8-31 alone, and ends on the model of a run that read all
+    32 at once, weight for weight."""
+    from engine.hooks.time_budget import TimeBudget
+
+    budgeted = config_for(tiny_path, small_eval_file, "flap", method="pg", time_budget=1.0, reconstruct_batches=32,
+                          init_batches=2)
+    r = PruneRun(budgeted, tmp_path / "cut", model=tiny[0], tokenizer=tiny[1], log=(logged := []).append,
+                 from_files=True)
+    budget = next(h for h in r.hooks if isinstance(h, TimeBudget))
+    budget.clock = lambda: r.started + 3600.0 + len(logged)  # (no time left: the statistics stop at their minimum)
+    assert r.run(progress=False)["reconstruction"]["batches"] == 8
+    assert len(list((caches / "statistics").glob("*.partial.pt"))) == 1
+    plain = config_for(tiny_path, small_eval_file, "flap", method="pg", reconstruct_batches=32, init_batches=2)
+    seen = counting(monkeypatch)
+    second, logged = from_files(tiny, plain, tmp_path / "second")
+    assert len(seen) == 32 - 8 and any("8 of 32 batches from the cache" in ln for ln in logged)
+    assert second["reconstruction"]["batches"] == 32 and not list((caches / "statistics").glob("*.partial.pt"))
+    monkeypatch.setenv("PG_PRUNE_STATS_CACHE", "off")
+    whole, _ = from_files(tiny, plain, tmp_path / "whole")
+    wa, wb = weights(tmp_path / "second"), weights(tmp_path / "whole")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa) and second["ppl_pruned"] == whole["ppl_pruned"]
