@@ -1,6 +1,7 @@
 """The first-run protocol's table (bench/first_run.sh): per folder of runs (commit, rate, cores) and seed, the first
 and the second run's wall time, their fixed costs (every phase but the steps and their held-out checks), steps,
-WikiText-2 perplexity and the probe's ms per token, read from the runs on disk; nothing is run.
+the batches the refit's statistics read (fewer where the time budget cut them), WikiText-2 perplexity and the
+probe's ms per token, read from the runs on disk; nothing is run.
 
     python bench/first_run_report.py [FOLDER]      (default: bench/results/first_run)
 """
@@ -42,7 +43,7 @@ def fixed_seconds(phases: dict) -> float:
 def row(folder: Path) -> str | None:
     res_file = folder / "results.json"
     if not res_file.is_file():
-        return f"| {folder.parent.name} | {folder.name} | not finished | | | | | |"
+        return f"| {folder.parent.name} | {folder.name} | not finished | | | | | | |"
     res = json.loads(res_file.read_text())
     time_txt = (folder / "time.txt").read_text() if (folder / "time.txt").is_file() else ""
     # (the plan's line with the probe's rate; plan.txt kept only the first plan line before 2026-12-02, which may
@@ -52,8 +53,9 @@ def row(folder: Path) -> str | None:
     wall = wall_seconds(time_txt)
     phases = res.get("seconds_by_phase", {})
     shown = ", ".join(f"{k} {v:.0f}" for k, v in phases.items() if k not in ("total", "other") and v >= 1)
+    refit = (res.get("reconstruction") or {}).get("batches", "")
     return (f"| {folder.parent.name} | {folder.name} | {'' if wall is None else f'{wall / 60:.1f} min'} | "
-            f"{fixed_seconds(phases) / 60:.2f} min | {res.get('steps')} | {res.get('ppl_pruned', float('nan')):.2f} | "
+            f"{fixed_seconds(phases) / 60:.2f} min | {res.get('steps')} | {refit} | {res.get('ppl_pruned', float('nan')):.2f} | "
             f"{'' if ms is None else f'{ms:.3f}'} | {shown} |")
 
 
@@ -61,13 +63,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", nargs="?", type=Path, default=ROOT / "bench" / "results" / "first_run")
     args = p.parse_args()
-    lines = ["| runs | seed, run | wall | fixed costs | steps | WikiText-2 | probe ms/token | seconds by phase |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| runs | seed, run | wall | fixed costs | steps | refit batches | WikiText-2 | probe ms/token | "
+             "seconds by phase |", "|---|---|---|---|---|---|---|---|---|"]
     for group in sorted(d for d in args.folder.glob("*") if d.is_dir()) if args.folder.is_dir() else []:
         for folder in sorted(d for d in group.glob("s*-*") if d.is_dir()):
             lines.append(row(folder))
     if len(lines) == 2:
-        lines.append("| (no runs yet: bash bench/first_run.sh) | | | | | | | |")
+        lines.append("| (no runs yet: bash bench/first_run.sh) | | | | | | | | |")
     print("\n".join(lines))
 
 

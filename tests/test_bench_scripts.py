@@ -422,10 +422,11 @@ def test_the_first_run_protocol_lists_each_seeds_first_and_second_run_and_reads_
     import json
 
     (run / "results.json").write_text(json.dumps({"steps": 0, "ppl_pruned": 151.46, "seconds_by_phase": {
-        "load": 40.0, "evaluations": 120.0, "total": 160.0}}))
+        "load": 40.0, "evaluations": 120.0, "total": 160.0}, "reconstruction": {"batches": 82}}))
     (run / "plan.txt").write_text("plan: about 160 s; 2.1100 ms per token from a probe of this machine\n")
     (run / "time.txt").write_text("\tElapsed (wall clock) time (h:mm:ss or m:ss): 2:41.00\n")
-    assert report.row(run) == "| abc-r0.3 | s0-first | 2.7 min | 2.67 min | 0 | 151.46 | 2.110 | load 40, evaluations 120 |"
+    assert report.row(run) == ("| abc-r0.3 | s0-first | 2.7 min | 2.67 min | 0 | 82 | 151.46 | 2.110 | "
+                               "load 40, evaluations 120 |")  # (82: the refit's statistics the budget left)
 
 
 def test_the_final_choice_rules_leave_the_init_only_on_the_evidence_each_asks_for(monkeypatch):
