@@ -20,7 +20,7 @@ from .metrics.registry import removal_order
 from .joint import choose_mix
 from .metrics.probability import initial_scores, standardize
 from .precision import run_pass_dtype, run_passes
-from .statistics import STATISTICS, Statistic, StatisticsCache, fork, statistics_pass
+from .statistics import STATISTICS, Statistic, StatisticsCache, fork, pass_stream, statistics_pass
 from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
 from .runfiles import INIT_PROGRESS_DIR
 from .runstate import RunState, check_finite
@@ -169,13 +169,14 @@ def metric_contexts(run: "PruneRun", batches: list[torch.Tensor]) -> list[tuple[
     return out
 
 
-def statistics_readers(run: "PruneRun", batches: list[torch.Tensor]) -> list[Statistic]:
+def statistics_readers(run: "PruneRun", batches: list[torch.Tensor], planned: bool = False) -> list[Statistic]:
     """The readers of a fresh run's one statistics pass (engine/statistics.py): the statistics each init metric
-    reads on its batches (unless the metric cache holds its value) and those each hook wants."""
+    reads on its batches (unless the metric cache holds its value) and those each hook wants (planned: the readers
+    the plan asks the cache about, which the hooks do not keep)."""
     readers = [STATISTICS[s](len(ctx.batches)) for name, units, ctx in metric_contexts(run, batches)
                for s in METRICS[name].statistics if not metric_cached(run, name, units, ctx)]
     for hook in run.hooks:
-        readers += hook.statistics_wanted(batches)
+        readers += hook.planned_statistics(batches) if planned else hook.statistics_wanted(batches)
     return readers
 
 
@@ -210,17 +211,12 @@ def cached_phases(run: "PruneRun") -> frozenset[str]:
     peek = fork(run.init_sampler)
     batches = [peek.next_batch() for _ in range(n)]
     out = set()
-    contexts = metric_contexts(run, batches)
-    hits = [metric_cached(run, name, units, ctx) for name, units, ctx in contexts]
-    if all(hits):
+    if all(metric_cached(run, name, units, ctx) for name, units, ctx in metric_contexts(run, batches)):
         out.add("init metric")
-    readers = [STATISTICS[s](len(ctx.batches)) for (name, units, ctx), hit in zip(contexts, hits)
-               for s in METRICS[name].statistics if not hit]
-    readers += [r for h in run.hooks for r in h.planned_statistics(batches)]
+    readers = statistics_readers(run, batches, planned=True)
     cache = StatisticsCache.for_run(run)
     if readers and cache is not None:
-        m = max(r.asked for r in readers)
-        stream = batches[:m] + [peek.next_batch() for _ in range(m - len(batches))]
+        stream = pass_stream(batches, peek, max(r.asked for r in readers))
         if all((p := cache.path(r, stream)) is not None and p.is_file() for r in readers):
             out.add("statistics")
     return frozenset(out)

@@ -67,7 +67,8 @@ class Statistic:
 
     def __init__(self, batches: int, stop: Callable[[int], bool] | None = None):
         self.batches = self.asked = batches  # batches: how many it reads (fewer once stopped); asked: as declared
-        self.stop = stop  # asked after each batch once the other readers' batches are done: True ends it there
+        self.stop = stop  # asked after each batch once the other readers' batches are done, with the batches this
+        # pass read for it (past `start`): True ends it there
         self.result: Any = None  # set by the pass
         self.tokens = 0
         self.start = 0  # the batches its sums already hold (continued from a cached partial: see StatisticsCache)
@@ -141,7 +142,7 @@ class ColumnMoments(Statistic):
         self.parts[j], self.current = {}, j
 
     def partial_sums(self):
-        return {j: p for j, p in self.parts.items() if j < self.batches}
+        return self.parts
 
     def continue_sums(self, sums, done) -> None:
         self.parts, self.start = dict(sums), done
@@ -172,6 +173,12 @@ class ColumnMoments(Statistic):
 
     def cache_identity(self):
         return ["column-moments"]
+
+
+def pass_stream(batches: list[torch.Tensor], more, m: int) -> list[torch.Tensor]:
+    """The statistics pass's m batches: the init batches the run drew, then as many more as it needs from `more`
+    (a fork of the init sampler where those batches left it)."""
+    return batches[:m] + [more.next_batch() for _ in range(m - len(batches))]
 
 
 def fork(sampler):
@@ -249,7 +256,9 @@ def _run(adapter, stream, readers, keys, world, split, first, log) -> int:
             if first:  # a reader that may stop is asked once the batches run anyway are done
                 anyway = max((r.batches for r in readers if r.stop is None), default=0)
                 for r in readers:
-                    if r.stop is not None and done >= anyway and done < r.batches and r.stop(done):
+                    # (asked with the batches this pass read: a continued reader's cached ones are neither time
+                    # spent nor a count it may stop below)
+                    if r.stop is not None and done >= anyway and r.start < done < r.batches and r.stop(done - r.start):
                         log(f"statistics: a reader stopped at {done} of {r.batches} batches (the time budget's share)")
                         r.batches = done
     finally:
@@ -428,8 +437,7 @@ def statistics_pass(run, batches: list[torch.Tensor], readers: list[Statistic]) 
     m = longest(unique)
     if not m:
         return
-    more = fork(run.init_sampler)
-    stream = batches[:m] + [more.next_batch() for _ in range(m - len(batches))]
+    stream = pass_stream(batches, fork(run.init_sampler), m)
     cache = StatisticsCache.for_run(run)
     with run.phases("statistics"):
         todo = [r for r in unique if cache is None or not cache.read(r, stream)]

@@ -144,17 +144,19 @@ def test_the_cache_gives_the_readers_their_computed_results_and_a_stopped_ones_s
     assert not StatisticsCache(tmp_path, "another-model").read(InputMoments(4, TYPES), stream)
     # a reader the time budget stopped holds a part of its batches: not its whole entry, but its sums, which the
     # next reader of the same stream continues: stopped once more, then to the end, it ends on the
-    # uninterrupted pass's sums, value for value
+    # uninterrupted pass's sums, value for value. Its stop is asked with the batches the pass read for it: a
+    # continued reader whose time is up at once still reads one batch past its cached ones, never fewer
     whole = InputMoments(5, TYPES)
     one_pass(a, stream, [whole])
-    for stops_at, then in ((2, 2), (4, 4), (None, 5)):
-        reader = InputMoments(5, TYPES, stop=(lambda done, k=stops_at: done >= k) if stops_at else None)
+    for stop, start, then in ((lambda new: new >= 2, 0, 2), (lambda new: True, 2, 3), (lambda new: True, 3, 4),
+                              (None, 4, 5)):
+        reader = InputMoments(5, TYPES, stop=stop)
         assert not cache.read(reader, stream)
-        assert reader.start == (0 if stops_at == 2 else (2 if stops_at == 4 else 4))
+        assert reader.start == start
         seen = counting_batches(reader)
         one_pass(a, stream, [reader])
         cache.write(reader, stream)
-        assert reader.batches == then and seen == list(range(reader.start, then))
+        assert reader.batches == then and seen == list(range(start, then))
         assert reader.partial is None  # (released once written)
     assert same_moments(reader.result, whole.result) and reader.tokens == whole.tokens
     assert all(torch.equal(reader.result[k][0], whole.result[k][0]) for k in whole.result)
