@@ -34,7 +34,8 @@ done
 [[ ${#SEEDS[@]} -gt 0 ]] || SEEDS=(0 1 2)
 TAG="$(git rev-parse --short HEAD)-r${RATE}${CORES:+-c$CORES}${COLD:+-cold}"
 OUT=$HERE/bench/results/first_run/$TAG
-if [[ $REPORT == 1 ]]; then PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" exec python bench/first_run_report.py "$HERE/bench/results/first_run"; fi
+report() { PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" python bench/first_run_report.py "$HERE/bench/results/first_run"; }
+if [[ $REPORT == 1 ]]; then report; exit; fi
 command=(python -m engine prune --prune-ratio "$RATE" --time-budget 10 --out runs/quickstart --overwrite)
 PIN=(); [[ -n "${CORES:-}" ]] && PIN=(taskset -c "$CORES")
 if [[ $DRY == 1 ]]; then
@@ -79,4 +80,4 @@ for s in "${SEEDS[@]}"; do
     tail -n 2 "$dest/run.log" | sed 's/^/  /'
   done
 done
-PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" python bench/first_run_report.py "$HERE/bench/results/first_run"
+report
