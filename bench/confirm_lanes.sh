@@ -11,7 +11,8 @@
 #                                          # layer order's confirmation seeds, then lane a's 50 % cells; f:
 #                                          # the refit on 96 batches, tuning seeds; g: the own text's fast
 #                                          # sampling at 50 %, tuning seeds; h: the joint mix on 4
-#                                          # batches, tuning seeds at 30 %; i: the same, confirmation seeds)
+#                                          # batches, tuning seeds at 30 %; i: the same, confirmation seeds;
+#                                          # j: pg24 at 50 % on the tuning seeds, with checks)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -95,6 +96,11 @@ lane_h() {  # the joint mix on 4 batches (issue 65), the tuning seeds at 30 %
 lane_i() {  # the joint mix on 4 batches, the confirmation seeds at 30 % (it held on the tuning seeds)
   variant init-m4 30 3 4 5
 }
+lane_j() {  # why the steps drift (issue 64): pg24 at 50 % on the tuning seeds, each with its checks' trajectory
+  for s in 0 1 2; do
+    cell "r50-s$s" cell --rate 0.5 --seed "$s" --without zeroshot && cell "r50-s$s" checks --rate 0.5 --seed "$s"
+  done
+}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -112,6 +118,7 @@ case "${1:-}" in
   g) lanes=(lane_g) ;;
   h) lanes=(lane_h) ;;
   i) lanes=(lane_i) ;;
+  j) lanes=(lane_j) ;;
   "") ;;
   *) echo "error: expected status, a, b, c, d, e, f, g, h, i or nothing, got '$1'" >&2; exit 2 ;;
 esac
