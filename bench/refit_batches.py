@@ -2,12 +2,15 @@
 mask refit on N batches' statistics and evaluated on the run's own protocol, for each N, in one process per cell.
 
     OMP_NUM_THREADS=1 python bench/refit_batches.py CELL [CELL ...] [--batches 16,64] [--out bench/results/refit_batches]
+    OMP_NUM_THREADS=1 python bench/refit_batches.py CELL --batches 64,128 --ridges 0.03,0.1,0.3,1   # and the ridge
 
 CELL is a run folder with masks.safetensors (a compare_table cell run in this checkout: the repository keeps
 only masks.json). The refit is the engine's own (RunMasks.weights around the run's masked perplexity), with the
 cell's config and --reconstruct-batches N, so N equal to the cell's reproduces its perplexity. A run made with N
-would also score its joint mix on that refit: these are the same masks, not the same runs. One JSON line per
-(cell, N) is appended to OUT/results.jsonl (a rerun skips the pairs it has).
+would also score its joint mix on that refit: these are the same masks, not the same runs. --ridges refits each N
+at each ridge (`--reconstruct-ridge`; default the cell's own); with $PG_PRUNE_CACHE set, an N's statistics are
+computed once for all its ridges. One JSON line per (cell, N, ridge) is appended to OUT/results.jsonl (a rerun
+skips what it has).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 from cli_common import ROOT, csv_list
 
 
-def refit_perplexity(cell: Path, batches: int) -> dict:
+def refit_perplexity(cell: Path, batches: int, ridge: float | None = None) -> dict:
     import torch
 
     from engine.config import PruneConfig
@@ -31,6 +34,8 @@ def refit_perplexity(cell: Path, batches: int) -> dict:
     torch.set_num_threads(1)
     saved = json.loads((cell / "config.json").read_text())
     values = {**saved, "reconstruct_batches": batches}
+    if ridge is not None:
+        values["reconstruct_ridge"] = ridge
     values["reconstruct"] = True
     with tempfile.TemporaryDirectory() as tmp:
         run = PruneRun(PruneConfig.from_dict(values), tmp, log=lambda _: None)
@@ -39,7 +44,8 @@ def refit_perplexity(cell: Path, batches: int) -> dict:
         t0 = time.process_time()
         with run.masks.weights(masks) as fill:
             ppl = run.masked_perplexity(masks, "refit", fill)
-    return {"cell": cell.name, "batches": batches, "ppl": ppl, "cpu_seconds": time.process_time() - t0,
+    return {"cell": cell.name, "batches": batches, "ridge": values.get("reconstruct_ridge"), "ppl": ppl,
+            "cpu_seconds": time.process_time() - t0,
             "cell_ppl": json.loads((cell / "results.json").read_text())["ppl_pruned"],
             "cell_batches": saved.get("reconstruct_batches")}
 
@@ -48,21 +54,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cells", nargs="+", type=Path)
     p.add_argument("--batches", type=csv_list(int, lambda n: n >= 1, "batch counts (integers >= 1)"), default=[16, 64])
+    p.add_argument("--ridges", type=csv_list(float, lambda r: r >= 0, "ridges (numbers >= 0)"), default=None)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "refit_batches")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "results.jsonl"
-    done = {(r["cell"], r["batches"]) for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
+    rows = list(map(json.loads, log.read_text().splitlines())) if log.exists() else []
+    done = {(r["cell"], r["batches"], r.get("ridge")) for r in rows}
     for cell in args.cells:
         if not (cell / "masks.safetensors").exists():
             raise SystemExit(f"refit_batches.py: error: {cell} has no masks.safetensors (run the cell in this checkout)")
-        for n in args.batches:
-            if (cell.name, n) in done:
+        own = json.loads((cell / "config.json").read_text()).get("reconstruct_ridge")
+        for n, ridge in [(n, ridge) for n in args.batches for ridge in (args.ridges or [None])]:
+            if (cell.name, n, own if ridge is None else ridge) in done or (ridge is None and (cell.name, n, None) in done):
                 continue
-            r = refit_perplexity(cell, n)
+            r = refit_perplexity(cell, n, ridge)
             with open(log, "a") as f:
                 f.write(json.dumps(r) + "\n")
-            print(f"{cell.name}: {n} batches -> {r['ppl']:.2f} (the cell, {r['cell_batches']}: {r['cell_ppl']:.2f}); "
+            print(f"{cell.name}: {n} batches, ridge {r['ridge']} -> {r['ppl']:.2f} (the cell, {r['cell_batches']}: {r['cell_ppl']:.2f}); "
                   f"{r['cpu_seconds']:.0f} CPU s", flush=True)
 
 

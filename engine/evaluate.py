@@ -39,10 +39,11 @@ def decoder_forward(model, input_ids: torch.Tensor) -> None:
 
 # Where a score needs no gradient, the LM head runs on HEAD_TOKENS token positions at a time, and each chunk's
 # logits are reduced to a value per token before the next: the (rows x T x vocabulary) float32 logits and their
-# log-softmax never exist whole (8 x 128 tokens of a 49k vocabulary: 200 MB each; 50 MB a chunk). The families this
+# log-softmax never exist whole (8 x 128 tokens of a 49k vocabulary: 200 MB each; 25 MB a chunk, under the 32 MB
+# above which malloc maps and unmaps a block for each use: engine/allocator.py). The families this
 # tool prunes (LLaMA, Mistral, Qwen2, Qwen3) compute their logits as the head of the decoder's last hidden state,
 # nothing after it, so the values are the forward's.
-HEAD_TOKENS = 256
+HEAD_TOKENS = 128
 
 
 def head_input(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -71,11 +72,20 @@ def head_chunks(model, hidden: torch.Tensor, tokens: int | None = None):
     (within head_in_float32, computed in float32 whatever autocast is on)."""
     tokens = tokens or HEAD_TOKENS
     flat, head = hidden.reshape(-1, hidden.shape[-1]), model.get_output_embeddings()
-    exact = _HEAD_FLOAT32.get() and torch.is_autocast_enabled(flat.device.type)
+    autocast = torch.is_autocast_enabled(flat.device.type)
+    exact = _HEAD_FLOAT32.get() and autocast
+    # under autocast a plain head's weight is cast once for every chunk, not once a chunk as its forward would
+    # (the same products: autocast casts the weight and the input to its dtype and multiplies them there)
+    cast = autocast and not exact and type(head) is torch.nn.Linear and head.bias is None
+    if cast:
+        dtype = torch.get_autocast_dtype(flat.device.type)
+        weight = head.weight.to(dtype)
     for start in range(0, flat.shape[0], tokens):
         if exact:  # (the with ends before the yield: the caller's code between chunks runs under its own autocast)
             with torch.autocast(flat.device.type, enabled=False):
                 logits = head(flat[start:start + tokens].float())
+        elif cast:
+            logits = F.linear(flat[start:start + tokens].to(dtype), weight)
         else:
             logits = head(flat[start:start + tokens])
         yield start, logits.float()

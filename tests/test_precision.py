@@ -168,6 +168,26 @@ def test_within_head_in_float32_the_lm_head_ignores_autocast():
     assert not torch.equal(rounded, exact) and torch.allclose(rounded, exact, rtol=0.05, atol=0.05)
 
 
+def test_under_autocast_the_chunked_head_casts_its_weight_once_and_gives_the_heads_own_products():
+    """Issue 65: under autocast, head_chunks casts a plain head's weight once for every chunk of a batch (not once
+    a chunk, as calling the head would); its logits equal the head's own autocast forward's, chunk for chunk."""
+    from engine.evaluate import head_chunks
+
+    model = build_model("llama")
+    head = model.get_output_embeddings()
+    hidden = torch.randn(2, 5, model.config.hidden_size)
+    calls = []
+    hook = head.register_forward_hook(lambda m, i, out: calls.append(out.shape))
+    try:
+        with pass_precision("bfloat16"):
+            chunks = [(start, x) for start, x in head_chunks(model, hidden, tokens=4)]
+            want = head(hidden.reshape(-1, hidden.shape[-1])).float()
+    finally:
+        hook.remove()
+    assert [start for start, _ in chunks] == [0, 4, 8] and len(calls) == 1  # (the one call: `want`'s)
+    assert torch.equal(torch.cat([x for _, x in chunks]), want) and all(x.dtype == torch.float32 for _, x in chunks)
+
+
 def test_the_step_dtype_resolves_and_bfloat16_is_refused_where_emulated():
     from engine.precision import run_step_dtype, step_dtype_problem
 
