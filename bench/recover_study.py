@@ -20,11 +20,12 @@ and zero-shot), and its CPU seconds recorded. Tune on the tuning seeds (0-2), re
     OMP_NUM_THREADS=1 python bench/recover_study.py cell --rate 0.3 --seed 0 --row kl-lora --text c4
     OMP_NUM_THREADS=1 python bench/recover_study.py cell --rate 0.3 --seed 0 --row kl-lora --text c4 --minutes 2,5
     python bench/recover_study.py list                     # every cell and rung, done or to do
-    python bench/recover_study.py report                   # the tables, running nothing
+    python bench/recover_study.py report                   # the tables and figures, running nothing
 
 Cells: bench/results/recover_study/<set>/r<rate>-s<seed>-<row>-<text>/ (the recovery's own files; its model/ and
 checkpoint are working files); each rung's measures in <cell>/measures-<M>min.json and its CPU in cell.json. A
-rerun skips what a cell holds and resumes a stopped rung.
+rerun skips what a cell holds and resumes a stopped rung. The report writes OUT/table.md and, for each set, OUT/figure-<set>.svg:
+each perplexity judge against CPU minutes, a line per rate, row and text.
 """
 
 from __future__ import annotations
@@ -216,7 +217,44 @@ def report(args) -> None:
     text = "\n".join(lines) + "\n"
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "table.md").write_text(text)
+    for set_name in confirm.SETS:
+        if (svg := figure(set_name)) is not None:
+            (OUT / f"figure-{set_name}.svg").write_text(svg)
     print(text)
+
+
+def figure(set_name: str) -> str | None:
+    """Each perplexity judge of a set against the CPU minutes of training: one line per rate, row and text, the
+    mean over the seeds measured to the line's last rung, from their exports before recovery (0 minutes). None
+    before any rung is measured."""
+    from svg_chart import PALETTE, Panel, Series, line_chart
+
+    seeds = confirm.SETS[set_name][0]
+    names = [n for n in confirm.MEASURES[set_name] if n in confirm.PERPLEXITIES]
+    panels = {n: Panel(f"{confirm.LABELS[n]} perplexity") for n in names}
+    colors: dict[str, str] = {}
+    for rate in (0.3, 0.5):
+        for row in ROWS:
+            for text in TEXTS:
+                label = f"{round(rate * 100)} %, {row}, {text}"
+                per_seed = {s: [(0.0, confirm.cell_measures(rate, s, STUDENT))] + [
+                    (rung, confirm.load(cell_dir(rate, s, row, text) / f"measures-{rung:g}min.json")) for rung in RUNGS]
+                    for s in seeds}
+                for n, panel in panels.items():
+                    # (the line's seeds: those measured to its last rung, the furthest any seed reached; the same
+                    # seeds at every point)
+                    reach = {s: next((i for i, (_, m) in enumerate(ms) if n not in m), len(ms)) for s, ms in
+                             per_seed.items()}
+                    last = max(reach.values(), default=0)
+                    have = [per_seed[s] for s, r in reach.items() if r == last]
+                    points = [(have[0][i][0], sum(confirm.value(ms[i][1], n) for ms in have) / len(have))
+                              for i in range(last)] if have else []
+                    if len(points) > 1:
+                        color = colors.setdefault(label, PALETTE[len(colors) % len(PALETTE)])
+                        panel.series.append(Series(label, points, color, dashed=rate == 0.5))
+    if not any(p.series for p in panels.values()):
+        return None
+    return line_chart(list(panels.values()), "CPU minutes of training (one thread)", "perplexity, mean over seeds")
 
 
 def main() -> None:

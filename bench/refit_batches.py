@@ -8,9 +8,8 @@ CELL is a run folder with masks.safetensors (a compare_table cell run in this ch
 only masks.json). The refit is the engine's own (RunMasks.weights around the run's masked perplexity), with the
 cell's config and --reconstruct-batches N, so N equal to the cell's reproduces its perplexity. A run made with N
 would also score its joint mix on that refit: these are the same masks, not the same runs. --ridges refits each N
-at each ridge (`--reconstruct-ridge`; default the cell's own); with $PG_PRUNE_CACHE set, an N's statistics are
-computed once for all its ridges. One JSON line per (cell, N, ridge) is appended to OUT/results.jsonl (a rerun
-skips what it has).
+at each ridge (`--reconstruct-ridge`; default the cell's own), an N's statistics taken once for all its ridges.
+One JSON line per (cell, N, ridge) is appended to OUT/results.jsonl (a rerun skips what it has).
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ from pathlib import Path
 from cli_common import ROOT, csv_list
 
 
-def refit_perplexity(cell: Path, batches: int, ridge: float | None = None) -> dict:
+def refit_perplexities(cell: Path, batches: int, ridges: list[float | None]) -> list[dict]:
+    """The cell's mask refit on `batches` batches' statistics (taken once) at each ridge (None: the cell's)."""
     import torch
 
     from engine.config import PruneConfig
@@ -34,20 +34,23 @@ def refit_perplexity(cell: Path, batches: int, ridge: float | None = None) -> di
     torch.set_num_threads(1)
     saved = json.loads((cell / "config.json").read_text())
     values = {**saved, "reconstruct_batches": batches}
-    if ridge is not None:
-        values["reconstruct_ridge"] = ridge
     values["reconstruct"] = True
+    out = []
     with tempfile.TemporaryDirectory() as tmp:
         run = PruneRun(PruneConfig.from_dict(values), tmp, log=lambda _: None)
         run.progress = False
         _, masks, _ = load_mask_artifact(cell)
         t0 = time.process_time()
-        with run.masks.weights(masks) as fill:
-            ppl = run.masked_perplexity(masks, "refit", fill)
-    return {"cell": cell.name, "batches": batches, "ridge": values.get("reconstruct_ridge"), "ppl": ppl,
-            "cpu_seconds": time.process_time() - t0,
-            "cell_ppl": json.loads((cell / "results.json").read_text())["ppl_pruned"],
-            "cell_batches": saved.get("reconstruct_batches")}
+        for ridge in ridges:  # (the hook reads the ridge at each refit; its statistics are taken at the first)
+            run.config.reconstruct_ridge = saved.get("reconstruct_ridge") if ridge is None else ridge
+            with run.masks.weights(masks) as fill:
+                ppl = run.masked_perplexity(masks, "refit", fill)
+            out.append({"cell": cell.name, "batches": batches, "ridge": run.config.reconstruct_ridge, "ppl": ppl,
+                        "cpu_seconds": time.process_time() - t0,
+                        "cell_ppl": json.loads((cell / "results.json").read_text())["ppl_pruned"],
+                        "cell_batches": saved.get("reconstruct_batches")})
+            t0 = time.process_time()
+    return out
 
 
 def main() -> None:
@@ -65,14 +68,16 @@ def main() -> None:
         if not (cell / "masks.safetensors").exists():
             raise SystemExit(f"refit_batches.py: error: {cell} has no masks.safetensors (run the cell in this checkout)")
         own = json.loads((cell / "config.json").read_text()).get("reconstruct_ridge")
-        for n, ridge in [(n, ridge) for n in args.batches for ridge in (args.ridges or [None])]:
-            if (cell.name, n, own if ridge is None else ridge) in done or (ridge is None and (cell.name, n, None) in done):
+        for n in args.batches:
+            ridges = [r for r in (args.ridges or [None]) if (cell.name, n, own if r is None else r) not in done
+                      and not (r in (None, own) and (cell.name, n, None) in done)]
+            if not ridges:
                 continue
-            r = refit_perplexity(cell, n, ridge)
-            with open(log, "a") as f:
-                f.write(json.dumps(r) + "\n")
-            print(f"{cell.name}: {n} batches, ridge {r['ridge']} -> {r['ppl']:.2f} (the cell, {r['cell_batches']}: {r['cell_ppl']:.2f}); "
-                  f"{r['cpu_seconds']:.0f} CPU s", flush=True)
+            for r in refit_perplexities(cell, n, ridges):
+                with open(log, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+                print(f"{cell.name}: {n} batches, ridge {r['ridge']} -> {r['ppl']:.2f} (the cell, {r['cell_batches']}: "
+                      f"{r['cell_ppl']:.2f}); {r['cpu_seconds']:.0f} CPU s", flush=True)
 
 
 if __name__ == "__main__":

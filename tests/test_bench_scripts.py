@@ -521,6 +521,18 @@ def test_the_recovery_study_lists_its_rungs_and_reports_each_rows_mean_beside_th
     # (the mean of 80 and 60, and of their changes from 100 on the same seeds; zero-shot: seed 0's alone)
     assert "| kl-lora | c4 | 2 | 2 | 70.00 (-30.0 %) | 70.00 (-30.0 %) | 50.0 % (+0.0 pt, of 1) |" in out
     assert "## confirm" not in out and (tmp_path / "study" / "table.md").read_text().strip() == out.strip()
+    # the figure: a line from the export (0 minutes) to the rung, for each perplexity judge; no confirmation figure
+    svg = (tmp_path / "study" / "figure-tune.svg").read_text()
+    assert svg.count("<polyline") == 2 and "30 %, kl-lora, c4" in svg and "held-out C4 perplexity" in svg
+    assert not (tmp_path / "study" / "figure-confirm.svg").exists()
+    import svg_chart
+
+    drawn = []
+    monkeypatch.setattr(svg_chart, "line_chart", lambda panels, *a, **k: drawn.extend(panels) or "svg")
+    assert rs.figure("tune") == "svg"  # (the points: both seeds' exports at 0 minutes, their mean at 2)
+    for panel in drawn:
+        assert [(s.label, [(x, round(y, 6)) for x, y in s.points]) for s in panel.series] == [
+            ("30 %, kl-lora, c4", [(0.0, 100.0), (2.0, 70.0)])]
 
 
 def test_a_recovery_cell_trains_its_rungs_by_resuming_and_measures_each(monkeypatch, tmp_path, finished_template):
