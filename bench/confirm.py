@@ -65,10 +65,12 @@ RUNS = {  # a cell's runs: the flags after the default command's
     "init-gen": ["--method", "flap", "--self-batch", "128", "--self-dtype", "auto"],
     # (issue 65: the joint mix's candidates scored on 4 calibration batches instead of 8, about half its 44-90 s)
     "init-m4": ["--method", "flap", "--mix-batches", "4"],
+    # (issue 64: does the drift follow the step size? 24 steps at half the default's lr, a trust region's stand-in)
+    "pg24-lr01": ["--steps", "24", "--lr", "0.01"],
 }
 # the phase each variant is about (its wall seconds against the init's in the report)
 VARIANT_PHASES = {"init-bi": "init metric", "init-b96": "statistics", "init-gen": "calibration text",
-                  "init-m4": "joint mix"}
+                  "init-m4": "joint mix", "pg24-lr01": "steps"}
 CELL_RUNS = ("init", "pg24")  # what a cell runs unless --only names one
 VARIANTS = tuple(r for r in RUNS if r not in CELL_RUNS)
 DRAWS = 2000

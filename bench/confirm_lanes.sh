@@ -12,7 +12,8 @@
 #                                          # the refit on 96 batches, tuning seeds; g: the own text's fast
 #                                          # sampling at 50 %, tuning seeds; h: the joint mix on 4
 #                                          # batches, tuning seeds at 30 %; i: the same, confirmation seeds;
-#                                          # j: pg24 at 50 % on the tuning seeds, with checks)
+#                                          # j: pg24 at 50 % on the tuning seeds, with checks; k: pg24
+#                                          # at lr 0.01, tuning seeds, 50 % then 30 %)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -101,6 +102,10 @@ lane_j() {  # why the steps drift (issue 64): pg24 at 50 % on the tuning seeds, 
     cell "r50-s$s" cell --rate 0.5 --seed "$s" --without zeroshot && cell "r50-s$s" checks --rate 0.5 --seed "$s"
   done
 }
+lane_k() {  # the drift against the step size (issue 64): 24 steps at lr 0.01, 50 % then 30 %, the tuning seeds
+  variant pg24-lr01 50 0 1 2
+  variant pg24-lr01 30 0 1 2
+}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -119,6 +124,7 @@ case "${1:-}" in
   h) lanes=(lane_h) ;;
   i) lanes=(lane_i) ;;
   j) lanes=(lane_j) ;;
+  k) lanes=(lane_k) ;;
   "") ;;
   *) echo "error: expected status, a, b, c, d, e, f, g, h, i or nothing, got '$1'" >&2; exit 2 ;;
 esac
