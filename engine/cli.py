@@ -771,9 +771,6 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line(e), file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from .allocator import keep_freed_memory
-
-    keep_freed_memory()  # (before torch allocates: large blocks stay in the heap, not faulted in again each batch)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

@@ -39,8 +39,7 @@ def decoder_forward(model, input_ids: torch.Tensor) -> None:
 
 # Where a score needs no gradient, the LM head runs on HEAD_TOKENS token positions at a time, and each chunk's
 # logits are reduced to a value per token before the next: the (rows x T x vocabulary) float32 logits and their
-# log-softmax never exist whole (8 x 128 tokens of a 49k vocabulary: 200 MB each; 25 MB a chunk, under the 32 MB
-# above which malloc maps and unmaps a block for each use: engine/allocator.py). The families this
+# log-softmax never exist whole (8 x 128 tokens of a 49k vocabulary: 200 MB each; 25 MB a chunk). The families this
 # tool prunes (LLaMA, Mistral, Qwen2, Qwen3) compute their logits as the head of the decoder's last hidden state,
 # nothing after it, so the values are the forward's.
 HEAD_TOKENS = 128

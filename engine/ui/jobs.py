@@ -24,7 +24,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 from pathlib import Path
 
-from ..allocator import keep_freed_memory
 from ..config import PruneConfig
 from ..errors import UserError
 from ..runstate import report_masks
@@ -202,7 +201,6 @@ class JobManager(BackgroundJob):
                                 "runs folder ($PG_PRUNE_RUNS_DIR)") from None
             config.validate()
             resolve_model(config.model)  # a missing file or a folder without a model fails here
-            keep_freed_memory()  # (the command line's malloc thresholds, for the app's jobs: engine/allocator.py)
             self._stop, self._run = threading.Event(), None
             self._snap = JobSnapshot(status=LOADING, phase=f"loading {config.model}", out_dir=str(out),
                                      config=config.to_dict(), started_at=time.time())
