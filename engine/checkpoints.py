@@ -40,14 +40,14 @@ SAFE_GLOBALS: list = []
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def safe_load(path: Path, what: str, remedy: str):
+def safe_load(path: Path, what: str, remedy: str, mmap: bool = False):
     """A file pg-prune wrote with torch.save (a checkpoint, a cached metric), unpickled by torch's weights-only reader
     (tensors, numbers, strings, lists and dicts, plus SAFE_GLOBALS): a file that names any other Python object is
     refused in one line (UserError: "refusing WHAT PATH: ... REMEDY"), its code never run. Other failures (garbage,
-    a truncated file) raise as they come."""
+    a truncated file) raise as they come. mmap: the tensors mapped, not read (to look at the file's other values)."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, weights_only=True)
+            return torch.load(path, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = _GLOBAL_RE.search(str(e))
         if found is None and "weights_only" not in str(e):

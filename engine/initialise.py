@@ -199,27 +199,32 @@ def init_batch_count(run: "PruneRun") -> int:
     return max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
 
 
-def cached_phases(run: "PruneRun") -> frozenset[str]:
-    """The one-shot phases a fresh run will take whole from its caches, for its plan (0 s each): "init metric"
-    where the metric cache holds every init metric's value for the batches the run will draw, "statistics" where
-    the statistics cache holds every reader of the pass. Read on a copy of the init sampler (the run draws the
-    same batches after). Nothing under torchrun (the answer would be a collective; the statistics cache is off
-    there)."""
+def cached_phases(run: "PruneRun") -> dict[str, float]:
+    """The one-shot phases a fresh run will take in part or whole from its caches, for its plan: {phase: the share
+    of it left to compute}. "init metric" (0.0) where the metric cache holds every init metric's value for the
+    batches the run will draw; "statistics" where the statistics cache holds readers of the pass, whole or as the
+    sums a budget-cut run left (the share: the forwards the pass still runs, of a fresh pass's). Read on a copy of
+    the init sampler (the run draws the same batches after). Nothing under torchrun (the answer would be a
+    collective; the statistics cache is off there)."""
     n = init_batch_count(run)
     if not n or run.world.size > 1:
-        return frozenset()
+        return {}
     peek = fork(run.init_sampler)
     batches = [peek.next_batch() for _ in range(n)]
-    out = set()
+    out = {}
     if all(metric_cached(run, name, units, ctx) for name, units, ctx in metric_contexts(run, batches)):
-        out.add("init metric")
+        out["init metric"] = 0.0
     readers = statistics_readers(run, batches, planned=True)
     cache = StatisticsCache.for_run(run)
     if readers and cache is not None:
-        stream = pass_stream(batches, peek, max(r.asked for r in readers))
-        if all((p := cache.path(r, stream)) is not None and p.is_file() for r in readers):
-            out.add("statistics")
-    return frozenset(out)
+        fresh = max(r.asked for r in readers)
+        stream = pass_stream(batches, peek, fresh)
+        left = set()  # (the batches some reader still reads: the pass's forwards)
+        for r in readers:
+            left.update(range(cache.done(r, stream), r.asked))
+        if len(left) < fresh:
+            out["statistics"] = len(left) / fresh
+    return out
 
 
 def fresh_state(run: "PruneRun") -> RunState:

@@ -526,17 +526,19 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
               dense_cached: bool = False, in_memory: bool = False, dequantise: bool | None = None,
               load: float | None = None, done_steps: int | None = None,
               pass_seconds_per_token: float | None = None, text_cached: bool = False,
-              text_seconds: float | None = None, cached: frozenset[str] = frozenset()) -> TimePlan:
+              text_seconds: float | None = None, cached: dict[str, float] | None = None) -> TimePlan:
     """Seconds of each phase a run records (RUN_PHASES): its forward tokens (phase_tokens) times the measured
     seconds per token (the one-shot passes' own rate where their --pass-dtype was measured apart:
     `pass_seconds_per_token`), plus what is no forward: loading (load_seconds; `load`: the seconds it took, where
     the plan is made once the model and the data are in memory, as a run makes it) and the export. The
     calibration text a source generates: planned from its tokens unless `text_cached`, or the seconds it took
-    (`text_seconds`, with `load`). `cached`: the one-shot phases the run's caches hold whole (the statistics, the
-    init metric: initialise.cached_phases), planned at 0 s. Under --time-budget the steps fill what the budget
-    leaves."""
+    (`text_seconds`, with `load`). `cached`: {phase: the share left to compute} for the one-shot phases the run's
+    caches hold in part or whole (the statistics, the init metric: initialise.cached_phases); a whole one is
+    planned at 0 s. Under --time-budget the steps fill what the budget leaves."""
     from .calib_sources import PHASE as TEXT_PHASE
     from .precision import run_eval_dtype, run_pass_dtype, run_step_dtype
+
+    cached = cached or {}
 
     # (the evaluations and the steps at the passes' rate where they run in the passes' dtype)
     passes = PASS_PHASES + tuple(phase for phase, dtype in (("evaluations", run_eval_dtype(config)),
@@ -559,8 +561,9 @@ def plan_time(config, skeleton: Skeleton, seconds_per_token: float, rate_source:
             elif key.endswith(FIXED):
                 phases[key[:-len(FIXED)]] = phases.get(key[:-len(FIXED)], 0.0) + value
         phases["export"] = export_seconds(config, skeleton)
-        for phase in cached & phases.keys():  # (read from a cache: a fraction of a second)
-            phases[phase] = 0.0
+        for phase, left in cached.items():  # (read from a cache: the share still computed)
+            if phase in phases:
+                phases[phase] *= left
         return phases
 
     phases = seconds(config)

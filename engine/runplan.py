@@ -73,7 +73,7 @@ def time_plan(run: "PruneRun", done_steps: int | None = None):
     pass_rate = run_rate(run, skeleton, passes)[0] if passes else None
     dense_cached = run.masks.cached_dense()[1] is not None
     text = run.phases.seconds.get(CALIB_PHASE)  # (the calibration text: generated or read, before the plan)
-    cached = cached_phases(run) if done_steps is None else frozenset()  # (a second run's statistics and metric)
+    cached = cached_phases(run) if done_steps is None else {}  # (a second run's statistics and metric)
     plan = plan_time(c, skeleton, rate, source, dense_cached=dense_cached, done_steps=done_steps,
                      load=time.monotonic() - run.started - (text or 0.0) if done_steps is None else run.phases.seconds["load"],
                      pass_seconds_per_token=pass_rate, text_cached=True, text_seconds=text, cached=cached)

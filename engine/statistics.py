@@ -363,11 +363,25 @@ class StatisticsCache:
                          "(an earlier run's time budget stopped them there), the rest read now")
         return False
 
-    def _load(self, path: Path, reader: Statistic, keys: tuple[str, ...]) -> dict | None:
+    def done(self, reader: Statistic, stream: list[torch.Tensor]) -> int:
+        """How many of the reader's batches the cache holds for this stream, for a plan: all it asks (a whole
+        entry), the batches a stopped run summed (a partial entry: its sums mapped, not read), or 0."""
+        path = self.path(reader, stream)
+        if path is None:
+            return 0
+        if path.is_file():
+            return reader.asked
+        partial = self.partial_path(path)
+        if partial.is_file() and (got := self._load(partial, reader, ("sums", "done"), mmap=True, touch=False)):
+            return got["done"] if 0 < got["done"] < reader.asked else 0
+        return 0
+
+    def _load(self, path: Path, reader: Statistic, keys: tuple[str, ...], mmap: bool = False,
+              touch: bool = True) -> dict | None:
         from .checkpoints import safe_load
 
         try:
-            got = safe_load(path, "statistics cache entry", "")
+            got = safe_load(path, "statistics cache entry", "", mmap=mmap)
             if not isinstance(got, dict) or any(k not in got for k in keys) or not isinstance(got[keys[1]], int):
                 raise ValueError("not an entry this cache writes")
         except Exception as e:  # (an unreadable entry is computed again: the cache only saves time)
@@ -375,7 +389,8 @@ class StatisticsCache:
                      f"{reader.label} computed again")
             return None
         try:
-            os.utime(path)  # (recently used: kept before the others)
+            if touch:
+                os.utime(path)  # (recently used: kept before the others)
         except OSError:
             pass
         return got

@@ -47,7 +47,7 @@ def planned_caches(monkeypatch) -> list:
 
     def spy(*args, **kwargs):
         if kwargs.get("done_steps") is None:
-            seen.append(kwargs.get("cached", frozenset()))
+            seen.append(kwargs.get("cached") or {})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(plan, "plan_time", spy)
@@ -84,7 +84,7 @@ def test_a_second_run_reads_the_first_runs_statistics_and_ends_on_the_same_model
         assert first[k] == second[k], k
     assert sorted(p.name for p in (caches / "statistics").iterdir()) == entries
     # the second run's plan knew it (the cached phases planned at 0 s), the first's did not
-    assert planned == [frozenset(), frozenset({"statistics", "init metric"})]
+    assert planned == [{}, {"statistics": 0.0, "init metric": 0.0}]
     assert second[PLAN_KEY]["statistics"] == second[PLAN_KEY]["init metric"] == 0
     # another seed draws other batches: its own entries
     from_files(tiny, config_for(tiny_path, small_eval_file, "joint", seed=1), tmp_path / "seed1")
@@ -219,8 +219,11 @@ def test_a_run_the_budget_cut_leaves_its_sums_and_the_next_run_continues_them(
     assert len(list((caches / "statistics").glob("*.partial.pt"))) == 1
     plain = config_for(tiny_path, small_eval_file, "flap", method="pg", reconstruct_batches=32, init_batches=2)
     seen = counting(monkeypatch)
+    planned = planned_caches(monkeypatch)
     second, logged = from_files(tiny, plain, tmp_path / "second")
     assert len(seen) == 32 - 8 and any("8 of 32 batches from the cache" in ln for ln in logged)
+    # its plan counted the cut run's sums: the pass's forwards left, 24 of 32 (FLAP's column moments whole)
+    assert planned[0]["statistics"] == pytest.approx(24 / 32)
     assert second["reconstruction"]["batches"] == 32 and not list((caches / "statistics").glob("*.partial.pt"))
     monkeypatch.setenv("PG_PRUNE_STATS_CACHE", "off")
     whole, _ = from_files(tiny, plain, tmp_path / "whole")
