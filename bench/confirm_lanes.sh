@@ -13,7 +13,8 @@
 #                                          # sampling at 50 %, tuning seeds; h: the joint mix on 4
 #                                          # batches, tuning seeds at 30 %; i: the same, confirmation seeds;
 #                                          # j: pg24 at 50 % on the tuning seeds, with checks; k: pg24
-#                                          # at lr 0.01, tuning seeds, 50 % then 30 %)
+#                                          # at lr 0.01, tuning seeds, 50 % then 30 %; l: the refit's
+#                                          # ridge at 0.01, tuning then confirmation seeds at 30 %)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -106,6 +107,10 @@ lane_k() {  # the drift against the step size (issue 64): 24 steps at lr 0.01, 5
   variant pg24-lr01 50 0 1 2
   variant pg24-lr01 30 0 1 2
 }
+lane_l() {  # the refit's ridge at 0.01 (issue 64/65), the tuning seeds at 30 %, then the confirmation seeds
+  variant init-r001 30 0 1 2
+  variant init-r001 30 3 4 5
+}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -125,6 +130,7 @@ case "${1:-}" in
   i) lanes=(lane_i) ;;
   j) lanes=(lane_j) ;;
   k) lanes=(lane_k) ;;
+  l) lanes=(lane_l) ;;
   "") ;;
   *) echo "error: expected status, a, b, c, d, e, f, g, h, i or nothing, got '$1'" >&2; exit 2 ;;
 esac
