@@ -234,10 +234,11 @@ def figure(set_name: str) -> str | None:
     panels = {n: Panel(f"{confirm.LABELS[n]} perplexity") for n in names}
     colors: dict[str, str] = {}
     for rate in (0.3, 0.5):
+        before = {s: confirm.cell_measures(rate, s, STUDENT) for s in seeds}  # (every row's line starts there)
         for row in ROWS:
             for text in TEXTS:
                 label = f"{round(rate * 100)} %, {row}, {text}"
-                per_seed = {s: [(0.0, confirm.cell_measures(rate, s, STUDENT))] + [
+                per_seed = {s: [(0.0, before[s])] + [
                     (rung, confirm.load(cell_dir(rate, s, row, text) / f"measures-{rung:g}min.json")) for rung in RUNGS]
                     for s in seeds}
                 for n, panel in panels.items():

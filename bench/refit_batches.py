@@ -23,8 +23,8 @@ from pathlib import Path
 from cli_common import ROOT, csv_list
 
 
-def refit_perplexities(cell: Path, batches: int, ridges: list[float | None]) -> list[dict]:
-    """The cell's mask refit on `batches` batches' statistics (taken once) at each ridge (None: the cell's)."""
+def refit_perplexities(cell: Path, batches: int, ridges: list[float]) -> list[dict]:
+    """The cell's mask refit on `batches` batches' statistics (taken once) at each ridge."""
     import torch
 
     from engine.config import PruneConfig
@@ -35,19 +35,18 @@ def refit_perplexities(cell: Path, batches: int, ridges: list[float | None]) -> 
     saved = json.loads((cell / "config.json").read_text())
     values = {**saved, "reconstruct_batches": batches}
     values["reconstruct"] = True
-    out = []
+    out, cell_ppl = [], json.loads((cell / "results.json").read_text())["ppl_pruned"]
     with tempfile.TemporaryDirectory() as tmp:
         run = PruneRun(PruneConfig.from_dict(values), tmp, log=lambda _: None)
         run.progress = False
         _, masks, _ = load_mask_artifact(cell)
         t0 = time.process_time()
         for ridge in ridges:  # (the hook reads the ridge at each refit; its statistics are taken at the first)
-            run.config.reconstruct_ridge = saved.get("reconstruct_ridge") if ridge is None else ridge
+            run.config.reconstruct_ridge = ridge
             with run.masks.weights(masks) as fill:
                 ppl = run.masked_perplexity(masks, "refit", fill)
-            out.append({"cell": cell.name, "batches": batches, "ridge": run.config.reconstruct_ridge, "ppl": ppl,
-                        "cpu_seconds": time.process_time() - t0,
-                        "cell_ppl": json.loads((cell / "results.json").read_text())["ppl_pruned"],
+            out.append({"cell": cell.name, "batches": batches, "ridge": ridge, "ppl": ppl,
+                        "cpu_seconds": time.process_time() - t0, "cell_ppl": cell_ppl,
                         "cell_batches": saved.get("reconstruct_batches")})
             t0 = time.process_time()
     return out
@@ -63,14 +62,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "results.jsonl"
     rows = list(map(json.loads, log.read_text().splitlines())) if log.exists() else []
-    done = {(r["cell"], r["batches"], r.get("ridge")) for r in rows}
+    done = {(r["cell"], r["batches"], r.get("ridge")) for r in rows}  # (None: a row from before --ridges)
     for cell in args.cells:
         if not (cell / "masks.safetensors").exists():
             raise SystemExit(f"refit_batches.py: error: {cell} has no masks.safetensors (run the cell in this checkout)")
         own = json.loads((cell / "config.json").read_text()).get("reconstruct_ridge")
-        for n in args.batches:
-            ridges = [r for r in (args.ridges or [None]) if (cell.name, n, own if r is None else r) not in done
-                      and not (r in (None, own) and (cell.name, n, None) in done)]
+        for n in args.batches:  # (a row from before --ridges was refit at the cell's own ridge)
+            ridges = [r for r in (args.ridges or [own]) if (cell.name, n, r) not in done
+                      and not (r == own and (cell.name, n, None) in done)]
             if not ridges:
                 continue
             for r in refit_perplexities(cell, n, ridges):

@@ -355,26 +355,30 @@ class StatisticsCache:
             self.log(f"statistics: {reader.label} ({reader.asked} batches) from the cache {path}")
             return True
         partial = self.partial_path(path)
-        if partial.is_file() and (got := self._load(partial, reader, ("sums", "done"))) is not None:
-            done = got["done"]
-            if isinstance(done, int) and 0 < done < reader.asked:
-                reader.continue_sums(got["sums"], done)
-                self.log(f"statistics: {reader.label}: {done} of {reader.asked} batches from the cache {partial} "
-                         "(an earlier run's time budget stopped them there), the rest read now")
+        if (got := self._partial(partial, reader)) is not None:
+            reader.continue_sums(got["sums"], got["done"])
+            self.log(f"statistics: {reader.label}: {got['done']} of {reader.asked} batches from the cache {partial} "
+                     "(an earlier run's time budget stopped them there), the rest read now")
         return False
 
     def done(self, reader: Statistic, stream: list[torch.Tensor]) -> int:
         """How many of the reader's batches the cache holds for this stream, for a plan: all it asks (a whole
-        entry), the batches a stopped run summed (a partial entry: its sums mapped, not read), or 0."""
+        entry), the batches a stopped run summed (a partial entry, as read() would continue it), or 0."""
         path = self.path(reader, stream)
         if path is None:
             return 0
         if path.is_file():
             return reader.asked
-        partial = self.partial_path(path)
-        if partial.is_file() and (got := self._load(partial, reader, ("sums", "done"), mmap=True, touch=False)):
-            return got["done"] if 0 < got["done"] < reader.asked else 0
-        return 0
+        got = self._partial(self.partial_path(path), reader, peek=True)
+        return got["done"] if got is not None else 0
+
+    def _partial(self, partial: Path, reader: Statistic, peek: bool = False) -> dict | None:
+        """A stopped reader's entry ({sums, done}) where it holds 0 < done < asked batches, else None. peek: its
+        sums mapped, not read, and the entry not marked as used (a plan looks at it)."""
+        if not partial.is_file():
+            return None
+        got = self._load(partial, reader, ("sums", "done"), mmap=peek, touch=not peek)
+        return got if got is not None and 0 < got["done"] < reader.asked else None
 
     def _load(self, path: Path, reader: Statistic, keys: tuple[str, ...], mmap: bool = False,
               touch: bool = True) -> dict | None:
