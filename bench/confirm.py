@@ -65,15 +65,16 @@ RUNS = {  # a cell's runs: the flags after the default command's
     "init-gen": ["--method", "flap", "--self-batch", "128", "--self-dtype", "auto"],
     # (issue 65: the joint mix's candidates scored on 4 calibration batches instead of 8, about half its 44-90 s)
     "init-m4": ["--method", "flap", "--mix-batches", "4"],
-    # (issue 64: does the drift follow the step size? 24 steps at half the default's lr, a trust region's stand-in)
-    "pg24-lr01": ["--steps", "24", "--lr", "0.01"],
+    # (issue 64: does the drift follow the step size? 24 steps at half pg-alloc's step alpha, 0.125 for 0.25: its
+    # step is scale-free, so --lr would change nothing and is refused)
+    "pg24-a0125": ["--steps", "24", "--alloc-step", "0.125"],
     # (the refit's ridge at 0.01 instead of 0.1: -0.4 to -0.8 % on WikiText test on the tuning seeds' fixed init
     # masks, bench/refit_batches.py --ridges; the whole run here, its joint mix scored on that refit too)
     "init-r001": ["--method", "flap", "--reconstruct-ridge", "0.01"],
 }
 # the phase each variant is about (its wall seconds against the init's in the report)
 VARIANT_PHASES = {"init-bi": "init metric", "init-b96": "statistics", "init-gen": "calibration text",
-                  "init-m4": "joint mix", "pg24-lr01": "steps", "init-r001": "refit"}
+                  "init-m4": "joint mix", "pg24-a0125": "steps", "init-r001": "refit"}
 CELL_RUNS = ("init", "pg24")  # what a cell runs unless --only names one
 VARIANTS = tuple(r for r in RUNS if r not in CELL_RUNS)
 DRAWS = 2000

@@ -13,7 +13,7 @@
 #                                          # sampling at 50 %, tuning seeds; h: the joint mix on 4
 #                                          # batches, tuning seeds at 30 %; i: the same, confirmation seeds;
 #                                          # j: pg24 at 50 % on the tuning seeds, with checks; k: pg24
-#                                          # at lr 0.01, tuning seeds, 50 % then 30 %; l: the refit's
+#                                          # at half the step, tuning seeds, 50 % then 30 %; l: the refit's
 #                                          # ridge at 0.01, tuning then confirmation seeds at 30 %)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
@@ -103,9 +103,10 @@ lane_j() {  # why the steps drift (issue 64): pg24 at 50 % on the tuning seeds, 
     cell "r50-s$s" cell --rate 0.5 --seed "$s" --without zeroshot && cell "r50-s$s" checks --rate 0.5 --seed "$s"
   done
 }
-lane_k() {  # the drift against the step size (issue 64): 24 steps at lr 0.01, 50 % then 30 %, the tuning seeds
-  variant pg24-lr01 50 2 0 1  # (seed 2 first: the tuning seed that drifts)
-  variant pg24-lr01 30 0 1 2
+lane_k() {  # the drift against the step size (issue 64): 24 steps at half pg-alloc's step, 50 % then 30 %, the
+  # tuning seeds (an earlier lane k at lr 0.01 took the default's very steps: pg-alloc's step is scale-free)
+  variant pg24-a0125 50 2 0 1  # (seed 2 first: the tuning seed that drifts)
+  variant pg24-a0125 30 0 1 2
 }
 lane_l() {  # the refit's ridge at 0.01 (issue 64/65), the tuning seeds at 30 %, then the confirmation seeds
   variant init-r001 30 0 1 2
