@@ -137,9 +137,9 @@ stage_long() {  # does PG earn anything over its refit init with plenty of steps
         for what in default joint; do
             local flags=(--prune-ratio 0.3 --seed $seed --device cuda --model "$MODEL")
             [[ $what == joint ]] && flags+=(--preset joint) || flags+=(--units heads,channels)
-            for steps in 0 300; do  # "0 steps": one step at lr 1e-12, so the init mask is refit on the run's own stream
+            for steps in 0 300; do  # (0 steps: the init mask, refit on the run's own stream as every run's final mask
+                # is; it was one step at lr 1e-12 while the joint's method was pg: pg-alloc's step is scale-free)
                 local name=$what-st$steps-s$seed run=(--steps $steps)
-                [[ $steps == 0 ]] && run=(--steps 1 --lr 1e-12)
                 OMP_NUM_THREADS=1 setsid python3 -m engine prune "${flags[@]}" "${run[@]}" \
                     --out /tmp/long/$name --overwrite > $out/$name.log 2>&1 &
                 pids+=($!)

@@ -218,6 +218,7 @@ def test_step_refit_scores_every_sample_refit(tiny, eval_file):
     (["--alloc-radius", "0"], "radius must be above 0"),
     (["--num-mask-samples", "3"], "antithetic pairs: num mask samples must be even, got 3"),
     (["--init", "random-progressive"], "random-progressive"),
+    (["--lr", "0.01"], "pg-alloc's step is scale-free: --lr 0.01 would change nothing"),
 ])
 def test_bad_options_are_one_error_line(flags, needle, capfd, tmp_path):
     from engine.cli import main
@@ -225,6 +226,19 @@ def test_bad_options_are_one_error_line(flags, needle, capfd, tmp_path):
     argv = ["prune", "--model", str(TINY_MODEL), "--method", "pg-alloc", *flags, "--out", str(tmp_path / "r")]
     assert main(argv) == 2
     one_error(capfd, needle)
+
+
+def test_the_learning_rate_cancels_out_of_the_steps_which_is_why_it_is_refused(tiny, eval_file):
+    """next_scores reads the rate only as this step's over the first step's: a run whose every step is handed a
+    quarter of the rate takes the same steps (so a --lr that is not the default is refused, above, not ignored)."""
+    mus = []
+    for factor in (1.0, 0.25):
+        run, seen = spied_run(alloc_config(eval_file, steps=2, lr_schedule="cosine"), tiny)
+        step = run.method.next_scores
+        run.method.next_scores = lambda state, grads, lr, step=step, f=factor: step(state, grads, lr * f)
+        run.run(progress=False)
+        mus.append(seen["state"].method_state["alloc"]["mu"].clone())
+    assert float(mus[0].abs().sum()) > 0 and torch.equal(mus[0], mus[1])
 
 
 def test_an_alloc_flag_needs_the_method(capfd, tmp_path):
@@ -242,7 +256,8 @@ def test_two_ranks_give_the_single_process_run_bit_for_bit(eval_file, tmp_path):
     from test_distributed import checkpoint, one_and_two_ranks
 
     one, two, _ = one_and_two_ranks(eval_file, tmp_path, 3, ["--method", "pg-alloc", "--num-mask-samples", "4",
-                                                             "--reward", "kl", "--step-refit"])
+                                                             "--reward", "kl", "--step-refit", "--lr", "0.02"])
+    # (--lr 0.02: the shared flags' 0.05 is pg's, and pg-alloc refuses a rate other than the default)
     assert json.loads((two / "config.json").read_text())["step_refit"] is True
     assert float(checkpoint(two)["method_state"]["alloc"]["mu"].abs().sum()) > 0
 

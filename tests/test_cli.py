@@ -29,7 +29,7 @@ def real_processes(tiny_path, tmp_path_factory):
                                stderr=subprocess.PIPE, text=True)
     try:
         proc = run_engine("prune", "--model", str(tiny_path), "--steps", "3", "--max-windows", "4", "--init-batches",
-                          "2", "--batch-size", "4", "--lr", "0.05", "--out", str(out))
+                          "2", "--batch-size", "4", "--out", str(out))
         stdout, stderr = missing.communicate(timeout=300)
     finally:
         missing.kill()

@@ -25,7 +25,7 @@ from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, one_error, quiet,
 def tiny_flags(eval_file: Path, steps: int = 3) -> list[str]:
     return ["--model", str(TINY_MODEL), "--steps", str(steps), "--batch-size", "2", "--seqlen", "32",
             "--eval-seqlen", "32", "--max-windows", "2", "--init-batches", "1", "--num-mask-samples", "2",
-            "--lr", "0.05", "--calib", str(SMALL_CALIB), "--eval-data", str(eval_file)]
+            "--calib", str(SMALL_CALIB), "--eval-data", str(eval_file)]  # (no --lr: pg-alloc, the default's method, refuses one)
 
 
 def files_of(folder: Path) -> dict[str, bytes]:

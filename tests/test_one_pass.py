@@ -137,7 +137,7 @@ CASES = {  # the default run's settings, cheap: the joint default preset, and FL
 def config_for(tiny_path, eval_file, case: str, **kw) -> PruneConfig:
     base = {**PruneConfig().to_dict(), **CASES[case]}  # (today's defaults: bias compensation, the refit, one pass)
     base.update(model=str(tiny_path), steps=3, max_windows=2, batch_size=2, seqlen=48, eval_seqlen=64, init_batches=2,
-                layer_init_batches=1, reconstruct_batches=4, mix_batches=1, val_batches=1, lr=0.05,
+                layer_init_batches=1, reconstruct_batches=4, mix_batches=1, val_batches=1,
                 calib=str(SMALL_CALIB), eval_data=str(eval_file), checkpoint_every=1)
     base.update(kw)
     return PruneConfig.from_dict(base)
