@@ -14,7 +14,8 @@
 #                                          # batches, tuning seeds at 30 %; i: the same, confirmation seeds;
 #                                          # j: pg24 at 50 % on the tuning seeds, with checks; k: pg24
 #                                          # at half the step, tuning seeds, 50 % then 30 %; l: the refit's
-#                                          # ridge at 0.01, tuning then confirmation seeds at 30 %)
+#                                          # ridge at 0.01, tuning then confirmation seeds at 30 %; m:
+#                                          # the init and pg24 on the C4 + own-text mixture, 50 %)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -108,6 +109,10 @@ lane_k() {  # the drift against the step size (issue 64): 24 steps at half pg-al
   variant pg24-a0125 50 2 0 1  # (seed 2 first: the tuning seed that drifts)
   variant pg24-a0125 30 0 1 2
 }
+lane_m() {  # the drift against the text the steps fit (issue 64): the init and 24 steps on the mixture of C4 and the
+  # own text at 50 %, the tuning seeds (seed 2 first: the one that drifts on the own text)
+  for s in 2 0 1; do variant init-mix 50 "$s" && variant pg24-mix 50 "$s"; done
+}
 lane_l() {  # the refit's ridge at 0.01 (issue 64/65), the tuning seeds at 30 %, then the confirmation seeds
   variant init-r001 30 0 1 2
   variant init-r001 30 3 4 5
@@ -131,6 +136,7 @@ case "${1:-}" in
   i) lanes=(lane_i) ;;
   j) lanes=(lane_j) ;;
   k) lanes=(lane_k) ;;
+  m) lanes=(lane_m) ;;
   l) lanes=(lane_l) ;;
   "") ;;
   *) echo "error: expected status, a, b, c, d, e, f, g, h, i or nothing, got '$1'" >&2; exit 2 ;;
