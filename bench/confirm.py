@@ -354,7 +354,7 @@ def step_masks(folder: Path) -> dict[int, dict]:
     import torch
     from safetensors.torch import load_file
 
-    from engine.runstate import report_masks
+    from engine.run.state import report_masks
 
     by_step = {}
     for line in (folder / "metrics.jsonl").read_text().splitlines():
@@ -383,7 +383,7 @@ def checks(args) -> None:
 
     from engine.config import PruneConfig
     from engine.data import CalibrationSampler, load_calibration_texts
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     folder = cell_dir(args.rate, args.seed, "pg24")
     dest = beside(folder, ".checks.json")
@@ -466,7 +466,7 @@ def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
 
     from engine.config import PruneConfig
     from engine.export import export_pruned
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     config = PruneConfig.load(folder / "config.json")
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():

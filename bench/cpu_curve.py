@@ -118,7 +118,7 @@ def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | No
     import torch
 
     from engine.data import eval_windows, load_eval_text
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     out = cell / "run"
     resume = (out / "checkpoint.pt").exists()
@@ -139,7 +139,7 @@ def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | No
         run.windows = eval_windows(run.tokenizer, text, run.config.eval_seqlen, EVAL_WINDOWS)
         run.masks.measured.clear()
     if run.fill is None and run.config.bias_compensation:
-        from engine.initialise import start_state
+        from engine.run.initialise import start_state
 
         start_state(run, resume=True)  # the compensation's means, from the checkpoint
     ppl = {}

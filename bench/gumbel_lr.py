@@ -32,7 +32,7 @@ def main() -> None:
 
     from engine.config import PruneConfig
     from engine.methods import METHODS, method_options
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     torch.manual_seed(0)
     config = PruneConfig.of(model=args.model, prune_ratio=args.prune_ratio, init="wanda-sp", max_windows=1, steps=100,

@@ -65,7 +65,7 @@ def main() -> None:
     import torch
 
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,10 +52,10 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(ROOT / "bench" / "results" / "compare_table" / "metric_cache"))
 
-    import engine.initialise as initialise
+    import engine.run.initialise as initialise
     from engine.errors import UserError
     from engine.joint import candidate_scores, hard_mask_loss, layer_counts
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
     from widths_after_layers import layer_compensation, layer_mean_deltas, widths_after_layers
 
     from compare_table import load_cell_config

@@ -30,7 +30,7 @@ def main() -> None:
     args = p.parse_args()
 
     from engine.data import CalibrationSampler, load_calibration_texts, split_holdout
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     from compare_table import load_cell_config
 

@@ -70,7 +70,7 @@ def worker(args) -> dict:
     from engine.hooks.ranking import rank_within_layers
     from engine.hooks.validation import Validation
     from engine.metrics.activations import input_means
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     config = PruneConfig.of(model=args.model, seed=args.seed, steps=args.steps, max_windows=args.max_windows,
                          device=args.device, dtype=args.dtype, **{**PROTOCOL, **VARIANTS[args.variant]})

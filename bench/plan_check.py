@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"run {args.run_dir}: {config.steps} steps x N_s {config.num_mask_samples}, {results['eval_windows']} "
           f"evaluation windows, dense perplexity {'cached' if dense_cached else 'evaluated'}")
     print(f"rate: {rate * 1e3:.4f} ms per token (probe)")
-    if results.get("seconds_by_phase"):  # (the phases the run measured, beside the plan's: engine/runplan.py)
-        from engine.runplan import plan_lines
+    if results.get("seconds_by_phase"):  # (the phases the run measured, beside the plan's: engine/run/plan.py)
+        from engine.run.plan import plan_lines
 
         print("\n".join(plan_lines(plan.by_phase(), results["seconds_by_phase"])))
     else:

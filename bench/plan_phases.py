@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from engine.cli import main as engine_main
-    from engine.runplan import PLAN_KEY
+    from engine.run.plan import PLAN_KEY
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PG_PRUNE_CACHE"] = str(Path(tmp) / "cache")  # (a first run: the probe measured now)

@@ -29,7 +29,7 @@ def refit_perplexities(cell: Path, batches: int, ridges: list[float]) -> list[di
 
     from engine.config import PruneConfig
     from engine.export import load_mask_artifact
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     torch.set_num_threads(1)
     saved = json.loads((cell / "config.json").read_text())

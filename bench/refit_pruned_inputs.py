@@ -31,7 +31,7 @@ if len(sys.argv) < 4 or sys.argv[1] in ("-h", "--help"):  # (a prototype: its ar
 import torch
 from engine.config import PruneConfig
 from engine.export import load_mask_artifact, kept_indices
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.masking import MaskHooks
 from engine.evaluate import decoder_forward
 from engine.unit_types import layer_unit_types

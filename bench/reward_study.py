@@ -190,10 +190,10 @@ def complete(done: dict, zeroshot: bool) -> bool:
 def oneshot(args) -> None:
     import torch
 
-    import engine.initialise as initialise
+    import engine.run.initialise as initialise
     from engine.evaluate import _row_losses
     from engine.joint import candidate_scores, layer_counts
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
     from engine.rewards import DenseKL, logits_of, row_kl
 
     name = f"r{round(args.rate * 100)}-s{args.seed}-{args.source}"
@@ -334,7 +334,7 @@ def step_masks(folder: Path) -> tuple[dict[int, dict], dict]:
     import torch
     from safetensors.torch import load_file
 
-    from engine.runstate import report_masks
+    from engine.run.state import report_masks
 
     def flat(rows):
         return {u: torch.tensor([x for layer in r for x in layer], dtype=torch.float32) for u, r in rows.items()}
@@ -371,8 +371,8 @@ def at_refit_statistics(args, evaluate) -> None:
 
     import torch
 
-    import engine.initialise as initialise
-    from engine.pruner import PruneRun
+    import engine.run.initialise as initialise
+    from engine.run.loop import PruneRun
 
     config = cell_config(cell_argv(args.rate, args.seed, args.source, args.reward,
                                    ["--out", str(OUT / "unused"), *VARIANTS[args.variant]]))

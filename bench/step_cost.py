@@ -86,7 +86,7 @@ def setup(args):
     from dataclasses import replace
 
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     config = PruneConfig.of(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
                          num_mask_samples=args.num_mask_samples, baseline="moving-average", max_windows=1,
@@ -121,7 +121,7 @@ def rank_worker(args) -> dict | None:
 
     from engine.config import PruneConfig
     from engine.distributed import join_world
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     torch.set_num_threads(args.threads_per_rank)
     torch.manual_seed(0)

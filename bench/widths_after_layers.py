@@ -13,7 +13,7 @@ def widths_after_layers(run, layer_mask: torch.Tensor, batches: list[torch.Tenso
     compensation means measured likewise, as a run's fill). A removed layer's columns get zero statistics (its
     units are removed with it)."""
     from engine.hooks.compensation import compensation_fill
-    from engine.initialise import metric_batches, metric_names
+    from engine.run.initialise import metric_batches, metric_names
     from engine.masking import MaskHooks
     from engine.metrics import METRICS, MetricContext
     from engine.metrics.activations import batches_digest, column_moments, input_means

@@ -4,10 +4,10 @@
     result = prune(model, tokenizer, PruneConfig(prune_ratio=0.3), calib=texts)
     result.masks, result.model, result.report
 
-`prune` is the same run as `python -m engine prune` (engine.pruner.PruneRun): without `out` it has no run folder,
+`prune` is the same run as `python -m engine prune` (engine.run.loop.PruneRun): without `out` it has no run folder,
 so it writes nothing (no lock, checkpoint, metrics.jsonl, results.json or export) and cannot be resumed; with `out`
 it is the command line's run, folder, checkpoints and export included, and its folder is checked as the command
-line checks --out (engine/rundir.py's check_out_dir: no model folder, no folder of the user's, an earlier run only
+line checks --out (engine/run/folder.py's check_out_dir: no model folder, no folder of the user's, an earlier run only
 with overwrite=True).
 
 Wrong objects (a model that is no causal LM, no tokenizer, a dict for the config, a tokenizer of another model) are
@@ -26,7 +26,7 @@ import torch
 
 from .config import PruneConfig
 from .errors import UserError
-from .runstate import StepReport
+from .run.state import StepReport
 
 
 @dataclass
@@ -117,7 +117,7 @@ def _run_folder(out: Path | None, overwrite: bool):
     block; a folder made for it is removed again when the run fails before its start (a refusal, a wrong setting).
     Yields a function that, once the model and the data are read, removes an earlier run's files (overwrite)."""
     from .outdir import folder_lock
-    from .rundir import API_FLAGS, check_out_dir, cleanup_out_dir, prepare_out_dir
+    from .run.folder import API_FLAGS, check_out_dir, cleanup_out_dir, prepare_out_dir
 
     if out is None:
         yield lambda: None
@@ -149,8 +149,8 @@ def prune(model, tokenizer, config: PruneConfig | None = None, calib=None, *, ou
     folder, or (overwrite=True, as --overwrite) an earlier run's, whose files it replaces."""
     from .export import load_mask_artifact
     from .loading import load_model, resolve_model
-    from .pruner import PruneRun
-    from .rundir import MODEL_DIR
+    from .run.loop import PruneRun
+    from .run.folder import MODEL_DIR
 
     config, texts, out = check_arguments(model, tokenizer, config, calib, out)
     with _run_folder(out, overwrite) as start:

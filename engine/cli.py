@@ -19,8 +19,8 @@ from .methods import METHODS
 from .errors import MAX_LINE, UserError, shorten
 from .exporters import EXPORT_FORMATS
 from .loading import DEFAULT_MODEL, DTYPES
-from .rundir import GGUF_FILE
-from .runfiles import MODEL_DIR, RECOVER_DIR
+from .run.folder import GGUF_FILE
+from .run.files import MODEL_DIR, RECOVER_DIR
 from .unit_types import UNIT_TYPES
 
 DATA_SETTINGS = ("eval_data", "eval_seqlen", "max_windows", "eval_batch_size", "dtype", "device")  # prune's and eval's
@@ -245,7 +245,7 @@ def _config_from_args(args) -> PruneConfig:
 def _resume_config(args, out: Path) -> PruneConfig:
     """The run's saved config, with the flags given beside --resume checked against it: only --steps may
     change (see checkpoints.Checkpoints.check_config_unchanged); any other difference is refused, naming the setting."""
-    from .rundir import CONFIG_FILE
+    from .run.folder import CONFIG_FILE
 
     saved = PruneConfig.load(out / CONFIG_FILE).validate()
     asked = _config_from_args(args).validate()  # the saved config is the parser's default under --resume (parse_args)
@@ -321,7 +321,7 @@ def _prune_follower(args, world) -> int:
     import tempfile
 
     from .config import PruneConfig
-    from .pruner import PruneRun
+    from .run.loop import PruneRun
 
     sent = world.from_writer(None, "the run's start")
     if sent["error"]:
@@ -347,7 +347,7 @@ class _Finished(UserError):
 def _check_unfinished(out: Path) -> None:
     """A bare --resume (no --steps, no --export-gguf) of a run that finished, results.json and model/ written, has
     nothing to do: raise _Finished saying so, rather than evaluate and export model/ again."""
-    from .rundir import MODEL_DIR, RESULTS_FILE
+    from .run.folder import MODEL_DIR, RESULTS_FILE
 
     try:
         results = json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))
@@ -364,8 +364,8 @@ def _prune_writer(args, world) -> int:
 
     from .distributed import RankLost
     from .outdir import folder_lock
-    from .pruner import PruneRun
-    from .rundir import CHECKPOINT_FILE, CONFIG_FILE, check_out_dir, cleanup_out_dir, interrupted_before_first_step, prepare_out_dir
+    from .run.loop import PruneRun
+    from .run.folder import CHECKPOINT_FILE, CONFIG_FILE, check_out_dir, cleanup_out_dir, interrupted_before_first_step, prepare_out_dir
 
     out = Path(args.out)
 
@@ -459,7 +459,7 @@ def _prune_writer(args, world) -> int:
             print(f"removed {results['params_removed']:,} parameters: {results['removed_of_decoder']:.1%} of the decoder "
                   f"layers, {results['removed_of_model']:.1%} of the model ({shares})")
             if results.get("seconds_by_phase"):  # the plan it started with against what it measured, per phase
-                from .runplan import PLAN_KEY, plan_lines
+                from .run.plan import PLAN_KEY, plan_lines
 
                 print("\n".join(plan_lines(results.get(PLAN_KEY), results["seconds_by_phase"])))
             if args.export_gguf:
@@ -507,10 +507,10 @@ def say_recovered(r) -> None:
 
 def budget_trades_of(run) -> list[str]:
     """What --time-budget will cut in this run (the refit's statistics: results.json's "reduced" records it after),
-    from the plan the run makes of its time (engine/runplan.py's time_plan: this machine's probe, the passes' dtype,
+    from the plan the run makes of its time (engine/run/plan.py's time_plan: this machine's probe, the passes' dtype,
     the dense perplexity's cache), before the work; none without a budget or a refit."""
     from .plan import budget_trades
-    from .runplan import time_plan
+    from .run.plan import time_plan
 
     c = run.config
     if c.time_budget is None or not c.reconstruct:
@@ -547,7 +547,7 @@ def interrupted_line(e: KeyboardInterrupt, argv: list[str]) -> str:
 
 def cmd_export(args) -> int:
     from .exporters import export_run
-    from .rundir import check_export_destination
+    from .run.folder import check_export_destination
 
     if args.out:
         check_export_destination(Path(args.out))

@@ -20,7 +20,7 @@ from .arch import ModelAdapter, base_model_type
 from .errors import UserError, shorten
 from .io import atomic_file, atomic_dir, atomic_write_text
 from .loading import count_parameters
-from .runfiles import MASKS_FILE, MASKS_META_FILE  # noqa: F401  (MASKS_FILE: the app reads it from here)
+from .run.files import MASKS_FILE, MASKS_META_FILE  # noqa: F401  (MASKS_FILE: the app reads it from here)
 from .unit_types import UNIT_TYPES, layer_unit_types
 from .units import UnitLayout
 

@@ -23,7 +23,7 @@ from .budget import ranked_split
 from .metrics.probability import initial_scores
 
 if TYPE_CHECKING:  # annotations only
-    from .pruner import PruneRun
+    from .run.loop import PruneRun
 
 def layer_counts(layer_params: list[int], removed_target: float) -> list[int]:
     """The candidate numbers of removed layers: every count from none to the most (equal-sized layers: the

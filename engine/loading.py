@@ -80,7 +80,7 @@ def _gguf_source(name: str, path: Path) -> ModelSource:
 
 def _refuse_run_dir(path: Path, name: str) -> None:
     """A prune run folder is not a model: its pruned model is RUN/model."""
-    from .runfiles import MODEL_DIR, has_run_marker
+    from .run.files import MODEL_DIR, has_run_marker
 
     if has_run_marker(path):
         model = path / MODEL_DIR

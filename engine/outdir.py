@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .io import atomic_write_text
-from .runfiles import INIT_PROGRESS_DIR, MODEL_DIR, RUN_FILES, RUN_MARKER, has_run_marker
+from .run.files import INIT_PROGRESS_DIR, MODEL_DIR, RUN_FILES, RUN_MARKER, has_run_marker
 
 LOCK_FILE = ".pg-prune.lock"
 # a prune run's own names in its folder: what it writes, and what its --overwrite or --resume removes or replaces

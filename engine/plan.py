@@ -8,7 +8,7 @@ run removes, up to one unit (a parameter budget keeps the most likely units whil
 budget by less than one unit's weight); the split between unit types is where the run starts, and a method that
 learns moves it.
 
-Time is an estimate of every phase a run records in results.json's `seconds_by_phase` (engine/phases.py), from
+Time is an estimate of every phase a run records in results.json's `seconds_by_phase` (engine/run/phases.py), from
 one cost model: each phase's model work counted in forward tokens (a dense forward's tokens, or what costs as
 much: the refit's statistics and solves are counted in the layers' widths), times the seconds one token's forward
 takes on this machine (measured by `probe_seconds_per_token`, or read off the earlier runs of the same model),
@@ -190,7 +190,7 @@ def speedup(skeleton: Skeleton, params_removed: int) -> float:
 
 
 # --- time: one cost model for every phase a run records ---------------------------------------------------
-# The phases a run's results.json records (engine/phases.py's PhaseClock; "other" and "total" come after them),
+# The phases a run's results.json records (engine/run/phases.py's PhaseClock; "other" and "total" come after them),
 # in the order a fresh run first enters them.
 RUN_PHASES = ("load", "calibration text", "statistics", "init metric", "refit statistics", "joint mix", "validation", "refit",
               "evaluations", "steps", "export")

@@ -15,7 +15,7 @@ it reads; the pass runs the longest count once, and each reader adds up what it 
 Who reads is declared where the reading happens, never listed here: an init metric names the statistics it reads
 (`register_metric(..., statistics=("column-moments",))`, built from STATISTICS with the metric's batch count),
 and a run hook returns its readers from `statistics_wanted(batches)` (the compensation's column moments, the
-refit's input moments). `statistics_pass` (engine/initialise.py calls it at a fresh run's start, before the init
+refit's input moments). `statistics_pass` (engine/run/initialise.py calls it at a fresh run's start, before the init
 metric) collects them and puts every column-moments result in the run's memo, where
 metrics.activations.column_moments finds it without a forward.
 
@@ -382,7 +382,7 @@ class StatisticsCache:
 
     def _load(self, path: Path, reader: Statistic, keys: tuple[str, ...], mmap: bool = False,
               touch: bool = True) -> dict | None:
-        from .checkpoints import safe_load
+        from .run.checkpoints import safe_load
 
         try:
             got = safe_load(path, "statistics cache entry", "", mmap=mmap)

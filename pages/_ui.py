@@ -12,7 +12,7 @@ import streamlit as st  # noqa: E402
 # time from two script threads at once, they can fail ("cannot import name 'AutoConfig'")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402, F401
 
-from engine.phases import phase_line  # noqa: E402
+from engine.run.phases import phase_line  # noqa: E402
 from engine.ui import figures  # noqa: E402
 from engine.ui import masks as M  # noqa: E402
 from engine.ui.jobs import JobManager, RunInfo, default_runs_dir, list_runs, read_metrics  # noqa: E402
@@ -148,8 +148,8 @@ def removal_text(results: dict | None) -> str | None:
 # --- a run's time: its plan against what it measured -------------------------------------------------
 def plan_table(plan: dict, actual: dict, key: str) -> None:
     """The plan the run started with beside the seconds it measured, per phase (both computed by the engine:
-    engine/runplan.py's plan_rows), in an expander."""
-    from engine.runplan import plan_rows
+    engine/run/plan.py's plan_rows), in an expander."""
+    from engine.run.plan import plan_rows
 
     rows = [{"phase": k, "planned": fmt_seconds(p), "measured": fmt_seconds(a),
              "measured / planned": f"{a / p:.2f}" if p and p >= 1 else "—"} for k, p, a in plan_rows(plan, actual)]
@@ -215,7 +215,7 @@ def memory_text(results: dict) -> str | None:
 
 def reduced_text(results: dict) -> str | None:
     """What the time budget cut from the run's settings (results.json's "reduced"), as the run's log says it."""
-    from engine.results import reduced_line
+    from engine.run.results import reduced_line
 
     if not (isinstance(reduced := results.get("reduced"), dict) and reduced):
         return None

@@ -13,7 +13,7 @@ import streamlit as st  # noqa: E402
 
 from engine.errors import UserError  # noqa: E402
 from engine.ui.checks import runs_dir_problem  # noqa: E402
-from engine.runfiles import MASKS_FILE  # noqa: E402
+from engine.run.files import MASKS_FILE  # noqa: E402
 from engine.ui.jobs import STOPPED, delete_run, export_run_model  # noqa: E402
 from engine.ui.settings import results_table, runs_row, settings_table  # noqa: E402
 

@@ -236,7 +236,7 @@ def tiny_config(eval_file: Path, **kw):
 @pytest.fixture(scope="module")
 def finished_template(request, tiny, eval_file, tmp_path_factory) -> Path:
     """A finished tiny_config run, one per module (of the module's FINISHED_STEPS steps, 3 unless it says)."""
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     steps = getattr(request.module, "FINISHED_STEPS", 3)
     out = tmp_path_factory.mktemp("finished") / "finished"

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from engine.budget import unit_weights
 from engine.config import PruneConfig
-from engine.initialise import fresh_state
+from engine.run.initialise import fresh_state
 from engine.methods.alloc import (within_radius, antithetic_offsets, expand_offsets, learned_layers, offset_gradient, offset_index,
                                   scale_free_step, shifted_scores)
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.unit_types import UNIT_TYPES
 
 from conftest import SMALL_CALIB, TINY_MODEL, one_error, quiet

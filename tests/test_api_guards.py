@@ -1,5 +1,5 @@
 """The Python API's guards (issue 63): `engine.prune(..., out=FOLDER)` refuses what the command line refuses for
---out, through the one check (engine/rundir.py's check_out_dir), and leaves a refused folder byte for byte as it
+--out, through the one check (engine/run/folder.py's check_out_dir), and leaves a refused folder byte for byte as it
 was; wrong objects (model, tokenizer, config, out) are one UserError naming the argument, before any work. Each
 test failed on the code before the change."""
 
@@ -88,7 +88,7 @@ def test_prune_into_a_folder_the_cli_refuses_is_one_user_error_and_the_folder_st
     out = make(tmp_path)
     root = out.parent
     before = tree_digest(root)
-    monkeypatch.setattr("engine.pruner.PruneRun.__init__", lambda *a, **k: pytest.fail("a run was started"))
+    monkeypatch.setattr("engine.run.loop.PruneRun.__init__", lambda *a, **k: pytest.fail("a run was started"))
     config = PruneConfig(**CHEAP, eval_data=str(small_eval_file))
     with pytest.raises(UserError) as e:
         prune(tiny[0], tiny[1], config, calib=texts, out=out)
@@ -168,7 +168,7 @@ def test_a_wrong_object_is_one_user_error_naming_the_argument_before_any_work(ca
     deep inside the run)."""
     make, *said = WRONG[case]
     model, tokenizer, config, out = make(*tiny)
-    monkeypatch.setattr("engine.pruner.PruneRun.__init__", lambda *a, **k: pytest.fail("a run was started"))
+    monkeypatch.setattr("engine.run.loop.PruneRun.__init__", lambda *a, **k: pytest.fail("a run was started"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError) as e:
         prune(model, tokenizer, config, calib=texts, out=out)

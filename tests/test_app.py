@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from engine.phases import phase_line  # noqa: E402
+from engine.run.phases import phase_line  # noqa: E402
 
 TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
 pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason=f"tiny model not found at {TINY}")
@@ -112,7 +112,7 @@ def finished_run(runs_dir: Path, scope: str) -> Path:
         if cfg["scope"] == scope and (p / "results.json").exists():
             return p
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     out = runs_dir / f"fixture-{scope}-run"
     config = PruneConfig(model=str(TINY), scope=scope, prune_ratio=0.5, steps=4, **FAST,
@@ -575,7 +575,7 @@ def test_compare_two_layer_runs_and_warns_when_the_parameters_differ(tmp_path, m
     """Compare opens runs that pruned whole layers (it once sorted unit types by a fixed list and crashed),
     and says so in words when the two runs removed different numbers of parameters."""
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     runs = tmp_path / "runs"
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
@@ -599,7 +599,7 @@ def test_compare_says_why_a_joint_run_has_no_uniform_match(tmp_path, monkeypatch
     matching uniform run, says why in one line, and starts nothing (it once offered one, which failed in flag
     language)."""
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     runs = tmp_path / "runs"
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
@@ -644,7 +644,7 @@ def test_the_plan_matches_what_the_run_removes_and_settings_persist(runs_dir):
 
 
 def test_a_run_the_time_budget_cut_says_what_it_cut(runs_dir):
-    from engine.results import reduced_line
+    from engine.run.results import reduced_line
 
     done = finished_run(runs_dir, "global")
     saved = (done / "results.json").read_text()  # (the module's runs are shared: put it back after)
@@ -694,7 +694,7 @@ def test_rerun_with_these_settings_reproduces_the_config(runs_dir):
 
 def test_compare_names_the_differing_steps(tmp_path, monkeypatch):
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     runs = tmp_path / "runs"
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
@@ -764,7 +764,7 @@ def progress_text(at: AppTest) -> str:
 def test_a_slowed_check_is_named_and_its_overrun_said_in_the_progress_line(runs_dir, monkeypatch):
     """A run slowed on purpose ($PG_PRUNE_SLOW_PHASE: each held-out check sleeps 15 s): while a check runs, the
     progress line names it and says it is over its plan, by how much."""
-    from engine.phases import SLOW_ENV
+    from engine.run.phases import SLOW_ENV
 
     monkeypatch.setenv(SLOW_ENV, "validation:15")
     at = fill_prune_form(app(), steps=40)  # (5 checks planned in all: the second one's 15 s are over their plan)

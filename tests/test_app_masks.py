@@ -28,7 +28,7 @@ needs_tiny = pytest.mark.skipif(not TINY.is_dir(), reason=f"tiny model not found
 
 # --- pure pieces ----------------------------------------------------------------------------------
 def test_mask_rows_round_trip_compactly():
-    from engine.runstate import decode_mask_rows, encode_mask_rows, report_masks
+    from engine.run.state import decode_mask_rows, encode_mask_rows, report_masks
 
     rows = [[1, 1, 0, 1], [0, 0, 0, 0, 1], [], [1] * 1536]
     encoded = encode_mask_rows(rows)
@@ -41,7 +41,7 @@ def test_mask_rows_round_trip_compactly():
 
 
 def test_step_report_line_carries_its_masks():
-    from engine.runstate import StepReport, report_masks
+    from engine.run.state import StepReport, report_masks
 
     r = StepReport(step=1, total_steps=2, losses=[1.0], baseline=0.0, lr=0.1, mean_score={}, kept_fraction={},
                    head_scores=None, seconds=0.1, eta_seconds=0.1, masks={"heads": [[1, 0, 1, 1]], "layers": [[1], [0]]})
@@ -221,7 +221,7 @@ def test_the_heatmap_draws_the_runs_own_masks_live_and_saved(tmp_path, monkeypat
     where the run kept 7.)"""
     ticks = _record_fragments(monkeypatch)
     at = _fill(_app(monkeypatch, tmp_path / "runs"), steps=5000)
-    from engine.runstate import report_masks
+    from engine.run.state import report_masks
     from engine.ui.masks import mask_source
 
     assert at.multiselect(key="units").value == ["heads", "channels"] and at.radio(key="budget").value == "params"
@@ -282,7 +282,7 @@ def _radio_or_caption(at) -> list[str]:
 
 def _finished_run(where: Path) -> Path:
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     out = where / "good"
     PruneRun(PruneConfig(model=str(TINY), prune_ratio=0.5, steps=2, num_mask_samples=2, calib=str(CALIB), **FAST), out,

@@ -458,7 +458,7 @@ def test_the_final_choice_checks_score_each_validated_mask_on_both_texts_on_the_
     from types import SimpleNamespace
 
     from engine.config import PRESETS
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     from test_pruner import quiet, small_config
 

@@ -74,7 +74,7 @@ def test_block_influence_runs_alone_and_in_the_joint(tiny, tiny_path, small_eval
     """--units layers --layer-init block-influence --method metric removes the layers of lowest influence; the joint
     (layers, heads and channels on one budget) takes its order for the mix's layers."""
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     model, tok = tiny
     common = dict(model=str(tiny_path), eval_data=str(small_eval_file), max_windows=4, seqlen=32, batch_size=2,

@@ -288,7 +288,7 @@ _PEAK = """
 import json, resource, sys
 from pathlib import Path
 from transformers import AutoTokenizer
-from engine import pruner
+from engine.run import loop as pruner
 from engine.config import PruneConfig
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 config = PruneConfig(model=sys.argv[1], calib=sys.argv[2], eval_data=sys.argv[3], seqlen=32, eval_seqlen=32,

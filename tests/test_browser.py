@@ -444,7 +444,7 @@ def shown_step_masks(d, run: Path) -> tuple[int, list[list[int]], list[list[int]
     that a redraw between the toggle's label and the figure is not taken for the page's state."""
     import re
 
-    from engine.runstate import report_masks
+    from engine.run.state import report_masks
 
     def read():
         r = heatmap_reading(d)
@@ -671,7 +671,7 @@ def layer_runs(runs: Path) -> None:
     """Two finished runs on the tiny model that prune whole layers: layers alone (global) and layers with
     widths (uniform, each type losing half its count), so they remove different numbers of parameters."""
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
     small = dict(steps=2, max_windows=2, init_batches=1, layer_init_batches=1, batch_size=2, seqlen=32, eval_seqlen=32,

@@ -33,7 +33,7 @@ def progress_text(d) -> str:
 def test_a_slowed_check_is_named_and_over_its_plan_in_the_browser(browser, monkeypatch):
     """$PG_PRUNE_SLOW_PHASE makes every held-out check sleep 15 s: while one runs, the page's progress line names it
     ("a held-out check running for ...") and says how far over its plan it is ("... × the plan")."""
-    from engine.phases import SLOW_ENV
+    from engine.run.phases import SLOW_ENV
 
     monkeypatch.setenv(SLOW_ENV, "validation:15")  # (serve() hands the server this process's environment)
     d = browser
@@ -80,7 +80,7 @@ def test_a_kl_runs_results_tab_names_its_kl_as_a_kl(browser):
     """A finished run under --reward kl with held-out checks: its Results tab shows best-val's figure as the mean KL
     from the dense model (nats a token), and no label of its values says "ppl" or "perplexity" for it."""
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     d = browser
     with serve() as (url, runs):

@@ -124,7 +124,7 @@ def small_eval_text() -> str:
 def saved_run(folder: Path, tiny_path: Path, tmp: Path) -> Path:
     """A run folder as a run leaves it after its start: marker, config, empty metrics, a checkpoint."""
     from engine.config import PruneConfig
-    from engine.rundir import write_run_marker
+    from engine.run.folder import write_run_marker
 
     eval_file = tmp / "eval-small.txt"
     eval_file.write_text(small_eval_text())

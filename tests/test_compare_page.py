@@ -36,7 +36,7 @@ def make_run(runs: Path, name: str, *, scope: str = "global", units=("heads", "c
     from engine.config import PruneConfig
     from engine.export import save_mask_artifact
     from engine.io import atomic_write_text
-    from engine.runstate import StepReport
+    from engine.run.state import StepReport
     from engine.units import UnitLayout
 
     run = runs / name

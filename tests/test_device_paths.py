@@ -108,7 +108,7 @@ def test_masked_steps_on_a_model_that_accelerate_offloads(tmp_path):
 
 def test_device_auto_runs_on_a_cpu_only_host(tiny_path, small_eval_file, tmp_path):
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
     from conftest import SMALL_CALIB
 
     config = PruneConfig(model=str(tiny_path), device="auto", steps=2, num_mask_samples=2, max_windows=2,

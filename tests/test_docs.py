@@ -110,7 +110,7 @@ def test_the_architecture_page_names_every_hook_in_its_order_and_counts_no_lines
     from engine.hooks import RUN_HOOKS
 
     text = (DOCS / "architecture.md").read_text(encoding="utf-8")
-    drawing = text.split("engine/hooks/", 1)[1].split("engine/rundir.py", 1)[0]
+    drawing = text.split("engine/hooks/", 1)[1].split("engine/run/folder.py", 1)[0]
     listed = re.findall(r"[a-z_]+", drawing.split(":", 1)[1])
     assert listed == [h.__module__.rsplit(".", 1)[-1] for h in RUN_HOOKS]
     assert not re.search(r"\b\d+ lines\b", text)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from engine.hooks.early_stop import saturated, still
-from engine.runmasks import mask_key
+from engine.run.masks import mask_key
 from engine.hooks.validation import Validation
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from test_pruner import small_config
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine import ppl_cache
 from engine.config import PruneConfig
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from conftest import SMALL_CALIB
 from test_pruner import small_config

@@ -17,7 +17,7 @@ from engine.export import build_pruned_model, export_pruned
 from engine.metrics.activations import input_means
 from engine.masking import MaskHooks
 from engine.policy import sample_masks
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.units import UnitLayout
 
 from test_adapters_export import build_model

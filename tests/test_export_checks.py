@@ -18,7 +18,7 @@ import pytest
 
 from engine.cli import main
 from engine.errors import UserError
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from conftest import SMALL_CALIB, TINY_MODEL, one_error, quiet, tiny_config
 
@@ -225,7 +225,7 @@ def test_a_killed_app_gguf_exports_temporary_file_is_cleaned_by_the_next_export(
 # --- a full disk while appending metrics.jsonl ----------------------------------------------------------------
 def test_a_full_disk_while_appending_metrics_is_one_line(eval_file, tmp_path, monkeypatch, capfd):
     """metrics.jsonl is appended step by step: a full disk there was three chained ENOSPC tracebacks."""
-    import engine.pruner as pruner
+    import engine.run.loop as pruner
 
     real_open = open
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from engine.cli import main
 from engine.config import PruneConfig
 from engine.errors import UserError
-from engine.pruner import PruneRun, StepReport
+from engine.run.loop import PruneRun, StepReport
 from engine.outdir import LOCK_FILE
-from engine.rundir import RUN_MARKER
+from engine.run.folder import RUN_MARKER
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, engine_in_process, quiet
 
@@ -271,7 +271,7 @@ def test_overwrite_never_touches_a_model_folder(tiny_path, tmp_path, capfd):
 
 
 def test_out_is_created_and_checked_before_the_model_loads(tiny_path, tmp_path, monkeypatch, capfd):
-    import engine.pruner
+    import engine.run.loop
 
     out = tmp_path / "a" / "b" / "run"
     seen = []
@@ -280,7 +280,7 @@ def test_out_is_created_and_checked_before_the_model_loads(tiny_path, tmp_path, 
         seen.append(out.is_dir())
         raise UserError("stopped at the model load")
 
-    monkeypatch.setattr(engine.pruner, "load_model", load_model)
+    monkeypatch.setattr(engine.run.loop, "load_model", load_model)
     capfd.readouterr()
     assert main(["prune", "--model", str(tiny_path), "--out", str(out), "--steps", "1"]) == 2
     assert seen == [True]  # the folder existed when the model began to load

@@ -78,7 +78,7 @@ def real_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, wiki_small) -> Path:
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     out = tmp_path_factory.mktemp("inputs-run") / "run"
     config = PruneConfig(model=str(TINY_MODEL), steps=2, num_mask_samples=2, batch_size=2, max_windows=2,

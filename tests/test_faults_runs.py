@@ -19,7 +19,7 @@ from engine.cli import main
 from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.outdir import LOCK_FILE, OutputKind, check_output_folder, folder_lock, output_folder
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, engine_in_process, one_error, quiet
 
@@ -259,7 +259,7 @@ def test_a_cut_metrics_line_is_restored_from_the_checkpoint(finished_run, capfd)
 @pytest.mark.parametrize("minutes, expected", [(0.0, [3]), (1e-9, [1, 2, 3, 3])])
 def test_checkpoints_by_time(minutes, expected, tiny, eval_file, tmp_path, monkeypatch):
     saved = []
-    from engine.checkpoints import Checkpoints
+    from engine.run.checkpoints import Checkpoints
 
     original = Checkpoints.write
 

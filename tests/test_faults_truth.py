@@ -17,7 +17,7 @@ import pytest
 from engine.cli import main
 from engine.config import MAX_TIME_BUDGET, PruneConfig
 from engine.errors import MAX_LINE, UserError
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, one_error, quiet, tiny_config
 
@@ -59,9 +59,9 @@ def test_resume_of_a_stopped_run_without_its_checkpoint_is_refused(tiny, eval_fi
     assert files_of(out) == before  # the interrupted run's metric lines stay as they were, alone
 
 
-@pytest.mark.parametrize("phase, target", [("init metric", "engine.initialise.initial_metric"),
+@pytest.mark.parametrize("phase, target", [("init metric", "engine.run.initialise.initial_metric"),
                                            ("statistics", "engine.statistics.one_pass"),
-                                           ("evaluations", "engine.runmasks.perplexity")])
+                                           ("evaluations", "engine.run.masks.perplexity")])
 def test_an_interrupt_before_the_first_step_says_what_resume_does(phase, target, eval_file, tmp_path, monkeypatch, capfd):
     """Ctrl-C or SIGTERM (the CLI turns it into the same KeyboardInterrupt) in a phase before the first step: the
     message says what --resume will do, and it does that: a plain re-run is refused, --resume finishes the run."""
@@ -174,7 +174,7 @@ def test_a_killed_exports_temporary_folder_is_cleaned_by_the_next_export(finishe
 
 # --- memory ----------------------------------------------------------------------------------------------
 def test_a_huge_calibration_line_is_tokenized_in_bounded_pieces(tiny, eval_file, tmp_path):
-    from engine import pruner
+    from engine.run import loop as pruner
     from engine.tokenize_docs import CHUNK_CHARS
 
     tok, longest = tiny[1], [0]

@@ -204,7 +204,7 @@ def test_llama3_rope_factors_match_transformers():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
     from conftest import SMALL_CALIB, WIKI_RAW
 
     out = tmp_path_factory.mktemp("gguf") / "run"

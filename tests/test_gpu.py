@@ -11,7 +11,7 @@ from engine.config import PruneConfig
 from engine.data import eval_windows
 from engine.evaluate import perplexity
 from engine.loading import load_model, resolve_model
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from conftest import SMALL_CALIB
 

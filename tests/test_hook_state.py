@@ -202,7 +202,7 @@ def test_the_view_reads_through_to_the_run_and_refuses_assignment():
 def _fake_run(hooks=()):
     from types import SimpleNamespace
 
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     run = SimpleNamespace(ctx=SimpleNamespace(steps=10, fill="means"), stages=[(0, 0.3)], unit_metric="wanda-sp",
                           hooks=list(hooks))
@@ -323,7 +323,7 @@ class _Recorder:
 def test_runmasks_applies_the_transforms_in_the_order_it_is_given(reverse):
     from types import SimpleNamespace
 
-    from engine.runmasks import RunMasks
+    from engine.run.masks import RunMasks
 
     log = []
     a, b = _Recorder("a", log), _Recorder("b", log, edits=True)
@@ -346,7 +346,7 @@ def test_a_run_applies_its_transforms_in_the_listed_order(tiny, tiny_path, small
     reconstruction): from the
     method's final scores to the weights evaluated, the transforms are called in MASK_TRANSFORMS' order."""
     import engine.hooks as hooks
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     from test_pruner import small_config
 

@@ -12,7 +12,7 @@ import engine.loading
 from engine.config import PruneConfig
 from engine.errors import UserError
 from engine.ui.jobs import DONE, FAILED, LOADING, RUNNING, STOPPED, JobBusy, JobManager, delete_run
-from engine.pruner import PruneRun, StepReport
+from engine.run.loop import PruneRun, StepReport
 
 from conftest import SMALL_CALIB, TINY_MODEL, quiet
 

@@ -88,7 +88,7 @@ def test_refining_compares_the_best_mixes_again_on_more_batches(monkeypatch):
 def test_a_joint_run_refines_its_mix_on_the_next_init_batches(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
     """--mix-refine-batches N: the finalists are compared on the N init batches after the mix's (the batches
     the metric read: with --init-data all, what a one-shot run of the seed reads), and the plan counts them."""
-    import engine.initialise as initialise
+    import engine.run.initialise as initialise
     from engine.plan import model_skeleton, phase_tokens
     from test_methods import run_tiny
 
@@ -163,7 +163,7 @@ def test_comparable_width_metrics_split_the_width_by_one_ranking():
 def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
     """--bias-compensation: the means are measured before the mix is chosen, so every candidate's loss is the
     compensated model's (the same masking the run optimises and exports)."""
-    import engine.initialise as initialise
+    import engine.run.initialise as initialise
     from test_methods import run_tiny
 
     seen = []
@@ -227,7 +227,7 @@ def test_layer_score_const_validates():
 def test_a_joint_run_with_fixed_layers_learns_the_widths_only(tiny, tiny_path, small_eval_file, tmp_path):
     """PG joint with --layer-score-const 1: the layers the mix chose stay chosen at every step (their scores
     stay 0/1), the widths move, and the expected kept parameters stay at the budget."""
-    from engine.rundir import CHECKPOINT_FILE
+    from engine.run.folder import CHECKPOINT_FILE
     from test_methods import run_tiny
 
     out = tmp_path / "r"
@@ -247,7 +247,7 @@ def test_a_pg_run_starts_from_the_one_shot_mask_of_its_seed(units, tiny, tiny_pa
     metric and the joint mix read what a one-shot run of the seed reads, so PG's init mask (exported here: no later
     mask can beat it by a margin of 100 %) is the one-shot run's mask; --init-data training reads other batches."""
     from engine.export import load_mask_artifact
-    from engine.rundir import CHECKPOINT_FILE
+    from engine.run.folder import CHECKPOINT_FILE
     from test_methods import run_tiny
 
     common = dict(units=units, init="flap", layer_init="sleb", prune_ratio=0.5, budget="params", init_batches=3,
@@ -349,7 +349,7 @@ def test_the_metric_cache_extends_sleb_s_order(tmp_path, monkeypatch):
     makes the second removal only, then stores the order of 2; a run to 1 out then makes no model run."""
     from engine.arch import ModelAdapter
     from engine.distributed import World
-    from engine.initialise import cached_metric
+    from engine.run.initialise import cached_metric
     from engine.metrics import MetricContext
     from engine.unit_types import unit_sizes
     from test_methods import _Layout, build_model
@@ -385,7 +385,7 @@ def test_sleb_stores_its_order_after_each_removal(tmp_path, monkeypatch):
     import engine.metrics.layerwise_ppl as layerwise_ppl
     from engine.arch import ModelAdapter
     from engine.distributed import World
-    from engine.initialise import cached_metric
+    from engine.run.initialise import cached_metric
     from engine.metrics import MetricContext
     from engine.unit_types import unit_sizes
     from test_methods import _Layout, build_model
@@ -423,11 +423,11 @@ def test_without_a_cache_sleb_keeps_its_order_in_the_run_folder_until_the_first_
         tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
     """No $PG_PRUNE_METRIC_CACHE: SLEB's removals so far go to the run's init_progress/ (so that --resume after a
     stop during SLEB continues them), which the run removes once its first checkpoint holds the init."""
-    import engine.initialise as initialise
+    import engine.run.initialise as initialise
     from engine.arch import ModelAdapter
     from engine.distributed import World
     from engine.metrics import MetricContext
-    from engine.runfiles import INIT_PROGRESS_DIR
+    from engine.run.files import INIT_PROGRESS_DIR
     from engine.unit_types import unit_sizes
     from test_methods import _Layout, build_model, run_tiny
 

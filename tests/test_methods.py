@@ -24,7 +24,7 @@ from engine.export import export_pruned
 from engine.masking import MaskHooks
 from engine.policy import (keep_count, leave_one_out_baselines, policy_gradient, progressive_stages, relaxed_bernoulli,
                            sample_masks, stage_at)
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.units import UnitLayout
 
 from conftest import clean_env

@@ -178,7 +178,7 @@ def test_the_install_caches_the_dense_perplexity_a_first_run_takes(tiny_path, sm
     """install.sh's second build: the dense perplexity on a run's evaluation windows, stored as the run stores it
     (with its seconds, which a budgeted run needs), so that a run of the same model and windows takes it."""
     from engine.config import PruneConfig
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
     from engine.tools import model_copy
 
     monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))

@@ -16,12 +16,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import initialise, statistics
+from engine import statistics
+from engine.run import initialise
 from engine.arch import ModelAdapter
 from engine.config import PRESETS, PruneConfig
 from engine.metrics import activations
 from engine.metrics.activations import column_moments
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.reconstruction import InputMoments, input_moments
 from engine.statistics import ColumnMoments, one_pass
 from engine.unit_types import UNIT_TYPES

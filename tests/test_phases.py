@@ -1,13 +1,13 @@
-"""Where a run's wall time goes (engine/phases.py): nested phases counted once, in the inner one; the rest is
+"""Where a run's wall time goes (engine/run/phases.py): nested phases counted once, in the inner one; the rest is
 "other"; a run's results.json carries its phases."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.phases import PhaseClock, phase_line, resident_peak_mb
-from engine.results import peak_line
-from engine.pruner import PruneRun
+from engine.run.phases import PhaseClock, phase_line, resident_peak_mb
+from engine.run.results import peak_line
+from engine.run.loop import PruneRun
 
 from test_pruner import small_config
 

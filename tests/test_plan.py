@@ -47,7 +47,7 @@ def test_a_model_that_cannot_be_read_is_one_user_error(tmp_path):
 def test_the_plan_removes_what_the_run_removes(tmp_path, tiny_path, skeleton, units, budget, scope, rate):
     """The plan's count against a real (2-step) run's results.json: equal within one unit's weight, and never
     under the budget."""
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     config = PruneConfig(model=str(tiny_path), units=units, prune_ratio=rate, budget=budget, scope=scope, steps=2,
                          max_windows=2, init_batches=1, batch_size=2, seqlen=32, eval_seqlen=32, num_mask_samples=2,

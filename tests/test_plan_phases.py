@@ -1,4 +1,4 @@
-"""Honest time (issue 49): the plan a run starts with names the phases the run records (engine/phases.py), comes
+"""Honest time (issue 49): the plan a run starts with names the phases the run records (engine/run/phases.py), comes
 from one cost model (engine/plan.py), is kept in results.json beside what the run measured, and a job shows its
 phase and the time left by that plan before its first step."""
 
@@ -9,11 +9,11 @@ import time
 import pytest
 
 from engine.config import PRESETS, PruneConfig
-from engine.phases import PhaseClock
+from engine.run.phases import PhaseClock
 from engine.plan import (MIX_REFITS, RUN_PHASES, model_skeleton, phase_tokens, plan_time, refit_tokens,
                          statistics_plan, validation_checks)
-from engine.pruner import PruneRun
-from engine.runplan import PLAN_KEY, phase_progress, phase_status, plan_lines, plan_rows, start_plan
+from engine.run.loop import PruneRun
+from engine.run.plan import PLAN_KEY, phase_progress, phase_status, plan_lines, plan_rows, start_plan
 
 from test_pruner import small_config
 
@@ -193,10 +193,10 @@ def test_a_machine_busier_than_its_cached_probe_is_said_and_planned_at_todays_ra
                                                                                    tmp_path, monkeypatch):
     """A cached probe 10 times faster than a forward now: the run's plan says the machine is busier, and plans at
     the rate measured now (the cache keeps its own); a cached rate near today's is used as it is."""
-    from engine import runplan
+    from engine.run import plan as runplan
     from engine.plan import cached_probe, probe_key
     from engine.ppl_cache import cache_dir
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     from conftest import tiny_config
 

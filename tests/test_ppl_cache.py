@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import ppl_cache
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from test_pruner import small_config
 

@@ -13,7 +13,7 @@ from engine import precision
 from engine.arch import ModelAdapter
 from engine.config import PRESETS, PruneConfig
 from engine.precision import cpu_flags, native_bf16_cpu, pass_precision, resolve_pass_dtype
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.statistics import ColumnMoments, one_pass
 
 from test_adapters_export import build_model

@@ -20,9 +20,9 @@ from engine.export import load_mask_artifact
 from engine.loading import count_parameters, load_model, resolve_model
 from engine.masking import MaskHooks
 from engine.policy import cosine_lr, keep_count, update_baseline
-from engine.pruner import PruneRun, StepReport
-from engine.runstate import report_masks
-from engine.rundir import RUN_FORMAT_VERSION, RUN_MARKER, check_out_dir, is_run_dir, run_marker_version, write_run_marker
+from engine.run.loop import PruneRun, StepReport
+from engine.run.state import report_masks
+from engine.run.folder import RUN_FORMAT_VERSION, RUN_MARKER, check_out_dir, is_run_dir, run_marker_version, write_run_marker
 
 from conftest import DATA_DIR, SMALL_CALIB, quiet
 
@@ -112,7 +112,7 @@ def test_masks_artifact_and_budget(main_run):
     out, config, results, run = main_run["out"], main_run["config"], main_run["results"], main_run["run"]
     tensors = load_file(str(out / "masks.safetensors"))
     assert set(tensors) == {f"{k}.{u}" for k in ("scores", "masks", "init_scores", "init_masks") for u in ("heads", "channels")}
-    from engine.runmasks import mask_key  # the saved init mask is the one whose perplexity is ppl_init
+    from engine.run.masks import mask_key  # the saved init mask is the one whose perplexity is ppl_init
 
     assert run.masks.measured[mask_key({u: tensors[f"init_masks.{u}"] for u in ("heads", "channels")}, ...)] == \
         results["ppl_init"]

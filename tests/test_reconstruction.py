@@ -18,8 +18,8 @@ from engine.config import PruneConfig
 from engine.export import kept_indices
 from engine.masking import MaskHooks
 from engine.metrics.activations import column_moments
-from engine.pruner import PruneRun
-from engine.runmasks import mask_key
+from engine.run.loop import PruneRun
+from engine.run.masks import mask_key
 from engine.reconstruction import _groups, input_moments, reconstructed, regression
 from engine.unit_types import UNIT_TYPES, unit_sizes
 from engine.units import UnitLayout

@@ -14,7 +14,7 @@ from engine.executors import EXECUTORS, register_executor
 from engine.exporters import EXPORT_FORMATS, register_export_format
 from engine.methods import METHODS, Method, StepGradient, register_method
 from engine.metrics import METRICS, register_metric
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.unit_types import UNIT_TYPES, register_unit_type
 
 from conftest import SMALL_CALIB, WIKI_RAW

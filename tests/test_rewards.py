@@ -20,7 +20,7 @@ from engine.evaluate import batch_loss
 from engine.executors import EXECUTORS
 from engine.masking import MaskHooks
 from engine.plan import GENERATE_WEIGHT, model_skeleton, phase_tokens
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.rewards import REWARDS, DenseKL, row_kl
 
 from test_adapters_export import build_model

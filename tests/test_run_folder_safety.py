@@ -28,7 +28,7 @@ def test_a_run_started_through_the_api_writes_nothing_through_a_linked_metrics_f
     """PruneRun (the API the app's jobs use) into a folder whose metrics.jsonl is a link to a user's file: refused in
     one line naming the link, the user's file byte for byte as it was (before: start_state emptied it through the
     link, write_text following it)."""
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     user = tmp_path / "user" / "notes.txt"
     user.parent.mkdir()
@@ -46,7 +46,7 @@ def test_a_run_started_through_the_api_writes_nothing_through_a_linked_metrics_f
 def test_the_first_metrics_file_replaces_a_link_never_its_target(tiny, eval_file, tmp_path, monkeypatch):
     """The write itself (not only the check before it): start_state's empty metrics.jsonl replaces a link that
     appeared there, atomically, and the linked file stays as it was."""
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     user = tmp_path / "user.txt"
     user.write_text("mine\n")
@@ -68,7 +68,7 @@ def test_the_first_metrics_file_replaces_a_link_never_its_target(tiny, eval_file
 def test_an_api_resume_keeps_the_users_files_in_model(finished, tiny, eval_file):
     """PruneRun(...).run(resume=True) of a finished run re-exports model/: the user's notes and sub-folder there are
     refused as --overwrite refuses them, and nothing is deleted (before: the export replaced model/ with them)."""
-    from engine.pruner import PruneRun
+    from engine.run.loop import PruneRun
 
     (finished / "model" / "notes.txt").write_text("mine\n")
     (finished / "model" / "sub").mkdir()
@@ -85,7 +85,7 @@ def test_an_api_resume_keeps_the_users_files_in_model(finished, tiny, eval_file)
 def test_the_apps_export_into_a_runs_own_names_is_refused(finished, name):
     """The Runs page's "Copy the sliced model to a new folder" into RUN/model.gguf (or another of the run's own
     names) is refused as the CLI's export is: the run's --overwrite would delete it (before: it was written)."""
-    from engine.rundir import remove_run_files
+    from engine.run.folder import remove_run_files
     from engine.ui.jobs import export_run_model
 
     with pytest.raises(UserError, match=f"{name} belongs to the run around it") as refused:
@@ -100,7 +100,7 @@ def test_the_apps_export_into_a_runs_own_names_is_refused(finished, name):
 def test_a_metrics_file_with_bytes_that_are_not_utf8_keeps_its_good_lines(tmp_path):
     """trim_metrics (what --resume does to metrics.jsonl) on a file whose tail is garbage bytes (a copy cut short, a
     damaged disk): the good step lines are kept, the garbage dropped (before: UnicodeDecodeError, a traceback)."""
-    from engine.rundir import trim_metrics
+    from engine.run.folder import trim_metrics
 
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": n, "losses": [1.0]}) for n in (1, 2, 3)]
@@ -114,7 +114,7 @@ def test_a_linked_leftover_is_removed_and_its_target_kept(tmp_path):
     """remove_leftovers (run by --resume and --overwrite) on a .model.old that is a link to a user's folder: the link
     goes, the folder stays whole (before: rmtree refused the link silently, and the next export's rename onto it
     failed)."""
-    from engine.rundir import remove_leftovers
+    from engine.run.folder import remove_leftovers
 
     user = tmp_path / "user"
     user.mkdir()
@@ -168,7 +168,7 @@ def test_overwrite_refuses_a_folder_under_a_run_files_name_before_deleting_anyth
     """A folder of the user's named like one of the run's files (RUN/model.f16.gguf/, an old export): --overwrite (and
     the app's delete, remove_run_files) refuse in one line before deleting anything (before: config.json, metrics.jsonl
     and the rest were deleted, then unlink failed on the folder: IsADirectoryError, a traceback, half a run left)."""
-    from engine.rundir import check_out_dir, remove_run_files
+    from engine.run.folder import check_out_dir, remove_run_files
 
     run = tmp_path / "run"
     run.mkdir()

@@ -18,7 +18,7 @@ import torch
 from engine.cli import main
 from engine.config import PruneConfig
 from engine.errors import UserError
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from conftest import (REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW, calib_data_dir, clean_env, engine_in_process, one_error,
                       process_alive, quiet, tiny_config)
@@ -169,7 +169,7 @@ def test_a_crafted_metric_cache_entry_runs_nothing(tmp_path, monkeypatch):
 
     from engine.arch import ModelAdapter
     from engine.distributed import World
-    from engine.initialise import cached_metric
+    from engine.run.initialise import cached_metric
     from engine.metrics import MetricContext
     from engine.unit_types import unit_sizes
     from test_methods import _Layout, build_model
@@ -207,7 +207,7 @@ def test_a_crafted_checkpoint_runs_nothing_on_the_apps_resume(stopped_run, tmp_p
 
 def test_checkpoints_written_today_load_through_the_safe_path(stopped_run, capfd):
     """The weights-only reader takes every checkpoint a run writes (and an older one is the same format)."""
-    from engine.checkpoints import read_checkpoint
+    from engine.run.checkpoints import read_checkpoint
 
     assert read_checkpoint(stopped_run / "checkpoint.pt")["step"] == 1
     assert main(["prune", "--out", str(stopped_run), "--resume"]) == 0

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from engine import statistics
 from engine.arch import ModelAdapter
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 from engine.reconstruction import InputMoments
-from engine.runplan import PLAN_KEY
+from engine.run.plan import PLAN_KEY
 from engine.statistics import ColumnMoments, StatisticsCache, one_pass
 
 from conftest import engine_in_process

@@ -16,7 +16,7 @@ from engine.errors import UserError
 from engine.distributed import World
 from engine.hooks.time_budget import EXPORT_SECONDS, RESERVE_FACTOR, TimeBudget, planned_steps, share_of_time_left
 from engine.policy import LR_SCHEDULE_FNS
-from engine.pruner import PruneRun
+from engine.run.loop import PruneRun
 
 from test_pruner import small_config
 
@@ -25,7 +25,7 @@ from test_pruner import small_config
 def plan_fits_no_count(monkeypatch):
     """The steps the real plan fits (from this machine's probe) are not these tests' subject, whose step costs are a
     fake clock: the plan's count is left out (None, as a run in memory has), unless a test sets one."""
-    import engine.pruner as pruner
+    import engine.run.loop as pruner
 
     real = pruner.plan_with_steps
     monkeypatch.setattr(pruner, "plan_with_steps", lambda run, done_steps=None: (real(run, done_steps)[0], None))
@@ -129,9 +129,9 @@ def test_a_budget_whose_plan_fits_fewer_steps_than_pay_takes_none_and_exports_th
     """Issue 65: a plan that fits fewer than MIN_STEPS steps (a first run on a slower machine fitted 0, took 1, and
     ended 5 % above its init) buys no step, where the budget is what binds (here 2.5 of --steps 4): the run says so
     before the steps, takes none and exports its init mask."""
-    import engine.pruner as pruner
+    import engine.run.loop as pruner
     from engine.hooks.time_budget import MIN_STEPS
-    from engine.runplan import plan_with_steps
+    from engine.run.plan import plan_with_steps
 
     monkeypatch.setattr(pruner, "plan_with_steps",
                         lambda run, done_steps=None: (plan_with_steps(run, done_steps)[0], 2.5))

@@ -313,7 +313,7 @@ def base_model_name(run_dir: Path) -> str:
     recover_config.json's `teacher`, the run's base model): the model whose tokenizer files the GGUF carries."""
     import json
 
-    from ..runfiles import CONFIG_FILE, RECOVER_CONFIG_FILE, has_recover_marker, has_run_marker
+    from ..run.files import CONFIG_FILE, RECOVER_CONFIG_FILE, has_recover_marker, has_run_marker
 
     name, key = ((RECOVER_CONFIG_FILE, "teacher") if has_recover_marker(run_dir) and not has_run_marker(run_dir)
                  else (CONFIG_FILE, "model"))
@@ -330,7 +330,7 @@ def base_model_name(run_dir: Path) -> str:
 def export_gguf(run_dir: Path, dest: Path, outtype: str) -> dict:
     """GGUF for llama.cpp (deci architecture: per-layer head counts and FFN widths)."""
     from ..loading import load_model, resolve_model
-    from ..runfiles import MODEL_DIR
+    from ..run.files import MODEL_DIR
 
     model, _ = load_model(resolve_model(str(run_dir / MODEL_DIR)), "float32", "cpu")
     check_exportable(model)  # before the base model's tokenizer is looked for

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import UserError, shorten
 from ..io import atomic_dir
 from .checks import model_folder_problem
-from ..runfiles import MODEL_DIR
+from ..run.files import MODEL_DIR
 from .registry import register_export_format
 
 

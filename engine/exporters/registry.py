@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..io import remove_stale_temps
 from ..outdir import folder_lock
 from ..registry import add_entry
-from ..runfiles import has_recover_marker, has_run_marker, MASKS_META_FILE, MODEL_DIR
+from ..run.files import has_recover_marker, has_run_marker, MASKS_META_FILE, MODEL_DIR
 
 Exporter = Callable[[Path, Path, str], dict]  # (run folder, destination, outtype) -> what was written
 

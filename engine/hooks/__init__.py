@@ -53,7 +53,7 @@ MASK_TRANSFORMS: list[tuple[str, type[RunHook]]] = [
 
 
 def joined_transforms(hooks: list[RunHook]) -> list[tuple[str, RunHook]]:
-    """(transform, hook) of a run's joined hooks, in MASK_TRANSFORMS' order (engine/runmasks.py applies them)."""
+    """(transform, hook) of a run's joined hooks, in MASK_TRANSFORMS' order (engine/run/masks.py applies them)."""
     return [(name, hook) for name, cls in MASK_TRANSFORMS for hook in hooks if type(hook) is cls]
 
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 if TYPE_CHECKING:  # annotations only
-    from ..pruner import PruneRun
-    from ..runstate import RunState, StepReport
+    from ..run.loop import PruneRun
+    from ..run.state import RunState, StepReport
 
 KEEP: Any = type("Keep", (), {"__repr__": lambda self: "KEEP"})()  # a RunChanges field that changes nothing
 

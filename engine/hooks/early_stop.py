@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runmasks import mask_key
+from ..run.masks import mask_key
 from .base import RunChanges, RunHook
 
 SATURATED = 0.01  # a score within this of 0 or 1 is saturated

@@ -26,7 +26,7 @@ MIN_BATCHES = 8  # ... and never fewer batches than this (or --reconstruct-batch
 # a run that takes no steps (a one-shot method: the default preset's run) has nothing to leave the time to: its
 # statistics may take all of it but what its plan's later phases need, this much more than planned
 LATER_MARGIN = 1.25
-# the plan's phases before the statistics, the statistics' own and the sums (engine/runplan.py's "other", "total");
+# the plan's phases before the statistics, the statistics' own and the sums (engine/run/plan.py's "other", "total");
 # every other phase of the plan comes after them
 NOT_LATER = ("load", "calibration text", "loading", "data and export", "statistics", "refit statistics", "other",
              "total")

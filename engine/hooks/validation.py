@@ -13,8 +13,8 @@ from contextlib import ExitStack
 
 import torch
 
-from ..runmasks import mask_key
-from ..runstate import check_finite
+from ..run.masks import mask_key
+from ..run.state import check_finite
 from .base import RunHook
 
 

@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:  # annotations only: methods never import the run
     from ..context import StepContext
-    from ..runstate import RunState
+    from ..run.state import RunState
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import UserError
 from ..loading import count_parameters
-from ..runfiles import GGUF_FILE, MODEL_DIR, RECOVER_DIR, RESULTS_FILE, has_recover_marker
+from ..run.files import GGUF_FILE, MODEL_DIR, RECOVER_DIR, RESULTS_FILE, has_recover_marker
 from ..unit_types import unit_sizes
 
 _locks: dict[int, threading.Lock] = {}
@@ -212,7 +212,7 @@ def load_dense_gguf(run_dir: str | Path, cache_dir: str | Path, threads: int | N
     run's tokenizer, as the pruned side does."""
     import json
 
-    from ..runfiles import CONFIG_FILE
+    from ..run.files import CONFIG_FILE
     from .gguf_cache import dense_gguf, gguf_outtype
 
     run_dir = Path(run_dir)

@@ -29,7 +29,7 @@ def dense_perplexity(model: str = DEFAULT_MODEL, **settings) -> float | None:
     and stored there with its seconds, as the run would store it; None when the cache is off."""
     from .. import ppl_cache
     from ..config import PruneConfig
-    from ..pruner import PruneRun
+    from ..run.loop import PruneRun
 
     if ppl_cache.cache_dir() is None:
         return None

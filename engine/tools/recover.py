@@ -49,7 +49,7 @@ from ..errors import UserError
 from ..fields import setting
 from ..outdir import OutputKind
 from ..precision import PASS_DTYPES
-from ..runfiles import RECOVER_CONFIG_FILE, RECOVER_MARKER
+from ..run.files import RECOVER_CONFIG_FILE, RECOVER_MARKER
 
 CONFIG_FILE, LOG_FILE, RESULTS_FILE = RECOVER_CONFIG_FILE, "recover_log.jsonl", "recover_results.json"
 CHECKPOINT_FILE, MODEL_DIR = "recover_checkpoint.pt", "model"
@@ -417,8 +417,8 @@ def run_settings(run_dir: Path):
     """The finished run's saved config (a PruneConfig), refused in one line when RUN is no finished run (no
     model/, no results.json)."""
     from ..config import PruneConfig
-    from ..rundir import is_run_dir
-    from ..runfiles import CONFIG_FILE as RUN_CONFIG, MODEL_DIR as RUN_MODEL, RESULTS_FILE as RUN_RESULTS
+    from ..run.folder import is_run_dir
+    from ..run.files import CONFIG_FILE as RUN_CONFIG, MODEL_DIR as RUN_MODEL, RESULTS_FILE as RUN_RESULTS
 
     if not run_dir.is_dir():
         raise UserError(f"run folder not found: {run_dir}")
@@ -556,7 +556,7 @@ def _recover(config: RecoverConfig, out: Path, log, on_step, stop, resume: bool)
     from ..evaluate import perplexity
     from ..io import atomic_write_text
     from ..loading import count_parameters, load_model, resolve_model
-    from ..runfiles import MODEL_DIR as RUN_MODEL, RESULTS_FILE as RUN_RESULTS
+    from ..run.files import MODEL_DIR as RUN_MODEL, RESULTS_FILE as RUN_RESULTS
     from .finetune import load_local_model, save_like_export, training_segments
 
     started = time.perf_counter()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..outdir import OutputKind, output_folder
-from ..runfiles import MASKS_META_FILE
+from ..run.files import MASKS_META_FILE
 
 TASK_TEMPLATES = Path(__file__).resolve().parent / "tasks"
 ALL_TASKS = ("piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "boolq", "lambada_openai")

@@ -130,7 +130,7 @@ def results_problem(results) -> str | None:
 
 
 def _reduced_problem(reduced) -> str | None:
-    """results.json's "reduced" ({setting: [asked, used], "why": reason}, engine/results.py's reduced_line)."""
+    """results.json's "reduced" ({setting: [asked, used], "why": reason}, engine/run/results.py's reduced_line)."""
     if reduced is None:
         return None
     if not isinstance(reduced, dict):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..io import remove_stale_temps, temp_name
-from ..runfiles import GGUF_FILE, MODEL_DIR
+from ..run.files import GGUF_FILE, MODEL_DIR
 from ..tools.gguf_cache import (DENSE_GGUF_DIR, check_outtype, dense_gguf, dense_gguf_path, file_lock,  # noqa: F401
                                 gguf_outtype)
 

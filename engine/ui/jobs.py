@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..config import PruneConfig
 from ..errors import UserError
-from ..runstate import report_masks
+from ..run.state import report_masks
 from .paths import RUNS_DIR_ENV, default_runs_dir  # noqa: F401  (the runs folder: the pages import it from here)
 
 if TYPE_CHECKING:  # annotations only
@@ -68,7 +68,7 @@ class JobSnapshot:
     started_at: float | None = None
     finished_at: float | None = None
     resumed_from: int = 0  # steps already done when this job started (resume)
-    clock: dict | None = None  # the run's phase open now, its seconds and its plan (engine/runplan.py's phase_status)
+    clock: dict | None = None  # the run's phase open now, its seconds and its plan (engine/run/plan.py's phase_status)
     plan: dict | None = None  # the time plan the run started with (results.json's plan_seconds_by_phase)
 
     @property
@@ -117,7 +117,7 @@ def _without_masks(report: dict) -> dict:
 def _init_view(run):
     """The init mask the run computed (PruneRun.start_masks), with the initial scores of the units it reports in
     detail; None before the run has one."""
-    from ..runstate import mask_rows
+    from ..run.state import mask_rows
     from .masks import INIT, scores_view
 
     if getattr(run, "start_masks", None) is None:
@@ -184,7 +184,7 @@ class JobManager(BackgroundJob):
         """Start a job; raises JobBusy while one runs and UserError on bad input (checked here, fast). With
         resume=True the run folder's own config.json is used and `config` is ignored."""
         from ..loading import resolve_model
-        from ..rundir import CONFIG_FILE, check_out_dir
+        from ..run.folder import CONFIG_FILE, check_out_dir
 
         out = Path(out_dir)
         with self._lock:
@@ -219,7 +219,7 @@ class JobManager(BackgroundJob):
             return True
 
     def snapshot(self) -> JobSnapshot:
-        from ..runplan import phase_status
+        from ..run.plan import phase_status
 
         with self._lock:
             s, run = self._snap, self._run
@@ -247,8 +247,8 @@ class JobManager(BackgroundJob):
     # --- the worker ------------------------------------------------------------------------
     def _work(self, config: PruneConfig, out: Path, resume: bool, stop: threading.Event) -> None:
         try:
-            from ..pruner import PruneRun
-            from ..rundir import CHECKPOINT_FILE
+            from ..run.loop import PruneRun
+            from ..run.folder import CHECKPOINT_FILE
 
             started = time.monotonic()  # (the run's "load" and --time-budget count the model's loading, as the CLI's)
             model, tok = self._models.load(config)
@@ -308,7 +308,7 @@ class RunInfo:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    from ..rundir import METRICS_FILE
+    from ..run.folder import METRICS_FILE
 
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
@@ -332,7 +332,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def _stamp(p: Path) -> tuple | None:
     """What read_run reads, as (modification time, size) of each file, or None when config.json is not there: a
     run whose stamp is unchanged reads the same."""
-    from ..runfiles import CHECKPOINT_FILE, CONFIG_FILE, MASKS_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
+    from ..run.files import CHECKPOINT_FILE, CONFIG_FILE, MASKS_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
 
     out = []
     for name in (CONFIG_FILE, RESULTS_FILE, METRICS_FILE, MASKS_FILE, MODEL_DIR, CHECKPOINT_FILE):
@@ -368,7 +368,7 @@ def read_run(path: str | Path) -> RunInfo | None:
 
 
 def _read_run(path: str | Path) -> RunInfo | None:
-    from ..runfiles import CHECKPOINT_FILE, CONFIG_FILE, MASKS_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
+    from ..run.files import CHECKPOINT_FILE, CONFIG_FILE, MASKS_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE
 
     from .checks import config_problem, results_problem
 
@@ -426,8 +426,8 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
     from contextlib import nullcontext
 
     from ..outdir import cleanup_out_dir, folder_lock, remove_owned
-    from ..rundir import is_run_dir, remove_run_files
-    from ..runfiles import RECOVER_DIR
+    from ..run.folder import is_run_dir, remove_run_files
+    from ..run.files import RECOVER_DIR
     from ..tools.recover import RECOVER_OUTPUT
 
     p = Path(run_dir)
@@ -449,8 +449,8 @@ def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:
     exporter's copy, the same as `python -m engine export RUN --format hf`. dest must lie in the runs folder or a
     folder of $PG_PRUNE_APP_FOLDERS (engine/ui/paths.py): it is typed in the page."""
     from ..exporters import export_run
-    from ..rundir import check_export_destination
-    from ..runfiles import MODEL_DIR
+    from ..run.folder import check_export_destination
+    from ..run.files import MODEL_DIR
     from .paths import app_path
 
     dest = app_path(dest, "the export folder")

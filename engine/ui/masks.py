@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runstate import report_masks
+from ..run.state import report_masks
 from ..unit_types import UNIT_TYPES
 
 CURRENT, FINAL, INIT = "current", "final", "init"
@@ -95,7 +95,7 @@ def saved_views(run_dir: str | Path, results: dict | None = None) -> list[MaskVi
     """The final and init masks a finished run saved (masks.safetensors and masks.json); none when unreadable."""
     from safetensors.torch import load_file
 
-    from ..runfiles import MASKS_FILE, MASKS_META_FILE
+    from ..run.files import MASKS_FILE, MASKS_META_FILE
 
     run_dir = Path(run_dir)
     try:

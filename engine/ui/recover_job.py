@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runfiles import RECOVER_DIR
+from ..run.files import RECOVER_DIR
 from .jobs import DONE, IDLE, RUNNING, STOPPED, STOPPING, BackgroundJob, JobBusy
 
 ACTIVE = (RUNNING, STOPPING)

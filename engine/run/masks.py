@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import ppl_cache
-from .evaluate import batch_loss, perplexity
-from .loading import model_device
-from .policy import LR_SCHEDULE_FNS, stage_at
-from .precision import pass_precision, run_eval_dtype
+from .. import ppl_cache
+from ..evaluate import batch_loss, perplexity
+from ..loading import model_device
+from ..policy import LR_SCHEDULE_FNS, stage_at
+from ..precision import pass_precision, run_eval_dtype
 
 if TYPE_CHECKING:  # annotations only
-    from .pruner import PruneRun
+    from .loop import PruneRun
 
 
 def mask_key(flat_masks: dict[str, torch.Tensor] | None, fill) -> tuple:
@@ -56,7 +56,7 @@ class RunMasks:
         return masks
 
     def init_masks(self, state) -> dict[str, torch.Tensor] | None:
-        """The init mask: the one the init perplexity measures (engine/initialise.py's fresh_state); None for a
+        """The init mask: the one the init perplexity measures (engine/run/initialise.py's fresh_state); None for a
         state that holds neither the init mask's scores nor the init metric."""
         scores = state.init_mask_scores or state.init_metric
         return None if scores is None else self.hard_masks(scores)

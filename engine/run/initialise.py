@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import ppl_cache
-from .errors import UserError
-from .io import atomic_write_text
-from .metrics import METRICS, MetricContext
-from .metrics.registry import removal_order
-from .joint import choose_mix
-from .metrics.probability import initial_scores, standardize
-from .precision import run_pass_dtype, run_passes
-from .statistics import STATISTICS, Statistic, StatisticsCache, fork, pass_stream, statistics_pass
-from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
-from .runfiles import INIT_PROGRESS_DIR
-from .runstate import RunState, check_finite
-from .unit_types import UNIT_TYPES
+from .. import ppl_cache
+from ..errors import UserError
+from ..io import atomic_write_text
+from ..metrics import METRICS, MetricContext
+from ..metrics.registry import removal_order
+from ..joint import choose_mix
+from ..metrics.probability import initial_scores, standardize
+from ..precision import run_pass_dtype, run_passes
+from ..statistics import STATISTICS, Statistic, StatisticsCache, fork, pass_stream, statistics_pass
+from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
+from .files import INIT_PROGRESS_DIR
+from .state import RunState, check_finite
+from ..unit_types import UNIT_TYPES
 
 if TYPE_CHECKING:  # annotations only
-    from .pruner import PruneRun
+    from .loop import PruneRun
 
 
 def metric_names(run: "PruneRun") -> dict[str, str]:

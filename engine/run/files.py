@@ -24,7 +24,7 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINT_FILE, RESULTS_FILE, MASKS_FIL
 
 
 def has_run_marker(folder: Path) -> bool:
-    """Does the folder carry a run's marker file? (engine.rundir.is_run_dir also recognises runs from before it.)"""
+    """Does the folder carry a run's marker file? (engine.run.folder.is_run_dir also recognises runs from before it.)"""
     return (Path(folder) / RUN_MARKER).is_file()
 
 

@@ -23,39 +23,39 @@ from typing import Callable
 
 import torch
 
-from .arch import ModelAdapter
-from .budget import BUDGETS
-from .calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache,
+from ..arch import ModelAdapter
+from ..budget import BUDGETS
+from ..calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache,
                             check_generation, source_of)
 from .checkpoints import Checkpoints
-from .config import PruneConfig
-from .context import StepContext
-from .distributed import World, weights_digest
-from .data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
-from .errors import UserError
-from .executors import EXECUTORS, resolve_executor
-from .hooks import KEEP, RUN_HOOKS, RunChanges, RunView, joined_transforms
+from ..config import PruneConfig
+from ..context import StepContext
+from ..distributed import World, weights_digest
+from ..data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
+from ..errors import UserError
+from ..executors import EXECUTORS, resolve_executor
+from ..hooks import KEEP, RUN_HOOKS, RunChanges, RunView, joined_transforms
 from .initialise import fresh_state, metric_cache_folder, start_state
-from .statistics import STATS_CACHE_ENV, stats_cache_dir
-from .loading import check_positions, load_model, model_device, resolve_model
-from .methods import METHODS, method_options
-from .outdir import folder_lock
+from ..statistics import STATS_CACHE_ENV, stats_cache_dir
+from ..loading import check_positions, load_model, model_device, resolve_model
+from ..methods import METHODS, method_options
+from ..outdir import folder_lock
 from .phases import PhaseClock
-from .plan import say_text_plan
-from .precision import emulated_bf16_line, run_device_type, run_step_dtype, step_dtype_problem, step_precision
-from .runplan import plan_with_steps
+from ..plan import say_text_plan
+from ..precision import emulated_bf16_line, run_device_type, run_step_dtype, step_dtype_problem, step_precision
+from .plan import plan_with_steps
 from .results import finish
-from .memory_check import check_run_fits
-from .tokenize_docs import tokenize_documents
-from .rewards import REWARDS
-from . import ppl_cache
-from .runmasks import RunMasks
-from .io import append_line
-from .rundir import METRICS_FILE, MODEL_DIR, check_no_links, check_removable
-from .runstate import RunState, StepReport, check_finite, mask_rows  # noqa: F401  (StepReport: part of the run's API)
-from .unit_types import UNIT_TYPES
-from .units import UnitLayout
-from .unit_types import unit_sizes
+from ..memory_check import check_run_fits
+from ..tokenize_docs import tokenize_documents
+from ..rewards import REWARDS
+from .. import ppl_cache
+from .masks import RunMasks
+from ..io import append_line
+from .folder import METRICS_FILE, MODEL_DIR, check_no_links, check_removable
+from .state import RunState, StepReport, check_finite, mask_rows  # noqa: F401  (StepReport: part of the run's API)
+from ..unit_types import UNIT_TYPES
+from ..units import UnitLayout
+from ..unit_types import unit_sizes
 
 Observer = Callable[[StepReport], None]
 
@@ -182,7 +182,7 @@ class PruneRun:
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
         self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
         self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics
-        self.plan = None  # results.json's plan_seconds_by_phase: made by run() (engine/runplan.py)
+        self.plan = None  # results.json's plan_seconds_by_phase: made by run() (engine/run/plan.py)
         self.plan_steps = None  # (under --time-budget: the steps the plan fits, for the hook's minimum)
 
     def fingerprint(self) -> str | None:

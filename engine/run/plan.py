@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only
-    from .pruner import PruneRun
+    from .loop import PruneRun
 
 PLAN_KEY = "plan_seconds_by_phase"  # results.json's key of the plan the run started with
 
@@ -22,8 +22,8 @@ PLAN_KEY = "plan_seconds_by_phase"  # results.json's key of the plan the run sta
 def run_rate(run: "PruneRun", skeleton, passes: str | None = None) -> tuple[float, str]:
     """(seconds per token of a dense forward, where it comes from); passes: of one autocast to that dtype (the
     one-shot passes', engine/precision.py)."""
-    from .plan import cached_probe, probe_key, probe_seconds_per_token
-    from .ppl_cache import cache_dir
+    from ..plan import cached_probe, probe_key, probe_seconds_per_token
+    from ..ppl_cache import cache_dir
 
     c = run.config
     hit = cached_probe(cache_dir(), probe_key(c.model, c.dtype, c.batch_size, c.seqlen, passes))
@@ -62,9 +62,9 @@ def time_plan(run: "PruneRun", done_steps: int | None = None):
     one-shot passes' dtype when it is another, their rate): engine/plan.py's plan_time at this machine's rates, the
     dense perplexity's cache and the calibration text's seconds as the run has them now. The one plan that the
     run's plan line, --time-budget's trades and the steps that fit are read from."""
-    from .calib_sources import PHASE as CALIB_PHASE
+    from ..calib_sources import PHASE as CALIB_PHASE
     from .initialise import cached_phases
-    from .plan import pass_dtype_of, plan_time, skeleton_of
+    from ..plan import pass_dtype_of, plan_time, skeleton_of
 
     c = run.config
     skeleton = skeleton_of(run.model, c.model, "gguf" if run.source.gguf_file else "folder")
@@ -87,7 +87,7 @@ def plan_with_steps(run: "PruneRun", done_steps: int | None = None) -> tuple[dic
     until then (the CLI's imports, the model, the data and the probe), its "calibration text" what the calibration
     source's text took (generated, or read from its cache), the rest is planned. A fresh run (done_steps None) or one
     resumed at done_steps. Logged."""
-    from .hooks.reconstruction import Reconstruction
+    from ..hooks.reconstruction import Reconstruction
 
     plan, rate, source, passes, pass_rate = time_plan(run, done_steps)
     phases = dict(plan.phases)

@@ -5,25 +5,25 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from .budget import removal_report
-from .calib_sources import source_of
-from .distributed import shares
-from .io import atomic_write_text
-from .loading import count_parameters
+from ..budget import removal_report
+from ..calib_sources import source_of
+from ..distributed import shares
+from ..io import atomic_write_text
+from ..loading import count_parameters
 from .phases import phase_line
-from .precision import run_eval_dtype, run_pass_dtype, run_step_dtype
-from .rundir import MODEL_DIR, RESULTS_FILE
-from .runplan import PLAN_KEY
-from .runstate import RunState, peak_rss_mb
-from .unit_types import UNIT_TYPES
+from ..precision import run_eval_dtype, run_pass_dtype, run_step_dtype
+from .folder import MODEL_DIR, RESULTS_FILE
+from .plan import PLAN_KEY
+from .state import RunState, peak_rss_mb
+from ..unit_types import UNIT_TYPES
 
 if TYPE_CHECKING:  # annotations only
-    from .pruner import PruneRun
+    from .loop import PruneRun
 
 
 def planned_memory_mb(run: "PruneRun") -> float | None:
     """The plan's estimate of the run's peak memory (MB), beside the measured peak; None where it cannot be made."""
-    from .plan import plan_memory, skeleton_of
+    from ..plan import plan_memory, skeleton_of
 
     try:
         skeleton = skeleton_of(run.model, run.config.model, "gguf" if run.source.gguf_file else "folder")
@@ -90,13 +90,13 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "world_size": run.world.size,  # torchrun's ranks in the session that finished the run
         "mask_samples_by_rank": shares(c.num_mask_samples, run.world.size),  # which rank ran which of the N_s samples
         "worlds": state.worlds,  # each session's ranks from the step it started at
-        PLAN_KEY: getattr(run, "plan", None),  # the time plan this session started with (engine/runplan.py)
+        PLAN_KEY: getattr(run, "plan", None),  # the time plan this session started with (engine/run/plan.py)
     }
 
 
 def finish(run: "PruneRun", state: RunState) -> dict:
     """The final mask from the method's (or a hook's) scores: evaluated, saved, exported as a sliced model."""
-    from .export import build_pruned_model, export_pruned, save_mask_artifact
+    from ..export import build_pruned_model, export_pruned, save_mask_artifact
 
     scores = run.masks.final_scores(state, run.method.final_scores(state))
     masks = run.final_masks(scores, state.init_metric)

@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import UserError
-from .io import atomic_file
-from .rundir import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
-from .runstate import RunState
+from ..errors import UserError
+from ..io import atomic_file
+from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
+from .state import RunState
 
 if TYPE_CHECKING:  # annotations only
-    from .pruner import PruneRun
+    from .loop import PruneRun
 
 
 def _normalised(saved: dict) -> dict:
     """A config a checkpoint saved, in today's fields with every method option written out."""
-    from .config import PruneConfig
+    from ..config import PruneConfig
 
     try:
         return json.loads(json.dumps(PruneConfig.from_dict(saved).validate().to_dict()))

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .errors import UserError
-from .io import dumps_json
+from ..errors import UserError
+from ..io import dumps_json
 
 
 def peak_rss_mb() -> float:

@@ -1,0 +1,3 @@
+"""The run: its loop (loop.PruneRun), its state (state.RunState, the checkpoint's content), the masks it takes
+from its scores, its start (initialise), its checkpoints, its folder and file names, its plan and phases, and
+results.json. Nothing here is imported by the algorithm packages (methods, metrics, unit_types, arch)."""
