@@ -609,9 +609,8 @@ def report(args) -> None:
         for set_name, (seeds, _) in SETS.items():
             names = MEASURES[set_name]
             for rate in (0.3, 0.5):
-                rows, per_seed = [], []
+                rows, per_seed, base = [], [], VARIANT_BASES.get(variant, "init")
                 for seed in seeds:
-                    base = VARIANT_BASES.get(variant, "init")
                     a, b = cell_measures(rate, seed, base), cell_measures(rate, seed, variant)
                     have = [n for n in names if n in a and n in b]
                     if not have:
@@ -623,7 +622,6 @@ def report(args) -> None:
                         f"{x:.0f} s" if x is not None else "?" for x in secs) + " |")
                 if not per_seed:
                     continue
-                base = VARIANT_BASES.get(variant, "init")
                 lines += [f"## `{variant}` ({' '.join(RUNS[variant])}) against `{base}`: {set_name}, {round(rate * 100)} %",
                           "", "| seed | " + " | ".join(LABELS[n] for n in names) + f" | {VARIANT_PHASES[variant]}, wall |",
                           "|---" * (len(names) + 2) + "|", *rows, mean_row(per_seed, names, " |"), ""]

@@ -139,7 +139,7 @@ case "${1:-}" in
   m) lanes=(lane_m) ;;
   l) lanes=(lane_l) ;;
   "") ;;
-  *) echo "error: expected status, a, b, c, d, e, f, g, h, i or nothing, got '$1'" >&2; exit 2 ;;
+  *) echo "error: expected status, a, b, c, d, e, f, g, h, i, j, k, l, m or nothing, got '$1'" >&2; exit 2 ;;
 esac
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "

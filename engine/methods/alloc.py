@@ -137,11 +137,11 @@ class AllocOptions:
         n = getattr(config, "num_mask_samples", None)
         if n is not None and n % 2:
             raise UserError(f"pg-alloc draws its offsets in antithetic pairs: num mask samples must be even, got {n}")
-        lr, field = getattr(config, "lr", None), getattr(type(config), "__dataclass_fields__", {}).get("lr")
-        if lr is not None and field is not None and lr != field.default:  # (next_scores: only lr / lr0 is read)
-            alpha = type(self).__dataclass_fields__["step"].default
+        lr, default_lr = getattr(config, "lr", None), getattr(type(config), "lr", None)  # (a dataclass's default)
+        if lr is not None and default_lr is not None and lr != default_lr:  # (next_scores: only lr / lr0 is read)
             raise UserError(f"pg-alloc's step is scale-free: --lr {lr:g} would change nothing (only the schedule's "
-                            f"shape counts); set its step with --alloc-step (alpha, default {alpha:g}) or --alloc-sigma")
+                            f"shape counts); set its step with --alloc-step (alpha, default {type(self).step:g}) or "
+                            "--alloc-sigma")
         if getattr(config, "init", None) == "random-progressive":
             raise UserError("pg-alloc cuts every sample at the run's target budget: it does not take "
                             "--init random-progressive's rising budget")
