@@ -268,7 +268,7 @@ def cell_config_file(cell: Path) -> Path:
 
 def load_cell_config(cell: Path):
     """A comparison cell's PruneConfig (cell_config_file's), or one `error:` line for a folder that is no cell."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.errors import UserError
 
     try:

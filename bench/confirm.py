@@ -93,7 +93,7 @@ def cpu() -> float:
 
 
 def save(path: Path, data: dict) -> None:
-    from engine.io import atomic_write_text
+    from engine.storage.io import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
@@ -106,7 +106,7 @@ def load(path: Path) -> dict:
 def eval_texts() -> dict[str, str]:
     """Each perplexity's text: WikiText-2 raw test (the tables' file), validation (the tokenized release, read whole,
     as the raw test is), and the held-out C4 documents joined by blank lines."""
-    from engine.data import load_calibration_texts, load_eval_text
+    from engine.data.text import load_calibration_texts, load_eval_text
 
     texts = {"wikitext_test": load_eval_text(str(SHARED / "wikitext-2-raw-v1" / "wiki.test.raw"))[0]}
     with gzip.open(SHARED / "wikitext-2-v1-tokens" / "wiki.valid.tokens.gz", "rt", encoding="utf-8") as fh:
@@ -119,7 +119,7 @@ def window_losses(model, windows) -> list[float]:
     """Each window's mean token cross-entropy (nats), batches of 8."""
     import torch
 
-    from engine.evaluate import batch_loss
+    from engine.algo.evaluate import batch_loss
 
     with torch.no_grad():
         return [float(x) for i in range(0, windows.shape[0], 8) for x in batch_loss(model, windows[i:i + 8]).double()]
@@ -136,8 +136,8 @@ def measure(model_dir: str, dest: Path, wanted=MEASURES["confirm"]) -> dict:
     """A model's measures among `wanted`, each one dest lacks (saved as it is done: a stopped measure resumes)."""
     import torch
 
-    from engine.data import eval_windows
-    from engine.loading import load_model, resolve_model
+    from engine.data.text import eval_windows
+    from engine.model.loading import load_model, resolve_model
 
     done = load(dest)
     if all(k in done for k in wanted):
@@ -300,7 +300,7 @@ def same_init(rate: float, seed: int) -> None:
 
 
 def dense(args) -> None:
-    from engine.loading import DEFAULT_MODEL
+    from engine.model.loading import DEFAULT_MODEL
 
     OUT.mkdir(parents=True, exist_ok=True)
     measure(DEFAULT_MODEL, OUT / "dense.measures.json")
@@ -338,8 +338,8 @@ def other_texts(config, texts: list[str], run_) -> tuple[list[str], str]:
     for an own-text run, the calibration file's held-out C4 documents (every 10th: split_holdout's)."""
     import dataclasses
 
-    from engine.calib_sources import CALIB_SOURCES, source_of
-    from engine.data import split_holdout
+    from engine.data.calib_sources import CALIB_SOURCES, source_of
+    from engine.data.text import split_holdout
 
     if source_of(config) == "data":
         own = dataclasses.replace(config, self_docs=OTHER_DOCS, self_tokens=config.seqlen)
@@ -381,8 +381,8 @@ def checks(args) -> None:
 
     import torch
 
-    from engine.config import PruneConfig
-    from engine.data import CalibrationSampler, load_calibration_texts
+    from engine.settings.config import PruneConfig
+    from engine.data.text import CalibrationSampler, load_calibration_texts
     from engine.run.loop import PruneRun
 
     folder = cell_dir(args.rate, args.seed, "pg24")
@@ -464,8 +464,8 @@ def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
 
     import torch
 
-    from engine.config import PruneConfig
-    from engine.export import export_pruned
+    from engine.settings.config import PruneConfig
+    from engine.export.artifacts import export_pruned
     from engine.run.loop import PruneRun
 
     config = PruneConfig.load(folder / "config.json")

@@ -72,7 +72,7 @@ COLOURS = ["#000000", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8
 
 
 def cell_config(variant: str, seed: int, minutes: float, model: str | None = None):
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
 
     extra = {"model": model} if model else {}
     return PruneConfig.from_dict({**PruneConfig().to_dict(), **PROTOCOL, **VARIANTS[variant][1], **extra, "seed": seed,
@@ -117,7 +117,7 @@ class Trace(RunHook):
 def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | None) -> None:
     import torch
 
-    from engine.data import eval_windows, load_eval_text
+    from engine.data.text import eval_windows, load_eval_text
     from engine.run.loop import PruneRun
 
     out = cell / "run"

@@ -5,7 +5,7 @@ float32 evaluation unless bfloat16 is within --tolerance (0.2 %) on every model 
     python bench/eval_dtype.py MODEL_DIR [MODEL_DIR ...] [--max-windows 256] [--seqlen 128] [--threads 2]
     python bench/eval_dtype.py --default-model runs/a/model runs/b/model     # the dense default model too
 
-bfloat16 is torch's autocast on the CPU (engine/precision.py: the matrix products in bfloat16, the weights and
+bfloat16 is torch's autocast on the CPU (engine/model/precision.py: the matrix products in bfloat16, the weights and
 the sums in float32), as the one-shot passes run; on a CPU without native bfloat16 it is slower, not faster.
 Prints a table: model, float32 perplexity and seconds, bfloat16 perplexity and seconds, the relative change.
 """
@@ -20,8 +20,8 @@ from cli_common import positive, run
 
 def measure(model, windows, dtype: str) -> tuple[float, float]:
     """(perplexity, seconds) of `model` on `windows` with its matrix products in `dtype`."""
-    from engine.evaluate import perplexity
-    from engine.precision import pass_precision
+    from engine.algo.evaluate import perplexity
+    from engine.model.precision import pass_precision
 
     t0 = time.monotonic()
     with pass_precision(dtype, "cpu"):
@@ -40,10 +40,10 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from engine.data import eval_windows, load_eval_text
+    from engine.data.text import eval_windows, load_eval_text
     from engine.errors import UserError
-    from engine.loading import DEFAULT_MODEL, load_model, resolve_model
-    from engine.precision import native_bf16_cpu
+    from engine.model.loading import DEFAULT_MODEL, load_model, resolve_model
+    from engine.model.precision import native_bf16_cpu
 
     names = (["default model"] if args.default_model else []) + list(args.models)
     if not names:

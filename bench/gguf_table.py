@@ -2,7 +2,7 @@
 
     python bench/gguf_table.py RUN_DIR [--max-windows 64] [--threads 2] [--new-tokens 64] [--out bench/results/gguf]
 
-Writes, with `python -m engine export`'s code (engine/exporters/gguf.py), the run's pruned model as GGUF f16 and
+Writes, with `python -m engine export`'s code (engine/export/gguf.py), the run's pruned model as GGUF f16 and
 q8_0, and the dense base model as GGUF f16 and q8_0 (the same deci writer, every layer whole). Perplexity: the
 first --max-windows windows of 128 tokens of WikiText-2 raw test, the windows `engine eval` uses, scored by
 llama.cpp (f32 KV cache), beside the transformers figures of the run (results.json). Speed: llama.cpp prompt
@@ -33,11 +33,11 @@ def main() -> None:
 
     import torch
 
-    from engine.config import PruneConfig
-    from engine.data import eval_windows, load_eval_text
-    from engine.exporters import export_run
-    from engine.exporters.gguf import write_model_gguf
-    from engine.loading import load_model, resolve_model
+    from engine.settings.config import PruneConfig
+    from engine.data.text import eval_windows, load_eval_text
+    from engine.export import export_run
+    from engine.export.gguf import write_model_gguf
+    from engine.model.loading import load_model, resolve_model
     from engine.tools import llamacpp
 
     run_dir = Path(args.run_dir)

@@ -54,7 +54,7 @@ TXT
 
 env_setup() {
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false MODEL=$GGUF
-    local shared="$ROOT/../shared"  # where tests/conftest.py and engine/data.py look
+    local shared="$ROOT/../shared"  # where tests/conftest.py and engine/data/text.py look
     if [[ ! -d $shared/models/tinystories-656k && -d $ROOT/.gpu/x ]]; then
         mkdir -p "$shared/models" "$shared/data"
         cp -r "$ROOT/.gpu/x/tinystories-656k" "$shared/models/"

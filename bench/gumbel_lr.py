@@ -30,8 +30,8 @@ def main() -> None:
 
     import torch
 
-    from engine.config import PruneConfig
-    from engine.methods import METHODS, method_options
+    from engine.settings.config import PruneConfig
+    from engine.algo.methods import METHODS, method_options
     from engine.run.loop import PruneRun
 
     torch.manual_seed(0)

@@ -32,8 +32,8 @@ def removed_difference(weights: dict, a: dict, b: dict) -> float:
 
 def masks_for(pr, metric: str, batches: list) -> tuple[dict, float]:
     """(the one-shot init masks of `metric` on these batches, CPU seconds of the metric), cut as a run cuts them."""
-    from engine.metrics import METRICS, MetricContext
-    from engine.metrics.probability import initial_scores, standardize
+    from engine.algo.metrics import METRICS, MetricContext
+    from engine.algo.metrics.probability import initial_scores, standardize
 
     c, keep = pr.config, pr.keep_ratio_at(0)
     units = list(pr.layout.unit_types)
@@ -64,7 +64,7 @@ def main() -> None:
 
     import torch
 
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     out = Path(args.out)

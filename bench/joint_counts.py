@@ -54,7 +54,7 @@ def main() -> None:
 
     import engine.run.initialise as initialise
     from engine.errors import UserError
-    from engine.joint import candidate_scores, hard_mask_loss, layer_counts
+    from engine.algo.joint import candidate_scores, hard_mask_loss, layer_counts
     from engine.run.loop import PruneRun
     from widths_after_layers import layer_compensation, layer_mean_deltas, widths_after_layers
 

@@ -32,10 +32,10 @@ def main() -> None:
 
     import torch
 
-    from engine.arch import ModelAdapter
-    from engine.data import CalibrationSampler, load_calibration_texts
-    from engine.loading import load_model, resolve_model
-    from engine.metrics.layerwise_ppl import loss_without, losses_without_each
+    from engine.model.arch import ModelAdapter
+    from engine.data.text import CalibrationSampler, load_calibration_texts
+    from engine.model.loading import load_model, resolve_model
+    from engine.algo.metrics.layerwise_ppl import loss_without, losses_without_each
 
     model, tok = load_model(resolve_model(args.model))
     a = ModelAdapter.for_model(model)

@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "oneshot_on_pg_data")
     args = p.parse_args()
 
-    from engine.data import CalibrationSampler, load_calibration_texts, split_holdout
+    from engine.data.text import CalibrationSampler, load_calibration_texts, split_holdout
     from engine.run.loop import PruneRun
 
     from compare_table import load_cell_config

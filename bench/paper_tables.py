@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cli_common import ROOT, csv_list, positive, run
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 RATES = (0.3, 0.4, 0.5)
 HC = {"units": "heads,channels"}
@@ -141,7 +141,7 @@ def cell_values(c: Cell, args) -> dict:
 
 def cell_config(c: Cell, args, model: str):
     """The cell's run config: what `python -m engine prune --config` runs."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
 
     values = cell_values(c, args)
     values["units"] = values["units"].split(",")
@@ -236,10 +236,10 @@ def plain_copy(model: str, dest: Path) -> Path:
         return dest
     import torch
 
-    from engine.arch import ModelAdapter
-    from engine.export import export_pruned
-    from engine.loading import load_model, resolve_model
-    from engine.units import UnitLayout
+    from engine.model.arch import ModelAdapter
+    from engine.export.artifacts import export_pruned
+    from engine.model.loading import load_model, resolve_model
+    from engine.model.units import UnitLayout
 
     m, tok = load_model(resolve_model(model))
     layout = UnitLayout(unit_sizes(ModelAdapter.for_model(m)))

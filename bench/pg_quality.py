@@ -65,11 +65,11 @@ def job_name(variant: str, seed: int, steps: int) -> str:
 def worker(args) -> dict:
     import torch
 
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.hooks.compensation import compensation_fill
     from engine.hooks.ranking import rank_within_layers
     from engine.hooks.validation import Validation
-    from engine.metrics.activations import input_means
+    from engine.algo.metrics.activations import input_means
     from engine.run.loop import PruneRun
 
     config = PruneConfig.of(model=args.model, seed=args.seed, steps=args.steps, max_windows=args.max_windows,

@@ -21,7 +21,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.loading import load_model, resolve_model
+    from engine.model.loading import load_model, resolve_model
 
     model, tok = load_model(resolve_model(args.model))
     config = model.config.__class__.from_dict({k: v for k, v in model.config.to_dict().items() if k != "quantization_config"})

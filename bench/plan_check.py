@@ -1,5 +1,5 @@
 """The app's time estimate against a finished run's real duration (issue 25): the plan panel's arithmetic
-(engine/plan.py: tokens per phase x the seconds per token measured by a probe of this machine, plus loading) for
+(engine/plan/forecast.py: tokens per phase x the seconds per token measured by a probe of this machine, plus loading) for
 the run's own config, beside the wall time `bench/must_show.sh` recorded for it (`/usr/bin/time -v`).
 
     python bench/plan_check.py bench/results/must_show/default30 [--wall SECONDS]
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wall", type=float, default=None, help="the run's wall seconds (default: RUN.time.txt)")
     args = p.parse_args(argv)
 
-    from engine.config import PruneConfig
-    from engine.plan import model_skeleton, plan_time, probe_seconds_per_token
-    from engine.ppl_cache import cache_dir
+    from engine.settings.config import PruneConfig
+    from engine.plan.forecast import model_skeleton, plan_time, probe_seconds_per_token
+    from engine.storage.ppl_cache import cache_dir
 
     config = PruneConfig.from_dict(json.loads((args.run_dir / "config.json").read_text()))
     results = json.loads((args.run_dir / "results.json").read_text())

@@ -55,7 +55,7 @@ def cell_dir(rate: float, seed: int, row: str, text: str) -> Path:
     return OUT / confirm.set_of(seed) / f"r{round(rate * 100)}-s{seed}-{row}-{text}"
 
 
-STUDENT = "init"  # the confirmation cell's run that the default makes (no steps: engine/config.py's STEP_VERDICTS)
+STUDENT = "init"  # the confirmation cell's run that the default makes (no steps: engine/settings/config.py's STEP_VERDICTS)
 
 
 def student(rate: float, seed: int) -> Path:
@@ -76,10 +76,10 @@ def training_text(rate: float, seed: int, text: str, run_dir: Path) -> str:
     if not path.is_file():
         import dataclasses
 
-        from engine.calib_sources import CALIB_SOURCES, write_documents
-        from engine.config import PruneConfig
-        from engine.data import load_calibration_texts
-        from engine.loading import load_model, resolve_model
+        from engine.data.calib_sources import CALIB_SOURCES, write_documents
+        from engine.settings.config import PruneConfig
+        from engine.data.text import load_calibration_texts
+        from engine.model.loading import load_model, resolve_model
 
         config = dataclasses.replace(PruneConfig.load(run_dir / "config.json"), self_docs=OWN_DOCS,
                                      self_tokens=OWN_TOKENS, seed=seed)

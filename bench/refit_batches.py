@@ -27,8 +27,8 @@ def refit_perplexities(cell: Path, batches: int, ridges: list[float]) -> list[di
     """The cell's mask refit on `batches` batches' statistics (taken once) at each ridge."""
     import torch
 
-    from engine.config import PruneConfig
-    from engine.export import load_mask_artifact
+    from engine.settings.config import PruneConfig
+    from engine.export.artifacts import load_mask_artifact
     from engine.run.loop import PruneRun
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """The least-squares refit with its statistics taken on the *pruned* model (a prototype, not an engine option).
 
-The engine's refit (`--reconstruct`, engine/reconstruction.py) takes the input moments of every output projection
+The engine's refit (`--reconstruct`, engine/algo/reconstruction.py) takes the input moments of every output projection
 on the dense model. Here the moments are taken again with the mask applied and the dense-input refit in place (its
 upstream layers refit), before the mask's own hooks (so the removed columns' values are the pruned model's), and
 the same regression is solved on them: each layer reproduces its dense weights' output on the inputs it will see.
@@ -29,13 +29,13 @@ if len(sys.argv) < 4 or sys.argv[1] in ("-h", "--help"):  # (a prototype: its ar
     sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
 
 import torch
-from engine.config import PruneConfig
-from engine.export import load_mask_artifact, kept_indices
+from engine.settings.config import PruneConfig
+from engine.export.artifacts import load_mask_artifact, kept_indices
 from engine.run.loop import PruneRun
-from engine.masking import MaskHooks
-from engine.evaluate import decoder_forward
-from engine.unit_types import layer_unit_types
-from engine.reconstruction import reconstructed
+from engine.model.masking import MaskHooks
+from engine.algo.evaluate import decoder_forward
+from engine.model.unit_types import layer_unit_types
+from engine.algo.reconstruction import reconstructed
 torch.set_num_threads(1)
 cell, nb, passes = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 mix = float(sys.argv[4]) if len(sys.argv) > 4 else 1.0  # weight of the pruned-model moments (1 - mix: dense)

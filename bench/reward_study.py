@@ -77,7 +77,7 @@ VARIANTS = {
     # about 5 % of them where sigmoid-norm's flips a quarter (its samples score far from the mask they vary)
     "sharp": ["--prob-map", "sigmoid-cut"],
     "sharp-step-refit": ["--prob-map", "sigmoid-cut", "--step-refit"],
-    # PG over each layer's allocation only (engine/methods/alloc.py): one logit offset per (unit type, layer), about
+    # PG over each layer's allocation only (engine/algo/methods/alloc.py): one logit offset per (unit type, layer), about
     # 54 on the default model where single units are 47k; every sample the budget's exact cut of the shifted scores
     "alloc": ["--method", "pg-alloc"],
     "alloc-step-refit": ["--method", "pg-alloc", "--step-refit"],
@@ -116,14 +116,14 @@ def cell_config(argv: list[str]):
 
 
 def heldout_c4_windows(tokenizer):
-    from engine.data import eval_windows, load_calibration_texts
+    from engine.data.text import eval_windows, load_calibration_texts
 
     texts, _ = load_calibration_texts(str(SHARED / "c4" / HELDOUT_C4))
     return eval_windows(tokenizer, "\n\n".join(texts), 128, C4_WINDOWS)
 
 
 def windows_ppl(model, windows, loss) -> float:
-    from engine.evaluate import perplexity
+    from engine.algo.evaluate import perplexity
 
     return perplexity(model, windows, 8, False, loss)
 
@@ -174,7 +174,7 @@ def cpu() -> float:
 
 
 def save(path: Path, data: dict) -> None:
-    from engine.io import atomic_write_text
+    from engine.storage.io import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
@@ -191,10 +191,10 @@ def oneshot(args) -> None:
     import torch
 
     import engine.run.initialise as initialise
-    from engine.evaluate import _row_losses
-    from engine.joint import candidate_scores, layer_counts
+    from engine.algo.evaluate import _row_losses
+    from engine.algo.joint import candidate_scores, layer_counts
     from engine.run.loop import PruneRun
-    from engine.rewards import DenseKL, logits_of, row_kl
+    from engine.algo.rewards import DenseKL, logits_of, row_kl
 
     name = f"r{round(args.rate * 100)}-s{args.seed}-{args.source}"
     dest = OUT / "oneshot" / f"{name}.json"
@@ -297,8 +297,8 @@ def record_session(folder: Path, cpu_seconds: float, wall_seconds: float) -> Non
 def evaluate_export(folder: Path, with_zeroshot: bool, cpu_run: float | None) -> None:
     """The held-out measures of a finished run's export (folder/model: sliced, refit), into folder/heldout.json;
     `cpu_run`: the run's CPU seconds in this process (None: a run made elsewhere, whose minutes are not known)."""
-    from engine.evaluate import batch_loss
-    from engine.loading import load_model, resolve_model
+    from engine.algo.evaluate import batch_loss
+    from engine.model.loading import load_model, resolve_model
 
     dest = folder / "heldout.json"
     ev = json.loads(dest.read_text()) if dest.exists() else {}
@@ -476,7 +476,7 @@ def zeroshot_more(args) -> None:
     change over these and the first ZEROSHOT_LIMIT together, into folder/zeroshot_more.json."""
     import torch
 
-    from engine.loading import load_model, resolve_model
+    from engine.model.loading import load_model, resolve_model
 
     name, folder = finished_cell(args)
     dest = folder / "zeroshot_more.json"

@@ -1,5 +1,5 @@
 """How fast the dense model's own text is sampled (issue 65, item 5: the own text at 50 % in 90 s on a first run):
-`--calib-source self`'s generation (engine/calib_sources.py's sample_documents, the run's own code) timed for each
+`--calib-source self`'s generation (engine/data/calib_sources.py's sample_documents, the run's own code) timed for each
 batch size and dtype asked, on the same prompts, one after the other in one process, beside the probe's ms per
 token of a dense forward in float32 and bfloat16 (so that figures from other machines read side by side).
 
@@ -9,7 +9,7 @@ token of a dense forward in float32 and bfloat16 (so that figures from other mac
 A row per (batch, dtype): seconds, ms per sampled token, and the speed-up over the first row. The default run
 samples 256 documents of 256 tokens (--self-docs, --self-tokens); --docs 128 times half of them (the rate per
 token, which is what a batch size changes, is the same). auto is bfloat16 on a CPU that runs it natively
-(engine/precision.py), float32 elsewhere.
+(engine/model/precision.py), float32 elsewhere.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from engine.calib_sources import prompts, sample_documents
-    from engine.data import load_calibration_texts
-    from engine.loading import load_model, resolve_model
-    from engine.plan import probe_seconds_per_token, skeleton_of
+    from engine.data.calib_sources import prompts, sample_documents
+    from engine.data.text import load_calibration_texts
+    from engine.model.loading import load_model, resolve_model
+    from engine.plan.forecast import probe_seconds_per_token, skeleton_of
     from engine.errors import UserError
-    from engine.precision import PASS_DTYPES, native_bf16_cpu, resolve_pass_dtype
+    from engine.model.precision import PASS_DTYPES, native_bf16_cpu, resolve_pass_dtype
 
     for d in args.dtypes:  # (checked here, against the engine's list: importing it loads torch, too slow for --help)
         if d not in PASS_DTYPES:

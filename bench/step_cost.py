@@ -6,7 +6,7 @@
                               [--device cpu|cuda|auto] [--dtype float32] [--no-gumbel] [--out DIR]
 
 Prints seconds per PG step / seconds per dense forward of the same batch, for every executor of the
-step's N_s masked forwards (engine/executors.py), all interleaved in one process so that they see the
+step's N_s masked forwards (engine/model/executors.py), all interleaved in one process so that they see the
 same machine load; and peak memory during PG steps / peak during plain forwards (each in a fresh
 subprocess with identical set-up; on the CPU the peak RSS counter is reset after set-up through
 /proc/self/clear_refs, so model loading does not count; on CUDA torch's peak allocation counter).
@@ -17,7 +17,7 @@ model): the time and memory side of the paper's PG vs Gumbel-softmax comparison 
 --random-config builds a LLaMA of that size with random weights (the default model's tokenizer and
 vocabulary) instead of loading one: time and memory do not depend on the weights' values.
 
---ranks 1,2 measures instead the data-parallel step (engine/distributed.py: torchrun, gloo on the CPU, NCCL with
+--ranks 1,2 measures instead the data-parallel step (engine/model/distributed.py: torchrun, gloo on the CPU, NCCL with
 --device cuda): one PG step with each number of ranks, side by side, each rank with --threads-per-rank threads (1),
 the N_s masked forwards shared out over the ranks (docs/scale.md).
 """
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from cli_common import ROOT, csv_list, positive, run
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 # Random LLaMA configs for the cost by model size (GQA like the default model; tied 49,152-token vocabulary).
 RANDOM_CONFIGS = {
@@ -85,7 +85,7 @@ def setup(args):
     over the same model object, with the PG run's initial state."""
     from dataclasses import replace
 
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     config = PruneConfig.of(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
@@ -119,8 +119,8 @@ def rank_worker(args) -> dict | None:
     """One rank of a data-parallel step (started by torchrun): the median seconds of a PG step, on rank 0."""
     import torch
 
-    from engine.config import PruneConfig
-    from engine.distributed import join_world
+    from engine.settings.config import PruneConfig
+    from engine.model.distributed import join_world
     from engine.run.loop import PruneRun
 
     torch.set_num_threads(args.threads_per_rank)
@@ -167,8 +167,8 @@ def rank_table(args, copy_dir: Path) -> list[str]:
 def worker(args) -> dict:
     import torch
 
-    from engine.evaluate import batch_loss
-    from engine.executors import EXECUTORS
+    from engine.algo.evaluate import batch_loss
+    from engine.model.executors import EXECUTORS
 
     torch.manual_seed(0)
     run, gumbel, state = setup(args)
@@ -194,7 +194,7 @@ def worker(args) -> dict:
     if args.worker == "time":
         # the floor of any executor: N_s forwards of a physically smaller model that keeps the same fraction
         # (the run's final mask at its initial probabilities), with no gathers and no hooks
-        from engine.export import build_pruned_model
+        from engine.export.artifacts import build_pruned_model
 
         sub = build_pruned_model(run.model, run.layout, run.hard_masks(state.scores))
         work["floor"] = lambda: [batch_loss(sub, batch) for _ in range(args.num_mask_samples)]
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gumbel", dest="gumbel", action="store_false", help="skip the Gumbel-softmax step")
     p.add_argument("--executors", default="sequential,batched,sliced",
                    type=lambda v: [e.strip() for e in v.split(",") if e.strip()])
-    p.add_argument("--reward", default="ce", help="the step's reward (engine/rewards.py: ce or kl)")
+    p.add_argument("--reward", default="ce", help="the step's reward (engine/algo/rewards.py: ce or kl)")
     p.add_argument("--step-dtypes", default=["float32"], type=csv_list(str, lambda d: d in ("float32", "bfloat16"), "dtypes"),
                    help="e.g. float32,bfloat16: each executor's step also under --step-dtype bfloat16 (the decoder's "
                         "products under autocast, the head in float32), timed beside the float32 one")
@@ -261,12 +261,12 @@ def main() -> None:
 
     import torch
 
-    from engine.arch import ModelAdapter
-    from engine.executors import EXECUTORS
-    from engine.export import build_pruned_model
-    from engine.loading import load_model, resolve_model
-    from engine.precision import native_bf16_cpu
-    from engine.units import UnitLayout
+    from engine.model.arch import ModelAdapter
+    from engine.model.executors import EXECUTORS
+    from engine.export.artifacts import build_pruned_model
+    from engine.model.loading import load_model, resolve_model
+    from engine.model.precision import native_bf16_cpu
+    from engine.model.units import UnitLayout
 
     unknown = [e for e in args.executors if e not in EXECUTORS]
     if unknown:
@@ -276,7 +276,7 @@ def main() -> None:
     if args.random_config:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
-        from engine.loading import DEFAULT_MODEL, DTYPES, load_tokenizer
+        from engine.model.loading import DEFAULT_MODEL, DTYPES, load_tokenizer
 
         tok = load_tokenizer(resolve_model(DEFAULT_MODEL))
         config = LlamaConfig(**RANDOM_CONFIGS[args.random_config], vocab_size=len(tok), tie_word_embeddings=True,

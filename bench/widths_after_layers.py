@@ -14,11 +14,11 @@ def widths_after_layers(run, layer_mask: torch.Tensor, batches: list[torch.Tenso
     units are removed with it)."""
     from engine.hooks.compensation import compensation_fill
     from engine.run.initialise import metric_batches, metric_names
-    from engine.masking import MaskHooks
-    from engine.metrics import METRICS, MetricContext
-    from engine.metrics.activations import batches_digest, column_moments, input_means
-    from engine.metrics.probability import standardize
-    from engine.unit_types import layer_unit_types
+    from engine.model.masking import MaskHooks
+    from engine.algo.metrics import METRICS, MetricContext
+    from engine.algo.metrics.activations import batches_digest, column_moments, input_means
+    from engine.algo.metrics.probability import standardize
+    from engine.model.unit_types import layer_unit_types
 
     a, c, layer_type = run.adapter, run.config, run.budget.layer_type
     widths = [u for u in run.layout.unit_types if u != layer_type]
@@ -54,7 +54,7 @@ def layer_mean_deltas(run, batches: list[torch.Tensor], skip_first: bool = False
     minus its input), on the dense model: a removed layer's constant part (bench/joint_counts.py
     --layer-compensation), as FLAP's compensation keeps a removed channel's mean. skip_first: without each
     sequence's first position, whose updates in some layers are orders of magnitude larger (the attention sink)."""
-    from engine.evaluate import decoder_forward
+    from engine.algo.evaluate import decoder_forward
 
     sums: dict[int, torch.Tensor] = {}
     tokens = [0]
@@ -90,7 +90,7 @@ class layer_compensation:
         self.deltas = deltas
 
     def __enter__(self):
-        from engine import masking
+        from engine.model import masking
 
         self.original = original = masking._LayerGate.forward
         deltas = self.deltas
@@ -106,6 +106,6 @@ class layer_compensation:
         return self
 
     def __exit__(self, *exc):
-        from engine import masking
+        from engine.model import masking
 
         masking._LayerGate.forward = self.original

@@ -17,7 +17,7 @@ def register_pruned_classes() -> None:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .modeling_pruned import PRUNED_CLASSES
+    from .model.modeling_pruned import PRUNED_CLASSES
 
     for config_cls, model_cls in PRUNED_CLASSES.values():
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
@@ -25,8 +25,8 @@ def register_pruned_classes() -> None:
     _registered = True
 
 
-_API = {"prune": "engine.api", "perplexity": "engine.api", "PruneResult": "engine.api", "PruneConfig": "engine.config",
-        "default_run": "engine.config",
+_API = {"prune": "engine.api", "perplexity": "engine.api", "PruneResult": "engine.api", "PruneConfig": "engine.settings.config",
+        "default_run": "engine.settings.config",
         "recover": "engine.tools.recover", "RecoverResult": "engine.tools.recover"}
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .config import PruneConfig
+from .settings.config import PruneConfig
 from .errors import UserError
 from .run.state import StepReport
 
@@ -81,10 +81,10 @@ def check_vocabulary(model, tokenizer) -> None:
 
 
 def check_config(config) -> PruneConfig:
-    """The run's PruneConfig (None: the default run, README command 1's: engine/config.py's default_run), else
+    """The run's PruneConfig (None: the default run, README command 1's: engine/settings/config.py's default_run), else
     one UserError naming `config`."""
     if config is None:
-        from .config import default_run
+        from .settings.config import default_run
 
         return default_run()
     if not isinstance(config, PruneConfig):
@@ -116,7 +116,7 @@ def _run_folder(out: Path | None, overwrite: bool):
     """The run folder checked as the command line's --out is (rundir.check_out_dir), created and locked for the
     block; a folder made for it is removed again when the run fails before its start (a refusal, a wrong setting).
     Yields a function that, once the model and the data are read, removes an earlier run's files (overwrite)."""
-    from .outdir import folder_lock
+    from .storage.outdir import folder_lock
     from .run.folder import API_FLAGS, check_out_dir, cleanup_out_dir, prepare_out_dir
 
     if out is None:
@@ -147,8 +147,8 @@ def prune(model, tokenizer, config: PruneConfig | None = None, calib=None, *, ou
     the config's evaluation data. `observer` sees each step's report; `log` each progress line (default: none).
     With `out`, the run also writes its folder there, as `python -m engine prune --out OUT` does: a new or empty
     folder, or (overwrite=True, as --overwrite) an earlier run's, whose files it replaces."""
-    from .export import load_mask_artifact
-    from .loading import load_model, resolve_model
+    from .export.artifacts import load_mask_artifact
+    from .model.loading import load_model, resolve_model
     from .run.loop import PruneRun
     from .run.folder import MODEL_DIR
 
@@ -168,8 +168,8 @@ def prune(model, tokenizer, config: PruneConfig | None = None, calib=None, *, ou
 def perplexity(model, tokenizer, config: PruneConfig | None = None) -> float:
     """The model's perplexity on the config's evaluation data (--eval-data, --eval-seqlen, --max-windows), as a run
     reports it: a sliced model here gives its run's `ppl_pruned`."""
-    from .data import eval_windows, load_eval_text
-    from .evaluate import perplexity as windows_perplexity
+    from .data.text import eval_windows, load_eval_text
+    from .algo.evaluate import perplexity as windows_perplexity
 
     check_model(model)
     check_tokenizer(tokenizer)

@@ -12,16 +12,16 @@ import typing
 from pathlib import Path
 
 from . import IMPORTED
-from .config import (DEFAULT_PRESET, PRESETS, PruneConfig, default_preset, no_steps_line, preset_text,
-                     steps_bought_line, takes_no_steps)
-from .fields import choices_of
-from .methods import METHODS
+from .settings.config import (DEFAULT_PRESET, PRESETS, PruneConfig, default_preset, no_steps_line, preset_text,
+                              steps_bought_line, takes_no_steps)
+from .settings.fields import choices_of
+from .algo.methods import METHODS
 from .errors import MAX_LINE, UserError, shorten
-from .exporters import EXPORT_FORMATS
-from .loading import DEFAULT_MODEL, DTYPES
+from .export import EXPORT_FORMATS
+from .model.loading import DEFAULT_MODEL, DTYPES
 from .run.folder import GGUF_FILE
 from .run.files import MODEL_DIR, RECOVER_DIR
-from .unit_types import UNIT_TYPES
+from .model.unit_types import UNIT_TYPES
 
 DATA_SETTINGS = ("eval_data", "eval_seqlen", "max_windows", "eval_batch_size", "dtype", "device")  # prune's and eval's
 
@@ -32,7 +32,7 @@ def _comma_list(text: str) -> list[str]:
 
 def _setting_args(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None = None, preset: dict | None = None) -> None:
     """One flag per field of a settings dataclass (all, or `names`), made from its declaration
-    (engine.fields.setting): --FIELD-NAME (or the declared flag), its type, choices, default and help (and the
+    (engine.settings.fields.setting): --FIELD-NAME (or the declared flag), its type, choices, default and help (and the
     value `preset`, the default preset, gives it)."""
     hints, defaults = typing.get_type_hints(cls), cls()
     for f in dataclasses.fields(cls):
@@ -265,9 +265,9 @@ def _init_label(config: PruneConfig) -> str:
 
 
 def cmd_prune(args) -> int:
-    """One process, or under torchrun one rank of a data-parallel run (engine/distributed.py): rank 0 is the run
+    """One process, or under torchrun one rank of a data-parallel run (engine/model/distributed.py): rank 0 is the run
     as in one process and alone writes the run folder; the other ranks follow it from a scratch folder."""
-    from .distributed import RankLost, join_world
+    from .model.distributed import RankLost, join_world
 
     world = join_world(args.device)
     clean = True  # (after a refusal or an interrupt the group is whole and is left: gloo aborts at exit otherwise)
@@ -292,8 +292,8 @@ def _job_digest(config: PruneConfig | None) -> int | None:
     sizes and the small files' content, not their times: copies on other machines are newer)."""
     if config is None:
         return None
-    from .distributed import digest
-    from .loading import resolve_model
+    from .model.distributed import digest
+    from .model.loading import resolve_model
 
     source = resolve_model(config.model)
     folder = Path(source.path)
@@ -320,7 +320,7 @@ def _prune_follower(args, world) -> int:
     """A rank other than 0: the same run in a scratch folder (its checkpoints are rank 0's), no output."""
     import tempfile
 
-    from .config import PruneConfig
+    from .settings.config import PruneConfig
     from .run.loop import PruneRun
 
     sent = world.from_writer(None, "the run's start")
@@ -362,10 +362,11 @@ def _check_unfinished(out: Path) -> None:
 def _prune_writer(args, world) -> int:
     import contextlib
 
-    from .distributed import RankLost
-    from .outdir import folder_lock
+    from .model.distributed import RankLost
+    from .storage.outdir import folder_lock
     from .run.loop import PruneRun
-    from .run.folder import CHECKPOINT_FILE, CONFIG_FILE, check_out_dir, cleanup_out_dir, interrupted_before_first_step, prepare_out_dir
+    from .run.folder import (CHECKPOINT_FILE, CONFIG_FILE, check_out_dir, cleanup_out_dir,
+                             interrupted_before_first_step, prepare_out_dir)
 
     out = Path(args.out)
 
@@ -411,7 +412,7 @@ def _prune_writer(args, world) -> int:
                         and args.recover is None:
                     _check_unfinished(out)  # (a bare --resume of a finished run: nothing to do)
             if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
-                from .exporters.gguf import check_exportable
+                from .export.gguf import check_exportable
 
                 check_exportable(run.model)
         except BaseException:
@@ -463,7 +464,7 @@ def _prune_writer(args, world) -> int:
 
                 print("\n".join(plan_lines(results.get(PLAN_KEY), results["seconds_by_phase"])))
             if args.export_gguf:
-                from .exporters import export_run
+                from .export import export_run
 
                 (out / GGUF_FILE).unlink(missing_ok=True)  # a resumed run's earlier file is replaced
                 export_run(out, "gguf", out / GGUF_FILE, args.export_gguf)
@@ -509,7 +510,7 @@ def budget_trades_of(run) -> list[str]:
     """What --time-budget will cut in this run (the refit's statistics: results.json's "reduced" records it after),
     from the plan the run makes of its time (engine/run/plan.py's time_plan: this machine's probe, the passes' dtype,
     the dense perplexity's cache), before the work; none without a budget or a refit."""
-    from .plan import budget_trades
+    from .plan.forecast import budget_trades
     from .run.plan import time_plan
 
     c = run.config
@@ -533,7 +534,7 @@ def interrupted_line(e: KeyboardInterrupt, argv: list[str]) -> str:
     that continues from there: the same one again (the saved batches are taken up)."""
     import shlex
 
-    from .calib_sources import GenerationInterrupted
+    from .data.calib_sources import GenerationInterrupted
 
     if not isinstance(e, GenerationInterrupted):
         return "interrupted"
@@ -546,7 +547,7 @@ def interrupted_line(e: KeyboardInterrupt, argv: list[str]) -> str:
 
 
 def cmd_export(args) -> int:
-    from .exporters import export_run
+    from .export import export_run
     from .run.folder import check_export_destination
 
     if args.out:
@@ -557,9 +558,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .data import eval_windows, load_eval_text
-    from .evaluate import perplexity
-    from .loading import check_positions, count_parameters, load_model, resolve_model
+    from .data.text import eval_windows, load_eval_text
+    from .algo.evaluate import perplexity
+    from .model.loading import check_positions, count_parameters, load_model, resolve_model
 
     if args.eval_seqlen < 2:  # a window of 1 token predicts nothing: its loss is NaN
         raise UserError(f"eval seqlen must be at least 2 tokens, got {args.eval_seqlen}")
@@ -572,7 +573,7 @@ def cmd_eval(args) -> int:
     check_positions(model.config, {"eval seqlen": args.eval_seqlen})
     text, src = load_eval_text(args.eval_data)
     windows = eval_windows(tok, text, args.eval_seqlen, args.max_windows)
-    from .memory_check import check_eval_fits
+    from .model.memory_check import check_eval_fits
 
     check_eval_fits(model, int(windows.shape[0]), args.eval_batch_size, args.eval_seqlen, args.device)  # (one line)
     ppl = perplexity(model, windows, args.eval_batch_size, progress=not args.json)
@@ -593,7 +594,7 @@ def _tasks(value: str) -> list[str]:
 
 
 def cmd_zeroshot(args) -> int:
-    from .outdir import output_folder
+    from .storage.outdir import output_folder
     from .tools.zeroshot import ALL_TASKS, TASKS_OUTPUT, ZeroshotConfig, run_zeroshot, write_task_dir
 
     config = ZeroshotConfig(model=args.model, run=args.run, tasks=_tasks(args.tasks), limit=args.limit,
@@ -668,7 +669,7 @@ def cmd_measure(args) -> int:
                            new_tokens=args.new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,
                            threads=args.threads, seed=args.seed, memory=not args.no_memory, llama_cpp=args.llama_cpp)
     config.validate()
-    from .loading import resolve_model
+    from .model.loading import resolve_model
 
     for name in config.models:  # a typo fails before any model is loaded
         resolve_model(name)
@@ -726,8 +727,8 @@ def refuse_inert_flags(args, given: list[str]) -> None:
     """A flag given for a part the run does not have is refused in one line, as another method's option is (rather
     than ignored without a word): --self-* where the run's calibration source generates no text, --mix-* where
     no joint mix is chosen (whole layers and widths on one --budget params)."""
-    from .calib_sources import CALIB_SOURCES, SELF_FROM, source_of
-    from .unit_types import UNIT_TYPES
+    from .data.calib_sources import CALIB_SOURCES, SELF_FROM, source_of
+    from .model.unit_types import UNIT_TYPES
 
     flag = lambda dest: "--" + dest.replace("_", "-")  # noqa: E731
     text = [d for d in given if d in _SELF_TEXT]

@@ -191,7 +191,7 @@ def too_few_steps_text(config, times) -> str | None:
     """Under a time budget whose plan fits fewer steps than pay (engine/hooks/time_budget.py's MIN_STEPS): what
     the run will do instead, said before Start; None otherwise."""
     from engine.hooks.time_budget import MIN_STEPS, too_few_line
-    from engine.methods import METHODS
+    from engine.algo.methods import METHODS
 
     fit = times.steps_fit
     optimises = METHODS[config.method].optimises if config.method in METHODS else True
@@ -489,14 +489,14 @@ def run_figures_for_compare(info: RunInfo) -> dict[str, list[float]]:
 def option_widgets(options_cls, defaults: dict | None = None, key: str | None = "opt", columns: int = 3,
                    names: tuple[str, ...] | None = None, hidden: tuple[str, ...] = ()) -> dict:
     """One widget per field of a settings dataclass (a method's Options, or the run's PruneConfig: all fields, or
-    `names`), made from the field's declaration: its label, help and choices (engine.fields.setting). Widget keys
+    `names`), made from the field's declaration: its label, help and choices (engine.settings.fields.setting). Widget keys
     are KEY-FIELD (FIELD without a key); a key already in the session state keeps its value (persisted settings).
     Bounds are not enforced by the widget: the run's validation names a value out of bounds in one message.
     `hidden` fields that do not apply get no widget; their value is kept. Returns {field: value}."""
     import dataclasses
     import typing
 
-    from engine.fields import choices_of
+    from engine.settings.fields import choices_of
 
     defaults, values = defaults or {}, {}
     hints = typing.get_type_hints(options_cls)
@@ -550,7 +550,7 @@ def help_of(cls, name: str) -> str | None:
 
 def choices(cls, name: str) -> tuple:
     """A setting's choices, from its declaration (a registry's names as they are now)."""
-    from engine.fields import choices_of
+    from engine.settings.fields import choices_of
 
     return choices_of(_field(cls, name))
 
@@ -612,7 +612,7 @@ def load_into_form(config: dict, source: str | None) -> None:
 
 def reset_prune_settings() -> None:
     """Back to the default run's settings (a button's callback: runs before the widgets are drawn)."""
-    from engine.config import default_run
+    from engine.settings.config import default_run
 
     load_into_form(default_run().to_dict(), None)
     st.session_state[FORM_BASE] = None
@@ -620,7 +620,7 @@ def reset_prune_settings() -> None:
 
 
 def apply_preset(name: str) -> None:
-    """Set the widgets a preset names (engine/config.py's PRESETS; a button's callback)."""
+    """Set the widgets a preset names (engine/settings/config.py's PRESETS; a button's callback)."""
     from engine.ui.settings import preset_values
 
     st.session_state.update(preset_values(name, "pg"))
@@ -636,7 +636,7 @@ def hidden_options(method: str) -> tuple[str, ...]:
 # --- the plan of a run, before it starts ------------------------------------------------------------------
 @st.cache_resource(max_entries=64, show_spinner="Reading the model's config…")
 def _removal(model: str, units: tuple, ratio: float, budget: str, scope: str, init: str):
-    from engine.plan import model_skeleton, plan_removal
+    from engine.plan.forecast import model_skeleton, plan_removal
 
     return plan_removal(model_skeleton(model), list(units), ratio, budget, scope, init)
 
@@ -644,8 +644,8 @@ def _removal(model: str, units: tuple, ratio: float, budget: str, scope: str, in
 def _rate(config, skeleton) -> tuple[float, str, bool]:
     """(seconds per token, where it comes from, measured here?): earlier runs of the model, a probe of this
     machine, or a guess from the model's size."""
-    from engine.plan import cached_probe, probe_key, rate_from_runs
-    from engine.ppl_cache import cache_dir
+    from engine.plan.forecast import cached_probe, probe_key, rate_from_runs
+    from engine.storage.ppl_cache import cache_dir
 
     found = rate_from_runs([(r.config, r.results) for r in runs()], config.model, config.dtype)
     if found:
@@ -659,12 +659,12 @@ def _rate(config, skeleton) -> tuple[float, str, bool]:
 
 def plan_panel(config, problem: str | None) -> float | None:
     """The plan above Start: parameters removed, time, peak memory, speed-up. Returns the estimated seconds."""
-    from engine.calib_sources import config_text_cached
+    from engine.data.calib_sources import config_text_cached
     from engine.errors import UserError
-    from engine.plan import (budget_trades, cached_probe, model_skeleton, pass_dtype_of, plan_memory, plan_time,
+    from engine.plan.forecast import (budget_trades, cached_probe, model_skeleton, pass_dtype_of, plan_memory, plan_time,
                              probe_key, probe_seconds_per_token, speedup)
-    from engine.ppl_cache import cache_dir
-    from engine.unit_types import UNIT_TYPES
+    from engine.storage.ppl_cache import cache_dir
+    from engine.model.unit_types import UNIT_TYPES
 
     box = st.container(border=True)
     box.markdown("**Plan** · from the model's config (no weights loaded); times are estimates")
@@ -699,7 +699,7 @@ def plan_panel(config, problem: str | None) -> float | None:
     c1, c2, c3, c4 = box.columns(4)
     # (short labels and values: four cards share the form's width, and a longer one is cut off at 1400 px)
     c1.metric("Removes", fmt_params(removal.params_removed),
-              help="Parameters the run's budget removes (engine/budget.py's accounting), within one unit.")
+              help="Parameters the run's budget removes (engine/algo/budget.py's accounting), within one unit.")
     c2.metric("Time (est.)", ("≈ " if not config.time_budget else "") + fmt_duration(total),
               help=f"The whole run, {fmt_seconds(total)}: seconds per token from {source}; the phases are below.")
     c3.metric("Memory (est.)", f"{memory.total / 1e9:.1f} GB",

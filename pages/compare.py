@@ -10,13 +10,13 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from engine.config import PruneConfig  # noqa: E402
+from engine.settings.config import PruneConfig  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.ui import compare as C  # noqa: E402
 from engine.ui import figures  # noqa: E402
 from engine.ui.jobs import new_run_name, read_metrics  # noqa: E402
 from engine.ui.settings import estimated_speedup  # noqa: E402
-from engine.unit_types import UNIT_TYPES  # noqa: E402
+from engine.model.unit_types import UNIT_TYPES  # noqa: E402
 
 st.title(":material/compare_arrows: Compare runs")
 st.markdown("Pick runs in the table (click a row's box; a header sorts). The first you pick is **A**, the next **B**: "

@@ -10,11 +10,11 @@ if _HERE not in sys.path:
 import _ui  # noqa: E402  (also puts the repository root on sys.path)
 import streamlit as st  # noqa: E402
 
-from engine.config import PruneConfig, preset_text
-from engine.methods import METHODS
-from engine.plan import LONG_RUN_SECONDS
+from engine.settings.config import PruneConfig, preset_text
+from engine.algo.methods import METHODS
+from engine.plan.forecast import LONG_RUN_SECONDS
 from engine.ui import settings as S
-from engine.unit_types import UNIT_TYPES
+from engine.model.unit_types import UNIT_TYPES
 from engine.errors import UserError
 from engine.ui import checks
 from engine.ui import masks as M
@@ -90,7 +90,7 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                          + _ui.help_of(PruneConfig, "layer_score_const"))
     c4.button("The joint preset with its steps: layers and widths, then PG over each kept layer's width",
               key="preset-joint", on_click=_ui.apply_preset, args=("joint",), icon=":material/layers:",
-              help="engine/config.py's preset 'joint', as `--preset joint` on the command line: "
+              help="engine/settings/config.py's preset 'joint', as `--preset joint` on the command line: "
                    f"{preset_text('joint')}. The default run (this form's defaults, as the command line's) is "
                    "its one-shot init alone (method flap): on the confirmation set 24 steps gained 12.7 % on "
                    "WikiText validation but 4.6 % on held-out C4, short of the default's rule (docs/results.md)")
@@ -98,7 +98,7 @@ with st.expander("**Run settings**: model, units, pruning rate, scope, steps", e
                      "are one click away"):
         p1, p2, _ = st.columns([1, 1, 3])
         p1.button("The paper's (lr 0.002, N_s 2, moving average)", key="preset-paper", on_click=_ui.apply_preset,
-                  args=("paper",), help="engine/config.py's preset 'paper', as `--preset paper` on the command line: "
+                  args=("paper",), help="engine/settings/config.py's preset 'paper', as `--preset paper` on the command line: "
                                         f"{preset_text('paper')}")
         p2.button("The fast preset (the settings' own)", key="preset-fast", on_click=_ui.apply_preset, args=("fast",),
                   help=f"{preset_text('fast')}")

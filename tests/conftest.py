@@ -27,7 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
-# "auto" one-shot passes run in float32 on any CPU (engine/precision.py): the same results on an AVX-512 BF16 machine as
+# "auto" one-shot passes run in float32 on any CPU (engine/model/precision.py): the same results on an AVX-512 BF16 machine as
 # elsewhere; tests/test_precision.py sets it per test
 os.environ["PG_PRUNE_NATIVE_BF16"] = "0"
 # the caches of a run's dense statistics and init metric ($PG_PRUNE_CACHE/statistics and /metrics by default) are off:
@@ -145,7 +145,7 @@ def no_earlier_app_job():
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path_factory, monkeypatch):
-    """Every test its own dense-perplexity cache (engine/ppl_cache.py), so no test reads another's figure (child
+    """Every test its own dense-perplexity cache (engine/storage/ppl_cache.py), so no test reads another's figure (child
     processes inherit it through the environment)."""
     monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path_factory.mktemp("cache")))
 
@@ -162,7 +162,7 @@ def tiny(tiny_path):
 
     Tests share it: anything that changes it (hooks) must undo the change.
     """
-    from engine.loading import load_model, resolve_model
+    from engine.model.loading import load_model, resolve_model
 
     return load_model(resolve_model(str(tiny_path)))
 
@@ -170,13 +170,13 @@ def tiny(tiny_path):
 @pytest.fixture(scope="session")
 def default_model_cache(tmp_path_factory) -> dict:
     """{"root": a $PG_PRUNE_CACHE folder whose models/ holds the default model's de-quantised copy
-    (engine/model_cache.py), "dequantised": (model, tokenizer) as this worker read them from the GGUF, or None}.
+    (engine/storage/model_cache.py), "dequantised": (model, tokenizer) as this worker read them from the GGUF, or None}.
     The copy is made once for the whole run: the xdist workers share the folder under a lock, so the GGUF is
     de-quantised (about 35 s on 2 shared cores) by the first worker that asks, not by every test that loads it."""
     from filelock import FileLock
 
-    from engine import model_cache
-    from engine.loading import DEFAULT_MODEL, load_model, resolve_model
+    from engine.storage import model_cache
+    from engine.model.loading import DEFAULT_MODEL, load_model, resolve_model
 
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "default-model-cache"
@@ -225,7 +225,7 @@ def eval_file(tmp_path_factory) -> Path:
 
 def tiny_config(eval_file: Path, **kw):
     """A 3-step run of the tiny model on the small calibration and evaluation files, checkpointed every step."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
 
     base = dict(model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
                 init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),

@@ -18,16 +18,16 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import engine
-from engine.arch import ModelAdapter, supported_model_types
+from engine.model.arch import ModelAdapter, supported_model_types
 from engine.errors import UserError
-from engine.export import export_pruned
-from engine.loading import count_parameters
-from engine.masking import MaskHooks
-from engine.modeling_pruned import PRUNED_CLASSES
-from engine.units import UnitLayout
+from engine.export.artifacts import export_pruned
+from engine.model.loading import count_parameters
+from engine.model.masking import MaskHooks
+from engine.model.modeling_pruned import PRUNED_CLASSES
+from engine.model.units import UnitLayout
 
 from conftest import clean_env
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 COMMON = dict(vocab_size=128, hidden_size=96, intermediate_size=200, num_hidden_layers=3, max_position_embeddings=64,
               initializer_range=0.1, rms_norm_eps=1e-6)

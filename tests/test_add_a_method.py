@@ -26,7 +26,7 @@ BAD_PULL = "random-search: pull must be at least 0.0, got -1.0"
 @pytest.fixture(scope="module")
 def registered():
     """Register the method as the walkthrough does (run the file), and take it out again for the other tests."""
-    from engine.methods import METHODS
+    from engine.algo.methods import METHODS
 
     assert "random-search" not in METHODS
     runpy.run_path(str(EXAMPLE))
@@ -57,7 +57,7 @@ def test_the_listing_is_the_example_file():
 
 def test_its_gradient_pulls_the_scores_toward_the_best_sample(registered):
     """No model: a stand-in context whose second of three samples has the lowest loss."""
-    from engine.policy import sample_masks
+    from engine.algo.policy import sample_masks
 
     ctx = SimpleNamespace(num_samples=3, rng=torch.Generator().manual_seed(0),
                           losses=lambda samples, batch: torch.tensor([2.0, 1.0, 3.0], dtype=torch.float64))
@@ -72,7 +72,7 @@ def test_its_gradient_pulls_the_scores_toward_the_best_sample(registered):
 
 def test_the_method_runs_from_the_cli_with_its_option(registered, tmp_path, capsys):
     from engine.cli import main
-    from engine.methods import METHODS
+    from engine.algo.methods import METHODS
 
     assert "random-search" in METHODS
     with pytest.raises(SystemExit) as e:  # python -m engine prune --help

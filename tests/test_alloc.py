@@ -1,4 +1,4 @@
-"""pg-alloc (engine/methods/alloc.py): policy gradient over one logit offset per (unit type, layer). Its pure parts
+"""pg-alloc (engine/algo/methods/alloc.py): policy gradient over one logit offset per (unit type, layer). Its pure parts
 (offsets to units, the estimator on a quadratic, antithetic pairs, the scale-free step), and runs of the tiny model:
 mu = 0 is the start's mask, every sampled and the final mask are the budget's cut and keep each layer's order, the
 final mask is the cut of s(mu) (no projection moves it), a stopped and resumed run equals an uninterrupted one,
@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.budget import unit_weights
-from engine.config import PruneConfig
+from engine.algo.budget import unit_weights
+from engine.settings.config import PruneConfig
 from engine.run.initialise import fresh_state
-from engine.methods.alloc import (within_radius, antithetic_offsets, expand_offsets, learned_layers, offset_gradient, offset_index,
+from engine.algo.methods.alloc import (within_radius, antithetic_offsets, expand_offsets, learned_layers, offset_gradient, offset_index,
                                   scale_free_step, shifted_scores)
 from engine.run.loop import PruneRun
-from engine.unit_types import UNIT_TYPES
+from engine.model.unit_types import UNIT_TYPES
 
 from conftest import SMALL_CALIB, TINY_MODEL, one_error, quiet
 

@@ -21,7 +21,7 @@ def python_blocks(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def texts():
-    from engine.data import load_calibration_texts
+    from engine.data.text import load_calibration_texts
 
     return load_calibration_texts(str(SMALL_CALIB))[0][:40]
 
@@ -30,7 +30,7 @@ def texts():
 def small_data_dir(tmp_path_factory, small_eval_file) -> Path:
     """A data folder whose evaluation text is the first ~40k characters of WikiText-2 raw test: the example's default
     evaluation data, at a test's cost."""
-    from engine.data import _EVAL_SUBDIR
+    from engine.data.text import _EVAL_SUBDIR
 
     base = tmp_path_factory.mktemp("data")
     (base / _EVAL_SUBDIR).mkdir()

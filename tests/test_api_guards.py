@@ -23,7 +23,7 @@ CHEAP = dict(init_batches=1, reconstruct_batches=1, batch_size=2, seqlen=32, eva
 
 @pytest.fixture(scope="module")
 def texts():
-    from engine.data import load_calibration_texts
+    from engine.data.text import load_calibration_texts
 
     return load_calibration_texts(str(SMALL_CALIB))[0][:20]
 
@@ -181,7 +181,7 @@ def test_the_argument_checks_pass_what_a_run_takes(tiny):
     """The checks themselves: the tiny model, its tokenizer, a PruneConfig (None: the default run, README command
     1's) and paths pass; a tokenizer with fewer tokens than the embedding's rows (a padded embedding) passes too."""
     from engine.api import check_config, check_model, check_tokenizer, check_vocabulary, out_path
-    from engine.config import default_run
+    from engine.settings.config import default_run
 
     model, tokenizer = tiny
     check_model(model)

@@ -111,7 +111,7 @@ def finished_run(runs_dir: Path, scope: str) -> Path:
             continue
         if cfg["scope"] == scope and (p / "results.json").exists():
             return p
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     out = runs_dir / f"fixture-{scope}-run"
@@ -123,9 +123,9 @@ def finished_run(runs_dir: Path, scope: str) -> Path:
 
 # --- Prune -----------------------------------------------------------------------------------
 def test_prune_page_defaults(runs_dir):
-    """The form opens on the default run, as the command line's (engine/config.py's default_run: the joint
+    """The form opens on the default run, as the command line's (engine/settings/config.py's default_run: the joint
     preset's one-shot init): its layers and widths, method flap."""
-    from engine.config import PRESETS, default_run
+    from engine.settings.config import PRESETS, default_run
 
     at = app()
     assert at.title[0].value.endswith("Prune")
@@ -138,7 +138,7 @@ def test_prune_page_defaults(runs_dir):
 
 def test_joint_preset_button_sets_layers_widths_fixed_layers_and_steps(runs_dir, tmp_path, monkeypatch):
     """The joint preset's button: its settings, and its method (pg-alloc: the steps the default run does not take)."""
-    from engine.config import PRESETS
+    from engine.settings.config import PRESETS
 
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))  # (the form's settings persist beside the runs)
     at = app()
@@ -574,7 +574,7 @@ def test_layer_pruning_run_shows_the_layers_chart(runs_dir):
 def test_compare_two_layer_runs_and_warns_when_the_parameters_differ(tmp_path, monkeypatch):
     """Compare opens runs that pruned whole layers (it once sorted unit types by a fixed list and crashed),
     and says so in words when the two runs removed different numbers of parameters."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     runs = tmp_path / "runs"
@@ -598,7 +598,7 @@ def test_compare_says_why_a_joint_run_has_no_uniform_match(tmp_path, monkeypatch
     """A joint run (layers and widths on one parameter budget) exists only in global scope: Compare offers no
     matching uniform run, says why in one line, and starts nothing (it once offered one, which failed in flag
     language)."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     runs = tmp_path / "runs"
@@ -693,7 +693,7 @@ def test_rerun_with_these_settings_reproduces_the_config(runs_dir):
 
 
 def test_compare_names_the_differing_steps(tmp_path, monkeypatch):
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     runs = tmp_path / "runs"
@@ -781,7 +781,7 @@ def test_a_slowed_check_is_named_and_its_overrun_said_in_the_progress_line(runs_
 
 
 def test_estimated_speedup_of_a_run(runs_dir):
-    from engine.plan import model_skeleton, speedup
+    from engine.plan.forecast import model_skeleton, speedup
     from engine.ui.settings import estimated_speedup
 
     run = finished_run(runs_dir, "global")

@@ -255,7 +255,7 @@ def test_the_heatmap_draws_the_runs_own_masks_live_and_saved(tmp_path, monkeypat
     assert heatmap_marks(_heatmap(at)) == _saved(run)
     assert any(c.value == mask_source(results) for c in at.caption), [c.value for c in at.caption]
     table = next(d.value for d in at.dataframe if "layer kept" in d.value.columns)
-    from engine.unit_types import UNIT_TYPES
+    from engine.model.unit_types import UNIT_TYPES
 
     assert [int(x.split("/")[0]) for x in table[UNIT_TYPES["heads"].title]] == [sum(r) for r in _saved(run)]
     view.set_value("init").run()
@@ -281,7 +281,7 @@ def _radio_or_caption(at) -> list[str]:
 
 
 def _finished_run(where: Path) -> Path:
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     out = where / "good"

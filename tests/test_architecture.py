@@ -55,22 +55,25 @@ def offenders(importers: str, forbidden: tuple[str, ...], allowed_importers: tup
 
 
 def test_the_rules_see_the_engine():
-    assert {"engine.run.loop", "engine.methods.pg", "engine.arch.llama", "engine.unit_types.kv_groups",
-            "engine.metrics.wanda_sp", "engine.tools.chat", "engine.ui.jobs"} <= set(MODULES)
-    assert "engine.policy" in MODULES["engine.methods.pg"]  # relative imports are resolved
+    assert {"engine.run.loop", "engine.algo.methods.pg", "engine.model.arch.llama", "engine.model.unit_types.kv_groups",
+            "engine.algo.metrics.wanda_sp", "engine.tools.chat", "engine.ui.jobs"} <= set(MODULES)
+    assert "engine.algo.policy" in MODULES["engine.algo.methods.pg"]  # relative imports are resolved
 
 
 @pytest.mark.parametrize("importers, forbidden, allowed", [
     # the exported modeling file travels alone with every export: torch and transformers only
-    ("engine.modeling_pruned", ("engine",), ()),
+    ("engine.model.modeling_pruned", ("engine",), ()),
     # registries know nothing of the run that uses them, nor of the CLI, the tools or the app
-    ("engine.methods", ("engine.run.loop", "engine.cli", "engine.config", "engine.tools", "engine.ui"), ()),
-    ("engine.metrics", ("engine.run.loop", "engine.cli", "engine.config", "engine.methods", "engine.tools", "engine.ui"), ()),
-    ("engine.unit_types", ("engine.run.loop", "engine.cli", "engine.config", "engine.masking", "engine.metrics",
-                           "engine.methods", "engine.export", "engine.tools", "engine.ui"), ()),
-    ("engine.arch", ("engine.run.loop", "engine.cli", "engine.config", "engine.masking", "engine.unit_types",
-                     "engine.metrics", "engine.methods", "engine.tools", "engine.ui"), ("engine.arch.base",)),
-    ("engine.exporters", ("engine.run.loop", "engine.cli", "engine.tools", "engine.ui"), ()),
+    ("engine.algo.methods", ("engine.run.loop", "engine.cli", "engine.settings.config", "engine.tools", "engine.ui"), ()),
+    ("engine.algo.metrics", ("engine.run.loop", "engine.cli", "engine.settings.config", "engine.algo.methods",
+                             "engine.tools", "engine.ui"), ()),
+    ("engine.model.unit_types", ("engine.run.loop", "engine.cli", "engine.settings.config", "engine.model.masking",
+                                 "engine.algo.metrics", "engine.algo.methods", "engine.export", "engine.tools",
+                                 "engine.ui"), ()),
+    ("engine.model.arch", ("engine.run.loop", "engine.cli", "engine.settings.config", "engine.model.masking",
+                           "engine.model.unit_types", "engine.algo.metrics", "engine.algo.methods", "engine.tools",
+                           "engine.ui"), ("engine.model.arch.base",)),
+    ("engine.export", ("engine.run.loop", "engine.cli", "engine.tools", "engine.ui"), ()),
     # the engine never reaches up into its side tools or the app's services (the CLI dispatches to tools)
     ("engine", ("engine.tools",), ("engine.tools", "engine.cli", "engine.ui")),
     ("engine", ("engine.ui",), ("engine.ui",)),
@@ -83,7 +86,7 @@ def test_layering(importers, forbidden, allowed):
 
 def test_the_adapter_never_reaches_up_to_the_unit_types():
     # unit_types.unit_sizes(adapter) lists the units: the adapter answers structural questions only
-    assert offenders("engine.arch", ("engine.unit_types",)) == []
+    assert offenders("engine.model.arch", ("engine.model.unit_types",)) == []
 
 
 # --- issue 23: no import cycles, nothing low reaching up ---------------------------------------------------------
@@ -140,16 +143,17 @@ def test_the_cycle_check_sees_a_cycle():
 
 
 # the leaves import nothing of the engine but other leaves; the loader, registries and exporters never reach the run
-LEAVES = ("engine.errors", "engine.io", "engine.fields", "engine.run.files", "engine.outdir", "engine.policy", "engine.registry")
+LEAVES = ("engine.errors", "engine.storage.io", "engine.settings.fields", "engine.run.files", "engine.storage.outdir",
+          "engine.algo.policy", "engine.settings.registry")
 
 
 @pytest.mark.parametrize("importers, forbidden", [
     *[(leaf, tuple(m for m in MODULES if m.startswith("engine.") and m not in LEAVES and m != leaf  # (a package
                    and not any(x.startswith(m + ".") for x in LEAVES))) for leaf in LEAVES],  # above a leaf: its modules)
-    ("engine.loading", ("engine.run.folder", "engine.config", "engine.run.loop", "engine.budget", "engine.hooks")),
-    ("engine.exporters", ("engine.run.folder", "engine.config", "engine.hooks", "engine.budget")),
-    ("engine.methods", ("engine.hooks", "engine.run.checkpoints", "engine.run.initialise", "engine.run.results", "engine.run.masks")),
-    ("engine.hooks", ("engine.run.loop", "engine.cli", "engine.config", "engine.tools", "engine.ui")),
+    ("engine.model.loading", ("engine.run.folder", "engine.settings.config", "engine.run.loop", "engine.algo.budget", "engine.hooks")),
+    ("engine.export", ("engine.run.folder", "engine.settings.config", "engine.hooks", "engine.algo.budget")),
+    ("engine.algo.methods", ("engine.hooks", "engine.run.checkpoints", "engine.run.initialise", "engine.run.results", "engine.run.masks")),
+    ("engine.hooks", ("engine.run.loop", "engine.cli", "engine.settings.config", "engine.tools", "engine.ui")),
 ])
 def test_nothing_low_imports_something_higher(importers, forbidden):
     assert offenders(importers, forbidden) == []

@@ -210,14 +210,14 @@ def test_the_reward_studys_heldout_stage_measures_any_finished_run_and_refuses_t
     import argparse
     import json
 
-    import engine.loading
+    import engine.model.loading
 
     monkeypatch.syspath_prepend(str(BENCH))
     import reward_study
 
     loaded = []
-    monkeypatch.setattr(engine.loading, "resolve_model", lambda path: path)
-    monkeypatch.setattr(engine.loading, "load_model", lambda path: (loaded.append(path) or "model", "tok"))
+    monkeypatch.setattr(engine.model.loading, "resolve_model", lambda path: path)
+    monkeypatch.setattr(engine.model.loading, "load_model", lambda path: (loaded.append(path) or "model", "tok"))
     monkeypatch.setattr(reward_study, "heldout_c4_windows", lambda tok: ["w"] if tok == "tok" else None)
     monkeypatch.setattr(reward_study, "windows_ppl", lambda model, windows, loss: 7.25 if windows == ["w"] else 0.0)
     runs = []
@@ -457,7 +457,7 @@ def test_the_final_choice_checks_score_each_validated_mask_on_both_texts_on_the_
     import json
     from types import SimpleNamespace
 
-    from engine.config import PRESETS
+    from engine.settings.config import PRESETS
     from engine.run.loop import PruneRun
 
     from test_pruner import quiet, small_config

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.arch import ModelAdapter
-from engine.metrics import METRICS, MetricContext, layer_metrics
-from engine.units import UnitLayout
-from engine.unit_types import unit_sizes
+from engine.model.arch import ModelAdapter
+from engine.algo.metrics import METRICS, MetricContext, layer_metrics
+from engine.model.units import UnitLayout
+from engine.model.unit_types import unit_sizes
 
 
 def tiny_random(model_type: str = "llama", layers: int = 5):
@@ -60,7 +60,7 @@ def test_block_influence_is_one_minus_the_mean_cosine_of_each_layer(model_type):
 
 
 def test_block_influence_is_a_one_forward_layer_metric():
-    from engine.plan import _METRIC_FORWARDS
+    from engine.plan.forecast import _METRIC_FORWARDS
 
     m = METRICS["block-influence"]
     assert "block-influence" in layer_metrics() and m.scores_layers() and not m.scores_units()
@@ -73,7 +73,7 @@ def test_block_influence_is_a_one_forward_layer_metric():
 def test_block_influence_runs_alone_and_in_the_joint(tiny, tiny_path, small_eval_file, tmp_path):
     """--units layers --layer-init block-influence --method metric removes the layers of lowest influence; the joint
     (layers, heads and channels on one budget) takes its order for the mix's layers."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     model, tok = tiny

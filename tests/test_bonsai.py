@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.methods.bonsai import alive_targets, regression_importance
+from engine.algo.methods.bonsai import alive_targets, regression_importance
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -46,7 +46,7 @@ def test_bonsai_runs_on_the_budget_with_forward_passes_only(tiny, tiny_path, sma
 
 
 def test_bonsai_options_are_checked():
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.errors import UserError
 
     with pytest.raises(UserError, match="one step per round"):
@@ -56,7 +56,7 @@ def test_bonsai_options_are_checked():
 
 
 def test_the_progress_line_counts_rounds_and_samples():
-    from engine.methods import METHODS
+    from engine.algo.methods import METHODS
 
     config = {"method": "bonsai", "steps": 10, "num_mask_samples": 8, "method_options": {"rounds": 5}}
     bonsai = METHODS["bonsai"]

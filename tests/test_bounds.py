@@ -195,7 +195,7 @@ def test_the_pages_list_runs_with_damaged_values_as_damaged(tmp_path, monkeypatc
 def test_an_evaluation_text_with_a_utf8_bom_is_read_without_it(tmp_path):
     """A .txt/.raw evaluation file a Windows editor saved starts with a BOM: read as text, it was kept as a
     U+FEFF character at the start of the evaluation text (a token the model never saw)."""
-    from engine.data import load_eval_text
+    from engine.data.text import load_eval_text
 
     for name in ("wiki.txt", "wiki.raw"):
         folder = tmp_path / name.replace(".", "-")
@@ -231,7 +231,7 @@ def test_a_masks_json_naming_an_odd_unit_type_is_damaged_not_a_traceback():
     masks are damaged, said in the one line load_mask_artifact raises (zeroshot --run, chat, export)."""
     import torch
 
-    from engine.export import mask_meta_problem
+    from engine.export.artifacts import mask_meta_problem
 
     tensors = {"masks.heads": torch.ones(8), "scores.heads": torch.zeros(8)}
     good = {"unit_types": ["heads"], "units_per_layer": {"heads": [4, 4]}}
@@ -262,8 +262,8 @@ def test_a_huge_evaluation_text_is_tokenized_in_bounded_pieces():
     take the old path unchanged."""
     from transformers import AutoTokenizer
 
-    from engine.data import EVAL_WHOLE_CHARS, eval_windows
-    from engine.tokenize_docs import CHUNK_CHARS
+    from engine.data.text import EVAL_WHOLE_CHARS, eval_windows
+    from engine.data.tokenize_docs import CHUNK_CHARS
 
     from conftest import WIKI_RAW
 
@@ -289,7 +289,7 @@ import json, resource, sys
 from pathlib import Path
 from transformers import AutoTokenizer
 from engine.run import loop as pruner
-from engine.config import PruneConfig
+from engine.settings.config import PruneConfig
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 config = PruneConfig(model=sys.argv[1], calib=sys.argv[2], eval_data=sys.argv[3], seqlen=32, eval_seqlen=32,
                      max_windows=2, batch_size=2, steps=3, val_every=0, final_mask="last").validate()
@@ -327,7 +327,7 @@ def test_a_20_mb_calibration_line_is_read_in_bounded_memory(tmp_path):
 def test_an_eval_batch_whose_logits_cannot_fit_is_one_line(tmp_path, monkeypatch, capfd):
     """`eval` checked nothing: a --eval-batch-size whose logits do not fit ended in the allocator's traceback
     (prune checks the same in PruneRun). With 1 MiB available, 8 windows of 32 tokens need 4 MiB of logits."""
-    from engine import memory_check
+    from engine.model import memory_check
     from engine.cli import main
 
     from conftest import WIKI_RAW

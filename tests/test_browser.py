@@ -670,7 +670,7 @@ def test_browser_end_to_end(server, browser):
 def layer_runs(runs: Path) -> None:
     """Two finished runs on the tiny model that prune whole layers: layers alone (global) and layers with
     widths (uniform, each type losing half its count), so they remove different numbers of parameters."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")

@@ -79,7 +79,7 @@ def visible_table_rows(d) -> list[list[str]]:
 def test_a_kl_runs_results_tab_names_its_kl_as_a_kl(browser):
     """A finished run under --reward kl with held-out checks: its Results tab shows best-val's figure as the mean KL
     from the dense model (nats a token), and no label of its values says "ppl" or "perplexity" for it."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     d = browser

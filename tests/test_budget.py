@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.arch import ModelAdapter
-from engine.budget import decoder_params, removal_report, removed_parameters, unit_weights
-from engine.export import build_pruned_model
-from engine.loading import count_parameters
-from engine.units import UnitLayout
+from engine.model.arch import ModelAdapter
+from engine.algo.budget import decoder_params, removal_report, removed_parameters, unit_weights
+from engine.export.artifacts import build_pruned_model
+from engine.model.loading import count_parameters
+from engine.model.units import UnitLayout
 
 from test_adapters_export import ARCHS, build_model
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 UNIT_SETS = [("heads",), ("channels",), ("layers",), ("heads", "channels"), ("heads", "channels", "layers"),
              ("channels", "layers")]
@@ -61,7 +61,7 @@ def test_a_removed_layers_width_counts_once():
 
 # --- the parameter budget ----------------------------------------------------------------------------------------
 def param_budget(arch: str, units: tuple[str, ...], scope: str):
-    from engine.budget import ParamBudget
+    from engine.algo.budget import ParamBudget
 
     model = build_model(arch)
     adapter = ModelAdapter.for_model(model)
@@ -86,7 +86,7 @@ def test_param_budget_projection_and_hard_mask(units, scope, arch):
     """The projection keeps E[kept parameters] at the budget (on it when the scores were over it), and the hard
     mask lands within one unit's weight below it, for every unit-type combination (layers nested over widths
     included) under global and uniform scope."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.errors import UserError
 
     if "layers" in units and len(units) > 1 and scope == "uniform":
@@ -156,7 +156,7 @@ def test_nested_budget_holds_at_every_step_of_a_run():
 
 def test_nested_projection_is_the_plain_one_when_layers_are_sure():
     """With every layer at 1 the nested projection is the weighted projection of the widths alone."""
-    from engine.policy import project_weighted_capped_simplex
+    from engine.algo.policy import project_weighted_capped_simplex
 
     budget, adapter, layout = param_budget("llama", ("layers", "heads", "channels"), "global")
     g = torch.Generator().manual_seed(4)
@@ -208,7 +208,7 @@ def test_configs_without_a_budget_count_units(tmp_path):
     """Every run from before --budget counted units: its config.json loads (and resumes) as --budget units."""
     import json
 
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
 
     data = PruneConfig().to_dict()
     del data["budget"]

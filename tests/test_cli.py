@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.config import PruneConfig
+from engine.settings.config import PruneConfig
 
 from conftest import write_llama_gguf, REPO, SMALL_CALIB, WIKI_RAW, clean_env, engine_in_process, run_engine
 
@@ -123,7 +123,7 @@ def small_eval_text() -> str:
 
 def saved_run(folder: Path, tiny_path: Path, tmp: Path) -> Path:
     """A run folder as a run leaves it after its start: marker, config, empty metrics, a checkpoint."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.folder import write_run_marker
 
     eval_file = tmp / "eval-small.txt"
@@ -350,7 +350,7 @@ def test_unit_multiple_rounds_every_layer_of_the_export(tiny_path, tmp_path, cap
 
 def test_config_file_starts_a_run_and_flags_override_it(tmp_path):
     from engine.cli import parse_args
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
 
     saved = PruneConfig(model="m", units=["heads", "layers"], steps=7, lr=0.05, method="gumbel", seed=4,
                         method_options={"temperature": 2.0, "straight_through": True})
@@ -364,7 +364,7 @@ def test_config_file_starts_a_run_and_flags_override_it(tmp_path):
 
 def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():
     from engine.cli import _config_from_args, parse_args
-    from engine.config import PRESETS, PruneConfig
+    from engine.settings.config import PRESETS, PruneConfig
 
     config = _config_from_args(parse_args(["prune", "--preset", "joint", "--time-budget", "10", "--out", "x"])).validate()
     for field, value in PRESETS["joint"].items():
@@ -377,7 +377,7 @@ def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():
 
 def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applies():
     from engine.cli import _config_from_args, parse_args
-    from engine.config import DEFAULT_PRESET, PRESETS, default_preset
+    from engine.settings.config import DEFAULT_PRESET, PRESETS, default_preset
 
     def config(*flags):
         args = parse_args(["prune", *flags, "--out", "x"])
@@ -487,7 +487,7 @@ def test_the_default_preset_takes_no_steps_unless_asked(argv, method, tmp_path):
 
 
 def test_the_no_steps_line_gives_the_verdict_of_the_nearest_rate_measured_below():
-    from engine.config import STEP_VERDICTS, no_steps_line, step_verdict
+    from engine.settings.config import STEP_VERDICTS, no_steps_line, step_verdict
 
     assert step_verdict(0.3) == step_verdict(0.45) == STEP_VERDICTS[0.3]
     assert step_verdict(0.5) == step_verdict(0.7) == STEP_VERDICTS[0.5]
@@ -503,7 +503,7 @@ def test_readme_command_1s_run_is_the_joint_preset_without_steps_from_python():
     import engine
     from engine.api import check_config
     from engine.cli import _config_from_args, parse_args
-    from engine.config import PRESETS
+    from engine.settings.config import PRESETS
 
     cli = _config_from_args(parse_args(["prune", "--prune-ratio", "0.3", "--out", "x"])).validate().to_dict()
     assert engine.default_run(prune_ratio=0.3).validate().to_dict() == cli
@@ -516,7 +516,7 @@ def test_a_default_run_that_buys_steps_is_told_what_they_bought(eval_file, tmp_p
     """--steps on the default preset: the log says before the steps what 24 of them did on the confirmation set at
     the nearest rate measured (STEP_VERDICTS), as the no-steps line says why none are taken."""
     from conftest import SMALL_CALIB, TINY_MODEL
-    from engine.config import step_verdict
+    from engine.settings.config import step_verdict
 
     flags = ["--model", str(TINY_MODEL), "--batch-size", "2", "--seqlen", "32", "--eval-seqlen", "32",
              "--max-windows", "2", "--init-batches", "1", "--num-mask-samples", "2", "--calib", str(SMALL_CALIB),

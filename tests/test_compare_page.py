@@ -33,11 +33,11 @@ def make_run(runs: Path, name: str, *, scope: str = "global", units=("heads", "c
     masks.safetensors / masks.json and results.json. removed: unit type -> {layer: [unit indices removed]}."""
     import torch
 
-    from engine.config import PruneConfig
-    from engine.export import save_mask_artifact
-    from engine.io import atomic_write_text
+    from engine.settings.config import PruneConfig
+    from engine.export.artifacts import save_mask_artifact
+    from engine.storage.io import atomic_write_text
     from engine.run.state import StepReport
-    from engine.units import UnitLayout
+    from engine.model.units import UnitLayout
 
     run = runs / name
     run.mkdir(parents=True)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import cpu_curve as cc  # noqa: E402
 
-from engine.config import PruneConfig  # noqa: E402
+from engine.settings.config import PruneConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"

@@ -1,4 +1,4 @@
-"""The data readers: the default calibration text (tests of engine/data.py that need no model)."""
+"""The data readers: the default calibration text (tests of engine/data/text.py that need no model)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def test_the_default_calibration_never_reads_the_held_out_c4_judge(tmp_path, mon
     import gzip
     import json
 
-    from engine.data import DATA_DIR_ENV, HELDOUT_C4_FILES, load_calibration_texts
+    from engine.data.text import DATA_DIR_ENV, HELDOUT_C4_FILES, load_calibration_texts
 
     c4 = tmp_path / "c4"
     c4.mkdir()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 import pytest
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 
 class _RecordingModel(nn.Module):
@@ -53,7 +53,7 @@ def test_zeroshot_of_a_run_loads_the_base_on_the_configured_device(tmp_path, mon
 
     monkeypatch.setattr(chat, "load_base", load_base)
     # (the run's masks are read and checked before the base loads: this made-up run has only their metadata)
-    monkeypatch.setattr("engine.export.load_mask_artifact", lambda folder: ({"base_model": "some-model"}, None, None))
+    monkeypatch.setattr("engine.export.artifacts.load_mask_artifact", lambda folder: ({"base_model": "some-model"}, None, None))
     try:
         load_for_zeroshot(ZeroshotConfig(run=str(run), device="cuda:1"))
     except RuntimeError:
@@ -64,11 +64,11 @@ def test_zeroshot_of_a_run_loads_the_base_on_the_configured_device(tmp_path, mon
 def assert_offloaded_losses_equal(model, offloaded, keep: float, num_samples: int, ids: torch.Tensor):
     """The hook executors give the same per-sample PG losses on an accelerate-offloaded copy of `model` as on
     `model` held in memory (the same random masks)."""
-    from engine.arch import ModelAdapter
-    from engine.executors import EXECUTORS
-    from engine.masking import MaskHooks
-    from engine.policy import sample_masks
-    from engine.units import UnitLayout
+    from engine.model.arch import ModelAdapter
+    from engine.model.executors import EXECUTORS
+    from engine.model.masking import MaskHooks
+    from engine.algo.policy import sample_masks
+    from engine.model.units import UnitLayout
 
     layout = UnitLayout(unit_sizes(ModelAdapter.for_model(model)))
     g = torch.Generator().manual_seed(1)
@@ -87,10 +87,10 @@ def test_masked_steps_on_a_model_that_accelerate_offloads(tmp_path):
     import pytest
     from transformers import AutoModelForCausalLM
 
-    from engine.arch import ModelAdapter
+    from engine.model.arch import ModelAdapter
     from engine.errors import UserError
-    from engine.executors import EXECUTORS
-    from engine.masking import MaskHooks
+    from engine.model.executors import EXECUTORS
+    from engine.model.masking import MaskHooks
     from test_adapters_export import build_model
 
     model = build_model("llama")
@@ -107,7 +107,7 @@ def test_masked_steps_on_a_model_that_accelerate_offloads(tmp_path):
 
 
 def test_device_auto_runs_on_a_cpu_only_host(tiny_path, small_eval_file, tmp_path):
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
     from conftest import SMALL_CALIB
 
@@ -120,8 +120,8 @@ def test_device_auto_runs_on_a_cpu_only_host(tiny_path, small_eval_file, tmp_pat
 def test_column_index_stays_on_the_device_of_the_kept_units():
     """The sliced executor's bias compensation indexes columns on the weights' device: column_index
     used to add a CPU arange to them (fails on CUDA; `meta` stands in for it here)."""
-    from engine.arch import ModelAdapter
-    from engine.unit_types import UNIT_TYPES
+    from engine.model.arch import ModelAdapter
+    from engine.model.unit_types import UNIT_TYPES
     from test_adapters_export import build_model
 
     a = ModelAdapter.for_model(build_model("llama"))
@@ -139,7 +139,7 @@ def test_device_auto_splits_a_1b_model_and_its_pg_losses_equal_the_model_in_memo
     forwards of a PG step give the same per-sample losses as the model held in memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from engine.loading import load_model, resolve_model
+    from engine.model.loading import load_model, resolve_model
 
     config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                          num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True)

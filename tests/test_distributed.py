@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.distributed import World, dealt, digest, launched, on_cpu, share, shares
+from engine.model.distributed import World, dealt, digest, launched, on_cpu, share, shares
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, Ran, clean_env, engine_in_process
 
@@ -57,7 +57,7 @@ def test_one_process_is_the_identity():
 
     assert w.share_executor(f) is f and w.writes and w.from_writer(3, "x") == 3 and w.gather_objects(4, "x") == [4]
     w.check_same("anything", torch.rand(3))  # nobody to disagree with
-    from engine.distributed import join_world
+    from engine.model.distributed import join_world
 
     assert join_world("cpu", env={}) == World()
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -98,7 +98,7 @@ def test_on_cpu_moves_tensors_in_containers():
 
 def test_sums_added_in_batch_order_are_one_fold():
     """column_sums' per-batch sums, added in batch order, are the running sum one process accumulates."""
-    from engine.metrics.activations import add_in_order
+    from engine.algo.metrics.activations import add_in_order
 
     xs = [{("heads", 0): torch.rand(4) * 10 ** e} for e in (0, 7, -7, 3)]
     running = xs[0][("heads", 0)]
@@ -109,7 +109,7 @@ def test_sums_added_in_batch_order_are_one_fold():
 
 HELPERS_ON_RANKS = """
 import sys, torch
-from engine.distributed import World, dealt, join_world
+from engine.model.distributed import World, dealt, join_world
 w = join_world("cpu")
 seen = []
 out = w.map_shares(list(range(7)), lambda items: (seen.append(list(items)), [{"j": j, "t": torch.full((2,), float(j))}

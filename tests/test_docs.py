@@ -110,7 +110,50 @@ def test_the_architecture_page_names_every_hook_in_its_order_and_counts_no_lines
     from engine.hooks import RUN_HOOKS
 
     text = (DOCS / "architecture.md").read_text(encoding="utf-8")
-    drawing = text.split("engine/hooks/", 1)[1].split("engine/run/folder.py", 1)[0]
-    listed = re.findall(r"[a-z_]+", drawing.split(":", 1)[1])
+    drawing = text.split("engine/hooks/", 1)[1].split("engine/plan/", 1)[0]
+    listed = re.findall(r"[a-z_]+", drawing.split(":", 1)[1].split("(", 1)[0])
     assert listed == [h.__module__.rsplit(".", 1)[-1] for h in RUN_HOOKS]
     assert not re.search(r"\b\d+ lines\b", text)
+
+
+def _drawing() -> str:
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    return text.split("## The layers", 1)[1].split("```", 2)[1]
+
+
+def test_the_architecture_drawing_names_every_room_and_module():
+    """Every package of engine/ and every module in it is in docs/architecture.md's drawing (on its package's lines),
+    and the top level holds only the front doors: at most 8 modules."""
+    engine = DOCS.parent / "engine"
+    top = sorted(p.stem for p in engine.glob("*.py"))
+    assert len(top) <= 8, top
+    drawing = _drawing()
+    rooms = {}  # package -> the drawing's text from its name to the next package's
+    names = re.findall(r"^ (engine/[a-z_]+/)", drawing, re.M)
+    for name, nxt in zip(names, names[1:] + [None]):
+        rooms[name] = drawing.split(name, 1)[1].split(nxt, 1)[0] if nxt else drawing.split(name, 1)[1]
+    packages = sorted(f"engine/{p.parent.name}/" for p in engine.glob("*/__init__.py"))
+    assert sorted(rooms) == packages
+    missing = [f"{pkg}{m}" for pkg in packages for m in _members(engine / pkg.split("/")[1])
+               if not re.search(rf"\b{m}\b", rooms[pkg])]
+    assert missing == [], f"not in docs/architecture.md's drawing: {missing}"
+    assert [m for m in top if m not in ("__init__", "__main__") and f"engine/{m}.py" not in drawing] == []
+
+
+def _members(package: Path) -> list[str]:
+    """A package's modules and subpackages, by name (not its __init__)."""
+    return sorted([p.stem for p in package.glob("*.py") if p.stem != "__init__"]
+                  + [p.parent.name for p in package.glob("*/__init__.py")])
+
+
+def test_every_subpackage_docstring_names_what_lives_in_it():
+    import ast
+
+    missing = []
+    for init in sorted((DOCS.parent / "engine").rglob("__init__.py")):
+        if init.parent.name == "engine":
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        missing += [f"{init.parent.relative_to(DOCS.parent)}: {m}" for m in _members(init.parent)
+                    if not re.search(rf"\b{m}\b", doc)]
+    assert missing == [], f"modules a package's docstring does not name: {missing}"

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from engine import ppl_cache
-from engine.config import PruneConfig
+from engine.storage import ppl_cache
+from engine.settings.config import PruneConfig
 from engine.run.loop import PruneRun
 
 from conftest import SMALL_CALIB

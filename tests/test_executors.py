@@ -9,19 +9,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.arch import ModelAdapter
-from engine.config import PruneConfig
-from engine.evaluate import batch_loss
-from engine.executors import EXECUTORS, resolve_executor
-from engine.export import build_pruned_model, export_pruned
-from engine.metrics.activations import input_means
-from engine.masking import MaskHooks
-from engine.policy import sample_masks
+from engine.model.arch import ModelAdapter
+from engine.settings.config import PruneConfig
+from engine.algo.evaluate import batch_loss
+from engine.model.executors import EXECUTORS, resolve_executor
+from engine.export.artifacts import build_pruned_model, export_pruned
+from engine.algo.metrics.activations import input_means
+from engine.model.masking import MaskHooks
+from engine.algo.policy import sample_masks
 from engine.run.loop import PruneRun
-from engine.units import UnitLayout
+from engine.model.units import UnitLayout
 
 from test_adapters_export import build_model
-from engine.unit_types import UNIT_TYPES, unit_sizes
+from engine.model.unit_types import UNIT_TYPES, unit_sizes
 
 from conftest import quiet
 
@@ -80,7 +80,7 @@ def test_executors_agree(arch, with_fill):
 def test_sliced_forward_of_a_layer_that_keeps_no_unit(with_fill):
     """A sample may drop every KV group (or channel) of a layer: the sliced forward still equals the
     masked model (that sub-layer adds nothing, or only its compensation)."""
-    from engine.slicing import SlicedLayers
+    from engine.model.slicing import SlicedLayers
 
     model = build_model("qwen2")  # q/k/v biases: they are sliced too
     a = ModelAdapter.for_model(model)
@@ -102,7 +102,7 @@ def test_sliced_forward_of_a_layer_that_keeps_no_unit(with_fill):
 
 
 def test_sliced_layers_restore_the_weights_after_an_error():
-    from engine.slicing import SlicedLayers
+    from engine.model.slicing import SlicedLayers
 
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
@@ -238,7 +238,7 @@ def test_row_losses_equal_the_shifted_cross_entropy():
     """batch_loss shifts the targets instead of copying the shifted logits: the same numbers."""
     import torch.nn.functional as F
 
-    from engine.evaluate import _row_losses
+    from engine.algo.evaluate import _row_losses
 
     g = torch.Generator().manual_seed(0)
     logits, ids = torch.randn(3, 7, 11, generator=g), torch.randint(0, 11, (3, 7), generator=g)
@@ -250,7 +250,7 @@ def test_row_losses_equal_the_shifted_cross_entropy():
 
 
 def test_aligned_padding_is_the_fewest_units_that_align_every_width():
-    from engine.slicing import aligned_padding
+    from engine.model.slicing import aligned_padding
 
     assert aligned_padding(1075, [1]) == 5 and aligned_padding(1080, [1]) == 0
     assert aligned_padding(3, [64, 64, 64, 192]) == 0  # whole KV groups of 64-wide heads are aligned already
@@ -267,7 +267,7 @@ def test_sliced_forwards_multiply_aligned_widths_and_equal_the_masked_model(arch
     """The sliced executor pads each layer's gathered units to widths that are multiples of 8 (odd widths take
     MKL's slow path); the padding units repeat a kept one and their output columns are zero, so the forward
     still equals the hook-masked model's, with bias compensation too."""
-    from engine.slicing import SlicedLayers
+    from engine.model.slicing import SlicedLayers
 
     model = build_model(arch)
     a = ModelAdapter.for_model(model)

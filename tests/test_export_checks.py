@@ -73,7 +73,7 @@ def test_export_hf_checks_the_copys_shapes_before_it_says_wrote(finished, tmp_pa
     """A copy whose headers parse and cover their files but whose tensors are another model's is not written."""
     from safetensors.torch import load_file, save_file
 
-    from engine.exporters import hf
+    from engine.export import hf
 
     real = shutil.copytree
 
@@ -94,7 +94,7 @@ def test_export_hf_checks_the_copys_shapes_before_it_says_wrote(finished, tmp_pa
 
 
 def test_the_model_folder_check_passes_a_good_export_and_a_plain_model(finished):
-    from engine.exporters.checks import model_folder_problem
+    from engine.export.checks import model_folder_problem
 
     assert model_folder_problem(finished / "model") is None
     assert model_folder_problem(TINY_MODEL) is None  # (a plain llama folder with tied embeddings)
@@ -110,7 +110,7 @@ def little_free(monkeypatch, free: int = 1000):
 
 def test_export_hf_with_too_little_space_is_refused_before_anything_is_written(finished, tmp_path, monkeypatch,
                                                                               capfd):
-    from engine.exporters import hf
+    from engine.export import hf
 
     copies = []
     monkeypatch.setattr(hf.shutil, "copytree", lambda *a, **kw: copies.append(a))
@@ -150,7 +150,7 @@ def test_prune_with_too_little_space_for_the_model_is_refused_before_it_is_writt
     """Room for the checkpoint and the masks, not for model/: the run ends in one line before model/ is written."""
     from transformers import PreTrainedModel
 
-    from engine import io
+    from engine.storage import io
 
     saved = []
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", lambda *a, **kw: saved.append(a))
@@ -166,7 +166,7 @@ def test_prune_with_too_little_space_for_the_model_is_refused_before_it_is_writt
 def test_the_sliced_models_space_is_not_overestimated(finished, tiny, eval_file, tmp_path, monkeypatch):
     """The space model/ needs counts a tied embedding once (save_pretrained writes it once): a folder with room
     for the model is not refused."""
-    from engine import io
+    from engine.storage import io
 
     real, out, room = io.free_space, tmp_path / "run2", _model_bytes(finished) + 4096
     monkeypatch.setattr(io, "free_space", lambda folder: room if folder == out else real(folder))
@@ -175,7 +175,7 @@ def test_the_sliced_models_space_is_not_overestimated(finished, tiny, eval_file,
 
 
 def test_atomic_writes_check_the_space_before_they_start(tmp_path, monkeypatch):
-    from engine.io import atomic_dir, atomic_file
+    from engine.storage.io import atomic_dir, atomic_file
 
     little_free(monkeypatch, 10)
     ran = []
@@ -195,7 +195,7 @@ def test_a_killed_gguf_writes_temporary_file_is_cleaned_by_the_next_write(tmp_pa
     """write_model_gguf (the dense model's GGUF beside the runs, measure's GGUFs) leaves .NAME.pidPID.*.tmp when
     killed; the next write to that path removes it (a live process's stays)."""
     pytest.importorskip("gguf")
-    from engine.exporters.gguf import write_model_gguf
+    from engine.export.gguf import write_model_gguf
 
     dest = tmp_path / "dense.f16.gguf"
     stale = tmp_path / f".dense.f16.gguf.pid{dead_pid()}.k2j4x.tmp"

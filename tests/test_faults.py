@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from engine.cli import main
-from engine.config import PruneConfig
+from engine.settings.config import PruneConfig
 from engine.errors import UserError
 from engine.run.loop import PruneRun, StepReport
-from engine.outdir import LOCK_FILE
+from engine.storage.outdir import LOCK_FILE
 from engine.run.folder import RUN_MARKER
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, engine_in_process, quiet
@@ -233,7 +233,7 @@ def test_cli_nan_stop_is_one_error_line(tiny, eval_file, tmp_path, monkeypatch, 
 
 
 def test_json_writers_refuse_nan(tmp_path):
-    from engine.io import atomic_write_text, dumps_json
+    from engine.storage.io import atomic_write_text, dumps_json
 
     with pytest.raises(UserError, match="ppl"):
         dumps_json({"ppl": float("nan")})
@@ -288,7 +288,7 @@ def test_out_is_created_and_checked_before_the_model_loads(tiny_path, tmp_path, 
     assert "stopped at the model load" in capfd.readouterr().err
 
     # an unwritable --out fails without loading anything (as root, mkstemp is made to fail)
-    import engine.outdir as pr
+    import engine.storage.outdir as pr
 
     def no_write(*a, **kw):
         raise PermissionError(13, "Permission denied")

@@ -77,7 +77,7 @@ def real_gguf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, wiki_small) -> Path:
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
 
     out = tmp_path_factory.mktemp("inputs-run") / "run"
@@ -138,7 +138,7 @@ def test_no_decoder_layers_is_refused_by_every_command(command, wiki_small, tmp_
 
 
 def test_model_config_check():
-    from engine.loading import config_problem
+    from engine.model.loading import config_problem
 
     tiny = json.loads((TINY_MODEL / "config.json").read_text())
     assert config_problem(tiny) is None
@@ -204,7 +204,7 @@ def test_positions_check_is_shared():
     from types import SimpleNamespace
 
     from engine.errors import UserError
-    from engine.loading import check_positions
+    from engine.model.loading import check_positions
 
     check_positions(SimpleNamespace(max_position_embeddings=512), {"seqlen": 512})
     check_positions(SimpleNamespace(), {"seqlen": 10**6})  # no known limit: nothing to check
@@ -229,7 +229,7 @@ def test_a_file_of_random_bytes_as_model(wiki_small, tmp_path, capfd):
 
 
 def test_the_tools_own_gguf_is_explained(finished_run, wiki_small, tmp_path, capfd):
-    from engine.exporters import export_run
+    from engine.export import export_run
 
     exported = export_run(finished_run, "gguf", tmp_path / "pruned.gguf", "f32")["path"]
     for command in ("eval", "measure"):

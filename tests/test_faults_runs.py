@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine.cli import main
-from engine.config import PruneConfig
+from engine.settings.config import PruneConfig
 from engine.errors import UserError
-from engine.outdir import LOCK_FILE, OutputKind, check_output_folder, folder_lock, output_folder
+from engine.storage.outdir import LOCK_FILE, OutputKind, check_output_folder, folder_lock, output_folder
 from engine.run.loop import PruneRun
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, engine_in_process, one_error, quiet
@@ -156,12 +156,12 @@ def test_out_that_is_a_file_or_unwritable(command, tmp_path, monkeypatch, capfd)
     one_error(capfd, "exists and is not a folder")
     assert target.read_text() == "keep"
 
-    import engine.outdir
+    import engine.storage.outdir
 
     def read_only(*a, **kw):  # as root nothing is read-only: a failing write stands in for a read-only filesystem
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(engine.outdir.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(engine.storage.outdir.tempfile, "mkstemp", read_only)
     assert main(argv(tmp_path / "new")) == 2
     one_error(capfd, "is not writable: Read-only file system")
     assert not (tmp_path / "new").exists()
@@ -170,7 +170,7 @@ def test_out_that_is_a_file_or_unwritable(command, tmp_path, monkeypatch, capfd)
 def test_export_to_an_unwritable_place_is_one_line(finished_run, tmp_path, monkeypatch, capfd):
     import dataclasses
 
-    from engine import exporters
+    from engine import export as exporters
 
     def read_only(*a, **kw):  # what an exporter meets on a read-only filesystem
         raise OSError(30, "Read-only file system")

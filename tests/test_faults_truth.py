@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.config import MAX_TIME_BUDGET, PruneConfig
+from engine.settings.config import MAX_TIME_BUDGET, PruneConfig
 from engine.errors import MAX_LINE, UserError
 from engine.run.loop import PruneRun
 
@@ -60,7 +60,7 @@ def test_resume_of_a_stopped_run_without_its_checkpoint_is_refused(tiny, eval_fi
 
 
 @pytest.mark.parametrize("phase, target", [("init metric", "engine.run.initialise.initial_metric"),
-                                           ("statistics", "engine.statistics.one_pass"),
+                                           ("statistics", "engine.algo.statistics.one_pass"),
                                            ("evaluations", "engine.run.masks.perplexity")])
 def test_an_interrupt_before_the_first_step_says_what_resume_does(phase, target, eval_file, tmp_path, monkeypatch, capfd):
     """Ctrl-C or SIGTERM (the CLI turns it into the same KeyboardInterrupt) in a phase before the first step: the
@@ -97,7 +97,7 @@ def test_export_hf_of_a_truncated_model_is_refused(finished, tmp_path, capfd):
 
 
 def test_export_hf_checks_the_copy_before_it_says_wrote(finished, tmp_path, monkeypatch, capfd):
-    from engine.exporters import hf
+    from engine.export import hf
 
     real = shutil.copytree
 
@@ -151,7 +151,7 @@ def test_export_gguf_refuses_another_models_tokenizer(finished, tmp_path, capfd)
 def test_a_killed_exports_temporary_folder_is_cleaned_by_the_next_export(finished, tmp_path, capfd):
     dest = tmp_path / "copy"
     killed = ("import os, shutil, sys\n"
-              "import engine.exporters.hf as hf\n"
+              "import engine.export.hf as hf\n"
               "real = shutil.copytree\n"
               "def dying(src, dst, **kw):\n"
               "    real(src, dst, **kw)\n"
@@ -167,7 +167,7 @@ def test_a_killed_exports_temporary_folder_is_cleaned_by_the_next_export(finishe
     capfd.readouterr()
     assert main(["export", str(finished), "--format", "hf", "--out", str(dest)]) == 0
     assert [q.name for q in tmp_path.iterdir() if q.name.startswith(".copy.")] == []
-    from engine.exporters.checks import model_folder_problem
+    from engine.export.checks import model_folder_problem
 
     assert model_folder_problem(dest) is None
 
@@ -175,7 +175,7 @@ def test_a_killed_exports_temporary_folder_is_cleaned_by_the_next_export(finishe
 # --- memory ----------------------------------------------------------------------------------------------
 def test_a_huge_calibration_line_is_tokenized_in_bounded_pieces(tiny, eval_file, tmp_path):
     from engine.run import loop as pruner
-    from engine.tokenize_docs import CHUNK_CHARS
+    from engine.data.tokenize_docs import CHUNK_CHARS
 
     tok, longest = tiny[1], [0]
 
@@ -199,7 +199,7 @@ def test_a_huge_calibration_line_is_tokenized_in_bounded_pieces(tiny, eval_file,
 
 
 def test_tokenize_documents_caps_a_document_and_keeps_short_ones_exact(tiny):
-    from engine.tokenize_docs import pieces, tokenize_documents
+    from engine.data.tokenize_docs import pieces, tokenize_documents
 
     tok = tiny[1]
     short = ["Once upon a time there was a cat.", "It sat on a mat.", "The end."]
@@ -269,7 +269,7 @@ def test_a_time_budget_on_a_one_shot_run_with_a_refit_runs_it_and_takes_no_steps
 
 
 def test_a_calibration_file_with_a_utf8_bom_is_read(tmp_path):
-    from engine.data import load_calibration_texts
+    from engine.data.text import load_calibration_texts
 
     calib = tmp_path / "windows.jsonl"
     calib.write_bytes("\ufeff".encode() + b'{"text": "first document"}\n{"text": "second"}\n')
@@ -286,7 +286,7 @@ def _safetensor_error(text: str):
 
 
 def test_a_full_disk_while_writing_the_masks_is_one_line(eval_file, tmp_path, monkeypatch, capfd):
-    from engine import export
+    from engine.export import artifacts as export
 
     def full(*a, **kw):
         raise _safetensor_error(SAFETENSORS_FULL)
@@ -314,7 +314,7 @@ def test_a_full_disk_while_writing_the_model_is_one_line(eval_file, tmp_path, mo
 
 
 def test_a_full_disk_while_exporting_names_the_folder_and_the_space(finished, tmp_path, monkeypatch, capfd):
-    from engine.exporters import hf
+    from engine.export import hf
 
     def full(src, dst, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -330,7 +330,7 @@ def test_a_full_disk_while_exporting_names_the_folder_and_the_space(finished, tm
 
 
 def test_a_long_os_error_is_shortened_to_one_line_under_300_characters(finished, tmp_path, monkeypatch, capfd):
-    from engine.exporters import hf
+    from engine.export import hf
 
     def failing(src, dst, **kw):  # an OS error as long as the one the issue saw (809 characters)
         raise OSError(errno.EIO, "Input/output error: " + "the device said something long; " * 25)
@@ -360,7 +360,7 @@ def test_zeroshot_run_with_masks_json_lacking_units_per_layer_is_one_line(finish
 
 
 def test_truncated_masks_safetensors_is_one_line(finished, capfd):
-    from engine.export import load_mask_artifact
+    from engine.export.artifacts import load_mask_artifact
     from engine.tools.chat import load_base, masked_from_run
 
     masks = finished / "masks.safetensors"
@@ -378,7 +378,7 @@ def test_a_full_disk_while_writing_the_checkpoint_is_one_line(tiny, eval_file, t
     """torch.save says only "unexpected pos" when the disk fills: the write's size against the space free tells."""
     import torch
 
-    from engine import io
+    from engine.storage import io
 
     filled = []
 
@@ -398,7 +398,7 @@ def test_a_full_disk_while_writing_the_checkpoint_is_one_line(tiny, eval_file, t
 def test_the_memory_check_counts_the_rows_a_run_makes(tiny):
     """An evaluation batch has no more rows than --max-windows; a step's has --batch-size (the refusal is a lower
     bound: nothing that fits is refused)."""
-    from engine.memory_check import check_forwards_fit, check_run_fits, forward_bytes
+    from engine.model.memory_check import check_forwards_fit, check_run_fits, forward_bytes
 
     model = tiny[0]
     check_run_fits(PruneConfig(eval_batch_size=10**7, max_windows=2), model)  # 2 windows: 2 rows, whatever the batch

@@ -10,14 +10,14 @@ import textwrap
 import pytest
 import torch
 
-from engine.arch import ModelAdapter
-from engine.export import export_pruned
+from engine.model.arch import ModelAdapter
+from engine.export.artifacts import export_pruned
 from engine.tools.finetune import FinetuneConfig, finetune, lora_target_modules, merge, train_lora, training_segments
-from engine.loading import load_model, resolve_model
-from engine.units import UnitLayout
+from engine.model.loading import load_model, resolve_model
+from engine.model.units import UnitLayout
 
 from conftest import SMALL_CALIB, assert_cli_fails_with_one_line, clean_env
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.arch import ModelAdapter
-from engine.budget import ParamBudget
-from engine.export import export_pruned
-from engine.masking import MaskHooks
-from engine.metrics import METRICS, MetricContext
-from engine.metrics.activations import input_means
-from engine.metrics.probability import initial_scores
-from engine.unit_types import UNIT_TYPES, unit_sizes
-from engine.units import UnitLayout
+from engine.model.arch import ModelAdapter
+from engine.algo.budget import ParamBudget
+from engine.export.artifacts import export_pruned
+from engine.model.masking import MaskHooks
+from engine.algo.metrics import METRICS, MetricContext
+from engine.algo.metrics.activations import input_means
+from engine.algo.metrics.probability import initial_scores
+from engine.model.unit_types import UNIT_TYPES, unit_sizes
+from engine.model.units import UnitLayout
 
 from test_adapters_export import ARCHS, build_model
 from test_executors import batch
@@ -115,7 +115,7 @@ def test_method_flap_is_metric_flap_with_compensation(tiny, tiny_path, small_eva
     results = run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap")
     assert results["method"] == "flap" and results["init"] == "flap" and results["steps"] == 0
     assert results["ppl_pruned"] == pytest.approx(results["ppl_init"])
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
 
     saved = PruneConfig.load(tmp_path / "r" / "config.json")
     assert saved.bias_compensation and saved.init == "flap"
@@ -124,10 +124,10 @@ def test_method_flap_is_metric_flap_with_compensation(tiny, tiny_path, small_eva
 
 def test_a_compensated_flap_start_forwards_its_init_batches_once(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
     """FLAP's fluctuation and the compensation's means come from one pass over the init batches (the run's one
-    statistics pass, engine/statistics.py, with the refit's; the metric and the compensation read the run's memo),
+    statistics pass, engine/algo/statistics.py, with the refit's; the metric and the compensation read the run's memo),
     and the means equal the plain mean of each output-projection input column."""
-    from engine import statistics
-    from engine.metrics import activations
+    from engine.algo import statistics
+    from engine.algo.metrics import activations
     from test_methods import run_tiny
 
     passes, forwards = [], []

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from engine.methods import METHODS
+from engine.algo.methods import METHODS
 from engine.ui.settings import default_values, form_config, option_key
 
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from engine.arch import ModelAdapter
+from engine.model.arch import ModelAdapter
 from engine.errors import UserError
-from engine.export import build_pruned_model
-from engine.exporters.gguf import check_exportable, permute_rows, write_gguf
-from engine.units import UnitLayout
+from engine.export.artifacts import build_pruned_model
+from engine.export.gguf import check_exportable, permute_rows, write_gguf
+from engine.model.units import UnitLayout
 
 from conftest import TINY_MODEL
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (install.sh installs it)")
 
@@ -191,7 +191,7 @@ def test_bias_compensation_exports_match_transformers(arch, tmp_path):
 def test_llama3_rope_factors_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine.exporters.gguf import llama3_rope_factors
+    from engine.export.gguf import llama3_rope_factors
 
     config = CONFIGS["llama3-rope"]()
     inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
@@ -203,7 +203,7 @@ def test_llama3_rope_factors_match_transformers():
 # --- the CLI -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
     from conftest import SMALL_CALIB, WIKI_RAW
 

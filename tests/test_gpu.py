@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from engine.config import PruneConfig
-from engine.data import eval_windows
-from engine.evaluate import perplexity
-from engine.loading import load_model, resolve_model
+from engine.settings.config import PruneConfig
+from engine.data.text import eval_windows
+from engine.algo.evaluate import perplexity
+from engine.model.loading import load_model, resolve_model
 from engine.run.loop import PruneRun
 
 from conftest import SMALL_CALIB
@@ -42,7 +42,7 @@ def test_export_reloads_on_cuda_with_equal_logits(tiny_path, small_eval_file, tm
     run = PruneRun(config, tmp_path / "run", log=lambda m: None)
     run.run(progress=False)
     ids = torch.randint(0, run.model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    from engine.export import load_mask_artifact
+    from engine.export.artifacts import load_mask_artifact
 
     _, masks, _ = load_mask_artifact(tmp_path / "run")
     # the masked base model on CUDA as the run evaluated it: its compensation fill and least-squares refit included

@@ -256,7 +256,7 @@ def test_the_hooks_events_return_their_changes(tiny_path, small_eval_file):
     from types import SimpleNamespace
 
     from engine.hooks import BiasCompensation, ProgressiveSchedule, RunChanges
-    from engine.policy import progressive_stages
+    from engine.algo.policy import progressive_stages
 
     config = SimpleNamespace(prune_ratio=0.3, steps=6, progressive_increment=0.1)
     assert ProgressiveSchedule(SimpleNamespace(config=config)).on_setup() == RunChanges(

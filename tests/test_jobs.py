@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-import engine.loading
-from engine.config import PruneConfig
+import engine.model.loading
+from engine.settings.config import PruneConfig
 from engine.errors import UserError
 from engine.ui.jobs import DONE, FAILED, LOADING, RUNNING, STOPPED, JobBusy, JobManager, delete_run
 from engine.run.loop import PruneRun, StepReport
@@ -37,7 +37,7 @@ def loads(tiny, monkeypatch):
             assert state["gate"].wait(60)
         return tiny
 
-    monkeypatch.setattr(engine.loading, "load_model", load_model)
+    monkeypatch.setattr(engine.model.loading, "load_model", load_model)
     return calls, state
 
 

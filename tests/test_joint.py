@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import PruneConfig
-from engine.joint import candidate_scores, choose_mix, hard_mask_loss, layer_counts
+from engine.settings.config import PruneConfig
+from engine.algo.joint import candidate_scores, choose_mix, hard_mask_loss, layer_counts
 
 from test_budget import param_budget
 
@@ -55,7 +55,7 @@ def test_refining_compares_the_best_mixes_again_on_more_batches(monkeypatch):
     """On the mix batches 1 layer out loses least, 0 next and 2 third; on the further batches 0 layers out does
     better than 1, and 2 best of all. With refinement the mean over every batch decides among the finalists: 2
     of the 3 when there are 3 finalists; 0 when only 2 are (then 2 is never run on the further batches)."""
-    import engine.joint as joint
+    import engine.algo.joint as joint
 
     run, z, adapter, logs = fake_run(keep=0.3)
     keep = 0.3
@@ -89,7 +89,7 @@ def test_a_joint_run_refines_its_mix_on_the_next_init_batches(tiny, tiny_path, s
     """--mix-refine-batches N: the finalists are compared on the N init batches after the mix's (the batches
     the metric read: with --init-data all, what a one-shot run of the seed reads), and the plan counts them."""
     import engine.run.initialise as initialise
-    from engine.plan import model_skeleton, phase_tokens
+    from engine.plan.forecast import model_skeleton, phase_tokens
     from test_methods import run_tiny
 
     seen = []
@@ -190,7 +190,7 @@ def test_fixed_layers_keep_their_probabilities_and_the_widths_take_the_budget():
     """--layer-score-const 1: layers at probability 0/1 are not projected; the kept layers' widths are projected
     (exactly: the weighted capped simplex over them) onto what the kept layers' fixed parameters leave, and the
     widths of a removed layer are left alone."""
-    from engine.policy import project_weighted_capped_simplex
+    from engine.algo.policy import project_weighted_capped_simplex
 
     run, z, adapter, _ = fake_run(keep=0.6)
     b, keep = run.budget, 0.6
@@ -246,7 +246,7 @@ def test_a_pg_run_starts_from_the_one_shot_mask_of_its_seed(units, tiny, tiny_pa
     """--init-data all (the default): with validation on, the steps never see the held-out documents, but the init
     metric and the joint mix read what a one-shot run of the seed reads, so PG's init mask (exported here: no later
     mask can beat it by a margin of 100 %) is the one-shot run's mask; --init-data training reads other batches."""
-    from engine.export import load_mask_artifact
+    from engine.export.artifacts import load_mask_artifact
     from engine.run.folder import CHECKPOINT_FILE
     from test_methods import run_tiny
 
@@ -280,10 +280,10 @@ def test_sleb_continues_a_cached_order_and_a_run_to_a_lower_ratio_takes_its_pref
     """SLEB's greedy order to a lower keep ratio starts with the order to a higher one: from the metric cache a run
     makes only the removals beyond those cached (none when the cache went further), and ends where a run without
     the cache ends."""
-    from engine.arch import ModelAdapter
-    from engine.metrics import METRICS, MetricContext
-    from engine.metrics.registry import removal_order
-    from engine.unit_types import unit_sizes
+    from engine.model.arch import ModelAdapter
+    from engine.algo.metrics import METRICS, MetricContext
+    from engine.algo.metrics.registry import removal_order
+    from engine.model.unit_types import unit_sizes
     from test_methods import _Layout, build_model
 
     a = ModelAdapter.for_model(build_model("llama"))  # 3 layers
@@ -347,11 +347,11 @@ def test_an_order_made_with_sleb_finalists_is_cached_apart(tiny, tiny_path, smal
 def test_the_metric_cache_extends_sleb_s_order(tmp_path, monkeypatch):
     """cached_metric on a 3-layer model: a run to 1 layer out stores an order of 1; a run to 2 out takes it and
     makes the second removal only, then stores the order of 2; a run to 1 out then makes no model run."""
-    from engine.arch import ModelAdapter
-    from engine.distributed import World
+    from engine.model.arch import ModelAdapter
+    from engine.model.distributed import World
     from engine.run.initialise import cached_metric
-    from engine.metrics import MetricContext
-    from engine.unit_types import unit_sizes
+    from engine.algo.metrics import MetricContext
+    from engine.model.unit_types import unit_sizes
     from test_methods import _Layout, build_model
 
     monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(tmp_path))
@@ -382,12 +382,12 @@ def test_the_metric_cache_extends_sleb_s_order(tmp_path, monkeypatch):
 def test_sleb_stores_its_order_after_each_removal(tmp_path, monkeypatch):
     """A run stopped during SLEB keeps the removals it made: the cache holds the order after each one, and the next
     run continues from there."""
-    import engine.metrics.layerwise_ppl as layerwise_ppl
-    from engine.arch import ModelAdapter
-    from engine.distributed import World
+    import engine.algo.metrics.layerwise_ppl as layerwise_ppl
+    from engine.model.arch import ModelAdapter
+    from engine.model.distributed import World
     from engine.run.initialise import cached_metric
-    from engine.metrics import MetricContext
-    from engine.unit_types import unit_sizes
+    from engine.algo.metrics import MetricContext
+    from engine.model.unit_types import unit_sizes
     from test_methods import _Layout, build_model
 
     monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(tmp_path))
@@ -409,11 +409,11 @@ def test_sleb_stores_its_order_after_each_removal(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("engine.metrics.sleb.shared_losses_without_each", stopped_in_the_second_round)
+    monkeypatch.setattr("engine.algo.metrics.sleb.shared_losses_without_each", stopped_in_the_second_round)
     with pytest.raises(KeyboardInterrupt):
         cached_metric(run, "sleb", ["layers"], ctx())
     assert torch.load(entry)["order"] == order[:1]
-    monkeypatch.setattr("engine.metrics.sleb.shared_losses_without_each", real)
+    monkeypatch.setattr("engine.algo.metrics.sleb.shared_losses_without_each", real)
     assert [float(t) for t in cached_metric(run, "sleb", ["layers"], ctx())["layers"]] == \
         [float(t) for t in reference["layers"]]
     assert torch.load(entry)["order"] == order
@@ -424,11 +424,11 @@ def test_without_a_cache_sleb_keeps_its_order_in_the_run_folder_until_the_first_
     """No $PG_PRUNE_METRIC_CACHE: SLEB's removals so far go to the run's init_progress/ (so that --resume after a
     stop during SLEB continues them), which the run removes once its first checkpoint holds the init."""
     import engine.run.initialise as initialise
-    from engine.arch import ModelAdapter
-    from engine.distributed import World
-    from engine.metrics import MetricContext
+    from engine.model.arch import ModelAdapter
+    from engine.model.distributed import World
+    from engine.algo.metrics import MetricContext
     from engine.run.files import INIT_PROGRESS_DIR
-    from engine.unit_types import unit_sizes
+    from engine.model.unit_types import unit_sizes
     from test_methods import _Layout, build_model, run_tiny
 
     monkeypatch.delenv("PG_PRUNE_METRIC_CACHE", raising=False)

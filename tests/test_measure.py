@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from engine.arch import ModelAdapter
-from engine.export import export_pruned
-from engine.loading import count_parameters, load_model, resolve_model
+from engine.model.arch import ModelAdapter
+from engine.export.artifacts import export_pruned
+from engine.model.loading import count_parameters, load_model, resolve_model
 from engine.tools.measure import MeasureConfig, generate, markdown, run_measure, weights_bytes
-from engine.units import UnitLayout
+from engine.model.units import UnitLayout
 
 from conftest import assert_cli_fails_with_one_line
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 
 @pytest.fixture(scope="module")

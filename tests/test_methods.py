@@ -13,24 +13,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.metrics import METRICS, MetricContext
-from engine.metrics.probability import standardize
-from engine.units import UnitLayout as _Layout
-from engine.arch import ModelAdapter
-from engine.config import PruneConfig
+from engine.algo.metrics import METRICS, MetricContext
+from engine.algo.metrics.probability import standardize
+from engine.model.units import UnitLayout as _Layout
+from engine.model.arch import ModelAdapter
+from engine.settings.config import PruneConfig
 from engine.errors import UserError
-from engine.evaluate import batch_loss, token_loss
-from engine.export import export_pruned
-from engine.masking import MaskHooks
-from engine.policy import (keep_count, leave_one_out_baselines, policy_gradient, progressive_stages, relaxed_bernoulli,
+from engine.algo.evaluate import batch_loss, token_loss
+from engine.export.artifacts import export_pruned
+from engine.model.masking import MaskHooks
+from engine.algo.policy import (keep_count, leave_one_out_baselines, policy_gradient, progressive_stages, relaxed_bernoulli,
                            sample_masks, stage_at)
 from engine.run.loop import PruneRun
-from engine.units import UnitLayout
+from engine.model.units import UnitLayout
 
 from conftest import clean_env
 from test_adapters_export import ARCHS, build_model, masked_logits
 from test_pruner import metric_lines, quiet, small_config
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 
 # --- pure kernels -------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_layerwise_ppl_and_sleb(ids):
 
 
 def test_sleb_s_model_runs_with_and_without_finalists():
-    from engine.metrics.sleb import round_runs, sleb_runs
+    from engine.algo.metrics.sleb import round_runs, sleb_runs
 
     assert round_runs(5, 4) == round_runs(5, 4, 0) == 20  # every candidate on every batch
     assert round_runs(5, 4, 2) == 5 * 1 + 2 * 3  # all on the first quarter, 2 finalists on the other 3
@@ -295,8 +295,8 @@ def test_sleb_with_finalists_removes_the_finalist_that_loses_least_on_every_batc
     """--sleb-finalists 2 on 4 batches: each round every candidate runs on the first batch, the 2 that lose least
     there run on the other 3, and the removal is the one of those 2 with the lower loss over all 4 (recomputed here
     with full forwards); the progress counts those runs. As many finalists as layers is SLEB as published."""
-    from engine.metrics.layerwise_ppl import loss_without
-    from engine.metrics.registry import removal_order
+    from engine.algo.metrics.layerwise_ppl import loss_without
+    from engine.algo.metrics.registry import removal_order
 
     a = ModelAdapter.for_model(_five_layer_llama())
     batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(4)]
@@ -338,7 +338,7 @@ def test_sleb_finalists_validate():
 def test_losses_without_each_layer_equal_full_forwards_without_it(arch, removed):
     """The shortcut (record each layer's input once, then run only the layers after the candidate) gives the
     loss of a full forward with the candidate removed, for every candidate; and ticks once per forward."""
-    from engine.metrics.layerwise_ppl import loss_without, losses_without_each
+    from engine.algo.metrics.layerwise_ppl import loss_without, losses_without_each
 
     a = ModelAdapter.for_model(build_model(arch))
     batches = [torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(k)) for k in range(2)]
@@ -481,8 +481,8 @@ def test_every_method_and_init_runs_under_both_budgets(combo, scope, budget, tin
         ratio = kw.get("prune_ratio", 0.3)
         adapter = ModelAdapter.for_model(tiny[0])
         sizes = unit_sizes(adapter)
-        from engine.budget import unit_weights
-        from engine.units import UnitLayout
+        from engine.algo.budget import unit_weights
+        from engine.model.units import UnitLayout
 
         weights = unit_weights(adapter, UnitLayout({u: sizes[u] for u in results["units"]}))
         one = max(float(w.max()) for u, w in weights.items() if u != "layers" or len(weights) == 1)

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from engine.config import PruneConfig
-from engine.joint import MIX_SEARCHES, choose_mix, coarse_grid, mix_candidates, search_counts
+from engine.settings.config import PruneConfig
+from engine.algo.joint import MIX_SEARCHES, choose_mix, coarse_grid, mix_candidates, search_counts
 
 
 def counted(values: list[float]):
@@ -116,10 +116,10 @@ def joint_run(layers: int, keep: float, search: str):
     """A joint run's parts that choose_mix reads, on a tiny random LLaMA of `layers` layers (its loss given)."""
     from types import SimpleNamespace
 
-    from engine.arch import ModelAdapter
-    from engine.budget import ParamBudget
-    from engine.unit_types import unit_sizes
-    from engine.units import UnitLayout
+    from engine.model.arch import ModelAdapter
+    from engine.algo.budget import ParamBudget
+    from engine.model.unit_types import unit_sizes
+    from engine.model.units import UnitLayout
 
     from test_block_influence import tiny_random
 

@@ -1,4 +1,4 @@
-"""engine/model_cache.py: a GGUF is de-quantised once, then read back from the cache's plain copy, and that
+"""engine/storage/model_cache.py: a GGUF is de-quantised once, then read back from the cache's plain copy, and that
 copy is the same model (weights, logits, tokenizer); a changed, damaged or oversized case never breaks a load."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import write_llama_gguf
-from engine import loading, model_cache
-from engine.loading import load_model, resolve_model
+from engine.model import loading
+from engine.storage import model_cache
+from engine.model.loading import load_model, resolve_model
 
 
 def write_tiny_gguf(path, seed: int = 0) -> None:
@@ -145,7 +146,7 @@ def test_the_default_models_copy_is_the_default_model(default_model_cache, monke
 
 def test_the_plan_counts_the_copy_once_it_exists(tmp_path, monkeypatch):
     """The app's time plan: a GGUF's load is its de-quantisation until the cache holds the copy."""
-    from engine.plan import load_seconds, model_skeleton
+    from engine.plan.forecast import load_seconds, model_skeleton
 
     monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))
     write_tiny_gguf(tmp_path / "m.gguf")
@@ -159,7 +160,7 @@ def test_the_plan_counts_the_copy_once_it_exists(tmp_path, monkeypatch):
 def test_the_install_builds_the_default_models_copy_once(default_model_cache, monkeypatch, capsys):
     """install.sh's `python -m engine.tools.model_copy`: the default model's copy where a run looks for it; with the
     copy there it loads nothing (no GGUF is read again); with the cache off it says so."""
-    from engine import model_cache
+    from engine.storage import model_cache
     from engine.tools import model_copy
 
     from conftest import REPO
@@ -177,7 +178,7 @@ def test_the_install_builds_the_default_models_copy_once(default_model_cache, mo
 def test_the_install_caches_the_dense_perplexity_a_first_run_takes(tiny_path, small_eval_file, monkeypatch, tmp_path):
     """install.sh's second build: the dense perplexity on a run's evaluation windows, stored as the run stores it
     (with its seconds, which a budgeted run needs), so that a run of the same model and windows takes it."""
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
     from engine.tools import model_copy
 

@@ -1,4 +1,4 @@
-"""Issue 51, item 1: one statistics pass (engine/statistics.py). FLAP's column moments, the bias compensation's
+"""Issue 51, item 1: one statistics pass (engine/algo/statistics.py). FLAP's column moments, the bias compensation's
 means and the least-squares refit's moments come from one stream of forwards over the init stream, each reader
 stopping at its own batch count; the results are those of the separate passes (one per reader) on the same
 batches. On a tiny random LLaMA and on TinyStories-656K: the same statistics, the same masks (the joint default
@@ -16,16 +16,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import statistics
+from engine.algo import statistics
 from engine.run import initialise
-from engine.arch import ModelAdapter
-from engine.config import PRESETS, PruneConfig
-from engine.metrics import activations
-from engine.metrics.activations import column_moments
+from engine.model.arch import ModelAdapter
+from engine.settings.config import PRESETS, PruneConfig
+from engine.algo.metrics import activations
+from engine.algo.metrics.activations import column_moments
 from engine.run.loop import PruneRun
-from engine.reconstruction import InputMoments, input_moments
-from engine.statistics import ColumnMoments, one_pass
-from engine.unit_types import UNIT_TYPES
+from engine.algo.reconstruction import InputMoments, input_moments
+from engine.algo.statistics import ColumnMoments, one_pass
+from engine.model.unit_types import UNIT_TYPES
 
 from conftest import SMALL_CALIB
 from test_adapters_export import build_model
@@ -264,7 +264,7 @@ def test_a_budget_that_cuts_the_refits_statistics_says_so(tiny, tiny_path, small
 
 
 def test_the_plan_says_what_the_budget_would_cut(tiny_path):
-    from engine.plan import budget_trades, model_skeleton, plan_time
+    from engine.plan.forecast import budget_trades, model_skeleton, plan_time
     from engine.hooks.reconstruction import batches_within_share
 
     skeleton = model_skeleton(str(tiny_path))
@@ -306,7 +306,7 @@ def test_a_run_without_steps_gives_its_statistics_what_its_later_phases_leave():
 
 
 def test_the_plan_of_a_one_shot_run_cuts_less_than_a_stepping_ones(tiny_path):
-    from engine.plan import budget_trades, model_skeleton, plan_time
+    from engine.plan.forecast import budget_trades, model_skeleton, plan_time
 
     skeleton = model_skeleton(str(tiny_path))
     base = dict(model=str(tiny_path), reconstruct=True, reconstruct_batches=64, batch_size=8, seqlen=128,
@@ -343,7 +343,7 @@ def test_two_ranks_pass_as_one_process(extra, tmp_path):
 
 
 def test_the_apps_plan_warns_before_start(tmp_path, monkeypatch):
-    """The app's plan panel says the trade before Start (engine.plan.budget_trades), and nothing without a budget."""
+    """The app's plan panel says the trade before Start (engine.plan.forecast.budget_trades), and nothing without a budget."""
     from test_app import app, fill_prune_form
 
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))

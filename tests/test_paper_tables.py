@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import paper_tables as pt  # noqa: E402
 
-from engine.config import PruneConfig  # noqa: E402
+from engine.settings.config import PruneConfig  # noqa: E402
 
 ARGS = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, layer_init_batches=1, steps=5, lr=0.02, gumbel_lr=0.1, model="m",
                           device="cpu")

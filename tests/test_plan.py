@@ -1,4 +1,4 @@
-"""engine/plan.py (a run's plan from the model's config, no weights) and the app's pure helpers in
+"""engine/plan/forecast.py (a run's plan from the model's config, no weights) and the app's pure helpers in
 engine/ui/settings.py and engine/ui/figures.py, tested directly on the tiny model."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.budget import removal_report
-from engine.config import PRESETS, PruneConfig
-from engine.data import DEFAULT_EVAL_WINDOWS
+from engine.algo.budget import removal_report
+from engine.settings.config import PRESETS, PruneConfig
+from engine.data.text import DEFAULT_EVAL_WINDOWS
 from engine.errors import UserError
-from engine.plan import (STEP_SAMPLE_WEIGHT, model_skeleton, phase_tokens, plan_memory, plan_removal, plan_time,
+from engine.plan.forecast import (STEP_SAMPLE_WEIGHT, model_skeleton, phase_tokens, plan_memory, plan_removal, plan_time,
                          probe_seconds_per_token, rate_from_runs, scoring_tokens, skeleton_of, speedup)
 from engine.ui import figures
 from engine.ui import settings as S
@@ -63,10 +63,10 @@ def test_the_plan_removes_what_the_run_removes(tmp_path, tiny_path, skeleton, un
 
 
 def test_the_plan_uses_the_budgets_accounting(skeleton):
-    """The same numbers as engine/budget.py's removal_report on the same masks, and its refusals."""
+    """The same numbers as engine/algo/budget.py's removal_report on the same masks, and its refusals."""
     plan = plan_removal(skeleton, ["layers"], 0.5, "params", "global")
     layout_masks = {"layers": torch.tensor([1.0, 0.0])}
-    from engine.units import UnitLayout
+    from engine.model.units import UnitLayout
 
     report = removal_report(skeleton.adapter, UnitLayout({"layers": [1, 1]}), layout_masks, skeleton.params_total)
     assert plan.params_removed == report["params_removed"] and plan.layers_removed == 1
@@ -92,8 +92,8 @@ def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
     assert not phase_tokens(PruneConfig(model=str(tiny_path), method="metric", init="wanda-sp"), skeleton)["steps"]
     sleb = phase_tokens(PruneConfig(model=str(tiny_path), units=["layers"], layer_init="sleb"), skeleton)
     assert sleb["init metric"] > 0
-    from engine.metrics.sleb import sleb_runs
-    from engine.policy import keep_count
+    from engine.algo.metrics.sleb import sleb_runs
+    from engine.algo.policy import keep_count
 
     n = skeleton.num_layers
     removals = n - keep_count(0.7, n)
@@ -113,7 +113,7 @@ def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
 def test_the_memory_plan_counts_the_refits_moments_and_loading_apart(tiny_path):
     """--reconstruct keeps float64 X^T X and column sums of each output projection's inputs per layer and width
     unit type; a GGUF's dequantisation holds its buffer only while loading, so the peak is the larger of the two."""
-    from engine.plan import MemoryPlan, refit_moment_bytes
+    from engine.plan.forecast import MemoryPlan, refit_moment_bytes
 
     skeleton = model_skeleton(str(tiny_path))
     cfg = skeleton.adapter.config
@@ -128,7 +128,7 @@ def test_the_memory_plan_counts_the_refits_moments_and_loading_apart(tiny_path):
     edits = cfg.num_hidden_layers * 4 * (n_heads_in * cfg.hidden_size + cfg.intermediate_size * cfg.hidden_size)
     parts = plan_memory(config, skeleton).parts
     assert parts["refit: the columns it edits, kept to restore"] == edits
-    from engine.budget import decoder_params
+    from engine.algo.budget import decoder_params
 
     assert parts["a masked forward's sliced weights"] == pytest.approx(0.7 * 4 * decoder_params(skeleton.adapter))
     hooked = plan_memory(PruneConfig(model=str(tiny_path), reconstruct=False, sample_forward="sequential"), skeleton)
@@ -141,7 +141,7 @@ def test_the_memory_plan_counts_the_refits_moments_and_loading_apart(tiny_path):
 def test_the_steps_count_their_dense_forward_and_their_refits(skeleton, tiny_path):
     """--reward kl adds the step batch's dense forward to each step; --step-refit adds each sample's refit to the
     refit phase (where a run records it); under --time-budget the steps and their refits share what is left."""
-    from engine.plan import refit_tokens
+    from engine.plan.forecast import refit_tokens
 
     base = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor")
     kl = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor", reward="kl")
@@ -199,10 +199,10 @@ def test_form_values_round_trip_a_config(tiny_path):
 def test_a_fresh_form_is_the_command_lines_default_run():
     """The Prune page's first values describe the run `python -m engine prune --out X` makes (README command 1 less
     its time budget; its windows aside: the app's APP_MAX_WINDOWS) field for field: the default run
-    (engine/config.py's default_run: the joint preset's one-shot init), today's defaults, not an old config's
+    (engine/settings/config.py's default_run: the joint preset's one-shot init), today's defaults, not an old config's
     reading of the fields the form does not show (early stop, the joint mix's batches, the bias compensation)."""
     from engine.cli import _config_from_args, parse_args
-    from engine.config import default_run
+    from engine.settings.config import default_run
 
     app = S.form_config(S.default_values()).validate().to_dict()
     cli = _config_from_args(parse_args(["prune", "--out", "x"])).validate().to_dict()
@@ -307,7 +307,7 @@ def test_removed_layers_count_their_units_as_removed():
 def test_the_default_evaluation_is_the_tables_protocol_and_old_configs_keep_every_window():
     """A run evaluates the first 256 windows unless told otherwise (0: all); a config saved before that default
     evaluated every window, and still reads so."""
-    from engine.data import eval_windows
+    from engine.data.text import eval_windows
 
     assert PruneConfig().max_windows == DEFAULT_EVAL_WINDOWS == 256
     old = PruneConfig().to_dict()
@@ -330,7 +330,7 @@ def test_under_a_time_budget_the_held_out_checks_are_those_of_the_steps_that_fit
     of --steps: the plan counts those (it once planned all of --steps' checks, 36.5 s for the default run's 27)."""
     import math
 
-    from engine.plan import validation_checks
+    from engine.plan.forecast import validation_checks
 
     c = PruneConfig(model=str(tiny_path), steps=100, val_every=5, max_windows=4, init="taylor")
     rate = 1e-4
@@ -346,9 +346,9 @@ def test_under_a_time_budget_the_held_out_checks_are_those_of_the_steps_that_fit
 
 def test_scoring_over_the_vocabulary_is_planned_where_a_phase_scores(skeleton, tiny_path):
     """The CE or KL over the vocabulary is float32 work a forward's matrices do not count: the plan adds it, in LM
-    heads a token (engine/rewards.py's score_heads), to the phases that score: Layerwise-PPL's candidates, the
+    heads a token (engine/algo/rewards.py's score_heads), to the phases that score: Layerwise-PPL's candidates, the
     joint mix's, the checks, the evaluations, the steps."""
-    from engine.rewards import REWARDS
+    from engine.algo.rewards import REWARDS
 
     joint = PruneConfig(model=str(tiny_path), **PRESETS["joint"])
     tokens = phase_tokens(joint, skeleton)
@@ -393,7 +393,7 @@ def test_the_loss_chart_draws_a_kl_runs_check_as_a_kl_and_a_ce_runs_as_a_log_per
 def test_the_own_texts_plan_follows_its_batch_and_dtype(tiny_path, skeleton, monkeypatch):
     """The sampling's planned tokens: the default's (32 at a time, the weights' dtype) at GENERATE_WEIGHT, a measured
     batch and dtype at its measured speed-up (GENERATE_SPEEDUP), one not measured at the default's rate."""
-    from engine.plan import GENERATE_SPEEDUP, GENERATE_WEIGHT
+    from engine.plan.forecast import GENERATE_SPEEDUP, GENERATE_WEIGHT
 
     monkeypatch.setenv("PG_PRUNE_NATIVE_BF16", "1")  # (auto resolves to bfloat16, as on such a CPU)
     text = {kw: phase_tokens(PruneConfig(model=str(tiny_path), calib_source="self", **dict(kw)), skeleton)

@@ -1,5 +1,5 @@
 """Honest time (issue 49): the plan a run starts with names the phases the run records (engine/run/phases.py), comes
-from one cost model (engine/plan.py), is kept in results.json beside what the run measured, and a job shows its
+from one cost model (engine/plan/forecast.py), is kept in results.json beside what the run measured, and a job shows its
 phase and the time left by that plan before its first step."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from engine.config import PRESETS, PruneConfig
+from engine.settings.config import PRESETS, PruneConfig
 from engine.run.phases import PhaseClock
-from engine.plan import (MIX_REFITS, RUN_PHASES, model_skeleton, phase_tokens, plan_time, refit_tokens,
+from engine.plan.forecast import (MIX_REFITS, RUN_PHASES, model_skeleton, phase_tokens, plan_time, refit_tokens,
                          statistics_plan, validation_checks)
 from engine.run.loop import PruneRun
 from engine.run.plan import PLAN_KEY, phase_progress, phase_status, plan_lines, plan_rows, start_plan
@@ -194,8 +194,8 @@ def test_a_machine_busier_than_its_cached_probe_is_said_and_planned_at_todays_ra
     """A cached probe 10 times faster than a forward now: the run's plan says the machine is busier, and plans at
     the rate measured now (the cache keeps its own); a cached rate near today's is used as it is."""
     from engine.run import plan as runplan
-    from engine.plan import cached_probe, probe_key
-    from engine.ppl_cache import cache_dir
+    from engine.plan.forecast import cached_probe, probe_key
+    from engine.storage.ppl_cache import cache_dir
     from engine.run.loop import PruneRun
 
     from conftest import tiny_config
@@ -211,7 +211,7 @@ def test_a_machine_busier_than_its_cached_probe_is_said_and_planned_at_todays_ra
     key = probe_key(config.model, config.dtype, config.batch_size, config.seqlen, None)
     cached = cached_probe(cache_dir(), key)
     assert cached == rate
-    from engine.plan import _PROBE_FILE
+    from engine.plan.forecast import _PROBE_FILE
 
     table = tmp_path / "cache" / _PROBE_FILE
     import json
@@ -225,6 +225,6 @@ def test_a_machine_busier_than_its_cached_probe_is_said_and_planned_at_todays_ra
 
 
 def run_skeleton(run):
-    from engine.plan import skeleton_of
+    from engine.plan.forecast import skeleton_of
 
     return skeleton_of(run.model, run.config.model, "folder")

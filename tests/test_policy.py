@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from engine.metrics.probability import (initial_scores, normal_scores, score_const, sigmoid_cut, sigmoid_norm,
+from engine.algo.metrics.probability import (initial_scores, normal_scores, score_const, sigmoid_cut, sigmoid_norm,
                                         standardize, standardize_per_layer)
-from engine.policy import (
+from engine.algo.policy import (
     cosine_lr,
     fit_control_coefficients,
     keep_count,
@@ -21,7 +21,7 @@ from engine.policy import (
     top_k_mask,
     update_baseline,
 )
-from engine.units import UnitLayout
+from engine.model.units import UnitLayout
 
 F64 = torch.float64
 
@@ -546,7 +546,7 @@ def _brute_force_weighted_projection(z: list[float], w: list[float], budget: flo
 
 @pytest.mark.parametrize("seed", range(12))
 def test_weighted_projection_equals_brute_force(seed):
-    from engine.policy import project_weighted_capped_simplex
+    from engine.algo.policy import project_weighted_capped_simplex
 
     g = torch.Generator().manual_seed(seed)
     n = 2 + seed % 4
@@ -560,7 +560,7 @@ def test_weighted_projection_equals_brute_force(seed):
 
 
 def test_weighted_projection_with_unit_weights_is_the_plain_one():
-    from engine.policy import project_capped_simplex, project_weighted_capped_simplex
+    from engine.algo.policy import project_capped_simplex, project_weighted_capped_simplex
 
     z = torch.linspace(-0.5, 1.5, 17, dtype=torch.float64)
     for budget in (0.0, 3.3, 8.0, 20.0):
@@ -571,7 +571,7 @@ def test_weighted_projection_with_unit_weights_is_the_plain_one():
 
 
 def test_rank_blocks_keep_kept_and_dropped_apart_and_neighbours_together():
-    from engine.policy import block_means, rank_blocks
+    from engine.algo.policy import block_means, rank_blocks
 
     g = torch.Generator().manual_seed(0)
     for n_layers, width, block in ((3, 20, 4), (2, 7, 3), (4, 5, 3)):

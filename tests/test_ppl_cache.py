@@ -1,4 +1,4 @@
-"""The dense perplexity remembered across runs (engine/ppl_cache.py): reused only for the same model files,
+"""The dense perplexity remembered across runs (engine/storage/ppl_cache.py): reused only for the same model files,
 dtype, device and windows; never for a model handed in memory; off with PG_PRUNE_CACHE=off."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from engine import ppl_cache
+from engine.storage import ppl_cache
 from engine.run.loop import PruneRun
 
 from test_pruner import small_config

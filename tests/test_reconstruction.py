@@ -1,4 +1,4 @@
-"""--reconstruct: the least-squares refit of the kept columns (engine/reconstruction.py) against a direct
+"""--reconstruct: the least-squares refit of the kept columns (engine/algo/reconstruction.py) against a direct
 least-squares solve, its statistics against the ones the engine already takes, the refit projection's error
 against the compensation's, and the run: its export equals its masked evaluation, it resumes as an
 uninterrupted run, old configs load without it."""
@@ -13,16 +13,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.arch import ModelAdapter
-from engine.config import PruneConfig
-from engine.export import kept_indices
-from engine.masking import MaskHooks
-from engine.metrics.activations import column_moments
+from engine.model.arch import ModelAdapter
+from engine.settings.config import PruneConfig
+from engine.export.artifacts import kept_indices
+from engine.model.masking import MaskHooks
+from engine.algo.metrics.activations import column_moments
 from engine.run.loop import PruneRun
 from engine.run.masks import mask_key
-from engine.reconstruction import _groups, input_moments, reconstructed, regression
-from engine.unit_types import UNIT_TYPES, unit_sizes
-from engine.units import UnitLayout
+from engine.algo.reconstruction import _groups, input_moments, reconstructed, regression
+from engine.model.unit_types import UNIT_TYPES, unit_sizes
+from engine.model.units import UnitLayout
 
 from test_adapters_export import build_model
 from test_executors import batch
@@ -169,7 +169,7 @@ def test_a_reconstructed_run_exports_what_it_evaluated(compensation, tiny, tiny_
     assert r["ppl_before"] == pytest.approx(plain["ppl_pruned"]) and r["intercept"] == compensation
     assert results["ppl_pruned"] != pytest.approx(plain["ppl_pruned"])  # the refit changed the model
     assert results["kept_per_layer"] == plain["kept_per_layer"] and results["params_pruned"] == plain["params_pruned"]
-    from engine.evaluate import perplexity
+    from engine.algo.evaluate import perplexity
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "model", trust_remote_code=True).eval()
     run = PruneRun(PruneConfig.load(tmp_path / "r" / "config.json"), tmp_path / "x", model=tiny[0], tokenizer=tiny[1], log=quiet)
@@ -201,7 +201,7 @@ def test_old_configs_load_without_it_new_ones_with_it_and_layers_alone_have_noth
 def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypatch, see, mix_refit: bool):
     """A joint run with --reconstruct whose every mix-candidate loss first calls see(run, masks, fill, dense), dense
     the model's state before the run; (what see returned, in order; the run's results)."""
-    import engine.joint as joint
+    import engine.algo.joint as joint
 
     dense = {k: v.clone() for k, v in tiny[0].state_dict().items()}
     seen = []
@@ -241,7 +241,7 @@ def test_a_refit_run_evaluates_its_final_mask_before_the_refit_only_when_asked(t
     """Issue 65: the unrefit final mask's perplexity (results.json's reconstruction.ppl_before) costs one more
     evaluation, as long as the pruned one, and nobody had asked for it: it comes with --eval-unrefit only, and the
     plan counts it only then."""
-    from engine.plan import phase_tokens, skeleton_of
+    from engine.plan.forecast import phase_tokens, skeleton_of
 
     lines = {}
     for flag in (False, True):
@@ -292,7 +292,7 @@ def test_best_val_validates_the_masks_as_the_run_would_export_them(val_refit, ti
     """--val-refit: every held-out check runs on the refit weights (the kept columns differ from the dense ones), and
     the init mask's held-out perplexity is the refit model's; --no-val-refit: on the dense weights. Either way the
     weights come back after each check."""
-    from engine.rewards import CrossEntropy
+    from engine.algo.rewards import CrossEntropy
 
     edited = []
     real = CrossEntropy.held_out_means  # (the held-out check's forwards: --reward ce's)
@@ -371,7 +371,7 @@ def test_an_offloaded_model_is_not_refit_and_says_why():
 def test_the_moments_gram_under_autocast_is_autocasts_own_product():
     """InputMoments casts a batch once under a bfloat16 autocast: its sums are the autocast products' float64
     sums, value for value; without autocast, float32's."""
-    from engine.reconstruction import InputMoments
+    from engine.algo.reconstruction import InputMoments
 
     torch.manual_seed(0)
     xs = [torch.randn(96, 24) for _ in range(3)]

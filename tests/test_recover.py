@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import engine
-from engine.data import load_calibration_texts
-from engine.loading import load_model, resolve_model
+from engine.data.text import load_calibration_texts
+from engine.model.loading import load_model, resolve_model
 from engine.tools.finetune import training_segments
 from engine.tools.recover import (RecoverConfig, RecoverInterrupted, TrainState, batch_indices, ce_loss,
                                   distil_step, finished_model, kl_loss, lr_factor, make_optimizer, mixed_loss,

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.arch import ARCHITECTURES, register_architecture
-from engine.config import PruneConfig
+from engine.model.arch import ARCHITECTURES, register_architecture
+from engine.settings.config import PruneConfig
 from engine.errors import UserError
-from engine.executors import EXECUTORS, register_executor
-from engine.exporters import EXPORT_FORMATS, register_export_format
-from engine.methods import METHODS, Method, StepGradient, register_method
-from engine.metrics import METRICS, register_metric
+from engine.model.executors import EXECUTORS, register_executor
+from engine.export import EXPORT_FORMATS, register_export_format
+from engine.algo.methods import METHODS, Method, StepGradient, register_method
+from engine.algo.metrics import METRICS, register_metric
 from engine.run.loop import PruneRun
-from engine.unit_types import UNIT_TYPES, register_unit_type
+from engine.model.unit_types import UNIT_TYPES, register_unit_type
 
 from conftest import SMALL_CALIB, WIKI_RAW
 

@@ -1,4 +1,4 @@
-"""Rewards (--reward ce | kl, engine/rewards.py) and calibration sources (--calib-source, engine/calib_sources.py):
+"""Rewards (--reward ce | kl, engine/algo/rewards.py) and calibration sources (--calib-source, engine/data/calib_sources.py):
 the KL reward against a hand computation, the dense mask's KL, ce bit for bit, every executor, a resumed kl run,
 and the self-generated calibration text."""
 
@@ -10,18 +10,18 @@ import json
 import pytest
 import torch
 
-from engine import calib_sources
-from engine.arch import ModelAdapter
-from engine.calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, PROMPT_TOKENS, SELF_FROM, config_text_cached,
+from engine.data import calib_sources
+from engine.model.arch import ModelAdapter
+from engine.data.calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, PROMPT_TOKENS, SELF_FROM, config_text_cached,
                                   generated_tokens, source_of)
-from engine.config import PRESETS, PruneConfig
-from engine.context import StepContext
-from engine.evaluate import batch_loss
-from engine.executors import EXECUTORS
-from engine.masking import MaskHooks
-from engine.plan import GENERATE_WEIGHT, model_skeleton, phase_tokens
+from engine.settings.config import PRESETS, PruneConfig
+from engine.algo.context import StepContext
+from engine.algo.evaluate import batch_loss
+from engine.model.executors import EXECUTORS
+from engine.model.masking import MaskHooks
+from engine.plan.forecast import GENERATE_WEIGHT, model_skeleton, phase_tokens
 from engine.run.loop import PruneRun
-from engine.rewards import REWARDS, DenseKL, row_kl
+from engine.algo.rewards import REWARDS, DenseKL, row_kl
 
 from test_adapters_export import build_model
 from test_executors import ARCHS, batch, full_layout, random_fill, random_samples
@@ -147,7 +147,7 @@ def test_scores_run_the_head_by_chunks_and_equal_the_whole_batch_logits(arch, mo
     """Without gradients, the CE, the KL and a held-out check run the LM head on HEAD_TOKENS positions at a time
     (chunks that cross rows and copies included): no logits or log-softmax of the whole batch exist, and the values
     are those of the forward's whole logits."""
-    import engine.evaluate as evaluate
+    import engine.algo.evaluate as evaluate
 
     model = build_model(arch)
     ids = batch(model)  # (rows x T: a chunk of 5 positions crosses rows)
@@ -172,7 +172,7 @@ def test_scores_run_the_head_by_chunks_and_equal_the_whole_batch_logits(arch, mo
         head.remove()
     assert largest_scored <= 5 * vocab
     full = model(input_ids=ids).logits.float()
-    from engine.evaluate import _row_losses
+    from engine.algo.evaluate import _row_losses
 
     torch.testing.assert_close(ce, _row_losses(full, ids), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dense, torch.log_softmax(full, -1), rtol=1e-5, atol=1e-5)
@@ -228,7 +228,7 @@ def test_self_generated_documents_are_seeded_cached_and_start_from_calibration_p
     other, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(seed=1), "model-A", log=quiet)
     assert other != docs
     # the cache serves the same documents without sampling
-    monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled again"))
+    monkeypatch.setattr("engine.data.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled again"))
     cached, _ = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(), "model-A", log=quiet)
     assert cached == docs
 
@@ -262,7 +262,7 @@ def test_a_cached_generation_serves_fewer_documents_and_goes_on_for_more(tiny, t
         sampled.append(len(docs) - (len(done) - len(done) % how["batch_size"]))
         return docs
 
-    monkeypatch.setattr("engine.calib_sources.sample_documents", counting)
+    monkeypatch.setattr("engine.data.calib_sources.sample_documents", counting)
     seen = []
     assert cached(2, seen) == four[:2] and not sampled and any("the first 2 of 4" in m for m in seen)
     assert cached(6) == want[6] and sampled == [2]
@@ -276,7 +276,7 @@ def test_a_cached_generation_serves_fewer_documents_and_goes_on_for_more(tiny, t
     digest = calib_sources.texts_digest(texts)
     assert calib_sources.text_cached(self_config(self_docs=4), "model-B", lambda: digest)  # (the plan's look:
     assert (tmp_path / "cache" / f"{old}.jsonl.gz").exists()  # it moves nothing)
-    monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled again"))
+    monkeypatch.setattr("engine.data.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled again"))
     assert CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_docs=4), "model-B", log=quiet)[0] == four
     assert not (tmp_path / "cache" / f"{old}.jsonl.gz").exists()
 
@@ -395,7 +395,7 @@ def test_the_self_batch_and_dtype_sample_their_own_text_under_their_own_cache_ke
     assert before == hashlib.sha256(json.dumps(old).encode()).hexdigest()[:20]
     calls = []
     real = calib_sources.decode_bfloat16
-    monkeypatch.setattr("engine.calib_sources.decode_bfloat16", lambda *a: calls.append(a[1].shape) or real(*a))
+    monkeypatch.setattr("engine.data.calib_sources.decode_bfloat16", lambda *a: calls.append(a[1].shape) or real(*a))
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     bf = CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_dtype="bfloat16"), None, log=quiet)[0]
     assert calls and len(bf) == 3
@@ -407,7 +407,7 @@ def test_the_bfloat16_decoder_is_generate_with_a_kv_cache(tiny):
     transformers' greedy generate does with the same bfloat16 weights (its cache and positions are right), and it
     gives prompt + continuation; inside bfloat16_linears every linear weight is bfloat16, outside it the model is
     as it was, its LM head tied again."""
-    from engine.calib_sources import bfloat16_linears, decode_bfloat16
+    from engine.data.calib_sources import bfloat16_linears, decode_bfloat16
 
     model, _ = tiny
     prompt = torch.randint(5, 200, (3, 6), generator=torch.Generator().manual_seed(0))
@@ -428,7 +428,7 @@ def test_step_refit_scores_each_sample_under_its_own_refit(tiny, tiny_path, smal
     """With --step-refit a step's sample j scores exactly what the run's refit of mask j scores (RunMasks.weights,
     as the export is made), the weights are the dense ones again after the step, and the refit moves the scores
     (so the option is not a no-op); a run with it finishes, and without --reconstruct it scores no refit."""
-    from engine.policy import sample_masks
+    from engine.algo.policy import sample_masks
 
     model = tiny[0]
     run = PruneRun(small_config(tiny_path, small_eval_file, step_refit=True, reconstruct=True, reconstruct_batches=2,

@@ -134,7 +134,7 @@ def test_no_output_of_another_kind_starts_inside_a_runs_own_files(tmp_path, insi
     in one line before anything is written, as a prune run there is: the run's --overwrite would delete it
     (init_progress/), or its --resume refuse to go on beside it (model/). A folder of its own beside the run's files
     is fine (before: every one of them was made)."""
-    from engine.outdir import output_folder
+    from engine.storage.outdir import output_folder
     from engine.tools.finetune import FINETUNE_OUTPUT
 
     run = tmp_path / "run"

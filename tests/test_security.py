@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.cli import main
-from engine.config import PruneConfig
+from engine.settings.config import PruneConfig
 from engine.errors import UserError
 from engine.run.loop import PruneRun
 
@@ -167,11 +167,11 @@ def test_a_crafted_metric_cache_entry_runs_nothing(tmp_path, monkeypatch):
     when unpickled: refused in one line, nothing created (before: torch's UnpicklingError, a traceback)."""
     from types import SimpleNamespace
 
-    from engine.arch import ModelAdapter
-    from engine.distributed import World
+    from engine.model.arch import ModelAdapter
+    from engine.model.distributed import World
     from engine.run.initialise import cached_metric
-    from engine.metrics import MetricContext
-    from engine.unit_types import unit_sizes
+    from engine.algo.metrics import MetricContext
+    from engine.model.unit_types import unit_sizes
     from test_methods import _Layout, build_model
 
     cache = tmp_path / "cache"
@@ -291,7 +291,7 @@ def test_a_run_whose_model_needs_its_own_code_is_refused_by_export_and_chat(fini
 def test_the_app_refuses_a_model_folder_with_its_own_code(tmp_path, monkeypatch, answers_yes):
     """The app's Prune page (its plan: model_skeleton) and its job (JobManager.start of a config naming the folder):
     one line each, the folder's code never imported."""
-    from engine.plan import model_skeleton
+    from engine.plan.forecast import model_skeleton
     from engine.ui.jobs import FAILED, JobManager
 
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))
@@ -337,7 +337,7 @@ def test_resume_writes_nothing_through_symlinks(stopped_run, tmp_path, capfd, li
 
 
 def test_the_lock_is_never_written_through_a_link(tmp_path):
-    from engine.outdir import LOCK_FILE, folder_lock
+    from engine.storage.outdir import LOCK_FILE, folder_lock
 
     user = tmp_path / "user.txt"
     user.write_text("mine\n")

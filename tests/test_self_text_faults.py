@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from engine import calib_sources, ppl_cache
-from engine.calib_sources import CALIB_SOURCES, cache_files, texts_digest
-from engine.config import PruneConfig
+from engine.data import calib_sources
+from engine.storage import ppl_cache
+from engine.data.calib_sources import CALIB_SOURCES, cache_files, texts_digest
+from engine.settings.config import PruneConfig
 from engine.errors import UserError
-from engine.loading import resolve_model
+from engine.model.loading import resolve_model
 
 from conftest import REPO, SMALL_CALIB, TINY_MODEL, clean_env, one_error
 
@@ -134,7 +135,7 @@ def test_the_cache_is_keyed_on_the_content_of_the_models_files(tiny, tmp_path, m
     assert after != before
     sampled = []
     real = calib_sources.sample_documents
-    monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: sampled.append(1) or real(*a, **k))
+    monkeypatch.setattr("engine.data.calib_sources.sample_documents", lambda *a, **k: sampled.append(1) or real(*a, **k))
     CALIB_SOURCES["self"](TEXTS, model, tokenizer, config, after, log=lambda m: None)
     assert sampled == [1]  # the changed weights' text is not the old one's cache
     CALIB_SOURCES["self"](TEXTS, model, tokenizer, config, before, log=lambda m: None)
@@ -196,7 +197,7 @@ def test_self_tokens_that_cannot_work_are_refused_before_generating(eval_file, t
     from engine.cli import main
 
     monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("engine.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled"))
+    monkeypatch.setattr("engine.data.calib_sources.sample_documents", lambda *a, **k: pytest.fail("sampled"))
     argv = tiny_run(eval_file, tmp_path / "run")
     argv[argv.index(flag) + 1] = value
     capfd.readouterr()
@@ -206,7 +207,7 @@ def test_self_tokens_that_cannot_work_are_refused_before_generating(eval_file, t
 
 
 def test_the_generation_check_itself():
-    from engine.calib_sources import check_generation
+    from engine.data.calib_sources import check_generation
 
     class Positions:
         max_position_embeddings = 512
@@ -282,7 +283,7 @@ def test_an_interrupted_generation_says_the_command_that_continues_it(sig, eval_
 
 
 def test_an_interrupt_before_any_batch_is_saved_says_the_same_command_starts_again():
-    from engine.calib_sources import GenerationInterrupted
+    from engine.data.calib_sources import GenerationInterrupted
     from engine.cli import interrupted_line
 
     line = interrupted_line(GenerationInterrupted(0, 256, True), ["prune", "--out", "my run"])

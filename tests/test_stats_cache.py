@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import statistics
-from engine.arch import ModelAdapter
+from engine.algo import statistics
+from engine.model.arch import ModelAdapter
 from engine.run.loop import PruneRun
-from engine.reconstruction import InputMoments
+from engine.algo.reconstruction import InputMoments
 from engine.run.plan import PLAN_KEY
-from engine.statistics import ColumnMoments, StatisticsCache, one_pass
+from engine.algo.statistics import ColumnMoments, StatisticsCache, one_pass
 
 from conftest import engine_in_process
 from test_adapters_export import build_model
@@ -40,8 +40,8 @@ def weights(out) -> dict[str, torch.Tensor]:
 
 
 def planned_caches(monkeypatch) -> list:
-    """The `cached` phases each fresh run's time plan is made with (engine/plan.py's plan_time), in order."""
-    from engine import plan
+    """The `cached` phases each fresh run's time plan is made with (engine/plan/forecast.py's plan_time), in order."""
+    from engine.plan import forecast as plan
 
     seen, real = [], plan.plan_time
 

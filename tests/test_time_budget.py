@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine.errors import UserError
-from engine.distributed import World
+from engine.model.distributed import World
 from engine.hooks.time_budget import EXPORT_SECONDS, RESERVE_FACTOR, TimeBudget, planned_steps, share_of_time_left
-from engine.policy import LR_SCHEDULE_FNS
+from engine.algo.policy import LR_SCHEDULE_FNS
 from engine.run.loop import PruneRun
 
 from test_pruner import small_config
@@ -195,7 +195,7 @@ def test_the_time_budgets_help_states_the_minimum_the_hook_applies():
     """--time-budget's help names the fewest steps a budget buys: the hook's MIN_STEPS, not a copy that drifts."""
     import dataclasses
 
-    from engine.config import PruneConfig
+    from engine.settings.config import PruneConfig
     from engine.hooks.time_budget import MIN_STEPS
 
     field = next(f for f in dataclasses.fields(PruneConfig) if f.name == "time_budget")
@@ -205,7 +205,7 @@ def test_the_time_budgets_help_states_the_minimum_the_hook_applies():
 def test_a_short_schedule_never_steps_further_than_a_24_step_runs_first_step():
     """Issue 65: with few steps left the schedule is safe: every learning rate of an 8-step (or 2-step) schedule is
     at most the 24-step schedule's first, which is the same learning rate (the schedules start at --lr)."""
-    from engine.policy import LR_SCHEDULE_FNS
+    from engine.algo.policy import LR_SCHEDULE_FNS
 
     for name, fn in LR_SCHEDULE_FNS.items():
         first = fn(0.1, 0, 24)

@@ -33,7 +33,7 @@ def _errors(err: str) -> list[str]:
 def test_token_digest_reads_texts_by_their_bytes():
     """The ranks' first data check digests the texts as read: equal texts agree, a changed character, another split
     into documents or another order do not."""
-    from engine.distributed import token_digest
+    from engine.model.distributed import token_digest
 
     docs = ["Once upon a time", "there was a fox. \u00e9\u20ac"]
     assert token_digest([list(docs), "wiki"]) == token_digest([list(docs), "wiki"])
@@ -47,7 +47,7 @@ def test_token_digest_reads_texts_by_their_bytes():
 _STUCK_RANK = """
 import os, signal, sys, time
 sys.path.insert(0, {repo!r})
-import engine.distributed as d
+import engine.model.distributed as d
 d.PARENT_GRACE_SECONDS = 1.0
 def terminate(signum, frame):  # (the CLI's)
     raise KeyboardInterrupt
@@ -149,7 +149,7 @@ def test_ranks_started_on_a_folder_another_process_writes_all_say_who(eval_file,
     """While another process (a one-process prune, the app) holds a folder's lock, two ranks started there are
     refused on every rank with the same line naming that process, before any model is loaded (before: rank 0 said
     so; rank 1 loaded the model and the data, then ended with "another rank died or stopped answering")."""
-    from engine.outdir import folder_lock
+    from engine.storage.outdir import folder_lock
 
     out = tmp_path / "run"
     out.mkdir()
@@ -170,7 +170,7 @@ def test_the_weights_digest_sees_one_changed_weight(tiny):
 
     import torch
 
-    from engine.distributed import weights_digest
+    from engine.model.distributed import weights_digest
 
     model = tiny[0]
     twin = copy.deepcopy(model)
@@ -189,7 +189,7 @@ def test_ranks_that_hold_other_weights_are_refused_in_one_line(tiny, monkeypatch
 
     import torch
 
-    from engine.distributed import World, token_digest, weights_digest
+    from engine.model.distributed import World, token_digest, weights_digest
     from engine.errors import UserError
 
     model, other = tiny[0], copy.deepcopy(tiny[0])

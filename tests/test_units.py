@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.policy import keep_count, project_capped_simplex
-from engine.units import UnitLayout
+from engine.algo.policy import keep_count, project_capped_simplex
+from engine.model.units import UnitLayout
 
 SIZES = {"heads": [4, 4, 3], "channels": [10, 7, 13]}
 
@@ -177,7 +177,7 @@ def test_hard_mask_multiple_keeps_whole_blocks_within_budget(scope, seed):
 
 
 def test_round_to_multiple_gives_freed_blocks_to_the_best_layer():
-    from engine.units import round_to_multiple
+    from engine.model.units import round_to_multiple
 
     layout = UnitLayout({"channels": [8, 8]})
     scores = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2] + [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.arch import ModelAdapter
-from engine.export import export_pruned, save_mask_artifact
-from engine.tools.zeroshot import ALL_TASKS, TABLE_METRIC, ZeroshotConfig, evaluate_model, run_zeroshot, summarize, write_task_dir
-from engine.units import UnitLayout
+from engine.model.arch import ModelAdapter
+from engine.export.artifacts import export_pruned, save_mask_artifact
+from engine.tools.zeroshot import (ALL_TASKS, TABLE_METRIC, ZeroshotConfig, evaluate_model, run_zeroshot, summarize,
+                                   write_task_dir)
+from engine.model.units import UnitLayout
 
 from conftest import DATA_DIR, assert_cli_fails_with_one_line
-from engine.unit_types import unit_sizes
+from engine.model.unit_types import unit_sizes
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.fields import setting
-from engine.methods import Method, StepGradient, register_method
-from engine.policy import sample_masks
+from engine.settings.fields import setting
+from engine.algo.methods import Method, StepGradient, register_method
+from engine.algo.policy import sample_masks
 
 
 @dataclass

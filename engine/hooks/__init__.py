@@ -17,6 +17,8 @@ pass through the hooks' transforms in MASK_TRANSFORMS' order.
     best_val       --final-mask best-val: the best-validated step's scores are the final ones
     ranking        --within-layer-ranking init-metric: per-layer counts from the scores, units by the metric
     reconstruction --reconstruct: the final mask's kept columns refit by least squares for the evaluation and export
+
+base.py holds the Hook interface, view.py the read-only RunView.
 """
 
 from __future__ import annotations

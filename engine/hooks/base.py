@@ -51,7 +51,7 @@ class RunHook:
         joint method's mix is chosen on masked losses that this hook's masking already applies to)."""
 
     def statistics_wanted(self, batches: list[torch.Tensor]) -> list:
-        """A fresh run, before the init metric: the readers (engine/statistics.py's Statistic) this hook wants in
+        """A fresh run, before the init metric: the readers (engine/algo/statistics.py's Statistic) this hook wants in
         the run's one statistics pass over the init stream, whose first batches are `batches` (each reader says
         how many of the stream's batches it reads); the pass fills them before before_scores."""
         return []

@@ -3,9 +3,9 @@ init batches, in the optimisation, the evaluations and the export (as output-pro
 
 from __future__ import annotations
 
-from ..metrics.activations import input_means
-from ..statistics import ColumnMoments
-from ..unit_types import UNIT_TYPES
+from ..algo.metrics.activations import input_means
+from ..algo.statistics import ColumnMoments
+from ..model.unit_types import UNIT_TYPES
 from .base import RunChanges, RunHook
 
 

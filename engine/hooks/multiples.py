@@ -4,7 +4,7 @@ Q8_0 blocks and GEMM tiles for llama.cpp; never over the budget: units.round_to_
 from __future__ import annotations
 
 from ..errors import UserError
-from ..units import round_to_multiple
+from ..model.units import round_to_multiple
 from .base import RunHook
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..policy import progressive_stages
+from ..algo.policy import progressive_stages
 from .base import RunChanges, RunHook
 
 

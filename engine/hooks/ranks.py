@@ -1,4 +1,4 @@
-"""Data-parallel runs (torchrun; engine/distributed.py): the ranks must hold the same state at every point a
+"""Data-parallel runs (torchrun; engine/model/distributed.py): the ranks must hold the same state at every point a
 checkpoint can be taken. After every step (and at the start) each rank hands in a digest of its scores, baseline,
 method state and generators' positions; rank 0 writes a step only when every rank agrees, and a disagreement ends
 the run with one line. Each session's number of ranks is kept in the state (results.json: `worlds`). In one process

@@ -1,22 +1,22 @@
-"""`--reconstruct`: a hard mask's kept columns refit by least squares (engine/reconstruction.py) wherever the run
+"""`--reconstruct`: a hard mask's kept columns refit by least squares (engine/algo/reconstruction.py) wherever the run
 evaluates a mask it would export: the joint mix's candidates (so the mix is the one that loses least once refit),
 the final mask's evaluation and its export; the final mask is also evaluated without the refit, for results.json.
 The statistics are the dense model's, on the first --reconstruct-batches batches of the init stream, read in the
-run's one statistics pass with the init metric's (engine/statistics.py; a resumed run reads the same batches
+run's one statistics pass with the init metric's (engine/algo/statistics.py; a resumed run reads the same batches
 again, alone; --refit-stream own: a stream of their own, seed + 5, as runs before the one pass read). Under
 --time-budget they stop at a third of the time left when they start in a run that takes steps, and where the
 plan's later phases need the rest in one that takes none (at least 8 batches): the run says so in its log, in
-results.json ("reduced") and in the plan before it starts (engine/plan.py)."""
+results.json ("reduced") and in the plan before it starts (engine/plan/forecast.py)."""
 
 from __future__ import annotations
 
 import math
 from contextlib import ExitStack, contextmanager
 
-from ..reconstruction import InputMoments, available_memory, moments_bytes, reconstructed
-from ..precision import run_passes
-from ..statistics import init_stream, one_pass
-from ..unit_types import UNIT_TYPES, layer_unit_types
+from ..algo.reconstruction import InputMoments, available_memory, moments_bytes, reconstructed
+from ..model.precision import run_passes
+from ..algo.statistics import init_stream, one_pass
+from ..model.unit_types import UNIT_TYPES, layer_unit_types
 from .base import RunHook
 from .time_budget import allowed_seconds, share_of_time_left
 
@@ -49,7 +49,7 @@ def batches_within_share(n: int, per_batch: float, seconds_left: float, read_any
     `seconds_left` remain when they start, as their stop rule (share_of_time_left) decides: they go on while one
     more batch stays within allowed_seconds (statistics_allowance's share and reserve), never below MIN_BATCHES
     (or n) nor below the batches the one pass runs for its other readers anyway (`read_anyway`). The plan says it
-    before a run (engine/plan.py)."""
+    before a run (engine/plan/forecast.py)."""
     floor = min(n, max(MIN_BATCHES, read_anyway))
     if per_batch <= 0:
         return n
@@ -59,7 +59,7 @@ def batches_within_share(n: int, per_batch: float, seconds_left: float, read_any
 
 def share_text(run) -> str:
     """What the statistics may take, in words, for a run's log and results.json."""
-    from ..methods import optimises
+    from ..algo.methods import optimises
 
     share, reserve = statistics_allowance(optimises(run.config), run.plan)
     return "a third of the time left" if share < 1.0 else (
@@ -94,7 +94,7 @@ class Reconstruction(RunHook):
         """The statistics' reader: --reconstruct-batches batches, under --time-budget at most STATISTICS_SHARE of the
         time left when it starts."""
         r, n = self.run, self.run.config.reconstruct_batches
-        from ..methods import optimises
+        from ..algo.methods import optimises
 
         share, reserve = statistics_allowance(optimises(r.config), r.plan)
         stop = share_of_time_left(r, share, min(MIN_BATCHES, n), reserve, STATISTICS_SHARE)

@@ -57,7 +57,7 @@ class TimeBudget(RunHook):
         self.resumed_per_step = float(used.get("per_step", 0.0))
 
     def on_start(self, state) -> RunChanges | None:
-        from ..methods import METHODS
+        from ..algo.methods import METHODS
 
         self.last = self.clock()
         if not METHODS[self.run.config.method].optimises:  # (a one-shot run: its budget bounds the refit alone)
@@ -74,7 +74,7 @@ class TimeBudget(RunHook):
     def final_scores(self, state, scores):
         """The init mask's scores when the budget left fewer than MIN_STEPS steps (none, or a machine slower than
         planned) and fewer than --steps: steps not measured to pay are not exported."""
-        from ..methods import METHODS
+        from ..algo.methods import METHODS
 
         if state.step >= min(MIN_STEPS, self.run.config.steps) or not METHODS[self.run.config.method].optimises:
             return scores

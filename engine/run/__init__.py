@@ -1,4 +1,4 @@
 """The run: its loop (loop.PruneRun), its state (state.RunState, the checkpoint's content), the masks it takes
-from its scores, its start (initialise), its checkpoints, its folder and file names, its plan and phases, and
+from its scores, its start (initialise), its checkpoints, its folder (folder) and file names (files), its plan and phases, and
 results.json. The algorithm packages (methods, metrics, unit_types, arch) import none of it at run time
 (methods/base.py names RunState in its type hints only)."""

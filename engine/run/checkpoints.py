@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import UserError
-from ..io import atomic_file
+from ..storage.io import atomic_file
 from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
 from .state import RunState
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only
 
 def _normalised(saved: dict) -> dict:
     """A config a checkpoint saved, in today's fields with every method option written out."""
-    from ..config import PruneConfig
+    from ..settings.config import PruneConfig
 
     try:
         return json.loads(json.dumps(PruneConfig.from_dict(saved).validate().to_dict()))

@@ -15,12 +15,13 @@ import re
 import shutil
 from pathlib import Path
 
-from ..config import PruneConfig
+from ..settings.config import PruneConfig
 from ..errors import UserError
-from ..io import atomic_write_text
-from ..outdir import LOCK_FILE, RUN_OWN_NAMES, check_removable, cleanup_out_dir, entries, folder_lock, prepare_out_dir  # noqa: F401  (the CLI's)
+from ..storage.io import atomic_write_text
+from ..storage.outdir import (LOCK_FILE, RUN_OWN_NAMES, check_removable, cleanup_out_dir, entries, folder_lock,  # noqa: F401  (the CLI's)
+                              prepare_out_dir)
 from .files import (CHECKPOINT_FILE, CONFIG_FILE, GGUF_FILE, METRICS_FILE, MODEL_DIR, RESULTS_FILE,  # noqa: F401
-                       RUN_FILES, RUN_FORMAT_VERSION, RUN_MARKER, INIT_PROGRESS_DIR)
+                    RUN_FILES, RUN_FORMAT_VERSION, RUN_MARKER, INIT_PROGRESS_DIR)
 
 _MARKER_TEXT = "pg-prune run, format version {}\n"
 _MARKER_RE = re.compile(r"pg-prune run, format version (\d+)")

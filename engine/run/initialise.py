@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import ppl_cache
+from ..storage import ppl_cache
 from ..errors import UserError
-from ..io import atomic_write_text
-from ..metrics import METRICS, MetricContext
-from ..metrics.registry import removal_order
-from ..joint import choose_mix
-from ..metrics.probability import initial_scores, standardize
-from ..precision import run_pass_dtype, run_passes
-from ..statistics import STATISTICS, Statistic, StatisticsCache, fork, pass_stream, statistics_pass
+from ..storage.io import atomic_write_text
+from ..algo.metrics import METRICS, MetricContext
+from ..algo.metrics.registry import removal_order
+from ..algo.joint import choose_mix
+from ..algo.metrics.probability import initial_scores, standardize
+from ..model.precision import run_pass_dtype, run_passes
+from ..algo.statistics import STATISTICS, Statistic, StatisticsCache, fork, pass_stream, statistics_pass
 from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
 from .files import INIT_PROGRESS_DIR
 from .state import RunState, check_finite
-from ..unit_types import UNIT_TYPES
+from ..model.unit_types import UNIT_TYPES
 
 if TYPE_CHECKING:  # annotations only
     from .loop import PruneRun
@@ -170,7 +170,7 @@ def metric_contexts(run: "PruneRun", batches: list[torch.Tensor]) -> list[tuple[
 
 
 def statistics_readers(run: "PruneRun", batches: list[torch.Tensor], planned: bool = False) -> list[Statistic]:
-    """The readers of a fresh run's one statistics pass (engine/statistics.py): the statistics each init metric
+    """The readers of a fresh run's one statistics pass (engine/algo/statistics.py): the statistics each init metric
     reads on its batches (unless the metric cache holds its value) and those each hook wants (planned: the readers
     the plan asks the cache about, which the hooks do not keep)."""
     readers = [STATISTICS[s](len(ctx.batches)) for name, units, ctx in metric_contexts(run, batches)

@@ -3,8 +3,8 @@
     run = PruneRun(config, out_dir)          # loads model and data
     result = run.run(observer=print)         # optimises, evaluates, exports; resumable
 
-What a method computes lives in engine/methods (it sees a StepContext, never the run), an init metric in
-engine/metrics, the start in engine/initialise, the checkpoint in engine/checkpoints, results.json in
+What a method computes lives in engine/algo/methods (it sees a StepContext, never the run), an init metric in
+engine/algo/metrics, the start in engine/initialise, the checkpoint in engine/checkpoints, results.json in
 engine/results, the run folder's rules in engine/rundir, and every cross-cutting option (progressive
 schedule, bias compensation, unit multiples, validation, best-val, within-layer ranking) is a hook in
 engine/hooks that joins the run when its config asks for it.
@@ -23,39 +23,39 @@ from typing import Callable
 
 import torch
 
-from ..arch import ModelAdapter
-from ..budget import BUDGETS
-from ..calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache,
-                            check_generation, source_of)
+from ..model.arch import ModelAdapter
+from ..algo.budget import BUDGETS
+from ..data.calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache,
+                                  check_generation, source_of)
 from .checkpoints import Checkpoints
-from ..config import PruneConfig
-from ..context import StepContext
-from ..distributed import World, weights_digest
-from ..data import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
+from ..settings.config import PruneConfig
+from ..algo.context import StepContext
+from ..model.distributed import World, weights_digest
+from ..data.text import CalibrationSampler, eval_windows, load_calibration_texts, load_eval_text, split_holdout
 from ..errors import UserError
-from ..executors import EXECUTORS, resolve_executor
+from ..model.executors import EXECUTORS, resolve_executor
 from ..hooks import KEEP, RUN_HOOKS, RunChanges, RunView, joined_transforms
 from .initialise import fresh_state, metric_cache_folder, start_state
-from ..statistics import STATS_CACHE_ENV, stats_cache_dir
-from ..loading import check_positions, load_model, model_device, resolve_model
-from ..methods import METHODS, method_options
-from ..outdir import folder_lock
+from ..algo.statistics import STATS_CACHE_ENV, stats_cache_dir
+from ..model.loading import check_positions, load_model, model_device, resolve_model
+from ..algo.methods import METHODS, method_options
+from ..storage.outdir import folder_lock
 from .phases import PhaseClock
-from ..plan import say_text_plan
-from ..precision import emulated_bf16_line, run_device_type, run_step_dtype, step_dtype_problem, step_precision
+from ..plan.forecast import say_text_plan
+from ..model.precision import emulated_bf16_line, run_device_type, run_step_dtype, step_dtype_problem, step_precision
 from .plan import plan_with_steps
 from .results import finish
-from ..memory_check import check_run_fits
-from ..tokenize_docs import tokenize_documents
-from ..rewards import REWARDS
-from .. import ppl_cache
+from ..model.memory_check import check_run_fits
+from ..data.tokenize_docs import tokenize_documents
+from ..algo.rewards import REWARDS
+from ..storage import ppl_cache
 from .masks import RunMasks
-from ..io import append_line
+from ..storage.io import append_line
 from .folder import METRICS_FILE, MODEL_DIR, check_no_links, check_removable
 from .state import RunState, StepReport, check_finite, mask_rows  # noqa: F401  (StepReport: part of the run's API)
-from ..unit_types import UNIT_TYPES
-from ..units import UnitLayout
-from ..unit_types import unit_sizes
+from ..model.unit_types import UNIT_TYPES
+from ..model.units import UnitLayout
+from ..model.unit_types import unit_sizes
 
 Observer = Callable[[StepReport], None]
 
@@ -128,7 +128,7 @@ class PruneRun:
                  started: float | None = None, world: World = World(), calib: list[str] | None = None,
                  from_files: bool = False):
         # started: time.monotonic() the --time-budget counts from; calib: calibration documents in memory (or --calib's);
-        # from_files: the model given is config.model's files as engine.loading read them, unchanged (the app's
+        # from_files: the model given is config.model's files as engine.model.loading read them, unchanged (the app's
         # kept model), so that what is cached per model (dense perplexity, generated text) applies to it
         self.started, self.config, c = time.monotonic() if started is None else started, config.validate(), config
         self.out = Path(out_dir) if out_dir is not None else None  # None: a run in memory (engine.api), no files

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import ppl_cache
-from ..evaluate import batch_loss, perplexity
-from ..loading import model_device
-from ..policy import LR_SCHEDULE_FNS, stage_at
-from ..precision import pass_precision, run_eval_dtype
+from ..storage import ppl_cache
+from ..algo.evaluate import batch_loss, perplexity
+from ..model.loading import model_device
+from ..algo.policy import LR_SCHEDULE_FNS, stage_at
+from ..model.precision import pass_precision, run_eval_dtype
 
 if TYPE_CHECKING:  # annotations only
     from .loop import PruneRun
@@ -121,7 +121,7 @@ class RunMasks:
         return key, cached, seconds
 
     def dense_perplexity(self) -> float:
-        """The dense model's perplexity, from the cache (engine/ppl_cache.py) when this model's files, dtype,
+        """The dense model's perplexity, from the cache (engine/storage/ppl_cache.py) when this model's files, dtype,
         device and windows were evaluated before."""
         r = self.run
         key, cached, seconds = self.cached_dense()

@@ -1,4 +1,4 @@
-"""The plan a run starts with: engine/plan.py's time plan of this run's phases, computed by the engine when the run
+"""The plan a run starts with: engine/plan/forecast.py's time plan of this run's phases, computed by the engine when the run
 starts (so a CLI run has it as the app's does), logged, kept for results.json (`plan_seconds_by_phase`) and
 shown beside what the run measured (`seconds_by_phase`) when it ends.
 
@@ -21,9 +21,9 @@ PLAN_KEY = "plan_seconds_by_phase"  # results.json's key of the plan the run sta
 
 def run_rate(run: "PruneRun", skeleton, passes: str | None = None) -> tuple[float, str]:
     """(seconds per token of a dense forward, where it comes from); passes: of one autocast to that dtype (the
-    one-shot passes', engine/precision.py)."""
-    from ..plan import cached_probe, probe_key, probe_seconds_per_token
-    from ..ppl_cache import cache_dir
+    one-shot passes', engine/model/precision.py)."""
+    from ..plan.forecast import cached_probe, probe_key, probe_seconds_per_token
+    from ..storage.ppl_cache import cache_dir
 
     c = run.config
     hit = cached_probe(cache_dir(), probe_key(c.model, c.dtype, c.batch_size, c.seqlen, passes))
@@ -59,12 +59,12 @@ def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, floa
 
 def time_plan(run: "PruneRun", done_steps: int | None = None):
     """(the TimePlan of this session of the run, the forward's seconds per token, where that rate came from, the
-    one-shot passes' dtype when it is another, their rate): engine/plan.py's plan_time at this machine's rates, the
+    one-shot passes' dtype when it is another, their rate): engine/plan/forecast.py's plan_time at this machine's rates, the
     dense perplexity's cache and the calibration text's seconds as the run has them now. The one plan that the
     run's plan line, --time-budget's trades and the steps that fit are read from."""
-    from ..calib_sources import PHASE as CALIB_PHASE
+    from ..data.calib_sources import PHASE as CALIB_PHASE
     from .initialise import cached_phases
-    from ..plan import pass_dtype_of, plan_time, skeleton_of
+    from ..plan.forecast import pass_dtype_of, plan_time, skeleton_of
 
     c = run.config
     skeleton = skeleton_of(run.model, c.model, "gguf" if run.source.gguf_file else "folder")

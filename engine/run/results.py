@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from ..budget import removal_report
-from ..calib_sources import source_of
-from ..distributed import shares
-from ..io import atomic_write_text
-from ..loading import count_parameters
+from ..algo.budget import removal_report
+from ..data.calib_sources import source_of
+from ..model.distributed import shares
+from ..storage.io import atomic_write_text
+from ..model.loading import count_parameters
 from .phases import phase_line
-from ..precision import run_eval_dtype, run_pass_dtype, run_step_dtype
+from ..model.precision import run_eval_dtype, run_pass_dtype, run_step_dtype
 from .folder import MODEL_DIR, RESULTS_FILE
 from .plan import PLAN_KEY
 from .state import RunState, peak_rss_mb
-from ..unit_types import UNIT_TYPES
+from ..model.unit_types import UNIT_TYPES
 
 if TYPE_CHECKING:  # annotations only
     from .loop import PruneRun
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only
 
 def planned_memory_mb(run: "PruneRun") -> float | None:
     """The plan's estimate of the run's peak memory (MB), beside the measured peak; None where it cannot be made."""
-    from ..plan import plan_memory, skeleton_of
+    from ..plan.forecast import plan_memory, skeleton_of
 
     try:
         skeleton = skeleton_of(run.model, run.config.model, "gguf" if run.source.gguf_file else "folder")
@@ -83,7 +83,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "time_budget": c.time_budget,  # minutes, or None
         "time_used": state.time_used,  # --time-budget: the wall seconds at the last step, all sessions
         "peak_rss_mb": peak_rss_mb(),  # (of rank 0 in a data-parallel run)
-        "plan_memory_mb": planned_memory_mb(run),  # (the plan's estimate of that peak, engine/plan.py's plan_memory)
+        "plan_memory_mb": planned_memory_mb(run),  # (the plan's estimate of that peak, engine/plan/forecast.py's plan_memory)
         "pass_dtype": run_pass_dtype(c, run.model),  # the one-shot passes' matrix products (--pass-dtype)
         "eval_dtype": run_eval_dtype(c, run.model),  # the evaluations' (--eval-dtype)
         "step_dtype": run_step_dtype(c, run.model),  # the steps' forwards' (--step-dtype)
@@ -96,7 +96,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
 
 def finish(run: "PruneRun", state: RunState) -> dict:
     """The final mask from the method's (or a hook's) scores: evaluated, saved, exported as a sliced model."""
-    from ..export import build_pruned_model, export_pruned, save_mask_artifact
+    from ..export.artifacts import build_pruned_model, export_pruned, save_mask_artifact
 
     scores = run.masks.final_scores(state, run.method.final_scores(state))
     masks = run.final_masks(scores, state.init_metric)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import UserError
-from ..io import dumps_json
+from ..storage.io import dumps_json
 
 
 def peak_rss_mb() -> float:

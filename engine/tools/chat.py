@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..loading import count_parameters
+from ..model.loading import count_parameters
 from ..run.files import GGUF_FILE, MODEL_DIR, RECOVER_DIR, RESULTS_FILE, has_recover_marker
-from ..unit_types import unit_sizes
+from ..model.unit_types import unit_sizes
 
 _locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -83,8 +83,8 @@ def saved_prompts(path: Path = PROMPTS_FILE) -> list[str]:
 
 
 def load_base(model_name: str, dtype: str = "float32", device: str = "cpu") -> ChatModel:
-    from ..arch import ModelAdapter
-    from ..loading import load_model, resolve_model
+    from ..model.arch import ModelAdapter
+    from ..model.loading import load_model, resolve_model
 
     model, tok = load_model(resolve_model(model_name), dtype, device)
     ModelAdapter.for_model(model)  # unsupported architectures fail here, with a message
@@ -94,12 +94,12 @@ def load_base(model_name: str, dtype: str = "float32", device: str = "cpu") -> C
 
 def masked_from_run(base: ChatModel, run_dir: str | Path) -> ChatModel:
     """The base model with a finished run's masks applied as hooks (shares the base weights)."""
-    from ..export import load_mask_artifact
-    from ..units import UnitLayout
+    from ..export.artifacts import load_mask_artifact
+    from ..model.units import UnitLayout
 
     meta, masks, _ = load_mask_artifact(run_dir)
     layout = UnitLayout({u: meta["units_per_layer"][u] for u in meta["unit_types"]})
-    from ..arch import ModelAdapter
+    from ..model.arch import ModelAdapter
 
     adapter = ModelAdapter.for_model(base.model)
     sizes = unit_sizes(adapter)
@@ -125,7 +125,7 @@ def recorded_params(run_dir: str | Path) -> int | None:
 
 
 def _effective_params(model, layout, masks) -> int:
-    from ..export import build_pruned_model
+    from ..export.artifacts import build_pruned_model
 
     return count_parameters(build_pruned_model(model, layout, masks))
 
@@ -162,7 +162,7 @@ def _load_export(folder: Path) -> ChatModel:
     from transformers import AutoModelForCausalLM
 
     from .. import register_pruned_classes
-    from ..loading import check_before_load, load_tokenizer, ModelSource
+    from ..model.loading import check_before_load, load_tokenizer, ModelSource
 
     register_pruned_classes()
     check_before_load(ModelSource(str(folder), str(folder)))  # (its own code, e.g. a run folder from elsewhere: one line)
@@ -194,7 +194,7 @@ class LlamaCppGenerator:
 def load_gguf(run_dir: str | Path, outtype: str = "f16", threads: int | None = None) -> ChatModel:
     """A run's GGUF (RUN/model.gguf, as `prune --export-gguf` writes it; exported there first if missing)
     in llama.cpp, with the tokenizer of the run's sliced export."""
-    from ..exporters import export_run
+    from ..export import export_run
 
     run_dir = Path(run_dir)
     path = run_dir / GGUF_FILE
@@ -249,7 +249,7 @@ def gguf_chat(path: Path, run_dir: Path, params: int, label: str, threads: int |
     """A GGUF file in llama.cpp, talking through the run's tokenizer and stopping at its end-of-text ids."""
     import json
 
-    from ..loading import ModelSource, load_tokenizer
+    from ..model.loading import ModelSource, load_tokenizer
     from .gguf_cache import gguf_outtype
     from . import llamacpp
 
@@ -420,7 +420,7 @@ def stream(chat: ChatModel, prompt: str, settings: GenerationSettings) -> Genera
     t0 = time.perf_counter()
 
     def work():
-        from ..masking import MaskHooks
+        from ..model.masking import MaskHooks
 
         nonlocal t0
         lock = model_lock(chat.model)
@@ -430,7 +430,7 @@ def stream(chat: ChatModel, prompt: str, settings: GenerationSettings) -> Genera
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     if chat.layer_masks is not None:
-                        from ..arch import ModelAdapter
+                        from ..model.arch import ModelAdapter
 
                         with MaskHooks(ModelAdapter.for_model(chat.model)) as hooks:
                             hooks.set(chat.layer_masks)

@@ -3,12 +3,12 @@
     python -m engine finetune --model RUN/model --out DIR2 [--samples 128 --seqlen 256 --epochs 1 --lr 5e-4 ...]
 
 LoRA (PEFT) with r = 16, alpha = 10, dropout 0.05 on every projection of the attention and the MLP
-(their names come from the architecture adapter, engine/arch), causal-LM loss on segments of local
+(their names come from the architecture adapter, engine/model/arch), causal-LM loss on segments of local
 C4 text (the paper uses Alpaca, which is not available offline), AdamW. The adapters are then
 merged into the weights and DIR2/model is written atomically with save_pretrained, the tokenizer
 and, for a pruned export, the modeling_pruned.py copy its config's auto_map points at: it loads
 with `AutoModelForCausalLM.from_pretrained(DIR2/model, trust_remote_code=True)` anywhere, or
-through engine.loading in this project, exactly like the export it came from.
+through engine.model.loading in this project, exactly like the export it came from.
 
 The defaults are CPU-sized (issue 67): 128 segments of 256 tokens, 4 a step, lr 5e-4, 32 optimizer steps (a few
 minutes on 2 cores for the default model). The paper's recovery is 4,000 segments of 1,024 tokens at lr 1e-4
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..data import DEFAULT_EVAL_WINDOWS
+from ..data.text import DEFAULT_EVAL_WINDOWS
 from ..errors import UserError
-from ..outdir import OutputKind, output_folder
+from ..storage.outdir import OutputKind, output_folder
 
 CONFIG_FILE, LOG_FILE, RESULTS_FILE, MODEL_DIR = "finetune_config.json", "finetune_log.jsonl", "finetune_results.json", "model"
 
@@ -66,8 +66,8 @@ class FinetuneConfig:
     device: str = "cpu"
 
     def validate(self) -> "FinetuneConfig":
-        from ..fields import check_fields
-        from ..loading import DTYPES
+        from ..settings.fields import check_fields
+        from ..model.loading import DTYPES
 
         check_fields(self)  # types, finite floats (lr nan/inf, ...), ints within 64 bits
         for name in ("seqlen", "eval_seqlen"):  # one token predicts nothing: a NaN loss
@@ -94,7 +94,7 @@ class FinetuneConfig:
 
 def lora_target_modules(model) -> list[str]:
     """Names of the attention and MLP projections of this architecture (from its adapter)."""
-    from ..arch import ModelAdapter
+    from ..model.arch import ModelAdapter
 
     a = ModelAdapter.for_model(model)
     return [a.param_name(linear).rsplit(".", 1)[-1] for linear in a.projections(0)]
@@ -131,10 +131,10 @@ def mean_loss(model, segments: torch.Tensor, batch_size: int) -> float:
 
 def save_like_export(model, tokenizer, dest: Path) -> None:
     """save_pretrained + tokenizer (+ modeling_pruned.py for a pruned model), atomically: a folder that reloads as
-    the export it came from did (engine.loading, or from_pretrained with trust_remote_code=True anywhere)."""
-    from .. import modeling_pruned
-    from ..export import weight_bytes
-    from ..io import atomic_dir
+    the export it came from did (engine.model.loading, or from_pretrained with trust_remote_code=True anywhere)."""
+    from ..model import modeling_pruned
+    from ..export.artifacts import weight_bytes
+    from ..storage.io import atomic_dir
 
     with atomic_dir(dest, weight_bytes(model)) as tmp:
         model.save_pretrained(tmp)
@@ -146,7 +146,7 @@ def save_like_export(model, tokenizer, dest: Path) -> None:
 def load_local_model(name: str, dtype: str, device: str, lengths: dict[str, int], what: str = "finetune"):
     """(model, tokenizer) of a local model folder (a pruned export RUN/model), refused in one line when it is a
     .gguf file or a hub id, or when `lengths` (see loading.check_positions) exceed its positions."""
-    from ..loading import check_positions, load_model, resolve_model
+    from ..model.loading import check_positions, load_model, resolve_model
 
     source = resolve_model(name)
     if source.gguf_file is not None or not Path(source.path).is_dir():
@@ -250,9 +250,9 @@ def finetune(config: FinetuneConfig, out: str | Path, log=lambda m: print(m, fil
 
 
 def _finetune(config: FinetuneConfig, out: Path, log) -> dict:
-    from ..data import eval_windows, load_calibration_texts, load_eval_text
-    from ..evaluate import perplexity
-    from ..io import atomic_write_text
+    from ..data.text import eval_windows, load_calibration_texts, load_eval_text
+    from ..algo.evaluate import perplexity
+    from ..storage.io import atomic_write_text
 
     texts, calib_src = load_calibration_texts(config.calib)
     eval_text = None if config.skip_eval else load_eval_text(config.eval_data)
@@ -281,7 +281,7 @@ def _finetune(config: FinetuneConfig, out: Path, log) -> dict:
         log("perplexity after fine-tuning")
         results["ppl_after"] = perplexity(merged, windows, 8)
     save_like_export(merged, tok, out / MODEL_DIR)
-    from ..loading import count_parameters
+    from ..model.loading import count_parameters
 
     results.update(info, params=count_parameters(merged), out_model=str(out / MODEL_DIR))
     atomic_write_text(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")

@@ -52,7 +52,7 @@ def _outtype(path: str, size: int, mtime_ns: int) -> str | None:  # (size and ti
 
 
 def check_outtype(outtype: str) -> None:
-    from ..exporters.gguf import OUTTYPES
+    from ..export.gguf import OUTTYPES
 
     if outtype not in OUTTYPES:
         raise UserError(f"GGUF type must be one of {', '.join(OUTTYPES)}, not {outtype!r}")
@@ -65,7 +65,7 @@ def _slug(text: str) -> str:
 def dense_gguf_path(model: str, outtype: str, cache_dir: str | Path) -> Path:
     """Where the dense model's GGUF of this type is cached: named after the model, with a hash of where it
     resolves to and when its files last changed (a model folder rewritten in place gets a new file)."""
-    from ..loading import resolve_model
+    from ..model.loading import resolve_model
 
     check_outtype(outtype)
     source = resolve_model(str(model))
@@ -83,7 +83,7 @@ def dense_gguf(model: str, outtype: str, cache_dir: str | Path) -> Path:
     """The dense model as a GGUF of this type, for llama.cpp beside the pruned run's GGUF: the same exporter and
     weight type as the pruned file, so their speeds compare like for like (the default model's packaged Q4_1 file
     would not). Written once into cache_dir (the runs folder's .dense-gguf/), atomically."""
-    from ..exporters.gguf import write_model_gguf
+    from ..export.gguf import write_model_gguf
 
     path = dense_gguf_path(model, outtype, cache_dir)
     with file_lock(path):

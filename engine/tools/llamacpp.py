@@ -2,7 +2,7 @@
 
     llm = open_gguf("runs/pg30/model.gguf", n_ctx=512, logits_all=True, kv_f32=True)
     z = logits(llm, ids)                                     # (len(ids), vocab), from a fresh context
-    perplexity("runs/pg30/model.gguf", windows)              # as engine.evaluate.perplexity computes it
+    perplexity("runs/pg30/model.gguf", windows)              # as engine.algo.evaluate.perplexity computes it
     speed(llm, prompt_ids, new_tokens=64)                    # (prompt tokens/s, generation tokens/s)
 
 llama-cpp-python is optional at import time: every entry point raises UserError with the install line
@@ -75,7 +75,7 @@ def logits(llm, ids: list[int]) -> np.ndarray:
 
 
 def perplexity(path: str | Path, windows, threads: int | None = None, kv_f32: bool = True) -> float:
-    """exp(mean next-token cross-entropy over all windows' tokens), as engine.evaluate.perplexity computes it
+    """exp(mean next-token cross-entropy over all windows' tokens), as engine.algo.evaluate.perplexity computes it
     for a transformers model: the same windows give comparable figures."""
     rows = windows.tolist() if hasattr(windows, "tolist") else [list(w) for w in windows]
     llm = open_gguf(path, n_ctx=max(len(r) for r in rows), logits_all=True, threads=threads, kv_f32=kv_f32)

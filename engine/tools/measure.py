@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..outdir import OutputKind, output_folder
+from ..storage.outdir import OutputKind, output_folder
 
 CONFIG_FILE, RESULTS_FILE, TABLE_FILE = "measure_config.json", "measure.json", "measure.md"
 
@@ -58,7 +58,7 @@ class MeasureConfig:
     llama_cpp: str | None = None  # also time each model as a GGUF of this type in llama.cpp (f32, f16, q8_0)
 
     def validate(self) -> "MeasureConfig":
-        from ..loading import DTYPES
+        from ..model.loading import DTYPES
 
         if not self.models:
             raise UserError("give at least one model")
@@ -72,7 +72,7 @@ class MeasureConfig:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise UserError(f"unknown device {self.device!r}; use cpu or cuda[:N]")
         if self.llama_cpp is not None:
-            from ..exporters import EXPORT_FORMATS
+            from ..export import EXPORT_FORMATS
 
             if self.llama_cpp not in EXPORT_FORMATS["gguf"].outtypes:
                 raise UserError(f"llama_cpp takes a GGUF type ({', '.join(EXPORT_FORMATS['gguf'].outtypes)}), "
@@ -152,7 +152,7 @@ def _lengths(config: MeasureConfig) -> dict[str, int]:
 
 
 def _load(name: str, config: MeasureConfig):
-    from ..loading import check_positions, load_model, resolve_model
+    from ..model.loading import check_positions, load_model, resolve_model
 
     model, tok = load_model(resolve_model(name), config.dtype, config.device)
     check_positions(model.config, _lengths(config))
@@ -198,7 +198,7 @@ def _memory_in_subprocess(name: str, config: MeasureConfig) -> dict:
 
 
 def measure(config: MeasureConfig, log=lambda m: print(m, file=sys.stderr)) -> dict:
-    from ..loading import check_before_load, count_parameters, resolve_model
+    from ..model.loading import check_before_load, count_parameters, resolve_model
 
     config.validate()
     for name in config.models:  # every model's declared config, before any model is loaded
@@ -260,7 +260,7 @@ def llama_cpp_speeds(config: MeasureConfig, prompt: list[int], log) -> list[dict
     """Each model as a GGUF of type config.llama_cpp, timed in llama.cpp, the files alternating."""
     import tempfile
 
-    from ..exporters.gguf import write_model_gguf
+    from ..export.gguf import write_model_gguf
     from . import llamacpp
 
     threads = config.threads or torch.get_num_threads()
@@ -313,7 +313,7 @@ def run_measure(config: MeasureConfig, out: str | Path | None = None, log=lambda
 
 
 def _run_measure(config: MeasureConfig, out: str | Path | None, log) -> dict:
-    from ..io import atomic_write_text
+    from ..storage.io import atomic_write_text
 
     result = measure(config, log)
     result["table"] = markdown(result)

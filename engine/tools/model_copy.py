@@ -1,7 +1,7 @@
 """What a first run of the default model would build once, built at install time (install.sh runs `python -m
 engine.tools.model_copy`): the model's de-quantised copy (a first run then loads it in about a second instead of
 de-quantising the GGUF: 25-40 s on 2 cores) and its dense perplexity on the default evaluation windows, in the
-dtype a run evaluates in on this CPU (`--eval-dtype auto`; 25-30 s on 2 cores), where engine/ppl_cache.py keeps it.
+dtype a run evaluates in on this CPU (`--eval-dtype auto`; 25-30 s on 2 cores), where engine/storage/ppl_cache.py keeps it.
 Both live in $PG_PRUNE_CACHE or ~/.cache/pg-prune."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import model_cache
+from ..storage import model_cache
 from ..errors import UserError
-from ..loading import DEFAULT_MODEL, load_model, resolve_model
+from ..model.loading import DEFAULT_MODEL, load_model, resolve_model
 
 
 def build_default() -> Path | None:
@@ -27,8 +27,8 @@ def dense_perplexity(model: str = DEFAULT_MODEL, **settings) -> float | None:
     """The dense perplexity a default run of `model` evaluates (the settings' evaluation defaults: WikiText-2 raw
     test, 256 windows of 128 tokens, --eval-dtype auto; `settings` change them), taken from the cache or computed now
     and stored there with its seconds, as the run would store it; None when the cache is off."""
-    from .. import ppl_cache
-    from ..config import PruneConfig
+    from ..storage import ppl_cache
+    from ..settings.config import PruneConfig
     from ..run.loop import PruneRun
 
     if ppl_cache.cache_dir() is None:

@@ -4,7 +4,7 @@ dense base model (the teacher) on calibration text (issue 67).
     python -m engine recover RUN --out OUT [--steps 32 | --time-budget MIN] [--mode lora|full] [--ce-weight W]
 
 The loss of a batch is the mean over rows and positions 0..T-2 of KL(p_teacher || p_student), computed as the kl
-reward computes it (engine.rewards.row_kl), optionally mixed with the calibration text's next-token cross-entropy:
+reward computes it (engine.algo.rewards.row_kl), optionally mixed with the calibration text's next-token cross-entropy:
 loss = (1 - W) KL + W CE (--ce-weight W, default 0; W = 1 is CE-LoRA, what `finetune` trains). The teacher's logits
 are computed on the fly, one forward per batch under no_grad: nothing of its full log-probabilities is kept.
 
@@ -23,7 +23,7 @@ OUT holds recover_config.json (the RecoverConfig, resolved), recover_log.jsonl (
 ce, lr, seconds), recover_checkpoint.pt (every --checkpoint-every steps and at the end: trainable weights,
 optimizer, RNG and sampler state), recover_results.json (WikiText-2 perplexity before and after with the run's
 evaluation settings, the loss first and last, steps, seconds) and model/: the recovered model written as the
-run's export is (`finetune`'s save), which from_pretrained(OUT/model, trust_remote_code=True) and engine.loading
+run's export is (`finetune`'s save), which from_pretrained(OUT/model, trust_remote_code=True) and engine.model.loading
 load, and `python -m engine export OUT --format gguf` converts.
 """
 
@@ -44,11 +44,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..config import MAX_TIME_BUDGET, SEED_MAX
+from ..settings.config import MAX_TIME_BUDGET, SEED_MAX
 from ..errors import UserError
-from ..fields import setting
-from ..outdir import OutputKind
-from ..precision import PASS_DTYPES
+from ..settings.fields import setting
+from ..storage.outdir import OutputKind
+from ..model.precision import PASS_DTYPES
 from ..run.files import RECOVER_CONFIG_FILE, RECOVER_MARKER
 
 CONFIG_FILE, LOG_FILE, RESULTS_FILE = RECOVER_CONFIG_FILE, "recover_log.jsonl", "recover_results.json"
@@ -111,7 +111,7 @@ class RecoverConfig:
     device: str = setting("cpu", help="cpu, cuda or cuda:N (teacher and student both)")
 
     def validate(self) -> "RecoverConfig":
-        from ..fields import check_settings
+        from ..settings.fields import check_settings
 
         check_settings(self)  # types, finite numbers, choices and bounds: --steps 0, --time-budget 0, --ce-weight 2
         if not self.lora_dropout < 1.0:
@@ -158,7 +158,7 @@ class _TokenKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_logits, teacher_logp):
-        from ..rewards import row_kl
+        from ..algo.rewards import row_kl
 
         ctx.save_for_backward(student_logits, teacher_logp)
         return row_kl(student_logits, teacher_logp).mean()
@@ -175,7 +175,7 @@ class _TokenKL(torch.autograd.Function):
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """The mean over rows and positions 0..T-2 of KL(p_teacher || p_student) (a scalar, differentiable in the
-    student's logits), as engine.rewards.row_kl scores a mask."""
+    student's logits), as engine.algo.rewards.row_kl scores a mask."""
     wide = lambda t: t if t.dtype == torch.float64 else t.float()  # noqa: E731  (bfloat16 logits: in float32)
     teacher_logp = F.log_softmax(wide(teacher_logits), dim=-1).detach()
     return _TokenKL.apply(wide(student_logits), teacher_logp.to(wide(student_logits).dtype))
@@ -183,7 +183,7 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch
 
 def ce_loss(student_logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The mean next-token cross-entropy of the text over the same positions (0..T-2 predicting 1..T-1)."""
-    from ..evaluate import _row_losses
+    from ..algo.evaluate import _row_losses
 
     return _row_losses(student_logits.float(), ids.to(student_logits.device)).mean()
 
@@ -233,7 +233,7 @@ def segments_digest(segments: torch.Tensor) -> str:
 def decoder_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) of every weight inside the decoder layers (the architecture adapter's): full mode trains
     these; the embeddings, the final norm and the LM head (tied or not) are not among them."""
-    from ..arch import ModelAdapter
+    from ..model.arch import ModelAdapter
 
     inside = {id(p) for layer in ModelAdapter.for_model(model).layers for p in layer.parameters()}
     return [(name, p) for name, p in model.named_parameters() if id(p) in inside]
@@ -281,7 +281,7 @@ def backward_losses(trained, teacher, batch: torch.Tensor, opt: torch.optim.Opti
     The weights are not changed. Returns {loss, kl, ce}."""
     import contextlib
 
-    from ..loading import model_device
+    from ..model.loading import model_device
 
     precision = precision or contextlib.nullcontext
     ids = batch.to(model_device(trained))
@@ -416,7 +416,7 @@ def train(trained, teacher, params, opt, segments: torch.Tensor, config: Recover
 def run_settings(run_dir: Path):
     """The finished run's saved config (a PruneConfig), refused in one line when RUN is no finished run (no
     model/, no results.json)."""
-    from ..config import PruneConfig
+    from ..settings.config import PruneConfig
     from ..run.folder import is_run_dir
     from ..run.files import CONFIG_FILE as RUN_CONFIG, MODEL_DIR as RUN_MODEL, RESULTS_FILE as RUN_RESULTS
 
@@ -445,7 +445,7 @@ def resolve_config(config: RecoverConfig, run) -> RecoverConfig:
 
 def check_not_evaluation_text(calib: str | None, eval_source: str | None) -> None:
     """A --calib that is (or holds) the evaluation file is refused: recovery never trains on what it is judged on."""
-    from ..data import _TEXT_SUFFIXES, _files_in
+    from ..data.text import _TEXT_SUFFIXES, _files_in
 
     if calib is None or eval_source is None or not Path(eval_source).exists():
         return
@@ -460,7 +460,7 @@ def check_not_evaluation_text(calib: str | None, eval_source: str | None) -> Non
 def training_texts(config: RecoverConfig, run) -> tuple[list[str], str]:
     """(documents, where they came from): --calib as given, else the run's calibration documents less every 10th,
     the ones its held-out check read (when it had one)."""
-    from ..data import load_calibration_texts, split_holdout
+    from ..data.text import load_calibration_texts, split_holdout
 
     if config.calib is not None:
         return load_calibration_texts(config.calib)
@@ -490,7 +490,7 @@ def recover(run_dir: str | Path, out: str | Path, *, resume: bool = False, overw
     the recovery in `out` from its checkpoint (its saved settings; only RESUME_MAY_CHANGE's may be given
     anew). on_step(record) after every step; `stop` (an Event) ends the training after the current step,
     as the time budget does. Ctrl-C saves the last finished step and raises RecoverInterrupted."""
-    from ..outdir import check_not_in_run_files, folder_lock, output_folder
+    from ..storage.outdir import check_not_in_run_files, folder_lock, output_folder
 
     run_dir, out = Path(run_dir).expanduser(), Path(out)
     unknown = set(options) - {f.name for f in dataclasses.fields(RecoverConfig)} | ({"run"} & set(options))
@@ -543,8 +543,8 @@ def resumed_config(out: Path, given: RecoverConfig) -> RecoverConfig:
 
 def precision_of(config: RecoverConfig, model) -> tuple[str, Callable]:
     """(the training forwards' dtype, its context factory): --dtype resolved on the student's device."""
-    from ..loading import model_device
-    from ..precision import pass_precision, resolve_pass_dtype
+    from ..model.loading import model_device
+    from ..model.precision import pass_precision, resolve_pass_dtype
 
     device = model_device(model).type
     dtype = resolve_pass_dtype(config.dtype, "float32", device)
@@ -552,10 +552,10 @@ def precision_of(config: RecoverConfig, model) -> tuple[str, Callable]:
 
 
 def _recover(config: RecoverConfig, out: Path, log, on_step, stop, resume: bool):
-    from ..data import eval_windows, load_eval_text
-    from ..evaluate import perplexity
-    from ..io import atomic_write_text
-    from ..loading import count_parameters, load_model, resolve_model
+    from ..data.text import eval_windows, load_eval_text
+    from ..algo.evaluate import perplexity
+    from ..storage.io import atomic_write_text
+    from ..model.loading import count_parameters, load_model, resolve_model
     from ..run.files import MODEL_DIR as RUN_MODEL, RESULTS_FILE as RUN_RESULTS
     from .finetune import load_local_model, save_like_export, training_segments
 
@@ -605,7 +605,7 @@ def _recover(config: RecoverConfig, out: Path, log, on_step, stop, resume: bool)
     try:
         with open(out / LOG_FILE, "ab", buffering=0) as fh:
             def step_done(record):
-                from ..io import append_line
+                from ..storage.io import append_line
 
                 append_line(fh, json.dumps(record), out, LOG_FILE)
                 on_step(record)
@@ -650,7 +650,7 @@ def run_reference(run_results: Path, run, config: RecoverConfig, eval_source: st
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """torch.save of the state, atomically (a checkpoint is whole or the previous one stays)."""
-    from ..io import atomic_file
+    from ..storage.io import atomic_file
 
     needed = sum(t.numel() * t.element_size() for t in state["trainable"].values())
     with atomic_file(path, needed) as tmp:

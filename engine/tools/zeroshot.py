@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..outdir import OutputKind, output_folder
+from ..storage.outdir import OutputKind, output_folder
 from ..run.files import MASKS_META_FILE
 
 TASK_TEMPLATES = Path(__file__).resolve().parent / "tasks"
@@ -52,7 +52,7 @@ class ZeroshotConfig:
     seed: int = 1234  # lm-eval's default seeds, recorded
 
     def validate(self) -> "ZeroshotConfig":
-        from ..loading import DTYPES
+        from ..model.loading import DTYPES
 
         unknown = [t for t in self.tasks if t not in ALL_TASKS]
         if not self.tasks or unknown:
@@ -74,7 +74,7 @@ class ZeroshotConfig:
 def zeroshot_data_dir(data_dir: str | None = None) -> Path:
     """The folder of task data: the one given, else <default data dir>/zeroshot."""
     if data_dir is None:
-        from ..data import DATA_DIR_ENV, default_data_dir
+        from ..data.text import DATA_DIR_ENV, default_data_dir
 
         base = default_data_dir()
         if base is None or not (base / ZEROSHOT_SUBDIR).is_dir():
@@ -177,7 +177,7 @@ def markdown_header(tasks, extra: list[str] | None = None) -> str:
 def load_for_zeroshot(config: ZeroshotConfig):
     """(model, tokenizer, label, layer masks or None). With `run`: the run's base model plus its masks."""
     from .chat import load_base, masked_from_run
-    from ..loading import load_model, resolve_model
+    from ..model.loading import load_model, resolve_model
 
     if config.run is not None:
         run = Path(config.run)
@@ -186,7 +186,7 @@ def load_for_zeroshot(config: ZeroshotConfig):
         meta_file = run / MASKS_META_FILE
         if not meta_file.is_file():
             raise UserError(f"{config.run} holds no finished run's masks ({MASKS_META_FILE})")
-        from ..export import load_mask_artifact
+        from ..export.artifacts import load_mask_artifact
 
         meta = load_mask_artifact(run)[0]  # (a damaged masks.json or masks.safetensors: one line, before the model loads)
         base_name = config.model or meta.get("base_model")
@@ -195,7 +195,7 @@ def load_for_zeroshot(config: ZeroshotConfig):
         base = load_base(base_name, config.dtype, config.device)
         masked = masked_from_run(base, run)
         return masked.model, masked.tokenizer, f"masked base: {run.name}", masked.layer_masks, masked.params
-    from ..loading import count_parameters
+    from ..model.loading import count_parameters
 
     model, tok = load_model(resolve_model(config.model), config.dtype, config.device)
     return model, tok, config.model, None, count_parameters(model)
@@ -218,13 +218,13 @@ def run_zeroshot(config: ZeroshotConfig, out: str | Path | None = None, log=prin
 
 
 def _run_zeroshot(config: ZeroshotConfig, out_dir: Path, log) -> dict:
-    from ..io import atomic_write_text
+    from ..storage.io import atomic_write_text
 
     if config.model is None and config.run is None:
-        from ..loading import DEFAULT_MODEL
+        from ..model.loading import DEFAULT_MODEL
 
         config.model = DEFAULT_MODEL
-    from ..loading import resolve_model
+    from ..model.loading import resolve_model
 
     if config.model is not None:
         resolve_model(config.model)  # a typo fails before anything is written or loaded
@@ -235,8 +235,8 @@ def _run_zeroshot(config: ZeroshotConfig, out_dir: Path, log) -> dict:
     model, tok, label, layer_masks, params = load_for_zeroshot(config)
     t0 = time.perf_counter()
     if layer_masks is not None:
-        from ..arch import ModelAdapter
-        from ..masking import MaskHooks
+        from ..model.arch import ModelAdapter
+        from ..model.masking import MaskHooks
 
         with MaskHooks(ModelAdapter.for_model(model)) as hooks:
             hooks.set(layer_masks)

@@ -21,10 +21,10 @@ import hashlib
 import math
 from typing import Callable
 
-from ..config import PruneConfig
+from ..settings.config import PruneConfig
 from ..errors import UserError
-from ..methods import METHODS, option_fields
-from ..unit_types import UNIT_TYPES
+from ..algo.methods import METHODS, option_fields
+from ..model.unit_types import UNIT_TYPES
 from . import masks as M
 from .jobs import RunInfo, read_metrics
 
@@ -139,7 +139,7 @@ def _refits(c: PruneConfig) -> bool:
 
 
 def _self_text(c: PruneConfig) -> bool:
-    from ..calib_sources import source_of
+    from ..data.calib_sources import source_of
 
     return source_of(c) != "data"
 
@@ -256,9 +256,9 @@ def matching_config(config: dict, results: dict | None, scope: str) -> dict:
 
 def counterpart_problem(a: RunInfo, scope: str) -> str | None:
     """Why no run of run A's settings can exist in `scope`, in the page's words (None: one can). The run's own
-    validation decides (engine.config): a joint run, whole layers and widths on one parameter budget, exists only
+    validation decides (engine.settings.config): a joint run, whole layers and widths on one parameter budget, exists only
     in global scope."""
-    from ..budget import scope_problem
+    from ..algo.budget import scope_problem
 
     try:
         wanted = matching_config(a.config, a.results, scope)

@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import UserError
-from ..io import remove_stale_temps, temp_name
+from ..storage.io import remove_stale_temps, temp_name
 from ..run.files import GGUF_FILE, MODEL_DIR
 from ..tools.gguf_cache import (DENSE_GGUF_DIR, check_outtype, dense_gguf, dense_gguf_path, file_lock,  # noqa: F401
                                 gguf_outtype)
@@ -69,7 +69,7 @@ def ensure_run_gguf(run_dir: str | Path, outtype: str) -> Path:
     """The run's GGUF of this type, exported the first time (the project's exporter, as `python -m engine export
     RUN --format gguf --outtype TYPE`) and cached in the run folder. Slow the first time (the model is loaded
     and written): callers show a spinner."""
-    from ..exporters import export_run
+    from ..export import export_run
 
     folder = _model_folder(run_dir)
     path = run_gguf_path(run_dir, outtype)

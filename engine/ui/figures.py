@@ -10,7 +10,7 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..unit_types import UNIT_TYPES
+from ..model.unit_types import UNIT_TYPES
 
 _FONT = dict(size=13)
 _MARGIN = dict(l=10, r=10, t=64, b=10)

@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 from pathlib import Path
 
-from ..config import PruneConfig
+from ..settings.config import PruneConfig
 from ..errors import UserError
 from ..run.state import report_masks
 from .paths import RUNS_DIR_ENV, default_runs_dir  # noqa: F401  (the runs folder: the pages import it from here)
@@ -88,7 +88,7 @@ class _ModelCache:
         self.enabled, self.entry = enabled, None
 
     def load(self, config: PruneConfig):
-        from ..loading import load_model, resolve_model
+        from ..model.loading import load_model, resolve_model
 
         key = (config.model, config.dtype, config.device)
         if self.entry is not None and self.entry[0] == key:
@@ -104,7 +104,7 @@ class _ModelCache:
 def _kept_history(run, out: Path) -> list[dict]:
     """The steps a resumed run keeps: trimmed to its checkpoint first, as run() will (steps past it are redone,
     and reading them before the trim showed them twice); never the metrics of a run another process writes."""
-    from ..outdir import folder_lock
+    from ..storage.outdir import folder_lock
 
     with folder_lock(out, what="resume"):
         return run.restore_metrics(run.load_checkpoint())
@@ -183,7 +183,7 @@ class JobManager(BackgroundJob):
     def start(self, config: PruneConfig | None, out_dir: str | Path, resume: bool = False) -> None:
         """Start a job; raises JobBusy while one runs and UserError on bad input (checked here, fast). With
         resume=True the run folder's own config.json is used and `config` is ignored."""
-        from ..loading import resolve_model
+        from ..model.loading import resolve_model
         from ..run.folder import CONFIG_FILE, check_out_dir
 
         out = Path(out_dir)
@@ -425,7 +425,7 @@ def delete_run(run_dir: str | Path, jobs: JobManager | None = None) -> None:
     lock, so no job can start in between."""
     from contextlib import nullcontext
 
-    from ..outdir import cleanup_out_dir, folder_lock, remove_owned
+    from ..storage.outdir import cleanup_out_dir, folder_lock, remove_owned
     from ..run.folder import is_run_dir, remove_run_files
     from ..run.files import RECOVER_DIR
     from ..tools.recover import RECOVER_OUTPUT
@@ -448,7 +448,7 @@ def export_run_model(run_dir: str | Path, dest: str | Path) -> Path:
     """Copy a finished run's sliced model folder to dest (which must not exist yet), atomically: the hf
     exporter's copy, the same as `python -m engine export RUN --format hf`. dest must lie in the runs folder or a
     folder of $PG_PRUNE_APP_FOLDERS (engine/ui/paths.py): it is typed in the page."""
-    from ..exporters import export_run
+    from ..export import export_run
     from ..run.folder import check_export_destination
     from ..run.files import MODEL_DIR
     from .paths import app_path

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..run.state import report_masks
-from ..unit_types import UNIT_TYPES
+from ..model.unit_types import UNIT_TYPES
 
 CURRENT, FINAL, INIT = "current", "final", "init"
 VIEW_ORDER = (FINAL, CURRENT, INIT)  # the first one a run has is shown first

@@ -3,7 +3,7 @@
 The form is a dict of widget key -> value. `form_values` makes one from a run's config (so Runs' "Load into the
 pages" and "Re-run with these settings" fill the form), `form_config` makes the run's PruneConfig from one, on
 top of a base config that holds the settings the form does not show (a loaded run's, so a re-run reproduces
-it). The widgets themselves are made from the settings' declarations (engine/config.py) by the pages.
+it). The widgets themselves are made from the settings' declarations (engine/settings/config.py) by the pages.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import json
 import math
 from pathlib import Path
 
-from ..config import PRESETS, PruneConfig, default_run, default_run_values
+from ..settings.config import PRESETS, PruneConfig, default_run, default_run_values
 from ..errors import UserError
-from ..loading import DEFAULT_MODEL
+from ..model.loading import DEFAULT_MODEL
 
 # the run settings under "Hyperparameters": widgets made from their declarations in PruneConfig (key = field)
 HYPERPARAMETERS = ("lr", "lr_schedule", "num_mask_samples", "batch_size", "seqlen", "prob_map", "eval_seqlen",
@@ -36,7 +36,7 @@ def option_key(method: str, name: str) -> str:
 
 def form_values(config: dict | PruneConfig) -> dict:
     """The Prune form's widget values that show this config (a config.json dict or a PruneConfig)."""
-    from ..methods import option_fields
+    from ..algo.methods import option_fields
 
     c = PruneConfig.from_dict(dict(config)) if isinstance(config, dict) else config
     values = {k: getattr(c, f) for k, f in DIRECT.items()}
@@ -57,9 +57,9 @@ def form_values(config: dict | PruneConfig) -> dict:
 def form_config(values: dict, base: dict | None = None) -> PruneConfig:
     """The PruneConfig the form's values describe, on top of `base` (a config dict: the settings the form does
     not show; when None, today's as the command line gives them to a run of these units, scope and budget: the
-    default run's, engine/config.py's default_run_values; not an old config's, which PruneConfig.from_dict would
+    default run's, engine/settings/config.py's default_run_values; not an old config's, which PruneConfig.from_dict would
     read into missing fields). Not validated (PruneConfig.validate says what is wrong)."""
-    from ..methods import option_fields
+    from ..algo.methods import option_fields
 
     data = dict(base) if base else PruneConfig(**default_run_values(
         values.get("units"), values.get("scope", "global"), values.get("budget", "params"))).to_dict()
@@ -102,10 +102,10 @@ def form_config(values: dict, base: dict | None = None) -> PruneConfig:
 
 
 def preset_values(name: str, method: str = "pg") -> dict:
-    """The widget values a preset sets (engine/config.py's PRESETS): its run settings and, for the options of
+    """The widget values a preset sets (engine/settings/config.py's PRESETS): its run settings and, for the options of
     `method` it names (e.g. pg's baseline), the option widgets and that method (the form's default run takes no
     steps: a preset of the steps' settings is a run that takes them)."""
-    from ..methods import option_fields
+    from ..algo.methods import option_fields
 
     preset, out = PRESETS[name], {}
     fields = {f.name for f in dataclasses.fields(PruneConfig)}
@@ -123,9 +123,9 @@ def preset_values(name: str, method: str = "pg") -> dict:
 
 
 def default_values() -> dict:
-    """The form's values for a fresh run: the default run's (README command 1's, engine/config.py's default_run),
+    """The form's values for a fresh run: the default run's (README command 1's, engine/settings/config.py's default_run),
     the options of every method with Options included."""
-    from ..methods import METHODS
+    from ..algo.methods import METHODS
 
     values = {**form_values(default_run()), "run_name": "", "max_windows": APP_MAX_WINDOWS}
     for name, cls in METHODS.items():
@@ -139,9 +139,9 @@ def default_values() -> dict:
 def valid_values(values: dict) -> dict:
     """The values a widget can still show: a saved choice that is no longer one (a registry changed, a file
     edited by hand) or a value of the wrong kind is dropped, so the widget takes its default."""
-    from ..fields import choices_of
-    from ..methods import METHODS
-    from ..unit_types import UNIT_TYPES
+    from ..settings.fields import choices_of
+    from ..algo.methods import METHODS
+    from ..model.unit_types import UNIT_TYPES
 
     fields = {k: next(f for f in dataclasses.fields(PruneConfig) if f.name == field) for k, field in DIRECT.items()}
     for name, cls in METHODS.items():
@@ -166,7 +166,7 @@ def valid_values(values: dict) -> dict:
 def save_settings(folder: str | Path, values: dict, base: dict | None, source: str | None = None) -> None:
     """The Prune page's last settings, beside the runs (a browser reload starts from them): the form's values,
     the base config of the settings it does not show, and the run they came from."""
-    from ..io import atomic_write_text
+    from ..storage.io import atomic_write_text
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -286,7 +286,7 @@ def layer_rows(kept_fraction: dict[str, list[float]], sizes: dict[str, list[int]
     """One row per layer: whether the layer is kept, and the units of each type inside layers it keeps ("k/n"
     with `sizes`, the units per layer; else a percentage). A removed layer keeps none of its units.
     kept_fraction: unit type -> fraction kept per layer (a StepReport's kept_fraction; whole layers 0 or 1)."""
-    from ..unit_types import UNIT_TYPES
+    from ..model.unit_types import UNIT_TYPES
 
     whole = [u for u in kept_fraction if u in UNIT_TYPES and UNIT_TYPES[u].whole_layer]
     n = max((len(v) for v in kept_fraction.values()), default=0)
@@ -309,7 +309,7 @@ def layer_rows(kept_fraction: dict[str, list[float]], sizes: dict[str, list[int]
 
 def removed_layers(kept_fraction: dict[str, list[float]] | None) -> list[int]:
     """The layers a hard mask removes whole (none without whole-layer units)."""
-    from ..unit_types import UNIT_TYPES
+    from ..model.unit_types import UNIT_TYPES
 
     for u, v in (kept_fraction or {}).items():
         if u in UNIT_TYPES and UNIT_TYPES[u].whole_layer:
@@ -339,7 +339,7 @@ LAYER_SETTINGS = ("layer_init", "layer_init_batches", "layer_prob_map", "layer_s
 def settings_table(config: dict) -> list[dict]:
     """A run's config as rows (setting label, value) for a table; method options as 'option of METHOD'. The
     settings of whole-layer pruning are left out of a run that prunes no whole layer (they did nothing there)."""
-    from ..unit_types import UNIT_TYPES
+    from ..model.unit_types import UNIT_TYPES
 
     units = config.get("units") or []
     layers = any(UNIT_TYPES[u].whole_layer for u in units if u in UNIT_TYPES)
@@ -457,11 +457,11 @@ def results_table(results: dict) -> list[dict]:
 
 
 def estimated_speedup(config: dict, results: dict | None) -> float | None:
-    """A finished run's expected speed-up per token (engine/plan.py's speedup: dense over kept matrix parameters
+    """A finished run's expected speed-up per token (engine/plan/forecast.py's speedup: dense over kept matrix parameters
     a token multiplies), from its model's config and the parameters it removed; None before it finished or when
     the model's config cannot be read."""
     from ..errors import UserError
-    from ..plan import model_skeleton, speedup
+    from ..plan.forecast import model_skeleton, speedup
 
     if not results or "params_removed" not in results or not config.get("model"):
         return None

@@ -1,0 +1,174 @@
+"""The joint method's starting mix: how much of a parameter budget goes to whole layers and how much to the
+widths (KV groups, channels) of the layers kept, when `--units layers,heads,channels` share one budget.
+
+Layer metrics (SLEB, Layerwise-PPL) and width metrics (Taylor, Wanda-sp, FLAP) are on different scales, so no
+z-score compares a layer with a channel. The scale used instead is the calibration loss itself: every candidate
+mix (k = 0, 1, ... up to the most layers the budget can remove), each a one-shot mask from the two metrics (the
+k least important layers, the widths of the others cut to what the budget leaves: the same share of each width
+type, or with a metric that compares across types, such as FLAP's, one ranking of the kept layers' units), is
+run on held-out batches (with the bias compensation when the run has it, and refit when it reconstructs), and the
+run starts from the mix that loses least. A candidate costs a forward pass per batch: --mix-search grid (the default)
+scores every other count and then the neighbours of the best until they are scored, the choice of the full scan
+(--mix-search exhaustive) whenever the loss over the counts is unimodal (search_counts), in fewer forwards. PG then
+learns the mix from there (the projection trades a layer's probability against its widths' through one multiplier,
+engine/algo/budget.ParamBudget)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .budget import ranked_split
+from .metrics.probability import initial_scores
+
+if TYPE_CHECKING:  # annotations only
+    from ..run.loop import PruneRun
+
+def layer_counts(layer_params: list[int], removed_target: float) -> list[int]:
+    """The candidate numbers of removed layers: every count from none to the most (equal-sized layers: the
+    budget's removal over one layer's parameters; never every layer)."""
+    most = min(int(removed_target // max(layer_params)), len(layer_params) - 1) if layer_params else 0
+    return list(range(most + 1))
+
+
+def candidate_scores(budget, z: dict[str, torch.Tensor], layout, k: int, keep: float, config,
+                     comparable: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Initial probabilities with k layers removed (the k lowest of the layer metric) and the widths of the
+    kept layers keeping what the budget leaves them, on the budget: each width type the same share, or, when
+    more than one width type's metric is `comparable`, each type the share one ranking of the kept layers'
+    units gives it (FLAP's adaptive structure, budget.ranked_split)."""
+    L, n = budget.layer_type, len(budget.layer_params)
+    out = {L: initial_scores(z[L], layout, L, "global", (n - k) / n, *config.map_for(L))}
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[torch.argsort(z[L].double(), stable=True)[:k]] = False
+    widths_kept = sum(float(budget.weights[u][kept[budget.width_layer[u]]].sum()) for u in budget.widths)
+    keep_w = (budget.kept_target(keep) - float(budget.fixed[kept].sum())) / widths_kept if widths_kept else 1.0
+    keeps = {u: min(1.0, max(1e-3, keep_w)) for u in budget.widths}
+    if len(comparable & set(budget.widths)) > 1 and widths_kept:
+        in_kept = {u: kept[budget.width_layer[u]] for u in budget.widths}
+        split = ranked_split({u: z[u][in_kept[u]] for u in budget.widths},
+                             {u: budget.weights[u][in_kept[u]] for u in budget.widths}, keep_w * widths_kept)
+        keeps = {u: min(1.0, max(1e-3, split[u])) for u in budget.widths}
+    out.update({u: initial_scores(z[u], layout, u, "global", keeps[u], *config.map_for(u))
+                for u in budget.widths})
+    return budget.initial(out, keep)
+
+
+MIX_FINALISTS = 3  # the mixes the refinement compares again
+
+
+def coarse_grid(counts: list[int]) -> list[int]:
+    """Every other layer count, and the last: a count left out has both its neighbours in."""
+    return list(counts[::2]) + ([counts[-1]] if len(counts) % 2 == 0 and counts else [])
+
+
+# --mix-search: the layer counts scored first; each search then scores the neighbours of its best until they are in
+# (search_counts), which leaves the exhaustive scan as it is
+MIX_SEARCHES: dict[str, Callable[[list[int]], list[int]]] = {"grid": coarse_grid, "exhaustive": list}
+
+
+def search_counts(counts: list[int], loss: Callable[[int], float], search: str = "grid", best: int = 1) -> dict[int, float]:
+    """{count: loss(count)} for the counts scored, in the order scored: MIX_SEARCHES[search]'s counts first, then, as
+    long as one of the `best` lowest losses so far (every count at or below the `best`-th lowest value: ties too)
+    has an unscored neighbour in `counts`, those neighbours.
+
+    When the loss over `counts` is unimodal (quasi-convex: loss(j) <= max(loss(i), loss(k)) for i < j < k, plateaus
+    allowed), every count the exhaustive scan would rank among its `best` lowest (ties broken by the lower count) is
+    scored, so the choice is the scan's: an unscored count x with loss(x) <= V (V: the `best`-th lowest scored value)
+    has both neighbours scored (the grid leaves no two neighbours out); between x and a scored count p at or below V
+    every loss is <= V, so the scored count at or below V nearest x would have an unscored neighbour: the search
+    would not have stopped. On other losses it may choose otherwise (the scan is --mix-search exhaustive)."""
+    scored: dict[int, float] = {}
+    todo = MIX_SEARCHES[search](list(counts))
+    position = {k: i for i, k in enumerate(counts)}
+    while todo:
+        for k in todo:
+            if k not in scored:
+                scored[k] = loss(k)
+        level = sorted(scored.values())[min(best, len(scored)) - 1]
+        near = {counts[j] for k, v in scored.items() if v <= level
+                for j in (position[k] - 1, position[k] + 1) if 0 <= j < len(counts)}
+        todo = sorted(near - set(scored))
+    return scored
+
+
+def mix_candidates(n: int, search: str, best: int = 1) -> int:
+    """About how many of n layer counts a search scores (the plan's figure): its first counts and, in the usual case,
+    the two neighbours of each of the `best` that were not among them (every count at most)."""
+    first = len(MIX_SEARCHES[search](list(range(n))))
+    return n if first >= n else min(n, first + 2 * best)
+
+
+def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=...,
+                   refit: bool = True, reward=None) -> float:
+    """The run's reward (--reward: the calibration loss, or the KL to the dense model), or `reward`, of its model
+    under one hard mask (with the run's compensation, if any, or with `fill`'s means; under --step-refit, refit
+    unless refit=False: the model as it is)."""
+    return float(run.ctx.rewards({u: m[None] for u, m in masks.items()}, batch, fill, refit, reward)[0])
+
+
+def mix_reward_name(config) -> str:
+    """The reward's name the joint mix scores its candidates by (--mix-reward: run, the run's own, or a name)."""
+    return config.reward if config.mix_reward == "run" else config.mix_reward
+
+
+def mix_reward(run: "PruneRun"):
+    """The reward the joint mix scores its candidates by: the run's own object (its dense targets shared), or
+    another reward's."""
+    from .rewards import REWARDS
+
+    name = mix_reward_name(run.config)
+    return run.ctx.reward if name == run.config.reward else REWARDS[name]()
+
+
+def choose_mix(run: "PruneRun", z: dict[str, torch.Tensor], batches: list[torch.Tensor], keep: float,
+               loss: Callable[[dict[str, torch.Tensor], torch.Tensor], float] | None = None,
+               comparable: frozenset[str] = frozenset(), more: list[torch.Tensor] = ()
+               ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """(the initial scores of the mix whose hard mask loses least on `batches`, one line per candidate). With
+    `more` batches, the MIX_FINALISTS mixes that lose least on `batches` are compared again on every batch, and
+    the one with the lowest mean over `batches` + `more` is chosen (its line gets "loss_refined")."""
+    c, budget = run.config, run.budget
+
+    def mean_loss(masks, on: list[torch.Tensor]) -> float:
+        if loss is not None:
+            return sum(loss(masks, b) for b in on) / len(on)
+        if not c.mix_refit:  # (the compensation alone, never --step-refit's refit; the chosen mask is refit at the end)
+            return sum(hard_mask_loss(run, masks, b, refit=False, reward=reward) for b in on) / len(on)
+        with run.masks.weights(masks) as fill:  # (the model the run would export with this mask: one refit a candidate)
+            return sum(hard_mask_loss(run, masks, b, fill, refit=False, reward=reward) for b in on) / len(on)
+
+    reward = mix_reward(run) if loss is None else None
+    if loss is None:  # (kl: the dense model's part on every batch, before a refit edits the weights)
+        reward.prepare(run.model, [*batches, *more])
+    made: dict[int, tuple] = {}
+
+    def score(k: int) -> float:
+        scores = candidate_scores(budget, z, run.layout, k, keep, c, comparable)
+        masks = run.hard_masks(scores, keep)
+        value = mean_loss(masks, batches)
+        removed = int((masks[budget.layer_type] <= 0.5).sum())
+        run.log(f"joint mix: {removed} layers removed, the widths of the others cut to the budget: calibration loss {value:.4f}")
+        made[k] = (value, removed, scores, masks)
+        return value
+
+    counts = layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep))
+    search_counts(counts, score, c.mix_search, MIX_FINALISTS if more else 1)
+    run.log(f"joint mix: {len(made)} of {len(counts)} layer counts scored (--mix-search {c.mix_search})")
+    candidates, lines = [], []
+    for k in sorted(made):  # (one line per count scored, from none up; ties go to the fewer layers out, as before)
+        value, removed, scores, masks = made[k]
+        lines.append({"layers_removed": removed, "loss": value})
+        candidates.append((value, len(lines) - 1, scores, masks))
+    candidates.sort(key=lambda cand: (cand[0], cand[1]))
+    if more:
+        refined = []
+        for value, i, scores, masks in candidates[:MIX_FINALISTS]:
+            mean = (value * len(batches) + mean_loss(masks, more) * len(more)) / (len(batches) + len(more))
+            lines[i]["loss_refined"] = mean
+            run.log(f"joint mix: {lines[i]['layers_removed']} layers removed: calibration loss {mean:.4f} on "
+                    f"{len(batches) + len(more)} batches")
+            refined.append((mean, i, scores, masks))
+        candidates = sorted(refined, key=lambda cand: (cand[0], cand[1]))
+    return candidates[0][2], lines
