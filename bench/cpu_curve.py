@@ -76,7 +76,7 @@ def cell_config(variant: str, seed: int, minutes: float, model: str | None = Non
 
     extra = {"model": model} if model else {}
     return PruneConfig.from_dict({**PruneConfig().to_dict(), **PROTOCOL, **VARIANTS[variant][1], **extra, "seed": seed,
-                                  "time_budget": minutes}).validate()
+                                  "time_budget": minutes}).resolved()
 
 
 # --- one cell, in its own process ------------------------------------------------------------------

@@ -216,7 +216,7 @@ def run_cell(c: Cell, args, model_dir: Path, cells_dir: Path) -> dict | None:
         else:
             clear_started(out)
             config_file = cells_dir / f"{key}.config.json"
-            cell_config(c, args, str(model_dir)).validate().save(config_file)
+            cell_config(c, args, str(model_dir)).resolved().save(config_file)
             cmd += ["--config", str(config_file), "--overwrite"]
         print(f"[{time.strftime('%H:%M:%S')}] table {c.table} | {c.row} | {c.rate:.0%} | seed {c.seed}: "
               f"{'resuming' if resume else 'running'} {key}", flush=True)

@@ -125,7 +125,7 @@ def _unit_multiple(text: str) -> dict:
 
 def _config_defaults(path: str) -> dict:
     """A saved PruneConfig as prune's argument defaults (so that flags given explicitly override it)."""
-    config = PruneConfig.load(Path(path)).validate()
+    config = PruneConfig.load(Path(path)).resolved()
     values = {k: v for k, v in config.to_dict().items() if k != "method_options"}
     values.update({f"{config.method}_{k}": v for k, v in config.method_options.items()})
     return values
@@ -247,8 +247,8 @@ def _resume_config(args, out: Path) -> PruneConfig:
     change (see checkpoints.Checkpoints.check_config_unchanged); any other difference is refused, naming the setting."""
     from .run.folder import CONFIG_FILE
 
-    saved = PruneConfig.load(out / CONFIG_FILE).validate()
-    asked = _config_from_args(args).validate()  # the saved config is the parser's default under --resume (parse_args)
+    saved = PruneConfig.load(out / CONFIG_FILE).resolved()
+    asked = _config_from_args(args).resolved()  # the saved config is the parser's default under --resume (parse_args)
     changed = [k for k, v in saved.to_dict().items() if k != "steps" and asked.to_dict()[k] != v]
     if changed:
         k = changed[0]
@@ -332,7 +332,7 @@ def _prune_follower(args, world) -> int:
             (out / name).write_bytes(data)
 
         def resolve():  # under --resume the run's saved config, as rank 0 read it (with its --steps)
-            return (PruneConfig.from_dict(sent["config"]) if args.resume else _config_from_args(args)).validate()
+            return (PruneConfig.from_dict(sent["config"]) if args.resume else _config_from_args(args)).resolved()
 
         config = _start_together(world, resolve)
         run = PruneRun(config, out, log=lambda m: None, started=IMPORTED, world=world)
@@ -377,7 +377,7 @@ def _prune_writer(args, world) -> int:
 
             RecoverConfig(run=str(out), time_budget=args.recover).validate()
         config = _resume_config(args, out) if args.resume else _config_from_args(args)
-        return config.validate()
+        return config.resolved()
 
     created: list[Path] = []
     claimed = contextlib.ExitStack()  # torchrun: rank 0 holds the folder's lock from before the start (below)

@@ -182,7 +182,7 @@ else:
                  help="Removes the same share of the decoder's parameters as run A (under the parameter budget; a run A "
                       "made under the units budget is matched by the share it actually removed)."):
         try:
-            config = PruneConfig.from_dict(C.matching_config(a.config, a.results, other)).validate()
+            config = PruneConfig.from_dict(C.matching_config(a.config, a.results, other)).resolved()
             out = _ui.runs_dir() / new_run_name(config)
             jobs.start(config, out)
             _ui.select_run(out)

@@ -25,7 +25,8 @@ RESULTS = {
     "params_removed_by_unit_type": {"heads": 36_000, "channels": 100_000},
     "kept_per_layer": {"heads": [3, 4], "channels": [300, 250]},
     "units_per_layer": {"heads": [4, 4], "channels": [384, 384]},
-    "steps": 3, "final_mask": "best-val", "mask_step": 2, "best_val_ppl": 27.5, "val_ppl_init": 29.0, "lr": 0.05,
+    "steps": 3, "final_mask": "best-val", "mask_step": 2, "best_val": {"metric": "perplexity", "value": 27.5},
+    "val_ppl_init": 29.0, "lr": 0.05,
     "seconds_per_step": 0.5, "seconds_in_steps": 1.5, "stopped_early": None, "time_budget": 5.0, "peak_rss_mb": 900.0,
     "reconstruction": {"ppl_before": 30.0, "batches": 4, "ridge": 0.1, "intercept": True},
     "seconds_by_phase": {"load": 1.0, "init metric": 2.0, "steps": 1.5, "total": 6.0},
@@ -292,7 +293,7 @@ from engine.run import loop as pruner
 from engine.settings.config import PruneConfig
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 config = PruneConfig(model=sys.argv[1], calib=sys.argv[2], eval_data=sys.argv[3], seqlen=32, eval_seqlen=32,
-                     max_windows=2, batch_size=2, steps=3, val_every=0, final_mask="last").validate()
+                     max_windows=2, batch_size=2, steps=3, val_every=0, final_mask="last").resolved()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 sampler = pruner._run_data(tok, config)[0]
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

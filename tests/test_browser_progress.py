@@ -90,7 +90,7 @@ def test_a_kl_runs_results_tab_names_its_kl_as_a_kl(browser):
                              num_mask_samples=2, calib=str(CALIB), prune_ratio=0.3),
                  run, log=lambda m: None).run(progress=False)
         results = json.loads((run / "results.json").read_text())
-        assert results["reward"] == "kl" and results.get("best_val_ppl") is not None, results
+        assert results["reward"] == "kl" and results["best_val"]["metric"] == "kl", results
         d.get(f"{url}/runs")
         wait(lambda: "Delete run" in page_text(d), timeout=120 * SLOW, what="the Runs page")
         pick_run(d, "kl-run")
@@ -109,7 +109,7 @@ def test_a_kl_runs_results_tab_names_its_kl_as_a_kl(browser):
         except AssertionError as e:
             raise AssertionError(f"{e}; the tables' rows: {seen}") from None
         value = next(r[1] for r in rows if r[0] == kl_label)
-        assert value.endswith("nats a token") and float(value.split()[0]) == pytest.approx(results["best_val_ppl"],
+        assert value.endswith("nats a token") and float(value.split()[0]) == pytest.approx(results["best_val"]["value"],
                                                                                             abs=1e-4), value
         # no row names that KL a perplexity: the rows that say ppl or perplexity hold the evaluations' perplexities
         for label, shown in (r[:2] for r in rows if len(r) >= 2):

@@ -366,7 +366,7 @@ def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():
     from engine.cli import _config_from_args, parse_args
     from engine.settings.config import PRESETS, PruneConfig
 
-    config = _config_from_args(parse_args(["prune", "--preset", "joint", "--time-budget", "10", "--out", "x"])).validate()
+    config = _config_from_args(parse_args(["prune", "--preset", "joint", "--time-budget", "10", "--out", "x"])).resolved()
     for field, value in PRESETS["joint"].items():
         assert getattr(config, field) == value, field
     assert config.fixed_layers and config.time_budget == 10.0 and config.lr == PruneConfig().lr
@@ -381,7 +381,7 @@ def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applie
 
     def config(*flags):
         args = parse_args(["prune", *flags, "--out", "x"])
-        return args.default_preset, _config_from_args(args).validate()
+        return args.default_preset, _config_from_args(args).resolved()
 
     name, plain = config("--prune-ratio", "0.3", "--time-budget", "10")
     assert name == DEFAULT_PRESET == "joint"
@@ -505,10 +505,10 @@ def test_readme_command_1s_run_is_the_joint_preset_without_steps_from_python():
     from engine.cli import _config_from_args, parse_args
     from engine.settings.config import PRESETS
 
-    cli = _config_from_args(parse_args(["prune", "--prune-ratio", "0.3", "--out", "x"])).validate().to_dict()
-    assert engine.default_run(prune_ratio=0.3).validate().to_dict() == cli
-    assert PruneConfig(**{**PRESETS["joint"], "method": "flap"}).validate().to_dict() == cli
-    assert check_config(None).validate().to_dict() == cli
+    cli = _config_from_args(parse_args(["prune", "--prune-ratio", "0.3", "--out", "x"])).resolved().to_dict()
+    assert engine.default_run(prune_ratio=0.3).resolved().to_dict() == cli
+    assert PruneConfig(**{**PRESETS["joint"], "method": "flap"}).resolved().to_dict() == cli
+    assert check_config(None).resolved().to_dict() == cli
     assert "default_run(prune_ratio=0.3)" in (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 

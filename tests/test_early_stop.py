@@ -69,7 +69,7 @@ def test_a_run_still_improving_on_validation_is_not_stopped(tiny, tiny_path, sma
     def improving(self, state):
         calls.append(state.step)
         ppl = 1000.0 - len(calls)
-        state.best_val_ppl, state.best_step = ppl, state.step
+        state.best_val, state.best_step = ppl, state.step
         state.best_scores = {u: s.clone() for u, s in state.scores.items()}
         return ppl
 

@@ -28,7 +28,7 @@ def test_the_flags_set_it_and_neither_leaves_it_to_the_budget():
     from engine.cli import _config_from_args, parse_args
 
     def config(*flags):
-        return _config_from_args(parse_args(["prune", "--out", "x", *flags])).validate()
+        return _config_from_args(parse_args(["prune", "--out", "x", *flags])).resolved()
 
     assert config().eval_init is None and config().evaluates_init
     assert config("--time-budget", "5").evaluates_init is False

@@ -195,6 +195,7 @@ def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_pat
     model, tok = tiny
     config = PruneConfig.of(model=str(tiny_path), steps=3, max_windows=2, init_batches=1, batch_size=2, lr=0.05, **options)
     run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tok, log=quiet)
+    config = run.config  # (the config the run ran: its method's implied settings and options written out)
     results = run.run(progress=False)
     assert results["status"] == "done" and results["steps"] == 3
     state = run.load_checkpoint()

@@ -191,7 +191,7 @@ def test_a_huge_calibration_line_is_tokenized_in_bounded_pieces(tiny, eval_file,
     words = ("the cat sat on a mat and ran over the hill " * 8000)  # 352,000 characters on one line
     calib.write_text(json.dumps({"text": words}) + "\n" + "".join(
         json.dumps({"text": f"document {i}: " + "a short story about a dog. " * 20}) + "\n" for i in range(20)))
-    config = tiny_config(eval_file, calib=str(calib), val_every=0, final_mask="last").validate()
+    config = tiny_config(eval_file, calib=str(calib), val_every=0, final_mask="last").resolved()
     sampler = pruner._run_data(Watching(), config)[0]
     assert longest[0] <= CHUNK_CHARS < len(words)  # (the old code handed the tokenizer all 352,000 at once)
     whole = len(tok(words, add_special_tokens=False)["input_ids"])

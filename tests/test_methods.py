@@ -509,3 +509,19 @@ def test_a_mask_is_evaluated_once(tiny, tiny_path, small_eval_file, tmp_path):
     assert run.masked_perplexity(masks, "b") != first and len([m for m in logs if m.startswith("evaluating")]) == n + 1
     assert run.masked_perplexity(masks, "c") == run.masked_perplexity(dict(masks), "d")
     assert len([m for m in logs if m.startswith("evaluating")]) == n + 1
+
+
+def test_validate_only_checks_and_resolved_gives_the_config_a_run_runs():
+    from engine.errors import UserError
+    from engine.settings.config import PruneConfig
+
+    asked = PruneConfig(method="flap", init="wanda-sp", bias_compensation=False)
+    before = asked.to_dict()
+    assert asked.validate() is asked and asked.to_dict() == before  # checked, changed in nothing
+    run = asked.resolved()
+    assert run is not asked and asked.to_dict() == before
+    assert (run.init, run.bias_compensation) == ("flap", True)  # what FLAP is
+    pg = PruneConfig(method="pg").resolved()
+    assert pg.method_options and PruneConfig(method="pg").method_options == {}  # its options written out whole
+    with pytest.raises(UserError, match="prune ratio"):
+        PruneConfig(prune_ratio=1.5).validate()

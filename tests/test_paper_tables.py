@@ -22,7 +22,7 @@ ARGS = argparse.Namespace(max_windows=8, eval_seqlen=128, init_batches=2, layer_
 def test_every_cell_is_a_valid_run_config():
     args = ARGS
     for c in pt.cells({1, 2, 3, 4, 5}, [0, 1, 2]):
-        ns = pt.cell_config(c, args, "m").validate()
+        ns = pt.cell_config(c, args, "m").resolved()
         assert ns.prune_ratio == c.rate and ns.seed == c.seed
         if c.pg:
             assert ns.lr == (0.1 if c.settings.get("method") == "gumbel" else 0.02) * c.lr_scale
@@ -34,7 +34,7 @@ def test_pg_cells_run_the_papers_optimiser_unless_they_are_its_ablation():
     that vary exactly these."""
     for c in pt.cells({1, 2, 3, 4, 5}, [0]):
         if c.pg and c.table != 4:
-            config = pt.cell_config(c, ARGS, "m").validate()
+            config = pt.cell_config(c, ARGS, "m").resolved()
             assert config.num_mask_samples == 2, (c.table, c.row)
             if config.method == "pg":  # the baseline is an option of policy gradient (Gumbel-softmax has none)
                 assert config.method_options["baseline"] == "moving-average", (c.table, c.row)
@@ -143,7 +143,7 @@ def test_the_comparison_tables_cells_are_valid_runs_and_its_docs_block_is_replac
     import compare_table as ct
 
     for c in ct.cells([0.3, 0.5], [0, 1, 2]):
-        ns = pt.cell_config(c, ARGS, "m").validate()
+        ns = pt.cell_config(c, ARGS, "m").resolved()
         assert ns.prune_ratio == c.rate and ns.budget == "params"
         if c.pg:
             assert ns.lr == pytest.approx(0.02 * c.lr_scale)

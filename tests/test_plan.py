@@ -187,12 +187,12 @@ def test_form_values_round_trip_a_config(tiny_path):
     """A run's config -> the form's values -> the same config (the settings the form does not show from the base)."""
     config = PruneConfig.of(model=str(tiny_path), units=["heads", "channels", "layers"], prune_ratio=0.45, steps=7, lr=0.005,
                             budget="units", val_batches=2, unit_multiple={"channels": 4}, baseline="moving-average",
-                            baseline_window=3, max_windows=9, seed=3).validate()
+                            baseline_window=3, max_windows=9, seed=3).resolved()
     values = S.form_values(config.to_dict())
     assert values["model_choice"] == "local" and values["steps"] == 7 and values["opt-pg-baseline_window"] == 3
-    again = S.form_config(values, config.to_dict()).validate()
+    again = S.form_config(values, config.to_dict()).resolved()
     assert again.to_dict() == config.to_dict()
-    changed = S.form_config({**values, "steps": 9}, config.to_dict()).validate()
+    changed = S.form_config({**values, "steps": 9}, config.to_dict()).resolved()
     assert [d[0] for d in S.config_differences(config.to_dict(), changed.to_dict())] == ["Steps"]
 
 
@@ -204,10 +204,10 @@ def test_a_fresh_form_is_the_command_lines_default_run():
     from engine.cli import _config_from_args, parse_args
     from engine.settings.config import default_run
 
-    app = S.form_config(S.default_values()).validate().to_dict()
-    cli = _config_from_args(parse_args(["prune", "--out", "x"])).validate().to_dict()
+    app = S.form_config(S.default_values()).resolved().to_dict()
+    cli = _config_from_args(parse_args(["prune", "--out", "x"])).resolved().to_dict()
     assert app.pop("max_windows") == S.APP_MAX_WINDOWS and cli.pop("max_windows") == DEFAULT_EVAL_WINDOWS
-    assert app == cli == {k: v for k, v in default_run().validate().to_dict().items() if k != "max_windows"}
+    assert app == cli == {k: v for k, v in default_run().resolved().to_dict().items() if k != "max_windows"}
     assert app["method"] == "flap" and app["units"] == PRESETS["joint"]["units"] and app["bias_compensation"]
     assert app["early_stop"] == PruneConfig.early_stop
 
@@ -220,14 +220,14 @@ def test_form_config_refuses_a_missing_path():
 def test_presets_fill_the_widgets_they_name():
     paper = S.preset_values("paper")
     assert paper["lr"] == PRESETS["paper"]["lr"] and paper["opt-pg-baseline"] == PRESETS["paper"]["baseline"]
-    config = S.form_config({**S.default_values(), **paper}).validate()
+    config = S.form_config({**S.default_values(), **paper}).resolved()
     assert config.lr == PRESETS["paper"]["lr"] and config.method_options["baseline"] == PRESETS["paper"]["baseline"]
 
 
 def test_joint_preset_fills_the_form_and_the_fixed_layers_box_round_trips():
     joint = S.preset_values("joint")
     assert joint["units"] == PRESETS["joint"]["units"] and joint["fixed_layers"] is True
-    config = S.form_config({**S.default_values(), **joint}).validate()
+    config = S.form_config({**S.default_values(), **joint}).resolved()
     assert config.layer_score_const == 1.0 and config.fixed_layers and config.layer_init == "layerwise-ppl"
     assert S.form_values(config)["fixed_layers"] is True
     assert S.form_values(PruneConfig())["fixed_layers"] is False  # (the settings' own: no fixed layers)

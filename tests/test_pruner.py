@@ -66,7 +66,7 @@ def test_run_artifacts(main_run):
     for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "masks.safetensors", "masks.json", "results.json"):
         assert (out / name).is_file(), name
     assert (out / "model" / "config.json").is_file()
-    assert PruneConfig.load(out / "config.json") == config
+    assert PruneConfig.load(out / "config.json") == config.resolved()  # (the config the run ran, saved whole)
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == results
     assert RESULT_KEYS <= set(results)
@@ -83,7 +83,7 @@ def test_run_artifacts(main_run):
 
 
 def test_metrics_and_observer(main_run):
-    config, reports = main_run["config"], main_run["reports"]
+    config, reports = main_run["config"].resolved(), main_run["reports"]
     lines = metric_lines(main_run["out"])
     assert len(lines) == config.steps
     assert len(reports) == config.steps
@@ -222,7 +222,7 @@ def test_stop_and_resume_is_deterministic(tiny, tiny_path, small_eval_file, tmp_
     assert len(metric_lines(b)) == 3 and not (b / "results.json").exists() and not (b / "model").exists()
 
     resumed_config = PruneConfig.load(b / "config.json")
-    assert resumed_config == config
+    assert resumed_config == config.resolved()
     later: list[int] = []
     results_b = PruneRun(resumed_config, b, model=tiny[0], tokenizer=tiny[1], log=quiet).run(
         resume=True, progress=False, observer=lambda r: later.append(r.step))
@@ -308,11 +308,11 @@ def test_best_val_final_mask(tiny, tiny_path, small_eval_file, tmp_path):
     assert all(math.isfinite(v) for v, _ in checked)
     best, best_step = min(checked, key=lambda x: x[0])  # the first of equal values wins
     assert results["final_mask"] == "best-val"
-    assert results["best_val_ppl"] == best and results["mask_step"] == best_step
+    assert results["best_val"] == {"metric": "perplexity", "value": best} and results["mask_step"] == best_step
     _, masks, scores = load_mask_artifact(tmp_path / "V")
     for u in masks:
         assert torch.equal(masks[u], run.layout.hard_mask(u, scores[u], config.scope, config.keep_ratio))
-    # the exported mask is the one that scored best_val_ppl on the held-out batches
+    # the exported mask is the one that scored best_val on the held-out batches
     with MaskHooks(run.adapter) as hooks:
         hooks.set(run.layer_masks(masks))
         loss = torch.cat([batch_loss(tiny[0], b) for b in run.val_batches]).double().mean()
@@ -352,7 +352,7 @@ def test_best_val_margin_keeps_the_best_mask_against_small_gains(margin, best_st
     run = PruneRun(config, tmp_path / "M", model=tiny[0], tokenizer=tiny[1], log=quiet)
     results = run.run(progress=False)
     assert calls == [100.0, 99.8, 99.5, 95.0, 94.9]
-    assert results["mask_step"] == best_step and results["best_val_ppl"] == pytest.approx(calls[best_step])
+    assert results["mask_step"] == best_step and results["best_val"]["value"] == pytest.approx(calls[best_step])
     _, masks, scores = load_mask_artifact(tmp_path / "M")
     best_scores = torch.load(tmp_path / "M" / "checkpoint.pt", weights_only=False)["best_scores"]
     assert all(torch.equal(scores[u], best_scores[u]) for u in scores)
@@ -371,7 +371,7 @@ def test_best_val_keeps_the_init_mask_when_the_steps_make_it_worse(tiny, tiny_pa
     results = run.run(progress=False)
     vals = [ln["val_ppl"] for ln in metric_lines(tmp_path / "W")]
     assert min(vals) > results["val_ppl_init"]  # the steps made the mask worse
-    assert results["mask_step"] == 0 and results["best_val_ppl"] == results["val_ppl_init"]
+    assert results["mask_step"] == 0 and results["best_val"]["value"] == results["val_ppl_init"]
     assert results["ppl_pruned"] == pytest.approx(results["ppl_init"], rel=1e-9)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.ui.settings import compensation_biases, fmt_result, results_table
 
-RESULTS = {"reward": "kl", "best_val_ppl": 0.8036, "ppl_dense": 56.35, "ppl_pruned": 143.3012, "val_ppl_init": None,
+RESULTS = {"reward": "kl", "best_val": {"metric": "kl", "value": 0.8036}, "ppl_dense": 56.35, "ppl_pruned": 143.3012, "val_ppl_init": None,
            "params_dense": 134_515_008, "params_pruned": 102_685_824, "params_removed": 31_861_440,
            "seconds_by_phase": {"load": 40.0, "statistics": 186.2, "other": 0.4, "total": 582.0}, "peak_rss_mb": 2300.0}
 
@@ -20,7 +20,7 @@ def test_a_kl_runs_best_val_figure_is_named_a_kl_and_never_a_perplexity():
     assert shown["best-val's held-out mean KL from the dense model"] == "0.8036 nats a token"
     assert not any("ppl" in k or "perplexity" in k for k, v in shown.items() if v.startswith("0.8036"))
     assert not any(k == "best val ppl" for k in shown)
-    ce = rows({**RESULTS, "reward": "ce", "best_val_ppl": 151.234})
+    ce = rows({**RESULTS, "reward": "ce", "best_val": {"metric": "perplexity", "value": 151.234}})
     assert ce["best-val's held-out perplexity"] == "151.23"
 
 

@@ -50,11 +50,11 @@ class Validation(RunHook):
 
     def record(self, state, ppl: float, value: float | None = None) -> float:
         """Best-val's bookkeeping of one check: `value` is the run's reward on the held-out batches (the
-        perplexity itself for ce; state.best_val_ppl keeps that value); returns the held-out perplexity."""
+        perplexity itself for ce; state.best_val keeps that value); returns the held-out perplexity."""
         value = ppl if value is None else value
         self.value = value
-        if improves(value, state.best_val_ppl, self.run.config.best_val_margin):
-            state.best_val_ppl, state.best_step = value, state.step
+        if improves(value, state.best_val, self.run.config.best_val_margin):
+            state.best_val, state.best_step = value, state.step
             state.best_scores = {u: s.clone() for u, s in state.scores.items()}
         return ppl
 

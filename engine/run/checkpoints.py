@@ -28,7 +28,7 @@ def _normalised(saved: dict) -> dict:
     from ..settings.config import PruneConfig
 
     try:
-        return json.loads(json.dumps(PruneConfig.from_dict(saved).validate().to_dict()))
+        return json.loads(json.dumps(PruneConfig.from_dict(saved).resolved().to_dict()))
     except UserError:
         return saved  # compared as it is: any difference is reported
 
@@ -119,6 +119,8 @@ class Checkpoints:
             control_moments = data.pop("control_moments", None)  # a checkpoint from before method_state
             if control_moments is not None:
                 data.setdefault("method_state", {})["control_moments"] = control_moments
+            if "best_val_ppl" in data:  # a checkpoint from before best_val's name said what it holds
+                data["best_val"] = data.pop("best_val_ppl")
             state = RunState(**data)
             self.run.sampler.load_state_dict(state.sampler_state)
             self.run.mask_rng.set_state(state.mask_rng_state)

@@ -130,7 +130,8 @@ class PruneRun:
         # started: time.monotonic() the --time-budget counts from; calib: calibration documents in memory (or --calib's);
         # from_files: the model given is config.model's files as engine.model.loading read them, unchanged (the app's
         # kept model), so that what is cached per model (dense perplexity, generated text) applies to it
-        self.started, self.config, c = time.monotonic() if started is None else started, config.validate(), config
+        self.started = time.monotonic() if started is None else started
+        self.config = c = config.resolved()  # (the caller's config is left as it was)
         self.out = Path(out_dir) if out_dir is not None else None  # None: a run in memory (engine.api), no files
         self.log, self.progress, self.world = log, True, world  # tqdm bars; this torchrun rank
         self.source = resolve_model(c.model)

@@ -21,6 +21,15 @@ if TYPE_CHECKING:  # annotations only
     from .loop import PruneRun
 
 
+
+def best_val_record(state, reward) -> dict | None:
+    """results.json's best_val: best-val's best held-out value and what it is ("perplexity" under a reward whose
+    held-out figure is the perplexity, ce; else the reward's name, kl: a mean KL in nats a token); None without
+    validation."""
+    if state.best_val is None:
+        return None
+    return {"metric": reward.name if reward.own_held_out else "perplexity", "value": state.best_val}
+
 def planned_memory_mb(run: "PruneRun") -> float | None:
     """The plan's estimate of the run's peak memory (MB), beside the measured peak; None where it cannot be made."""
     from ..plan.forecast import plan_memory, skeleton_of
@@ -74,7 +83,7 @@ def run_results(run: "PruneRun", state: RunState, scores: dict, masks: dict, ppl
         "steps": state.step,
         "final_mask": c.final_mask,
         "mask_step": exported_step(state, scores),
-        "best_val_ppl": state.best_val_ppl,  # (--reward kl: the best held-out mean KL, not a perplexity)
+        "best_val": best_val_record(state, run.ctx.reward),  # {metric, value}: under --reward kl a mean KL
         "val_ppl_init": state.val_ppl_init,
         "lr": c.lr,
         "seconds_per_step": state.seconds_in_steps / max(state.step, 1),

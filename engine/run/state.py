@@ -93,7 +93,8 @@ class RunState:
     ppl_init: float | None  # None: not evaluated (PruneConfig.evaluates_init)
     init_scores: dict[str, torch.Tensor]
     seconds_in_steps: float = 0.0
-    best_val_ppl: float | None = None  # best held-out value so far (perplexity; the mean KL for --reward kl), its step and scores
+    best_val: float | None = None  # best-val's best held-out value so far (the reward's: a perplexity under ce, the
+    # mean KL under kl; results.json names which), its step and scores
     best_step: int | None = None
     best_scores: dict[str, torch.Tensor] | None = None
     val_ppl_init: float | None = None  # held-out perplexity of the init mask (step 0, a candidate of best-val)

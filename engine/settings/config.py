@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import typing
@@ -454,6 +455,17 @@ class PruneConfig:
         return self.val_every > 0 and METHODS[self.method].optimises
 
     def validate(self) -> "PruneConfig":
+        """Checks only: the first bad setting is a UserError; this config is left as it is (resolved() gives the
+        config a run runs). Returns self."""
+        self.resolved()
+        return self
+
+    def resolved(self) -> "PruneConfig":
+        """This config checked (validate's checks), as a new config with what its method implies set (FLAP: its
+        metric, ...) and the method's options written out whole, defaults included: the config a run runs and
+        saves. This one is left as it is."""
+        self = copy.deepcopy(self)
+
         def bad(msg):
             raise UserError(msg)
 

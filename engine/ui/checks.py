@@ -60,7 +60,7 @@ _REQUIRED_NULLABLE = ("ppl_init",)  # (null: not evaluated, --time-budget withou
 _OPTIONAL_NUMBERS = ("params_removed", "removed_of_decoder", "removed_of_model", "layers_removed",
                      "width_removed_of_kept_layers", "peak_rss_mb", "seconds_per_step", "seconds_in_steps", "steps",
                      "prune_ratio", "lr", "eval_windows", "seqlen")
-_NULLABLE_NUMBERS = ("mask_step", "best_val_ppl", "val_ppl_init", "time_budget", "stopped_early")
+_NULLABLE_NUMBERS = ("mask_step", "val_ppl_init", "time_budget", "stopped_early")
 _FINITE = ("params_dense", "params_pruned", "params_removed", "peak_rss_mb")  # (counted, or shown as integers)
 _DURATION_MAPS = ("seconds_by_phase", "plan_seconds_by_phase")  # phase -> seconds, with the "total"
 _STRING_KEYS = ("final_mask", "model", "method", "init", "scope", "budget")
@@ -84,6 +84,10 @@ def results_problem(results) -> str | None:
     for k in _NULLABLE_NUMBERS:
         if k in results and not _number(results[k], nullable=True):
             return f"{k} is {results[k]!r}, not a number"
+    best = results.get("best_val")  # {metric, value} or None
+    if best is not None and not (isinstance(best, dict) and isinstance(best.get("metric"), str)
+                                 and _number(best.get("value"))):
+        return f"best_val is {best!r}, not a {{metric, value}} record"
     for k in _FINITE:
         if k in results and not _finite(results[k]):
             return f"{k} is {results[k]!r}, not a finite number"

@@ -369,7 +369,7 @@ RESULT_LABELS = {
     "ppl_dense": ("perplexity of the dense model (evaluation text)", "ppl"),
     "ppl_init": ("perplexity of the init mask", "ppl"),
     "ppl_pruned": ("perplexity of the pruned model", "ppl"),
-    "best_val_ppl": ("best-val's held-out figure", "held-out"),
+    "best_val": ("best-val's held-out figure", "held-out"),
     "val_ppl_init": ("held-out perplexity of the init mask (calibration text)", "ppl"),
     "params_dense": ("parameters, dense", "count"),
     "params_pruned": ("parameters, pruned (the export)", "count"),
@@ -384,10 +384,11 @@ RESULT_LABELS = {
 }
 
 
-def held_out_kind(reward: str | None) -> tuple[str, str]:
-    """(what best-val's held-out figure is, its unit) under a run's reward: a perplexity for ce, else the reward's
-    mean on the held-out batches (kl: the mean KL from the dense model, nats a token)."""
-    if reward in (None, "ce"):
+def held_out_kind(metric: str | None) -> tuple[str, str]:
+    """(what best-val's held-out figure is, its unit) by results.json's best_val metric: a perplexity ("perplexity",
+    a ce run's), else the reward's mean on the held-out batches (kl: the mean KL from the dense model, nats a token)."""
+    reward = metric
+    if reward in (None, "ce", "perplexity"):
         return "held-out perplexity", ""
     return f"held-out mean {reward.upper()} from the dense model", " nats a token"
 
@@ -400,6 +401,10 @@ def fmt_result(kind: str, v, reward: str | None = None) -> str:
         shown = [f"{k} {x:,.0f} s" for k, x in v.items() if k not in ("total", "other") and isinstance(x, (int, float))]
         total = v.get("total")
         return ", ".join(shown) + (f" (total {total:,.0f} s)" if isinstance(total, (int, float)) else "") or "—"
+    if kind == "held-out" and isinstance(v, dict):  # results.json's best_val: {metric, value}
+        reward, v = v.get("metric"), v.get("value")
+        if v is None:
+            return "—"
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return _cell(v)
     if not math.isfinite(v):  # (a results.json edited by hand: shown as it is, never a crash)
@@ -407,7 +412,7 @@ def fmt_result(kind: str, v, reward: str | None = None) -> str:
     if kind == "ppl":
         return f"{v:,.2f}"
     if kind == "held-out":
-        return f"{v:,.4f}{held_out_kind(reward)[1]}" if reward not in (None, "ce") else f"{v:,.2f}"
+        return f"{v:,.4f}{held_out_kind(reward)[1]}" if reward not in (None, "ce", "perplexity") else f"{v:,.2f}"
     if kind == "count":
         return f"{int(v):,}"
     if kind == "mb":
@@ -443,7 +448,7 @@ def results_table(results: dict) -> list[dict]:
             continue
         label, kind = RESULT_LABELS.get(k, (k.replace("_", " "), ""))
         if kind == "held-out":
-            label = f"best-val's {held_out_kind(reward)[0]}"
+            label = f"best-val's {held_out_kind(v.get('metric') if isinstance(v, dict) else reward)[0]}"
         elif kind == "" and isinstance(v, float):
             v = f"{v:.1%}" if k.startswith("removed_of") or k.startswith("width_removed") else f"{v:,.4g}"
         elif kind == "" and isinstance(v, int) and not isinstance(v, bool):

@@ -12,4 +12,4 @@ from .registry import register_method
 
 @register_method("flap")
 class Flap(MetricOnly):
-    implies = {"init": "flap", "bias_compensation": True}  # the settings this method is (PruneConfig.validate)
+    implies = {"init": "flap", "bias_compensation": True}  # the settings this method is (PruneConfig.resolved)
