@@ -157,3 +157,11 @@ def test_every_subpackage_docstring_names_what_lives_in_it():
         missing += [f"{init.parent.relative_to(DOCS.parent)}: {m}" for m in _members(init.parent)
                     if not re.search(rf"\b{m}\b", doc)]
     assert missing == [], f"modules a package's docstring does not name: {missing}"
+
+
+def test_the_engine_s_code_names_no_issue_numbers():
+    """The history of a change (which issue asked for it) lives in the lab log and the commits, not in the code."""
+    found = [f"{p.relative_to(DOCS.parent)}:{i}" for p in sorted((DOCS.parent / "engine").rglob("*.py"))
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\bissues? \d+", line)]
+    assert found == []

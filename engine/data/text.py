@@ -206,7 +206,7 @@ def load_eval_text(path: str | None = None) -> tuple[str, str]:
 DEFAULT_EVAL_WINDOWS = 256  # the results tables' protocol (32,768 tokens of 128); 0 or None: all of them
 # An evaluation text up to this many characters is tokenized whole, as always (WikiText-2's test split: 1.3 M); a
 # longer one in pieces (engine/data/tokenize_docs.py), and only until the windows asked for are filled: a fast
-# tokenizer holds tens of bytes per character at once (issue 48: ~100x a 200 MB text)
+# tokenizer holds tens of bytes per character at once (~100x a 200 MB text)
 EVAL_WHOLE_CHARS = 1 << 22
 
 

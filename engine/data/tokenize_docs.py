@@ -1,4 +1,4 @@
-"""Calibration documents to token ids in bounded memory (issue 48: one 200 MB line took 19.7 GB to tokenize).
+"""Calibration documents to token ids in bounded memory (one 200 MB line had taken 19.7 GB to tokenize).
 
 A fast tokenizer's encoding of one text holds offsets, word ids and more per token: tens of bytes per character
 of input, all at once. So documents are tokenized a few at a time, and a document longer than CHUNK_CHARS in

@@ -1,4 +1,4 @@
-"""What an export checks before it says "wrote" (issue 48): the copy of a model folder loads as far as its files
+"""What an export checks before it says "wrote": the copy of a model folder loads as far as its files
 go, and a GGUF's tokenizer has the model's vocabulary."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from .base import RunChanges, RunHook
 EXPORT_SECONDS = 5.0
 RESERVE_FACTOR = 1.15
 RECENT = 5  # steps in the recent mean
-# The fewest steps a budgeted run takes: below it the run takes none and exports its init mask (issue 65). Measured:
+# The fewest steps a budgeted run takes: below it the run takes none and exports its init mask. Measured:
 # the 10-minute default at 30 % took 7, 8 and 9 steps and ended every seed below its init (docs/results.md); a
 # first run on a slower machine fitted 0, took 1, and ended 5 % above its init. Fewer than 7 were not measured
 # to pay, so they are not bought.

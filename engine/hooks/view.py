@@ -1,4 +1,4 @@
-"""What a hook is handed of its run: a read-only view of the names in READS, not the PruneRun itself (issue 52).
+"""What a hook is handed of its run: a read-only view of the names in READS, not the PruneRun itself.
 A read goes to the run as it is at that moment; an assignment is refused, since a hook's event returns what it
 changes (a RunChanges, applied by PruneRun.apply_changes). tests/test_hook_state.py checks that every name a
 hook's source reads of its run is in READS, and that no hook's source assigns to it."""

@@ -1,4 +1,4 @@
-"""Sizes that will not fit, refused before they are allocated (issue 48: a huge --batch-size ended in a
+"""Sizes that will not fit, refused before they are allocated (a huge --batch-size ended in a
 `DefaultCPUAllocator: can't allocate memory` traceback after the model and the data had loaded).
 
 The largest tensors a run makes are the logits of one forward, rows x seqlen x vocabulary floats, and the

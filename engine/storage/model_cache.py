@@ -1,4 +1,4 @@
-"""A de-quantised copy of a GGUF model, kept in the cache (issues 24 and 28: loading the default model's Q4_1
+"""A de-quantised copy of a GGUF model, kept in the cache (loading the default model's Q4_1
 GGUF de-quantises it in Python, about 25 s a run on 2 cores; the copy loads in about a second).
 
 The first load of a GGUF file writes the loaded model and its tokenizer as plain safetensors into

@@ -1,4 +1,4 @@
-"""The dense model's perplexity, remembered across runs (issue 28: a fixed cost every run paid again).
+"""The dense model's perplexity, remembered across runs (a fixed cost every run paid again).
 
 A run that loaded its model from disk looks up the dense perplexity under a key made of everything it depends
 on: the model's files (name, size and modification time of each), the dtype and device, and the evaluation

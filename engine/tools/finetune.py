@@ -10,7 +10,7 @@ and, for a pruned export, the modeling_pruned.py copy its config's auto_map poin
 with `AutoModelForCausalLM.from_pretrained(DIR2/model, trust_remote_code=True)` anywhere, or
 through engine.model.loading in this project, exactly like the export it came from.
 
-The defaults are CPU-sized (issue 67): 128 segments of 256 tokens, 4 a step, lr 5e-4, 32 optimizer steps (a few
+The defaults are CPU-sized: 128 segments of 256 tokens, 4 a step, lr 5e-4, 32 optimizer steps (a few
 minutes on 2 cores for the default model). The paper's recovery is 4,000 segments of 1,024 tokens at lr 1e-4
 (`--samples 4000 --seqlen 1024 --lr 1e-4`: hours on a CPU). Distillation from the dense model is `recover`
 (engine/tools/recover.py), which shares this module's data segments, LoRA targets, merge and save.
@@ -43,7 +43,7 @@ CONFIG_FILE, LOG_FILE, RESULTS_FILE, MODEL_DIR = "finetune_config.json", "finetu
 @dataclass
 class FinetuneConfig:
     model: str = ""  # the model folder to fine-tune (a pruned export: RUN/model)
-    # CPU-sized (issue 67: 32 steps of 4 x 256 tokens); the paper's: samples 4000, seqlen 1024, lr 1e-4
+    # CPU-sized (32 steps of 4 x 256 tokens); the paper's: samples 4000, seqlen 1024, lr 1e-4
     samples: int = 128  # training segments; fewer are used if the data holds fewer
     seqlen: int = 256  # tokens per segment
     epochs: int = 1

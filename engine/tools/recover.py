@@ -1,5 +1,5 @@
 """Recovery by distillation: a pruned run's export (the student) learns the next-token distribution of the run's
-dense base model (the teacher) on calibration text (issue 67).
+dense base model (the teacher) on calibration text.
 
     python -m engine recover RUN --out OUT [--steps 32 | --time-budget MIN] [--mode lora|full] [--ce-weight W]
 
@@ -55,7 +55,7 @@ CONFIG_FILE, LOG_FILE, RESULTS_FILE = RECOVER_CONFIG_FILE, "recover_log.jsonl", 
 CHECKPOINT_FILE, MODEL_DIR = "recover_checkpoint.pt", "model"
 RECOVER_OUTPUT = OutputKind("recover", RECOVER_MARKER, (CONFIG_FILE, LOG_FILE, RESULTS_FILE, CHECKPOINT_FILE),
                             (MODEL_DIR,))
-# lora is the default until the study of issue 67 (KL-LoRA against KL-full, on C4 and on the model's own text, at
+# lora is the default until the recovery study (docs/results.md: KL-LoRA against KL-full, on C4 and on the model's own text, at
 # 2 to 30 CPU minutes) decides; the learning rates are the CPU-sized finetune's for LoRA and a tenth for all weights
 MODES = ("lora", "full")
 DEFAULT_MODE = "lora"
