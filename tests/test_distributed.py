@@ -201,10 +201,12 @@ def assert_same_run(a: Path, b: Path, also: tuple[str, ...] = ()) -> None:
     assert no_timing(metric_lines(a), also) == no_timing(metric_lines(b), also)
     ca, cb = checkpoint(a), checkpoint(b)
     assert ca["step"] == cb["step"]
-    for key in ("scores", "init_scores", "best_scores"):
-        assert (ca[key] is None) == (cb[key] is None)
-        for u in ca[key] or {}:
-            assert torch.equal(ca[key][u], cb[key][u]), (key, u)
+    best = [c["hooks"].get("validation", {}).get("best_scores") for c in (ca, cb)]  # (validation's own data)
+    for key, (xa, xb) in {"scores": (ca["scores"], cb["scores"]), "init_scores": (ca["init_scores"], cb["init_scores"]),
+                          "best_scores": best}.items():
+        assert (xa is None) == (xb is None)
+        for u in xa or {}:
+            assert torch.equal(xa[u], xb[u]), (key, u)
     assert ca["baseline"] == cb["baseline"]
     assert torch.equal(ca["mask_rng_state"], cb["mask_rng_state"])  # the same masks were drawn
     assert torch.equal(ca["sampler_state"]["generator"], cb["sampler_state"]["generator"])  # and the same batches
@@ -276,6 +278,7 @@ def test_init_metrics_shared_over_two_ranks_give_the_single_process_run(case, ex
     assert all(torch.equal(ca["init_metric"][u], cb["init_metric"][u]) for u in ca["init_metric"])
     units = extra[extra.index("--units") + 1].split(",") if "--units" in extra else ["heads", "channels"]
     compensated = "--no-bias-compensation" not in extra and units != ["layers"]  # (on by default; layers have no widths)
-    assert (ca["input_means"] is None) == (not compensated)
-    for u in ca["input_means"] or {}:
-        assert all(torch.equal(x, y) for x, y in zip(ca["input_means"][u], cb["input_means"][u]))
+    means_a, means_b = (c["hooks"].get("compensation", {}).get("input_means") for c in (ca, cb))  # (bias compensation's)
+    assert (means_a is None) == (not compensated)
+    for u in means_a or {}:
+        assert all(torch.equal(x, y) for x, y in zip(means_a[u], means_b[u]))

@@ -69,8 +69,8 @@ def test_a_run_still_improving_on_validation_is_not_stopped(tiny, tiny_path, sma
     def improving(self, state):
         calls.append(state.step)
         ppl = 1000.0 - len(calls)
-        state.best_val, state.best_step = ppl, state.step
-        state.best_scores = {u: s.clone() for u, s in state.scores.items()}
+        state.hooks.setdefault("validation", {}).update(best_val=ppl, best_step=state.step,
+                                                        best_scores={u: s.clone() for u, s in state.scores.items()})
         return ppl
 
     monkeypatch.setattr(Validation, "validate", improving)

@@ -1,9 +1,10 @@
-"""Issue 52: a hook never assigns to its run. It reads the run and returns what it changes (RunChanges), which
-the run applies in one place (PruneRun.apply_changes); the mask transforms apply in one explicit order
-(engine.hooks.MASK_TRANSFORMS).
+"""A hook never assigns to its run, nor to the run's state but its own data. It reads the run and returns what it
+changes (RunChanges), which the run applies in one place (PruneRun.apply_changes); what it keeps across steps and
+sessions it writes in its own part of the state, `self.own(state)` (RunState.hooks[its name], in the checkpoint);
+the mask transforms apply in one explicit order (engine.hooks.MASK_TRANSFORMS).
 
 The first check reads engine/hooks/*.py with ast: in every function, the names that reach the run (a `run`
-parameter, `self.run`, and whatever is bound from them: `r, c = self.run, self.run.config`, `reward =
+or `state` parameter, `self.run`, and whatever is bound from them: `r, c = self.run, self.run.config`, `reward =
 run.ctx.reward`, `self.x = self.run.y`) may not be assignment targets' bases (`run.x = ...`, `r.ctx.steps += 1`,
 `run.masks.measured[k] = ...`, `del run.x`), nor be handed to setattr/delattr, nor have a container's mutating
 method called on them (`run.masks.measured.clear()`)."""
@@ -68,7 +69,8 @@ def _self_aliases(cls: ast.ClassDef) -> set[str]:
 
 def _function_offences(fn, self_names: set[str], where: str) -> list[str]:
     args = fn.args
-    names = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs] if a.arg == "run"}
+    # the run, and the run's state a hook is handed: a hook writes only its own data, through self.own(state)
+    names = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs] if a.arg in ("run", "state")}
     body = [n for n in ast.walk(fn)]
     grew = True
     while grew:  # the aliases: names bound from the run or its parts (also by tuple assignment, `with ... as`)
@@ -115,6 +117,8 @@ def run_assignments(source: str, name: str = "<hook>") -> list[str]:
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             cls = owner.get(id(fn))
+            if cls is not None and (cls.name, fn.name) == ("RunHook", "own"):  # (the one writer of a hook's data)
+                continue
             self_names = _self_aliases(cls) if cls is not None else set()
             out += _function_offences(fn, self_names, name)
     return sorted(set(out), key=lambda s: (int(s.split(":")[1].split()[0]), s))
@@ -139,14 +143,20 @@ def test_no_hook_assigns_to_its_run():
      ["self.ctx.fill"]),
     ("def share(run, x):\n    run.started = x\n", ["run.started"]),
     ("class H:\n    def f(self):\n        del self.run.stats_memo\n", ["self.run.stats_memo"]),
+    # the state a hook is handed: only its own data, through self.own(state)
+    ("class H:\n    def f(self, state):\n        state.best_step = 3\n", ["state.best_step"]),
+    ("class H:\n    def f(self, state):\n        state.hooks['validation'] = {}\n", ["state.hooks['validation']"]),
+    ("class H:\n    def f(self, state):\n        s = state.scores\n        s['heads'] = 0\n", ["s['heads']"]),
+    ("class H:\n    def f(self, state):\n        state.method_state.update(x=1)\n", ["state.method_state.update(x=1)"]),
 ])
 def test_the_check_sees_an_assignment_to_the_run(source, expected):
     assert [x.split(" ", 1)[1] for x in run_assignments(source)] == expected
 
 
-def test_the_check_leaves_the_hook_its_own_state_and_the_states_it_is_handed():
+def test_the_check_leaves_the_hook_its_own_data_and_the_step_report_it_is_handed():
     source = ("class H:\n    def f(self, state, report):\n        run = self.run\n        self.means = run.stats_memo\n"
-              "        self.digest, self.unchanged = None, 0\n        state.step = 3\n        report.val_ppl = 1.0\n"
+              "        self.digest, self.unchanged = None, 0\n        self.own(state)['x'] = 3\n"
+              "        self.own(state).update(y=1)\n        report.val_ppl = 1.0\n"
               "        self.step_times.append(1.0)\n        masks = run.hard_masks(state.scores)\n"
               "        masks['heads'] = 0\n        return RunChanges(steps=3)\n")
     assert run_assignments(source) == []

@@ -354,7 +354,7 @@ def test_best_val_margin_keeps_the_best_mask_against_small_gains(margin, best_st
     assert calls == [100.0, 99.8, 99.5, 95.0, 94.9]
     assert results["mask_step"] == best_step and results["best_val"]["value"] == pytest.approx(calls[best_step])
     _, masks, scores = load_mask_artifact(tmp_path / "M")
-    best_scores = torch.load(tmp_path / "M" / "checkpoint.pt", weights_only=False)["best_scores"]
+    best_scores = torch.load(tmp_path / "M" / "checkpoint.pt", weights_only=False)["hooks"]["validation"]["best_scores"]
     assert all(torch.equal(scores[u], best_scores[u]) for u in scores)
 
 

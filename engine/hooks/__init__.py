@@ -1,9 +1,10 @@
 """Run hooks: the cross-cutting options of a run, each in its own file, called at fixed points of the run's
 life (as llm-compressor's modifiers are). A hook joins a run when its `applies(config)` is true; the run loop
 calls every joined hook's events in RUN_HOOKS' order and never branches on an option's name itself. A hook reads
-the run through a read-only RunView (engine/hooks/view.py) and never assigns to it: an event returns what it
-changes (a RunChanges), which the run applies before it calls the next hook (PruneRun.apply_changes). The masks
-pass through the hooks' transforms in MASK_TRANSFORMS' order.
+the run through a read-only RunView (engine/hooks/view.py) and never assigns to it, nor to the run's state but
+its own data (self.own(state): RunState.hooks[its name]): an event returns what it changes (a RunChanges), which
+the run applies before it calls the next hook (PruneRun.apply_changes). The masks pass through the hooks'
+transforms in MASK_TRANSFORMS' order.
 
     ranks          data-parallel runs (torchrun): every rank's state compared after every step
     progressive    random-progressive: the budget raised in stages (a schedule, not an init metric)

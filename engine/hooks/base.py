@@ -1,7 +1,8 @@
 """The hook interface. Each method is a no-op here; a hook overrides the points it needs.
 
-A hook reads its run but never assigns to it (tests/test_hook_state.py reads every hook's source for that): an
-event that changes the run returns a RunChanges, which the run applies in one place (PruneRun.apply_changes)
+A hook reads its run but never assigns to it, nor to the run's state but its own data, `self.own(state)`
+(RunState.hooks[its name]; tests/test_hook_state.py reads every hook's source for that): an event that changes the
+run returns a RunChanges, which the run applies in one place (PruneRun.apply_changes)
 before it calls the next hook. The order of the events' hooks is engine.hooks.RUN_HOOKS; the order of the mask
 transforms (hard_masks, final_scores, final_masks, weights_for) is engine.hooks.MASK_TRANSFORMS."""
 
@@ -36,6 +37,16 @@ class RunHook:
 
     def __init__(self, run: "PruneRun"):
         self.run = run
+
+    @property
+    def name(self) -> str:
+        """The hook's name: its module's (validation, time_budget, ...), the key of its data in RunState.hooks."""
+        return type(self).__module__.rsplit(".", 1)[-1]
+
+    def own(self, state: "RunState") -> dict:
+        """This hook's own data in the run's state (state.hooks[its name], made on first use): the one part of the
+        state a hook writes; the checkpoint keeps it."""
+        return state.hooks.setdefault(self.name, {})
 
     @staticmethod
     def applies(config) -> bool:

@@ -32,7 +32,7 @@ class BiasCompensation(RunHook):
         return RunChanges(fill=compensation_fill(self.means, self.run.layout.unit_types))
 
     def on_init(self, state, batches) -> RunChanges:
-        state.input_means = self.means
+        self.own(state)["input_means"] = self.means
         return self.on_resume(state)
 
     def on_resume(self, state) -> RunChanges:

@@ -45,6 +45,6 @@ class EarlyStop(RunHook):
                                                 state.step, c.validates):
             run.log(f"stopping early at step {state.step}: the hard mask has not changed for {self.unchanged} steps, "
                     f"the scores are saturated and validation stopped improving (--early-stop {c.early_stop})")
-            state.stopped_early = state.step
+            self.own(state)["stopped_early"] = state.step
             return RunChanges(steps=state.step)
         return None

@@ -23,7 +23,7 @@ class SameStateOnEveryRank(RunHook):
         worlds = list(state.worlds or [])
         if not worlds or worlds[-1]["world_size"] != self.run.world.size:
             worlds.append({"from_step": state.step, "world_size": self.run.world.size})
-        state.worlds = worlds
+        self.own(state)["worlds"] = worlds
         self.check(state, f"the state at step {state.step} (the start)")
 
     def on_step(self, state, report) -> None:

@@ -108,7 +108,7 @@ class TimeBudget(RunHook):
                          f"the end needs about {reserve:.0f} s: no more steps (results.json's seconds_by_phase says where "
                          f"the time went)")
         planned = self.run.world.from_writer(planned, "the time budget's step count")  # (rank 0's clock)
-        state.time_used = {"seconds": self.elapsed(), "eval_seconds": self.eval_seconds, "per_step": per_step,
+        self.own(state)["time_used"] = {"seconds": self.elapsed(), "eval_seconds": self.eval_seconds, "per_step": per_step,
                            "limit": self.limit}
         return planned
 

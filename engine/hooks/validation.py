@@ -54,12 +54,12 @@ class Validation(RunHook):
         value = ppl if value is None else value
         self.value = value
         if improves(value, state.best_val, self.run.config.best_val_margin):
-            state.best_val, state.best_step = value, state.step
-            state.best_scores = {u: s.clone() for u, s in state.scores.items()}
+            self.own(state).update(best_val=value, best_step=state.step,
+                                   best_scores={u: s.clone() for u, s in state.scores.items()})
         return ppl
 
     def on_init(self, state, batches) -> None:  # the init mask is best-val's first candidate
-        state.val_ppl_init = self.validate(state)
+        self.own(state)["val_ppl_init"] = self.validate(state)
         self.run.log(f"held-out perplexity of the init mask: {state.val_ppl_init:.3f}")
 
     def on_step(self, state, report) -> None:

@@ -17,7 +17,7 @@ import torch
 from ..errors import UserError
 from ..storage.io import atomic_file
 from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
-from .state import RunState
+from .state import HOOK_DATA, RunState
 
 if TYPE_CHECKING:  # annotations only
     from .loop import PruneRun
@@ -88,6 +88,8 @@ class Checkpoints:
         snap = copy.copy(state)
         snap.scores = dict(state.scores)  # the loop replaces score tensors, never changes them in place
         snap.method_state = copy.deepcopy(state.method_state)
+        snap.hooks = {name: dict(data) for name, data in state.hooks.items()}  # (a hook replaces its values, never
+        # changes one in place)
         snap.sampler_state = copy.deepcopy(self.run.sampler.state_dict())
         snap.mask_rng_state = self.run.mask_rng.get_state()
         snap.config = self.config_dict
@@ -121,6 +123,11 @@ class Checkpoints:
                 data.setdefault("method_state", {})["control_moments"] = control_moments
             if "best_val_ppl" in data:  # a checkpoint from before best_val's name said what it holds
                 data["best_val"] = data.pop("best_val_ppl")
+            for key, hook in HOOK_DATA.items():  # a checkpoint from before the hooks' data had their own field
+                if key in data:
+                    value = data.pop(key)
+                    if value is not None:
+                        data.setdefault("hooks", {}).setdefault(hook, {})[key] = value
             state = RunState(**data)
             self.run.sampler.load_state_dict(state.sampler_state)
             self.run.mask_rng.set_state(state.mask_rng_state)

@@ -93,23 +93,38 @@ class RunState:
     ppl_init: float | None  # None: not evaluated (PruneConfig.evaluates_init)
     init_scores: dict[str, torch.Tensor]
     seconds_in_steps: float = 0.0
-    best_val: float | None = None  # best-val's best held-out value so far (the reward's: a perplexity under ce, the
-    # mean KL under kl; results.json names which), its step and scores
-    best_step: int | None = None
-    best_scores: dict[str, torch.Tensor] | None = None
-    val_ppl_init: float | None = None  # held-out perplexity of the init mask (step 0, a candidate of best-val)
     init_metric: dict[str, torch.Tensor] | None = None  # the standardized init metric (method metric ranks it)
     # what the init mask is cut from: the init metric (None), or under --budget params the initial probabilities
     # (z-scores of different unit types are not on one scale; the probabilities hold each type's share)
     init_mask_scores: dict[str, torch.Tensor] | None = None
     init_mix: list[dict] | None = None  # the joint method: each candidate mix of layers and widths and its loss
-    input_means: dict[str, list[torch.Tensor]] | None = None  # bias compensation: mean input of each output column
     method_state: dict = field(default_factory=dict)  # what a method carries from step to step (pg: control moments)
     config: dict | None = None  # the run's config when saved: --resume refuses a config.json edited since
     last_report: str | None = None  # metrics.jsonl's line of this step, restored on resume if that line was lost
-    stopped_early: int | None = None  # --early-stop: the step the run stopped at
-    worlds: list | None = None  # data-parallel runs: [{from_step, world_size}] of each session (torchrun's ranks)
-    time_used: dict | None = None  # --time-budget: the run's wall seconds at this step (all sessions), its longest evaluation
+    # each hook's own data, {hook name: {key: value}}: the one part of the state a hook writes (RunHook.own), read
+    # elsewhere through the read-only properties below (HOOK_DATA says which hook owns a key)
+    hooks: dict = field(default_factory=dict)
+
+    def hook_data(self, key: str):
+        """A hook's datum, None when its hook did not run or wrote nothing."""
+        return self.hooks.get(HOOK_DATA[key], {}).get(key)
+
+    best_val = property(lambda self: self.hook_data("best_val"))  # best-val's best held-out value so far (the
+    # reward's: a perplexity under ce, the mean KL under kl; results.json names which), its step and scores
+    best_step = property(lambda self: self.hook_data("best_step"))
+    best_scores = property(lambda self: self.hook_data("best_scores"))
+    val_ppl_init = property(lambda self: self.hook_data("val_ppl_init"))  # held-out perplexity of the init mask
+    input_means = property(lambda self: self.hook_data("input_means"))  # bias compensation: each column's mean input
+    stopped_early = property(lambda self: self.hook_data("stopped_early"))  # --early-stop: the step it stopped at
+    worlds = property(lambda self: self.hook_data("worlds"))  # data-parallel runs: [{from_step, world_size}]
+    time_used = property(lambda self: self.hook_data("time_used"))  # --time-budget: wall seconds at the last step
+
+
+# the hooks' data the rest of the run reads: key -> the hook (its module's name) that owns and writes it. A
+# checkpoint written before RunState.hooks holds these keys at its top level; Checkpoints.load moves them in.
+HOOK_DATA = {"best_val": "validation", "best_step": "validation", "best_scores": "validation",
+             "val_ppl_init": "validation", "input_means": "compensation", "stopped_early": "early_stop",
+             "worlds": "ranks", "time_used": "time_budget"}
 
 
 def check_finite(where: str, scores: dict[str, torch.Tensor], values: dict[str, float]) -> None:
