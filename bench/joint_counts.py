@@ -54,7 +54,8 @@ def main() -> None:
 
     import engine.run.initialise as initialise
     from engine.errors import UserError
-    from engine.algo.joint import candidate_scores, hard_mask_loss, layer_counts
+    from engine.algo.joint import candidate_scores, layer_counts
+    from engine.run.mix import hard_mask_loss
     from engine.run.loop import PruneRun
     from widths_after_layers import layer_compensation, layer_mean_deltas, widths_after_layers
 

@@ -74,6 +74,12 @@ def test_the_rules_see_the_engine():
                            "engine.model.unit_types", "engine.algo.metrics", "engine.algo.methods", "engine.tools",
                            "engine.ui"), ("engine.model.arch.base",)),
     ("engine.export", ("engine.run.loop", "engine.cli", "engine.tools", "engine.ui"), ()),
+    # the settings depend on the registries they offer choices from, never on the run, its hooks, the loader or what
+    # writes files
+    ("engine.settings", ("engine.run", "engine.hooks", "engine.model.loading", "engine.export", "engine.plan",
+                         "engine.cli", "engine.api", "engine.tools", "engine.ui"), ()),
+    # the algorithms never reach the run (the joint mix scored on the run's model is engine/run/mix.py)
+    ("engine.algo", ("engine.run", "engine.hooks", "engine.cli", "engine.api", "engine.tools", "engine.ui"), ()),
     # the engine never reaches up into its side tools or the app's services (the CLI dispatches to tools)
     ("engine", ("engine.tools",), ("engine.tools", "engine.cli", "engine.ui")),
     ("engine", ("engine.ui",), ("engine.ui",)),

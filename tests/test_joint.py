@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.settings.config import PruneConfig
-from engine.algo.joint import candidate_scores, choose_mix, hard_mask_loss, layer_counts
+from engine.algo.joint import candidate_scores, layer_counts
+from engine.run.mix import choose_mix, hard_mask_loss
 
 from test_budget import param_budget
 
@@ -55,7 +56,7 @@ def test_refining_compares_the_best_mixes_again_on_more_batches(monkeypatch):
     """On the mix batches 1 layer out loses least, 0 next and 2 third; on the further batches 0 layers out does
     better than 1, and 2 best of all. With refinement the mean over every batch decides among the finalists: 2
     of the 3 when there are 3 finalists; 0 when only 2 are (then 2 is never run on the further batches)."""
-    import engine.algo.joint as joint
+    import engine.run.mix as mix
 
     run, z, adapter, logs = fake_run(keep=0.3)
     keep = 0.3
@@ -79,7 +80,7 @@ def test_refining_compares_the_best_mixes_again_on_more_batches(monkeypatch):
     refined = {line["layers_removed"]: line["loss_refined"] for line in lines if "loss_refined" in line}
     assert refined == pytest.approx({0: (1.1 * 2 + 0.5 * 6) / 8, 1: 1.0, 2: (1.2 * 2 - 5.0 * 6) / 8})
     assert run.budget.expected_kept(scores) <= run.budget.kept_target(keep) * (1 + 1e-6)
-    monkeypatch.setattr(joint, "MIX_FINALISTS", 2)
+    monkeypatch.setattr(mix, "MIX_FINALISTS", 2)  # (the refinement reads it where choose_mix is)
     calls.clear()
     scores, lines = choose_mix(run, z, first, keep, loss=loss, more=more)
     assert chosen(scores) == 0 and sorted({k for k, b in calls if b == 1.0}) == [0, 1]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.settings.config import PruneConfig
-from engine.algo.joint import MIX_SEARCHES, choose_mix, coarse_grid, mix_candidates, search_counts
+from engine.algo.joint import MIX_SEARCHES, coarse_grid, mix_candidates, search_counts
+from engine.run.mix import choose_mix
 
 
 def counted(values: list[float]):

@@ -201,7 +201,7 @@ def test_old_configs_load_without_it_new_ones_with_it_and_layers_alone_have_noth
 def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypatch, see, mix_refit: bool):
     """A joint run with --reconstruct whose every mix-candidate loss first calls see(run, masks, fill, dense), dense
     the model's state before the run; (what see returned, in order; the run's results)."""
-    import engine.algo.joint as joint
+    import engine.run.mix as joint
 
     dense = {k: v.clone() for k, v in tiny[0].state_dict().items()}
     seen = []

@@ -382,7 +382,7 @@ class StatisticsCache:
 
     def _load(self, path: Path, reader: Statistic, keys: tuple[str, ...], mmap: bool = False,
               touch: bool = True) -> dict | None:
-        from ..run.checkpoints import safe_load
+        from ..storage.io import safe_load
 
         try:
             got = safe_load(path, "statistics cache entry", "", mmap=mmap)

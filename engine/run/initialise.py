@@ -17,7 +17,7 @@ from ..errors import UserError
 from ..storage.io import atomic_write_text
 from ..algo.metrics import METRICS, MetricContext
 from ..algo.metrics.registry import removal_order
-from ..algo.joint import choose_mix
+from .mix import choose_mix
 from ..algo.metrics.probability import initial_scores, standardize
 from ..model.precision import run_pass_dtype, run_passes
 from ..algo.statistics import STATISTICS, Statistic, StatisticsCache, fork, pass_stream, statistics_pass
@@ -111,7 +111,7 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
         return cache_entry(run, name, units, ctx, folder, keep)
 
     def read(found: Path | None):
-        from .checkpoints import safe_load  # (weights only: an entry naming a Python object is refused, never run)
+        from ..storage.io import safe_load  # (weights only: an entry naming a Python object is refused, never run)
 
         value = safe_load(found, "cached metric entry", "Delete it: the metric is computed again") \
             if world.writes and found else None

@@ -16,7 +16,7 @@ from ..errors import UserError
 from ..model.executors import EXECUTORS
 from .fields import check_fields, check_settings, setting
 from ..algo.joint import MIX_SEARCHES
-from ..model.loading import DEFAULT_MODEL, DTYPES
+from ..model.names import DEFAULT_MODEL, DTYPES
 from ..model.precision import PASS_DTYPES
 from ..algo.methods import METHODS, method_options
 from ..algo.metrics import layer_metrics, unit_metrics

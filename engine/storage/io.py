@@ -243,3 +243,31 @@ def atomic_dir(path: Path, needed: int | None = None):
         if is_disk_full(e, path.parent, needed):
             raise disk_full_error(path.parent, path.name + "/", needed) from None
         raise
+
+
+# What a checkpoint may hold besides tensors, numbers, strings, None, lists, tuples and dicts (which torch's
+# weights-only reader takes anyway): nothing so far. A checkpoint is read with that reader and this list, never with
+# plain pickle, so that a checkpoint.pt from someone else's run folder cannot run code on --resume.
+SAFE_GLOBALS: list = []
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def safe_load(path: Path, what: str, remedy: str, mmap: bool = False):
+    """A file pg-prune wrote with torch.save (a checkpoint, a cached metric), unpickled by torch's weights-only reader
+    (tensors, numbers, strings, lists and dicts, plus SAFE_GLOBALS): a file that names any other Python object is
+    refused in one line (UserError: "refusing WHAT PATH: ... REMEDY"), its code never run. Other failures (garbage,
+    a truncated file) raise as they come. mmap: the tensors mapped, not read (to look at the file's other values)."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        found = _GLOBAL_RE.search(str(e))
+        if found is None and "weights_only" not in str(e):
+            raise
+        named = f"the Python object {found.group(1)}" if found else "Python objects"
+        raise UserError(f"refusing {what} {path}: it names {named}, which a pg-prune {what} never holds "
+                        f"(loading it could run code); it was not read. {remedy}") from None
