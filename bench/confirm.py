@@ -468,6 +468,8 @@ def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
     from engine.export.artifacts import export_pruned
     from engine.run.loop import PruneRun
 
+    from engine.algo.context import KEEP
+
     config = PruneConfig.load(folder / "config.json")
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         run_ = PruneRun(dataclasses.replace(config, eval_init=False), Path(tmp) / "run",
@@ -475,7 +477,7 @@ def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
         run_.fresh_state()
         for dest, masks in masks_by_dest.items():
             with run_.masks.weights(masks) as fill:
-                export_pruned(run_.model, run_.tokenizer, run_.layout, masks, dest, run_.fill if fill is ... else fill)
+                export_pruned(run_.model, run_.tokenizer, run_.layout, masks, dest, run_.fill if fill is KEEP else fill)
 
 
 def final_masks(folder: Path) -> dict:

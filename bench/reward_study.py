@@ -191,6 +191,7 @@ def oneshot(args) -> None:
     import torch
 
     import engine.run.initialise as initialise
+    from engine.algo.context import KEEP
     from engine.algo.evaluate import _row_losses
     from engine.algo.joint import candidate_scores, layer_counts
     from engine.run.loop import PruneRun
@@ -229,7 +230,7 @@ def oneshot(args) -> None:
             if str(k) in done["counts"]:
                 continue
             t0 = cpu()
-            ce, d = scores_of(masks, ...)
+            ce, d = scores_of(masks, KEEP)
             t1 = cpu()
             with run_.masks.weights(masks) as fill:
                 t2 = cpu()  # (the refit of this mask solved: what scoring a mask refit adds to scoring it)

@@ -11,6 +11,7 @@ import torch
 
 from engine.settings.config import PruneConfig
 from engine.algo.joint import candidate_scores, layer_counts
+from engine.algo.context import KEEP
 from engine.run.mix import choose_mix, hard_mask_loss
 
 from test_budget import param_budget
@@ -176,7 +177,7 @@ def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_ev
         seen.append(run.ctx.fill)
         scores, lines = real(run, z, batches, keep, **kw)
         masks = run.hard_masks(scores, keep)  # (hard_mask_loss: the run's means, other means, or none)
-        losses.append([hard_mask_loss(run, masks, batches[0], fill) for fill in (..., run.ctx.fill, None)])
+        losses.append([hard_mask_loss(run, masks, batches[0], fill) for fill in (KEEP, run.ctx.fill, None)])
         return scores, lines
 
     monkeypatch.setattr(initialise, "choose_mix", spy)

@@ -113,9 +113,10 @@ def test_masks_artifact_and_budget(main_run):
     out, config, results, run = main_run["out"], main_run["config"], main_run["results"], main_run["run"]
     tensors = load_file(str(out / "masks.safetensors"))
     assert set(tensors) == {f"{k}.{u}" for k in ("scores", "masks", "init_scores", "init_masks") for u in ("heads", "channels")}
+    from engine.algo.context import KEEP
     from engine.run.masks import mask_key  # the saved init mask is the one whose perplexity is ppl_init
 
-    assert run.masks.measured[mask_key({u: tensors[f"init_masks.{u}"] for u in ("heads", "channels")}, ...)] == \
+    assert run.masks.measured[mask_key({u: tensors[f"init_masks.{u}"] for u in ("heads", "channels")}, KEEP)] == \
         results["ppl_init"]
     meta, masks, scores = load_mask_artifact(out)
     assert meta["units_per_layer"] == {"heads": [4, 4], "channels": [384, 384]}

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.algo.context import KEEP
 from engine.model.arch import ModelAdapter
 from engine.settings.config import PruneConfig
 from engine.export.artifacts import kept_indices
@@ -207,7 +208,7 @@ def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypa
     seen = []
     real = joint.hard_mask_loss
 
-    def spy(run, masks, batch, fill=..., **kw):
+    def spy(run, masks, batch, fill=KEEP, **kw):
         seen.append(see(run, masks, fill, dense))
         return real(run, masks, batch, fill, **kw)
 
@@ -263,7 +264,7 @@ def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refit
     fill the run measured, `...`), and the final mask is refit all the same (its perplexity differs from the same
     mask unrefit, which results.json keeps)."""
     def see(run, masks, fill, dense):
-        return all(torch.equal(v, dense[k]) for k, v in run.model.state_dict().items()) and fill is ...
+        return all(torch.equal(v, dense[k]) for k, v in run.model.state_dict().items()) and fill is KEEP
 
     seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, False)
     assert seen and all(seen)
@@ -337,7 +338,7 @@ def test_an_evaluation_cached_before_a_refit_is_still_cached_after_it(tiny, tiny
     with run.masks.weights(masks) as fill:
         assert run.masks.measured == {}
         refit = run.masked_perplexity(masks, "refit", fill)
-    assert refit != before and run.masks.measured[mask_key(masks, ...)] == before
+    assert refit != before and run.masks.measured[mask_key(masks, KEEP)] == before
     assert len(run.masks.measured) == 1  # (the refit's own perplexity is gone with its weights)
 
 

@@ -21,6 +21,10 @@ import torch
 from ..model.masking import MaskHooks
 from .rewards import CrossEntropy
 
+# The one sentinel: a value not given, so the run's own stays (a fill argument: the run's compensation means; a
+# RunChanges field: the run's value unchanged). Distinct from None, which is a value (no compensation, no limit).
+KEEP: Any = type("Keep", (), {"__repr__": lambda self: "KEEP"})()
+
 
 @dataclass
 class StepContext:
@@ -42,13 +46,13 @@ class StepContext:
     own_executor: Callable | None = None
     spread: Callable | None = None
 
-    def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=...) -> torch.Tensor:
+    def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=KEEP) -> torch.Tensor:
         """Each sample's mean token cross-entropy on the batch (the evaluations' loss, whatever the reward).
         fill: the compensation means to use instead of the run's (None: none)."""
         with MaskHooks(self.adapter) as hooks:
-            return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill)
+            return self.executor(hooks, self.layout, batch, samples, self.fill if fill is KEEP else fill)
 
-    def rewards(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=..., refit: bool = True,
+    def rewards(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=KEEP, refit: bool = True,
                 reward=None) -> torch.Tensor:
         """Each sample's score under the run's reward (--reward: ce is `losses`; kl compares with the dense model,
         whose forward on this batch runs first, without the masks, and is shared by the samples), or under `reward`.
@@ -57,20 +61,20 @@ class StepContext:
         score = (reward or self.reward).scorer(self.model, batch)
         if self.weights is None or not refit:
             with MaskHooks(self.adapter) as hooks:
-                return self.executor(hooks, self.layout, batch, samples, self.fill if fill is ... else fill, score)
+                return self.executor(hooks, self.layout, batch, samples, self.fill if fill is KEEP else fill, score)
         executor = self.own_executor or self.executor
 
         def one(j: int) -> torch.Tensor:  # (--step-refit: each sample scored under its own refit, a solve and a forward)
             with self.weights({u: m[j] for u, m in samples.items()}) as refit, MaskHooks(self.adapter) as hooks:
                 return executor(hooks, self.layout, batch, {u: m[j:j + 1] for u, m in samples.items()},
-                                self.fill if refit is ... else refit, score)
+                                self.fill if refit is KEEP else refit, score)
 
         n = next(iter(samples.values())).shape[0]
         return self.spread(n, one) if self.spread else torch.cat([one(j) for j in range(n)])
 
     @contextmanager
-    def masked(self, masks: dict[str, torch.Tensor], fill=...):
+    def masked(self, masks: dict[str, torch.Tensor], fill=KEEP):
         """fill: as for `losses`."""
         with MaskHooks(self.adapter) as hooks:
-            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.fill if fill is ... else fill)
+            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.fill if fill is KEEP else fill)
             yield

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..algo.context import KEEP  # noqa: F401  (a RunChanges field left KEEP changes nothing)
 if TYPE_CHECKING:  # annotations only
     from ..run.loop import PruneRun
     from ..run.state import RunState, StepReport
 
-KEEP: Any = type("Keep", (), {"__repr__": lambda self: "KEEP"})()  # a RunChanges field that changes nothing
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..algo.context import KEEP
 from ..run.masks import mask_key
 from .base import RunChanges, RunHook
 
@@ -38,7 +39,7 @@ class EarlyStop(RunHook):
 
     def on_step(self, state, report) -> RunChanges | None:
         run, c = self.run, self.run.config
-        digest = mask_key(run.hard_masks(state.scores, run.keep_ratio_at(state.step - 1)), ...)
+        digest = mask_key(run.hard_masks(state.scores, run.keep_ratio_at(state.step - 1)), KEEP)
         self.unchanged = self.unchanged + 1 if digest == self.digest else 0
         self.digest = digest
         if state.step < run.ctx.steps and still(self.unchanged, c.early_stop, saturated(state.scores), state.best_step,

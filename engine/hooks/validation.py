@@ -13,6 +13,7 @@ from contextlib import ExitStack
 
 import torch
 
+from ..algo.context import KEEP
 from ..run.masks import mask_key
 from ..run.state import check_finite
 from .base import RunHook
@@ -34,14 +35,14 @@ class Validation(RunHook):
     def validate(self, state) -> float:
         run = self.run
         masks = run.hard_masks(state.scores)
-        key = mask_key(masks, ...)
+        key = mask_key(masks, KEEP)
         if self.last is not None and self.last[0] == key:
             return self.record(state, *self.last[1:])
         reward = run.ctx.reward
         with ExitStack() as stack:
             stack.enter_context(run.phases("validation"))
             reward.prepare(run.model, run.val_batches)  # (kl: the dense model's part, before a refit edits weights)
-            fill = stack.enter_context(run.masks.weights(masks)) if run.config.val_refit else ...
+            fill = stack.enter_context(run.masks.weights(masks)) if run.config.val_refit else KEEP
             stack.enter_context(run.ctx.masked(masks, fill))
             ce, score = reward.held_out_means(run.model, run.val_batches)
         ppl, value = float(torch.exp(ce)), reward.held_out(float(score))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..algo.context import KEEP
 from ..storage import ppl_cache
 from ..algo.evaluate import batch_loss, perplexity
 from ..model.loading import model_device
@@ -21,11 +22,11 @@ if TYPE_CHECKING:  # annotations only
 
 def mask_key(flat_masks: dict[str, torch.Tensor] | None, fill) -> tuple:
     """What a perplexity depends on besides the run's model and windows: the hard masks' values (None: dense)
-    and the compensation asked for (the run's, `...`, or another object)."""
+    and the compensation asked for (the run's, KEEP, or another object)."""
     if flat_masks is None:
         return (None,)
     return (tuple((u, (m > 0.5).numpy().tobytes()) for u, m in sorted(flat_masks.items())),
-            "run" if fill is ... else id(fill))
+            "run" if fill is KEEP else id(fill))
 
 
 class RunMasks:
@@ -81,7 +82,7 @@ class RunMasks:
         weights sets the perplexities measured so far aside until they are restored (none of them holds there)."""
         reward = self.run.ctx.reward
         with ExitStack() as stack:
-            fill = ...
+            fill = KEEP
             for hook in self.each("weights_for"):
                 fill = stack.enter_context(hook.weights_for(masks, fill))
                 if hook.edits_weights:
@@ -127,7 +128,7 @@ class RunMasks:
         key, cached, seconds = self.cached_dense()
         if cached is not None:
             r.log(f"dense perplexity: {cached:.3f} (cached: the same model files and windows were evaluated before)")
-            self.measured[mask_key(None, ...)] = cached
+            self.measured[mask_key(None, KEEP)] = cached
             self.longest_eval = max(self.longest_eval, seconds or 0.0)
             return cached
         t0 = time.monotonic()
@@ -136,7 +137,7 @@ class RunMasks:
             ppl_cache.store(key, ppl, time.monotonic() - t0)
         return ppl
 
-    def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str, fill=...) -> float:
+    def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str, fill=KEEP) -> float:
         """WikiText perplexity of the dense model (None) or under one hard mask, computed by the run's executor
         (the sliced one computes only the kept units): exp of the mean over windows of each window's mean loss.
         fill: compensation means other than the run's (None: none). A mask evaluated before in this process (a

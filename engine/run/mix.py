@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..algo.context import KEEP
 from ..algo.joint import MIX_FINALISTS, candidate_scores, layer_counts, mix_reward_name, search_counts
 
 if TYPE_CHECKING:  # annotations only
     from .loop import PruneRun
 
 
-def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=...,
+def hard_mask_loss(run: "PruneRun", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=KEEP,
                    refit: bool = True, reward=None) -> float:
     """The run's reward (--reward: the calibration loss, or the KL to the dense model), or `reward`, of its model
     under one hard mask (with the run's compensation, if any, or with `fill`'s means; under --step-refit, refit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from ..algo.context import KEEP
 from ..algo.budget import removal_report
 from ..data.calib_sources import source_of
 from ..model.distributed import shares
@@ -114,13 +115,13 @@ def finish(run: "PruneRun", state: RunState) -> dict:
         if not run.world.writes:  # rank 0 alone writes the masks, the export and results.json
             return {"status": "done", "rank": run.world.rank, "ppl_pruned": ppl_pruned}
         if run.out is None:  # a run in memory (engine.api.prune) writes nothing: its caller takes masks and model
-            model = build_pruned_model(run.model, run.layout, masks, run.fill if fill is ... else fill)
+            model = build_pruned_model(run.model, run.layout, masks, run.fill if fill is KEEP else fill)
             return {**report(run, state, scores, masks, ppl_pruned, count_parameters(model)), "masks": masks, "model": model}
         save_mask_artifact(run.out, run.source.name, run.layout, scores, masks, state.init_scores,
                            run.masks.init_masks(state))
         run.log(f"exporting the sliced model to {run.out / MODEL_DIR}")
         with run.phases("export"):
-            export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill if fill is ... else fill)
+            export = export_pruned(run.model, run.tokenizer, run.layout, masks, run.out / MODEL_DIR, run.fill if fill is KEEP else fill)
     results = report(run, state, scores, masks, ppl_pruned, export["params"])
     atomic_write_text(run.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results
