@@ -54,6 +54,7 @@ def main() -> None:
 
     import engine.run.initialise as initialise
     from engine.errors import UserError
+    from engine.algo.context import KEEP
     from engine.algo.joint import candidate_scores, layer_counts
     from engine.run.mix import hard_mask_loss
     from engine.run.loop import PruneRun
@@ -92,7 +93,7 @@ def main() -> None:
                 continue
             t0, cpu0 = time.monotonic(), time.process_time()
             cand = candidate_scores(run_.budget, z, run_.layout, k, keep, run_.config, comparable)
-            masks, fill = run_.hard_masks(cand, keep), ...
+            masks, fill = run_.hard_masks(cand, keep), KEEP
             if args.sequential:
                 z_k, fill = widths_after_layers(run_, masks[run_.budget.layer_type], seen["batches"], z)
                 cand = candidate_scores(run_.budget, z_k, run_.layout, k, keep, run_.config, comparable)
