@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..model.masking import MaskHooks
-from .rewards import CrossEntropy
+from .rewards import CrossEntropy, Reward
+
+if TYPE_CHECKING:  # annotations only
+    from ..model.arch import ModelAdapter
+    from ..model.units import UnitLayout
 
 # The one sentinel: a value not given, so the run's own stays (a fill argument: the run's compensation means; a
 # RunChanges field: the run's value unchanged). Distinct from None, which is a value (no compensation, no limit).
@@ -28,16 +32,16 @@ KEEP: Any = type("Keep", (), {"__repr__": lambda self: "KEEP"})()
 
 @dataclass
 class StepContext:
-    model: Any  # the unmodified transformers model (hooks apply the masks)
-    adapter: Any  # its ModelAdapter
-    layout: Any  # the UnitLayout of the pruned unit types
+    model: torch.nn.Module  # the unmodified transformers model (hooks apply the masks)
+    adapter: "ModelAdapter"
+    layout: "UnitLayout"  # of the pruned unit types
     executor: Callable  # (hooks, layout, batch, samples, fill) -> (N_s,) losses: sequential, batched or sliced
     rng: torch.Generator  # the mask samples' generator (part of every checkpoint)
     num_samples: int  # N_s masks per step
     steps: int  # the steps of the whole run (schedules inside a method, e.g. Gumbel's temperature)
     fill: dict[str, list[torch.Tensor]] | None = None  # bias compensation's means, once the run measured them
     hard_masks: Callable | None = None  # {unit type: scores} -> the run's hard masks of them at its budget
-    reward: Any = field(default_factory=CrossEntropy)  # --reward: what a sample's score is (engine/algo/rewards.py)
+    reward: Reward = field(default_factory=CrossEntropy)  # --reward: what a sample's score is (engine/algo/rewards.py)
     # --step-refit: {unit type: (units,) hard mask} -> a context manager under which the model carries that mask's
     # refit weights, yielding its fill (RunMasks.weights); None: samples are scored with the compensation only
     weights: Callable | None = None
