@@ -114,7 +114,6 @@ class Checkpoints:
             raise UserError(f"checkpoint {path} does not belong to this run ({type(e).__name__}: {e}); "
                             "start again with --overwrite") from e
         self.check_config_unchanged(state)
-        self.run.call_hooks("on_resume", state)
         self.saved_step = state.step
         return state
 

@@ -181,7 +181,7 @@ class PruneRun:
         if c.step_refit and c.reconstruct:  # (the samples scored as they would be exported: each under its own refit, a rank its share)
             self.ctx.weights, self.ctx.own_executor, self.ctx.spread = self.masks.weights, own, self.world.spread
         self.final_masks, self.layer_masks = self.masks.final_masks, self.masks.layer_masks
-        self.masked_perplexity, self.load_checkpoint = self.masks.masked_perplexity, self.checkpoints.load
+        self.masked_perplexity = self.masks.masked_perplexity
         self.write_checkpoint, self.restore_metrics = self.checkpoints.write, self.checkpoints.restore_metrics
         self.plan = None  # results.json's plan_seconds_by_phase: made by run() (engine/run/plan.py)
         self.plan_steps = None  # (under --time-budget: the steps the plan fits, for the hook's minimum)
@@ -194,6 +194,13 @@ class PruneRun:
         return ppl_cache.files_key(self.source, self.config.dtype) if self.from_disk and generates else None
 
     fill = property(lambda self: self.ctx.fill, doc="Bias compensation's means, once measured (None without it)")
+
+    def load_checkpoint(self) -> RunState:
+        """The checkpoint's state, checked against this run (Checkpoints.load reads and checks, nothing more), then
+        every joined hook told of it (on_resume: the compensation's means back in the forwards, ...)."""
+        state = self.checkpoints.load()
+        self.call_hooks("on_resume", state)
+        return state
 
     def call_hooks(self, event: str, *args) -> None:
         """Every joined hook's `event` (engine/hooks/base.py), in RUN_HOOKS' order, each one's changes applied
