@@ -373,17 +373,18 @@ def test_a_run_that_prunes_no_whole_layer_lists_no_layer_settings():
 
 
 def test_the_loss_chart_draws_a_kl_runs_check_as_a_kl_and_a_ce_runs_as_a_log_perplexity():
-    """Issue 66: the held-out point was a log-perplexity on the "calibration loss" axis, also for a KL run, whose
-    check is a mean KL (0.80 read as a perplexity below 1)."""
+    """The held-out point was a log-perplexity on the "calibration loss" axis, also for a KL run, whose check is a
+    mean KL; then the KL run's chart drew the check's perplexity (metrics.jsonl's val_ppl, 170.5) as its mean KL.
+    A KL run's check is its val_reward (1.414), as a real KL run's metrics lines hold both."""
     import math
 
     from engine.ui.figures import loss_figure
 
-    history = [{"step": s, "losses": [0.9, 0.8], "baseline": 0.85, "lr": 0.1, "val_ppl": v}
-               for s, v in ((1, None), (2, 0.8036))]
+    history = [{"step": s, "losses": [0.9, 0.8], "baseline": 0.85, "lr": 0.1, "val_ppl": v, "val_reward": k}
+               for s, v, k in ((1, None, None), (2, 170.505, 1.4142))]
     kl = loss_figure(history, reward="kl")
     check = next(t for t in kl.data if t.name.startswith("hard mask"))
-    assert check.name == "hard mask, held-out (mean KL)" and list(check.y) == [0.8036]
+    assert check.name == "hard mask, held-out (mean KL)" and list(check.y) == [1.4142]
     assert "KL" in kl.layout.yaxis.title.text
     ce = loss_figure([{**r, "val_ppl": 120.0 if r["val_ppl"] else None} for r in history], reward="ce")
     check = next(t for t in ce.data if t.name.startswith("hard mask"))

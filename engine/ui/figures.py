@@ -181,8 +181,11 @@ def loss_figure(history: list[dict], title: str = "", reward: str = "ce") -> go.
         fig.add_scatter(x=steps, y=[r["baseline"] for r in history], name="baseline", mode="lines",
                         line=dict(width=2.5, color="black"), secondary_y=False)
     kl = reward == "kl"
-    val = [(r["step"], r["val_ppl"] if kl else math.log(r["val_ppl"])) for r in history if r.get("val_ppl")]
-    if val:  # (a held-out value is the reward's: a mean KL under kl, a perplexity under ce, drawn as its log)
+    # the held-out check in the reward's own terms: under kl metrics.jsonl's val_reward (the mean KL; its val_ppl is
+    # the same check's perplexity, on another scale), under ce the perplexity, drawn as its log
+    val = ([(r["step"], r["val_reward"]) for r in history if r.get("val_reward") is not None] if kl else
+           [(r["step"], math.log(r["val_ppl"])) for r in history if r.get("val_ppl")])
+    if val:
         fig.add_scatter(x=[v[0] for v in val], y=[v[1] for v in val],
                         name="hard mask, held-out (mean KL)" if kl else "hard mask, held-out (log ppl)",
                         mode="markers+lines", marker=dict(size=8, symbol="diamond", color="#54a24b"),
