@@ -176,17 +176,31 @@ def accuracy(scores: dict[str, str]) -> float:
 
 
 # --- paired intervals (pure) ------------------------------------------------------------------------------------
-def ppl_change_draws(before: list[float], after: list[float], draws: int = DRAWS, seed: int = 0) -> list[float]:
+def ppl_change_draws(before: list[float], after: list[float], draws: int = DRAWS, seed: int = 0,
+                     block: int = 1) -> list[float]:
     """The perplexity's change (%) from `before` to `after` (each window's mean loss, the same windows), then the
-    same change on `draws` resamplings of the windows (one draw resamples both: a paired bootstrap). [0]: the point."""
+    same change on `draws` resamplings of the windows (one draw resamples both: a paired bootstrap). [0]: the point.
+    block > 1: a moving-block bootstrap, each draw made of runs of `block` consecutive windows (neighbouring windows
+    share an article, so single windows are not independent draws; the blocks keep that dependence)."""
     if len(before) != len(after):
         raise ValueError("the two runs were measured on different windows")
+    if not 1 <= block <= len(before):
+        raise ValueError(f"block must be between 1 and the {len(before)} windows, got {block}")
     rng = random.Random(seed)
     d = [a - b for b, a in zip(before, after)]
-    out = [100.0 * (math.exp(sum(d) / len(d)) - 1.0)]
+    n = len(d)
+    out = [100.0 * (math.exp(sum(d) / n) - 1.0)]
+    starts = range(n - block + 1)
     for _ in range(draws):
-        s = rng.choices(d, k=len(d))
-        out.append(100.0 * (math.exp(sum(s) / len(s)) - 1.0))
+        if block == 1:
+            s = rng.choices(d, k=n)
+        else:
+            s = []
+            while len(s) < n:
+                i = rng.choice(starts)
+                s += d[i:i + block]
+            s = s[:n]
+        out.append(100.0 * (math.exp(sum(s) / n) - 1.0))
     return out
 
 
@@ -215,8 +229,8 @@ def mean_draws(per_seed: list[list[float]]) -> list[float]:
     return [sum(x) / len(x) for x in zip(*per_seed)]
 
 
-def changes(before: dict, after: dict, names=MEASURES["confirm"]) -> dict[str, list[float]]:
-    return {m: (ppl_change_draws(before[m]["losses"], after[m]["losses"]) if m in PERPLEXITIES
+def changes(before: dict, after: dict, names=MEASURES["confirm"], block: int = 1) -> dict[str, list[float]]:
+    return {m: (ppl_change_draws(before[m]["losses"], after[m]["losses"], block=block) if m in PERPLEXITIES
                 else acc_change_draws(before[m]["scores"], after[m]["scores"])) for m in names}
 
 
@@ -554,10 +568,13 @@ def mean_row(per_seed: list[dict], names, tail: str = "") -> str:
 
 def report(args) -> None:
     everything = MEASURES["confirm"]
+    block = getattr(args, "block", 1)  # (--block: a namespace made by hand may leave it out)
     lines = ["# The confirmation set: the init alone against the default's 24 steps", "",
              "(bench/confirm.py report; every cell: SmolLM2-135M-Instruct, the default preset, `--calib` the set's C4 "
              "file; perplexities 256 x 128 (held-out C4 128 x 128), zero-shot 500 examples a task; each change is "
-             "pg24 against its init, with its paired 95 % bootstrap interval)", ""]
+             "pg24 against its init, with its paired 95 % bootstrap interval"
+             + (f", resampling blocks of {block} consecutive windows" if block > 1 else
+                ", resampling single windows (`report --block 8`: blocks of windows, wider)") + ")", ""]
     dense_m = load(OUT / "dense.measures.json")
     if all(n in dense_m for n in everything):
         lines += ["dense: " + ", ".join(f"{LABELS[n]} {fmt_value(n, value(dense_m, n))}" for n in everything), ""]
@@ -572,7 +589,7 @@ def report(args) -> None:
                 if not have:
                     rows.append(f"| {seed} | " + " | ".join("not finished" for _ in names) + " |")
                     continue
-                c = changes(a, b, have)
+                c = changes(a, b, have, block)
                 per_seed.append(c)
                 rows.append(f"| {seed} | {pair_cells(a, b, c, names)} |")
             if not per_seed and not args.all:
@@ -596,7 +613,7 @@ def report(args) -> None:
                     if not have:
                         continue
                     step = load(beside(cell_dir(rate, seed, "pg24"), ".checks.json"))["chosen"][rule_name]
-                    c = changes(a, b, have)
+                    c = changes(a, b, have, block)
                     per_seed.append(c)
                     rows.append(f"| {seed} (step {step}) | {pair_cells(a, b, c, names)} |")
                 if not per_seed:
@@ -617,7 +634,7 @@ def report(args) -> None:
                     have = [n for n in names if n in a and n in b]
                     if not have:
                         continue
-                    c = changes(a, b, have)
+                    c = changes(a, b, have, block)
                     per_seed.append(c)
                     secs = [phase_seconds(cell_dir(rate, seed, w), VARIANT_PHASES[variant]) for w in (base, variant)]
                     rows.append(f"| {seed} | {pair_cells(a, b, c, names)} | " + " → ".join(
@@ -632,7 +649,7 @@ def report(args) -> None:
                   "C4, and no seed worse than its init by more than 1 % on either", "", *verdicts, ""]
     text = "\n".join(lines) + "\n"
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "table.md").write_text(text)
+    (OUT / ("table.md" if block == 1 else f"table-block{block}.md")).write_text(text)
     print(text)
 
 
@@ -672,6 +689,9 @@ def main() -> None:
     sub.add_parser("dense", help="the dense model's measures")
     s = sub.add_parser("report", help="the tables from the cells on disk")
     s.add_argument("--all", action="store_true", help="also the (set, rate) pairs with no finished cell")
+    s.add_argument("--block", type=positive(int), default=1,
+                   help="resample blocks of this many consecutive windows (a moving-block bootstrap; default 1: "
+                        "single windows); N > 1 writes table-blockN.md beside table.md")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))

@@ -333,6 +333,17 @@ def test_the_confirmation_sets_paired_changes_are_the_point_change_with_an_inter
     assert confirm.interval(confirm.ppl_change_draws(before, before, draws=50)) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError):
         confirm.ppl_change_draws(before, after[:-1])
+    # blocks of neighbouring windows that move together: a block bootstrap sees that spread, single windows less of it
+    runs = [a + (0.3 if (i // 16) % 2 else -0.3) for i, a in enumerate(after)]  # (4 runs of 16 windows, alternating)
+    _, lo1, hi1 = confirm.interval(confirm.ppl_change_draws(before, runs, draws=400))
+    _, lo16, hi16 = confirm.interval(confirm.ppl_change_draws(before, runs, draws=400, block=16))
+    assert hi16 - lo16 > hi1 - lo1 > 0
+    whole = confirm.ppl_change_draws(before, runs, draws=50, block=len(before))  # (one block: every draw the point)
+    assert all(abs(x - whole[0]) < 1e-9 for x in whole)
+    assert confirm.ppl_change_draws(before, noisy, draws=300) == confirm.ppl_change_draws(before, noisy, draws=300,
+                                                                                           block=1)
+    with pytest.raises(ValueError):
+        confirm.ppl_change_draws(before, after, block=0)
     scores_a, scores_b = {"a": "01" * 50, "b": "1" * 40}, {"a": "1" * 100, "b": "0" * 10 + "1" * 30}
     draws = confirm.acc_change_draws(scores_a, scores_b, draws=400)
     assert abs(draws[0] - reward_study.paired_change(scores_a, scores_b)["points"]) < 1e-9  # (+12.5 points)
