@@ -19,7 +19,7 @@ transforms in MASK_TRANSFORMS' order.
     ranking        --within-layer-ranking init-metric: per-layer counts from the scores, units by the metric
     reconstruction --reconstruct: the final mask's kept columns refit by least squares for the evaluation and export
 
-base.py holds the Hook interface, view.py the read-only RunView.
+base.py holds the RunHook interface, view.py the read-only RunView.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The names of what a run writes into its folder (one place; engine/rundir holds the folder's rules).
+"""The names of what a run writes into its folder (one place; engine/run/folder.py holds the folder's rules).
 
 A leaf module: anything may import it, from the loader up to the app."""
 

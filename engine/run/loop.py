@@ -4,8 +4,8 @@
     result = run.run(observer=print)         # optimises, evaluates, exports; resumable
 
 What a method computes lives in engine/algo/methods (it sees a StepContext, never the run), an init metric in
-engine/algo/metrics, the start in engine/initialise, the checkpoint in engine/checkpoints, results.json in
-engine/results, the run folder's rules in engine/rundir, and every cross-cutting option (progressive
+engine/algo/metrics, the start in engine/run/initialise.py, the checkpoint in engine/run/checkpoints.py, results.json
+in engine/run/results.py, the run folder's rules in engine/run/folder.py, and every cross-cutting option (progressive
 schedule, bias compensation, unit multiples, validation, best-val, within-layer ranking) is a hook in
 engine/hooks that joins the run when its config asks for it.
 """

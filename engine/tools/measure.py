@@ -325,7 +325,7 @@ def _run_measure(config: MeasureConfig, out: str | Path | None, log) -> dict:
     return result
 
 
-if __name__ == "__main__":  # the memory worker: python -m engine.measure --memory-worker NAME CONFIG_JSON
+if __name__ == "__main__":  # the memory worker: python -m engine.tools.measure --memory-worker NAME CONFIG_JSON
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -335,4 +335,4 @@ if __name__ == "__main__":  # the memory worker: python -m engine.measure --memo
         transformers.utils.logging.set_verbosity_error()
         print(json.dumps(memory_worker(sys.argv[2], MeasureConfig(**json.loads(sys.argv[3])))))
     else:
-        sys.exit("usage: python -m engine.measure --memory-worker NAME CONFIG_JSON (internal; use python -m engine measure)")
+        sys.exit("usage: python -m engine.tools.measure --memory-worker NAME CONFIG_JSON (internal; use python -m engine measure)")

@@ -1,7 +1,7 @@
 """Zero-shot accuracy with EleutherAI lm-evaluation-harness, on local task data, for any model object.
 
 The harness's own task definitions (prompts, doc_to_text/target/choice, process_docs, metrics) are
-used unchanged. Only where the documents come from changes: `engine/tasks/<task>.yaml` holds, per
+used unchanged. Only where the documents come from changes: `engine/tools/tasks/<task>.yaml` holds, per
 task, an `include:` of lm-eval's own YAML plus `dataset_path: parquet|json` and `dataset_kwargs:
 {data_files: ...}` pointing at `<data dir>/zeroshot/...` (the HF-schema copies; see
 ../shared/data/README.md). Those files are templates (`@LM_EVAL_TASKS@`, `@DATA@`) because the two
@@ -100,7 +100,7 @@ def _data_files(template_text: str) -> list[str]:
 
 
 def write_task_dir(dest: str | Path, tasks=ALL_TASKS, data_dir: str | None = None) -> Path:
-    """Fill the templates in engine/tasks for `tasks` and write them (and their helpers) to `dest`."""
+    """Fill the templates in engine/tools/tasks for `tasks` and write them (and their helpers) to `dest`."""
     data = zeroshot_data_dir(data_dir)
     harness = _lm_eval_tasks_dir()
     dest = Path(dest)
