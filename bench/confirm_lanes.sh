@@ -16,7 +16,7 @@
 #                                          # at half the step, tuning seeds, 50 % then 30 %; l: the refit's
 #                                          # ridge at 0.01, tuning then confirmation seeds at 30 %; m:
 #                                          # the init and pg24 on the C4 + own-text mixture, 50 %; n:
-#                                          # the same, confirmation seeds)
+#                                          # the same, confirmation seeds 3 and 4; o: seed 5)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -116,7 +116,10 @@ lane_m() {  # the drift against the text the steps fit (issue 64): the init and 
 }
 lane_n() {  # the candidate chosen on tuning seed 2 (issue 64, 2026-12-04): at 50 % the init and the steps on the
   # mixture of C4 and the own text, the confirmation seeds (their second C4 file); judged by the rule's measures
-  for s in 3 4 5; do variant init-mix 50 "$s" && variant pg24-mix 50 "$s"; done
+  for s in 3 4; do variant init-mix 50 "$s" && variant pg24-mix 50 "$s"; done
+}
+lane_o() {  # lane n's last confirmation seed, beside it (seed 5's pair, so the two seeds run at once)
+  for s in 5; do variant init-mix 50 "$s" && variant pg24-mix 50 "$s"; done
 }
 lane_l() {  # the refit's ridge at 0.01 (issue 64/65), the tuning seeds at 30 %, then the confirmation seeds
   variant init-r001 30 0 1 2
@@ -143,9 +146,10 @@ case "${1:-}" in
   k) lanes=(lane_k) ;;
   m) lanes=(lane_m) ;;
   n) lanes=(lane_n) ;;
+  o) lanes=(lane_o) ;;
   l) lanes=(lane_l) ;;
   "") ;;
-  *) echo "error: expected status, a, b, c, d, e, f, g, h, i, j, k, l, m, n or nothing, got '$1'" >&2; exit 2 ;;
+  *) echo "error: expected status, a, b, c, d, e, f, g, h, i, j, k, l, m, n, o or nothing, got '$1'" >&2; exit 2 ;;
 esac
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "
