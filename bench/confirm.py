@@ -358,7 +358,7 @@ def other_texts(config, texts: list[str], run_) -> tuple[list[str], str]:
 
     if source_of(config) == "data":
         own = dataclasses.replace(config, self_docs=OTHER_DOCS, self_tokens=config.seqlen)
-        docs, _ = CALIB_SOURCES["self"](texts, run_.model, run_.tokenizer, own, run_.fingerprint(), log=print)
+        docs, _ = CALIB_SOURCES["self"](texts, run_.res.model, run_.res.tokenizer, own, None, log=print)
         return docs, "own text"
     return split_holdout(texts)[1], "held-out C4"
 
@@ -399,6 +399,7 @@ def checks(args) -> None:
     from engine.settings.config import PruneConfig
     from engine.data.text import CalibrationSampler, load_calibration_texts
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
 
     folder = cell_dir(args.rate, args.seed, "pg24")
     dest = beside(folder, ".checks.json")
@@ -410,18 +411,18 @@ def checks(args) -> None:
     config = PruneConfig.load(folder / "config.json")
 
     def evaluate(run_):
-        reward = run_.ctx.reward
+        reward = run_.res.ctx.reward
         texts, _ = load_calibration_texts(config.calib)
         other, what = other_texts(config, texts, run_)
-        sampler = CalibrationSampler(run_.tokenizer, other, config.seqlen, config.batch_size, config.seed + 3)
-        batches = {"calib": run_.val_batches, "other": [sampler.next_batch() for _ in range(config.val_batches)]}
+        sampler = CalibrationSampler(run_.res.tokenizer, other, config.seqlen, config.batch_size, config.seed + 3)
+        batches = {"calib": run_.res.val_batches, "other": [sampler.next_batch() for _ in range(config.val_batches)]}
         done["other_text"] = what
         for b in batches.values():
-            reward.prepare(run_.model, b)
+            reward.prepare(run_.res.model, b)
         for s in todo:
             masks = by_step[s]
-            with run_.masks.weights(masks) as fill, run_.ctx.masked(masks, fill):
-                values = {k: reward.held_out(float(reward.held_out_means(run_.model, b)[1])) for k, b in batches.items()}
+            with run_.res.masks.weights(masks) as fill, run_.res.ctx.masked(masks, fill):
+                values = {k: reward.held_out(float(reward.held_out_means(run_.res.model, b)[1])) for k, b in batches.items()}
             done.setdefault("checks", {})[str(s)] = values
             save(dest, done)
             print(f"{folder.name} step {s}: calib {values['calib']:.4f}, other ({what}) {values['other']:.4f}", flush=True)
@@ -432,7 +433,7 @@ def checks(args) -> None:
         with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
             run_ = PruneRun(dataclasses.replace(config, eval_init=False), Path(tmp) / "run",
                             log=lambda m: print(m, flush=True))
-            run_.fresh_state()
+            fresh_state(run_.res, run_.call_hooks)
             evaluate(run_)
     got = {int(k): v for k, v in load(dest)["checks"].items()}
     done = load(dest)
@@ -482,6 +483,7 @@ def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
     from engine.settings.config import PruneConfig
     from engine.export.artifacts import export_pruned
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
 
     from engine.algo.context import KEEP
 
@@ -489,10 +491,10 @@ def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         run_ = PruneRun(dataclasses.replace(config, eval_init=False), Path(tmp) / "run",
                         log=lambda m: print(m, flush=True))
-        run_.fresh_state()
+        fresh_state(run_.res, run_.call_hooks)
         for dest, masks in masks_by_dest.items():
-            with run_.masks.weights(masks) as fill:
-                export_pruned(run_.model, run_.tokenizer, run_.layout, masks, dest, run_.fill if fill is KEEP else fill)
+            with run_.res.masks.weights(masks) as fill:
+                export_pruned(run_.res.model, run_.res.tokenizer, run_.res.layout, masks, dest, run_.res.ctx.fill if fill is KEEP else fill)
 
 
 def final_masks(folder: Path) -> dict:

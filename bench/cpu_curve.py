@@ -97,7 +97,7 @@ class Trace(RunHook):
             import torch
 
             scores = state.best_scores if state.best_scores is not None else state.scores
-            masks = self.run.final_masks(scores, state.init_metric)
+            masks = self.run.masks.final_masks(scores, state.init_metric)
             mask_file.parent.mkdir(exist_ok=True)
             torch.save({u: m.bool() for u, m in masks.items()}, mask_file.with_suffix(".tmp"))
             os.replace(mask_file.with_suffix(".tmp"), mask_file)
@@ -118,13 +118,14 @@ def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | No
     import torch
 
     from engine.data.text import eval_windows, load_eval_text
+    from engine.hooks import RunView
     from engine.run.loop import PruneRun
 
     out = cell / "run"
     resume = (out / "checkpoint.pt").exists()
     run = PruneRun(cell_config(variant, seed, minutes, model), out, started=STARTED)
-    trace = Trace(run, cell)
-    run.hooks.append(trace)
+    trace = Trace(RunView(), cell)  # (its view bound to the run's resources with the run's own hooks')
+    run.replace_resources(hooks=(*run.res.hooks, trace))
     if (out / "results.json").exists():  # the run finished; the evaluations below had not
         results = json.loads((out / "results.json").read_text())
     else:
@@ -134,22 +135,20 @@ def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | No
     exported = results.get("mask_step")  # (the run's last word: a time budget that fitted too few steps exports the
     if exported is not None and (cell / "masks" / f"step{exported}.pt").exists():  # init, whatever best-val kept)
         points[-1]["best_step"] = exported
-    if run.windows.shape[0] != EVAL_WINDOWS:  # the curve's evaluations are on the protocol's windows
-        text, _ = load_eval_text(run.config.eval_data)
-        run.windows = eval_windows(run.tokenizer, text, run.config.eval_seqlen, EVAL_WINDOWS)
-        run.masks.measured.clear()
-    if run.fill is None and run.config.bias_compensation:
-        from engine.run.initialise import start_state
-
-        start_state(run, resume=True)  # the compensation's means, from the checkpoint
+    if run.res.windows.shape[0] != EVAL_WINDOWS:  # the curve's evaluations are on the protocol's windows
+        text, _ = load_eval_text(run.res.config.eval_data)
+        run.replace_resources(windows=eval_windows(run.res.tokenizer, text, run.res.config.eval_seqlen, EVAL_WINDOWS))
+        run.res.masks.measured.clear()
+    if run.res.ctx.fill is None and run.res.config.bias_compensation:
+        run.start_state(resume=True)  # the compensation's means, from the checkpoint
     ppl = {}
     for step in sorted({p["best_step"] for p in points}):
         masks = torch.load(cell / "masks" / f"step{step}.pt", weights_only=True)
-        ppl[step] = run.masked_perplexity({u: m.float() for u, m in masks.items()}, f"the exported mask of step {step}")
+        ppl[step] = run.res.masks.masked_perplexity({u: m.float() for u, m in masks.items()}, f"the exported mask of step {step}")
     end = points[-1]["cpu"]
     finish = finished_cpu - end  # the final evaluation and the export (a finished run read back: 0)
     cell_json = {
-        "variant": variant, "seed": seed, "minutes": minutes, "config": run.config.to_dict(),
+        "variant": variant, "seed": seed, "minutes": minutes, "config": run.res.config.to_dict(),
         "steps": results.get("steps"), "mask_step": results.get("mask_step"), "ppl_init": ppl[points[0]["best_step"]],
         "ppl_final": ppl[results["mask_step"]] if results.get("mask_step") in ppl else None,
         "ppl_final_run": results.get("ppl_pruned"), "seconds_per_step": results.get("seconds_per_step"),

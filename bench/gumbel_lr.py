@@ -33,19 +33,20 @@ def main() -> None:
     from engine.settings.config import PruneConfig
     from engine.algo.methods import METHODS, method_options
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
 
     torch.manual_seed(0)
     config = PruneConfig.of(model=args.model, prune_ratio=args.prune_ratio, init="wanda-sp", max_windows=1, steps=100,
                          baseline="leave-one-out")
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
-    run.progress = False
-    state = run.fresh_state()
-    gumbel = METHODS["gumbel"](run.ctx, method_options("gumbel", {}))  # the same run, the other method's estimate
+    run.res.loop.progress = False
+    state = fresh_state(run.res, run.call_hooks)
+    gumbel = METHODS["gumbel"](run.res.ctx, method_options("gumbel", {}))  # the same run, the other method's estimate
     pg = {u: [] for u in state.scores}
     gs = {u: [] for u in state.scores}
     for _ in range(args.batches):
-        g_pg = run.method.gradient(state, run.sampler.next_batch()).grads
-        g_gs = gumbel.gradient(state, run.sampler.next_batch()).grads
+        g_pg = run.res.method.gradient(state, run.res.sampler.next_batch()).grads
+        g_gs = gumbel.gradient(state, run.res.sampler.next_batch()).grads
         for u in state.scores:
             pg[u].append(float(g_pg[u].abs().mean()))
             gs[u].append(float(g_gs[u].abs().mean()))

@@ -58,6 +58,7 @@ def main() -> None:
     from engine.algo.joint import candidate_scores, layer_counts
     from engine.run.mix import hard_mask_loss
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
     from widths_after_layers import layer_compensation, layer_mean_deltas, widths_after_layers
 
     from compare_table import load_cell_config
@@ -93,15 +94,15 @@ def main() -> None:
                 continue
             t0, cpu0 = time.monotonic(), time.process_time()
             cand = candidate_scores(run_.budget, z, run_.layout, k, keep, run_.config, comparable)
-            masks, fill = run_.hard_masks(cand, keep), KEEP
+            masks, fill = run_.masks.hard_masks(cand, keep), KEEP
             if args.sequential:
                 z_k, fill = widths_after_layers(run_, masks[run_.budget.layer_type], seen["batches"], z)
                 cand = candidate_scores(run_.budget, z_k, run_.layout, k, keep, run_.config, comparable)
-                masks = run_.hard_masks(cand, keep)
+                masks = run_.masks.hard_masks(cand, keep)
             with layer_compensation(deltas) if deltas else contextlib.nullcontext():
                 losses = [hard_mask_loss(run_, masks, b, fill) for b in mix_on + more]
                 removed = int((masks[run_.budget.layer_type] <= 0.5).sum())
-                ppl = run_.masked_perplexity(masks, f"{removed} layers out", fill)
+                ppl = run_.masks.masked_perplexity(masks, f"{removed} layers out", fill)
             done["counts"][str(k)] = {
                 "layers_removed": removed, "loss_mix": sum(losses[:len(mix_on)]) / len(mix_on),
                 "loss_more": sum(losses[len(mix_on):]) / max(len(more), 1), "mix_batches": len(mix_on),
@@ -117,7 +118,7 @@ def main() -> None:
     initialise.initial_metric, initialise.choose_mix = metric, mix
     with tempfile.TemporaryDirectory() as tmp:
         r = PruneRun(config, tmp)
-        r.fresh_state()
+        fresh_state(r.res, r.call_hooks)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ def main() -> None:
 
     from engine.data.text import CalibrationSampler, load_calibration_texts, split_holdout
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
 
     from compare_table import load_cell_config
 
@@ -40,8 +41,9 @@ def main() -> None:
         r = PruneRun(config, tmp)
         texts, _ = load_calibration_texts(config.calib)
         kept, _ = split_holdout(texts)  # what a PG run (validation on) draws its calibration batches from
-        r.sampler = r.init_sampler = CalibrationSampler(r.tokenizer, kept, config.seqlen, config.batch_size, config.seed)
-        state = r.fresh_state()
+        sampler = CalibrationSampler(r.res.tokenizer, kept, config.seqlen, config.batch_size, config.seed)
+        r.replace_resources(sampler=sampler, init_sampler=sampler)
+        state = fresh_state(r.res, r.call_hooks)
     own = json.loads((args.cell / "results.json").read_text()) if (args.cell / "results.json").exists() else {}
     out = {"cell": args.cell.name, "method": config.method, "init": config.init, "seed": config.seed,
            "prune_ratio": config.prune_ratio, "ppl_init_on_pg_data": state.ppl_init,

@@ -71,13 +71,14 @@ def worker(args) -> dict:
     from engine.hooks.validation import Validation
     from engine.algo.metrics.activations import input_means
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
 
     config = PruneConfig.of(model=args.model, seed=args.seed, steps=args.steps, max_windows=args.max_windows,
                          device=args.device, dtype=args.dtype, **{**PROTOCOL, **VARIANTS[args.variant]})
     logs: list[str] = []
     run_ = PruneRun(config, tempfile.mkdtemp(), log=logs.append)
-    run_.progress = False
-    state = run_.fresh_state()
+    run_.res.loop.progress = False
+    state = fresh_state(run_.res, run_.call_hooks)
     out = {"variant": args.variant, "seed": args.seed, "steps": args.steps, "config": config.to_dict(),
            "ppl_dense": state.ppl_dense, "ppl_init": state.ppl_init, "device": args.device}
     if args.device.startswith("cuda"):
@@ -91,20 +92,20 @@ def worker(args) -> dict:
         if config.val_every and state.step % config.val_every == 0:
             validation.validate(state)
         if state.step == 50 and config.steps > 50:
-            out["step50"] = run_.masked_perplexity(run_.hard_masks(state.scores), "step 50", run_.fill)
+            out["step50"] = run_.res.masks.masked_perplexity(run_.res.masks.hard_masks(state.scores), "step 50", run_.res.ctx.fill)
     out["seconds_per_step"] = statistics.median(step_seconds[5:] or step_seconds)
-    last = run_.hard_masks(state.scores)
-    hybrid = rank_within_layers(run_.layout, last, state.init_metric)
-    fill = run_.fill or compensation_fill(input_means(run_.adapter, [run_.sampler.next_batch() for _ in range(16)]),
-                                          run_.layout.unit_types)
-    out["last"] = run_.masked_perplexity(last, "last", run_.fill)
-    out["hybrid"] = run_.masked_perplexity(hybrid, "hybrid", run_.fill)
-    out["comp"] = run_.masked_perplexity(last, "comp", fill)
-    out["hybrid+comp"] = run_.masked_perplexity(hybrid, "hybrid+comp", fill)
+    last = run_.res.masks.hard_masks(state.scores)
+    hybrid = rank_within_layers(run_.res.layout, last, state.init_metric)
+    fill = run_.res.ctx.fill or compensation_fill(input_means(run_.res.adapter, [run_.res.sampler.next_batch() for _ in range(16)]),
+                                          run_.res.layout.unit_types)
+    out["last"] = run_.res.masks.masked_perplexity(last, "last", run_.res.ctx.fill)
+    out["hybrid"] = run_.res.masks.masked_perplexity(hybrid, "hybrid", run_.res.ctx.fill)
+    out["comp"] = run_.res.masks.masked_perplexity(last, "comp", fill)
+    out["hybrid+comp"] = run_.res.masks.masked_perplexity(hybrid, "hybrid+comp", fill)
     if state.best_scores is not None:
-        out["best-val"] = run_.masked_perplexity(run_.hard_masks(state.best_scores), "best-val", run_.fill)
+        out["best-val"] = run_.res.masks.masked_perplexity(run_.res.masks.hard_masks(state.best_scores), "best-val", run_.res.ctx.fill)
         out["best_val_step"] = state.best_step
-    out["kept_heads_per_layer"] = [int(x.sum()) for x in run_.layout.split("heads", last["heads"])]
+    out["kept_heads_per_layer"] = [int(x.sum()) for x in run_.res.layout.split("heads", last["heads"])]
     return out
 
 

@@ -38,13 +38,13 @@ def refit_perplexities(cell: Path, batches: int, ridges: list[float]) -> list[di
     out, cell_ppl = [], json.loads((cell / "results.json").read_text())["ppl_pruned"]
     with tempfile.TemporaryDirectory() as tmp:
         run = PruneRun(PruneConfig.from_dict(values), tmp, log=lambda _: None)
-        run.progress = False
+        run.res.loop.progress = False
         _, masks, _ = load_mask_artifact(cell)
         t0 = time.process_time()
         for ridge in ridges:  # (the hook reads the ridge at each refit; its statistics are taken at the first)
-            run.config.reconstruct_ridge = ridge
-            with run.masks.weights(masks) as fill:
-                ppl = run.masked_perplexity(masks, "refit", fill)
+            run.res.config.reconstruct_ridge = ridge
+            with run.res.masks.weights(masks) as fill:
+                ppl = run.res.masks.masked_perplexity(masks, "refit", fill)
             out.append({"cell": cell.name, "batches": batches, "ridge": ridge, "ppl": ppl,
                         "cpu_seconds": time.process_time() - t0, "cell_ppl": cell_ppl,
                         "cell_batches": saved.get("reconstruct_batches")})

@@ -43,12 +43,12 @@ saved = json.loads((cell / "config.json").read_text())
 values = {**saved, "reconstruct_batches": nb, "reconstruct": True}
 with tempfile.TemporaryDirectory() as tmp:
     run = PruneRun(PruneConfig.from_dict(values), tmp, log=lambda _: None)
-    run.progress = False
+    run.res.loop.progress = False
     _, masks, _ = load_mask_artifact(cell)
-    ad, lay, c = run.adapter, run.layout, run.config
-    rec = [h for h in run.hooks if type(h).__name__ == "Reconstruction"][0]
+    ad, lay, c = run.res.adapter, run.res.layout, run.res.config
+    rec = [h for h in run.res.hooks if type(h).__name__ == "Reconstruction"][0]
     dense = rec.statistics()
-    sampler = run.sampler.reseeded(c.seed + 5)
+    sampler = run.res.sampler.reseeded(c.seed + 5)
     batches = [sampler.next_batch() for _ in range(nb)]
     kept = dict(kept_indices(lay, masks, ad))
     keys = [(t.name, i) for i in kept for t in layer_unit_types() if t.name in masks]
@@ -68,8 +68,8 @@ with tempfile.TemporaryDirectory() as tmp:
         t0 = time.process_time()
         with torch.no_grad(), reconstructed(ad, lay, masks, moments, c.reconstruct_ridge, c.bias_compensation) as fill:
             if it == 0:
-                run.masks.measured.clear()
-                print("dense-input refit", run.masked_perplexity(masks, "r", fill), flush=True)
+                run.res.masks.measured.clear()
+                print("dense-input refit", run.res.masks.masked_perplexity(masks, "r", fill), flush=True)
             types = {t.name: t for t in layer_unit_types()}
             hs = [types[u].output_proj(ad, i).register_forward_pre_hook(recx((u, i))) for u, i in keys]
             with MaskHooks(ad) as hooks:
@@ -85,5 +85,5 @@ with tempfile.TemporaryDirectory() as tmp:
                    for k in dense}
         print("pruned pass", time.process_time() - t0, flush=True)
         with torch.no_grad(), reconstructed(ad, lay, masks, moments, c.reconstruct_ridge, c.bias_compensation) as fill:
-            run.masks.measured.clear()
-            print(f"pass {it+1} mix {mix}: {run.masked_perplexity(masks, 'b', fill):.2f}", flush=True)
+            run.res.masks.measured.clear()
+            print(f"pass {it+1} mix {mix}: {run.res.masks.masked_perplexity(masks, 'b', fill):.2f}", flush=True)

@@ -153,7 +153,7 @@ def measure_refit(run_, masks: dict, what: str, c4, zeroshot: bool, into: dict) 
     with run_.masks.weights(masks) as fill:
         t0 = cpu()
         if "wikitext" not in into:
-            into["wikitext"] = run_.masked_perplexity(masks, f"{what} (refit)", fill)
+            into["wikitext"] = run_.masks.masked_perplexity(masks, f"{what} (refit)", fill)
         if "c4" not in into:
             def loss(model, b):
                 return run_.ctx.losses({u: m[None] for u, m in masks.items()}, b, fill).expand(b.shape[0])
@@ -195,6 +195,7 @@ def oneshot(args) -> None:
     from engine.algo.evaluate import _row_losses
     from engine.algo.joint import candidate_scores, layer_counts
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
     from engine.algo.rewards import DenseKL, logits_of, row_kl
 
     name = f"r{round(args.rate * 100)}-s{args.seed}-{args.source}"
@@ -225,7 +226,7 @@ def oneshot(args) -> None:
 
         masks_of = {}
         for k in layer_counts(budget.layer_params, budget.decoder - budget.kept_target(keep)):
-            masks = run_.hard_masks(candidate_scores(budget, z, run_.layout, k, keep, run_.config, comparable), keep)
+            masks = run_.masks.hard_masks(candidate_scores(budget, z, run_.layout, k, keep, run_.config, comparable), keep)
             masks_of[k] = masks
             if str(k) in done["counts"]:
                 continue
@@ -258,7 +259,7 @@ def oneshot(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             r = PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True))
-            r.fresh_state()
+            fresh_state(r.res, r.call_hooks)
         finally:
             done["cpu_seconds"] = done["cpu_seconds_before"] + cpu() - t_cpu
             done.pop("cpu_seconds_before")
@@ -374,6 +375,7 @@ def at_refit_statistics(args, evaluate) -> None:
 
     import engine.run.initialise as initialise
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
 
     config = cell_config(cell_argv(args.rate, args.seed, args.source, args.reward,
                                    ["--out", str(OUT / "unused"), *VARIANTS[args.variant]]))
@@ -384,7 +386,8 @@ def at_refit_statistics(args, evaluate) -> None:
 
     initialise.choose_mix = stop_after
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True)).fresh_state()
+        r = PruneRun(config, Path(tmp) / "run", log=lambda m: print(m, flush=True))
+        fresh_state(r.res, r.call_hooks)
 
 
 def curve(args) -> None:
@@ -523,7 +526,7 @@ def zeroshot_more(args) -> None:
         t1 = cpu()
         with run_.masks.weights(init) as fill:
             # (the refit init's WikiText beside the curve's step 0: the same mask and refit as the cell's)
-            done["init_wikitext"] = run_.masked_perplexity(init, "init (refit)", fill)
+            done["init_wikitext"] = run_.masks.masked_perplexity(init, "init (refit)", fill)
             with run_.ctx.masked(init, fill):
                 done["scores"]["init"] = zeroshot_docs(run_.model, run_.tokenizer, docs)
         done["cpu_seconds"] = done.get("cpu_seconds", 0.0) + cpu() - t1

@@ -87,6 +87,7 @@ def setup(args):
 
     from engine.settings.config import PruneConfig
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
 
     config = PruneConfig.of(model=args.plain_copy, init="random", steps=1000, batch_size=args.batch_size, seqlen=args.seqlen,
                          num_mask_samples=args.num_mask_samples, baseline="moving-average", max_windows=1,
@@ -94,11 +95,11 @@ def setup(args):
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None)
     gumbel = None  # (--no-gumbel: not made, nor its data read)
     if args.gumbel:
-        gumbel = PruneRun(replace(config, method="gumbel", method_options={}), tempfile.mkdtemp(), model=run.model,
-                          tokenizer=run.tokenizer, log=lambda m: None)
-        gumbel.progress = False
-    run.progress = False
-    state = run.fresh_state()
+        gumbel = PruneRun(replace(config, method="gumbel", method_options={}), tempfile.mkdtemp(), model=run.res.model,
+                          tokenizer=run.res.tokenizer, log=lambda m: None)
+        gumbel.res.loop.progress = False
+    run.res.loop.progress = False
+    state = fresh_state(run.res, run.call_hooks)
     return run, gumbel, state
 
 
@@ -122,6 +123,7 @@ def rank_worker(args) -> dict | None:
     from engine.settings.config import PruneConfig
     from engine.model.distributed import join_world
     from engine.run.loop import PruneRun
+    from engine.run.initialise import fresh_state
 
     torch.set_num_threads(args.threads_per_rank)
     torch.manual_seed(0)
@@ -131,8 +133,8 @@ def rank_worker(args) -> dict | None:
                             prune_ratio=args.prune_ratio, dtype=args.dtype, device=args.device, val_every=0,
                             final_mask="last", sample_forward=args.executors[0] if len(args.executors) == 1 else "auto")
     run = PruneRun(config, tempfile.mkdtemp(), log=lambda m: None, world=world)
-    run.progress = False
-    state = run.fresh_state()
+    run.res.loop.progress = False
+    state = fresh_state(run.res, run.call_hooks)
     run.step(state)  # warm-up
     seconds = []
     for _ in range(args.repeats):
@@ -172,11 +174,14 @@ def worker(args) -> dict:
 
     torch.manual_seed(0)
     run, gumbel, state = setup(args)
-    batch = run.sampler.next_batch()
+    batch = run.res.sampler.next_batch()
 
     def pg_step(executor, dtype="float32"):
         def step():
-            run.sample_losses, run.step_dtype = EXECUTORS[executor], dtype  # (--step-dtypes: the step's autocast)
+            # (the executor the step's samples run on, and --step-dtypes' autocast: the loop reads both from its
+            # resources, bound once, so a replaced copy; until 2026-12-04 the executor was set where no step read it)
+            run.res.ctx.executor = EXECUTORS[executor]
+            run.replace_resources(step_dtype=dtype)
             run.step(state)
         return step
 
@@ -187,7 +192,7 @@ def worker(args) -> dict:
                 torch.cuda.synchronize()
         return timed
 
-    work = {"dense": lambda: batch_loss(run.model, batch)}
+    work = {"dense": lambda: batch_loss(run.res.model, batch)}
     work |= {f"pg-{e}": pg_step(e) for e in args.executors}
     if args.worker == "time":  # (each further --step-dtypes entry: the same steps under its autocast, timed only)
         work |= {f"pg-{e}-{d}": pg_step(e, d) for e in args.executors for d in args.step_dtypes if d != "float32"}
@@ -196,7 +201,7 @@ def worker(args) -> dict:
         # (the run's final mask at its initial probabilities), with no gathers and no hooks
         from engine.export.artifacts import build_pruned_model
 
-        sub = build_pruned_model(run.model, run.layout, run.hard_masks(state.scores))
+        sub = build_pruned_model(run.res.model, run.res.layout, run.res.masks.hard_masks(state.scores))
         work["floor"] = lambda: [batch_loss(sub, batch) for _ in range(args.num_mask_samples)]
     if args.gumbel:
         work["gumbel"] = lambda: gumbel.step(state)

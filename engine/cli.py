@@ -414,7 +414,7 @@ def _prune_writer(args, world) -> int:
             if args.export_gguf:  # refuse now what llama.cpp cannot take, not after the optimisation
                 from .export.gguf import check_exportable
 
-                check_exportable(run.model)
+                check_exportable(run.res.model)
         except BaseException:
             held.close()
             cleanup_out_dir(created)  # a folder made only for this run leaves no trace of a failed start
@@ -423,10 +423,10 @@ def _prune_writer(args, world) -> int:
         check_out_dir(out, args.resume, args.overwrite)
         if getattr(args, "default_preset", None):  # (after every refusal: a refused run's stderr is its one error line)
             if getattr(args, "no_steps", False):
-                run.log(no_steps_line(config.prune_ratio))
+                run.res.log(no_steps_line(config.prune_ratio))
             elif config.method == PRESETS[args.default_preset].get("method"):  # (the preset's steps, bought)
-                run.log(steps_bought_line(config.prune_ratio, config.steps, config.time_budget))
-            run.log(f"the default preset {args.default_preset}: {preset_text(args.default_preset)} (--preset fast, "
+                run.res.log(steps_bought_line(config.prune_ratio, config.steps, config.time_budget))
+            run.res.log(f"the default preset {args.default_preset}: {preset_text(args.default_preset)} (--preset fast, "
                     "or --units, for the settings' own defaults)")
         saved_steps = PruneConfig.load(out / CONFIG_FILE).steps if args.resume else config.steps
         if saved_steps != config.steps:
@@ -434,14 +434,14 @@ def _prune_writer(args, world) -> int:
                   "checkpoint on)", file=sys.stderr)
             config.save(out / CONFIG_FILE)
         if not args.resume:  # (what --time-budget will cut, said with the plan, before the work)
-            for trade in budget_trades_of(run):
-                run.log(f"plan: {trade}")
+            for trade in budget_trades_of(run.res):
+                run.res.log(f"plan: {trade}")
         try:
             results = run.run(resume=args.resume)
         except (KeyboardInterrupt, RankLost) as e:
             step = run.checkpoints.saved_step  # None when the run had written no checkpoint yet
             where = (f"the checkpoint holds step {step}/{config.steps}: continue with python -m engine prune "
-                     f"--out {out} --resume") if step is not None else interrupted_before_first_step(out, run.phases.last)
+                     f"--out {out} --resume") if step is not None else interrupted_before_first_step(out, run.res.phases.last)
             if isinstance(e, RankLost):
                 raise UserError(f"{e}; {where} (with any number of ranks)") from None
             raise _Interrupted(f"interrupted; {where}") from None
@@ -506,17 +506,17 @@ def say_recovered(r) -> None:
           f"of training; recovered model in {r.model}")
 
 
-def budget_trades_of(run) -> list[str]:
+def budget_trades_of(res) -> list[str]:
     """What --time-budget will cut in this run (the refit's statistics: results.json's "reduced" records it after),
     from the plan the run makes of its time (engine/run/plan.py's time_plan: this machine's probe, the passes' dtype,
     the dense perplexity's cache), before the work; none without a budget or a refit."""
     from .plan.forecast import budget_trades
     from .run.plan import time_plan
 
-    c = run.config
+    c = res.config
     if c.time_budget is None or not c.reconstruct:
         return []
-    return budget_trades(c, time_plan(run)[0])
+    return budget_trades(c, time_plan(res)[0])
 
 
 def error_line(e: BaseException) -> str:

@@ -101,7 +101,7 @@ def spied_run(config, tiny, out=None) -> tuple[PruneRun, dict]:
     """A run whose sampled masks and state are recorded: seen["samples"] (one dict per step), seen["state"]."""
     run = PruneRun(config, out, model=tiny[0], tokenizer=tiny[1], log=quiet)
     seen = {"samples": []}
-    rewards, next_scores = run.ctx.rewards, run.method.next_scores
+    rewards, next_scores = run.res.ctx.rewards, run.res.method.next_scores
 
     def record_rewards(samples, batch, *a):
         seen["samples"].append({u: m.clone() for u, m in samples.items()})
@@ -111,26 +111,26 @@ def spied_run(config, tiny, out=None) -> tuple[PruneRun, dict]:
         seen["state"] = state
         return next_scores(state, grads, lr)
 
-    run.ctx.rewards, run.method.next_scores = record_rewards, record_state
+    run.res.ctx.rewards, run.res.method.next_scores = record_rewards, record_state
     return run, seen
 
 
 def kept_params(run, masks) -> float:
     """The kept parameters of the pruned units (a removed layer's widths not counted twice)."""
-    if hasattr(run.budget, "kept_params"):
-        return run.budget.kept_params(masks)
-    w = unit_weights(run.adapter, run.layout)
+    if hasattr(run.res.budget, "kept_params"):
+        return run.res.budget.kept_params(masks)
+    w = unit_weights(run.res.adapter, run.res.layout)
     return float(sum((w[u] * (m > 0.5)).sum() for u, m in masks.items()))
 
 
 def assert_on_budget(run, masks, reference):
     """Unit budget: every type keeps exactly the reference's count. Parameter budget: the kept parameters are at
     most the target and within one unit's weight of it, as the reference's are."""
-    if run.config.budget == "units":
+    if run.res.config.budget == "units":
         assert {u: int((m > 0.5).sum()) for u, m in masks.items()} == {u: int((m > 0.5).sum()) for u, m in reference.items()}
         return
-    target = run.budget.kept_target(run.config.keep_ratio)
-    heaviest = max(float(w.max()) for u, w in unit_weights(run.adapter, run.layout).items() if not UNIT_TYPES[u].whole_layer)
+    target = run.res.budget.kept_target(run.res.config.keep_ratio)
+    heaviest = max(float(w.max()) for u, w in unit_weights(run.res.adapter, run.res.layout).items() if not UNIT_TYPES[u].whole_layer)
     for m in (masks, reference):
         assert target - heaviest < kept_params(run, m) <= target + 1e-6
 
@@ -138,7 +138,7 @@ def assert_on_budget(run, masks, reference):
 def assert_layer_order_kept(run, masks, start):
     """Inside every (type, layer), a kept unit implies every unit of that layer with a higher start score is kept."""
     for u, m in masks.items():
-        for keep, s in zip(run.layout.split(u, m > 0.5), run.layout.split(u, start[u].double())):
+        for keep, s in zip(run.res.layout.split(u, m > 0.5), run.res.layout.split(u, start[u].double())):
             if bool(keep.any()):
                 assert bool(keep[s > float(s[keep].min())].all()), u
 
@@ -146,17 +146,17 @@ def assert_layer_order_kept(run, masks, start):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_mu_zero_is_the_start_mask(case, tiny, eval_file):
     run = PruneRun(alloc_config(eval_file, **CASES[case]), None, model=tiny[0], tokenizer=tiny[1], log=quiet)
-    state = fresh_state(run)
+    state = fresh_state(run.res, run.call_hooks)
     start = dict(state.scores)
-    run.method._start(state)
-    at_zero = run.ctx.hard_masks(run.method.scores(state))
-    want = run.ctx.hard_masks(start)
+    run.res.method._start(state)
+    at_zero = run.res.ctx.hard_masks(run.res.method.scores(state))
+    want = run.res.ctx.hard_masks(start)
     assert all(torch.equal(at_zero[u], want[u]) for u in want), case
     if case == "joint":  # the fixed layers carry no offset, nor the widths of a removed layer
         removed = [i for i, p in enumerate(start["layers"].tolist()) if p == 0.0]
         index = state.method_state["alloc"]["index"]
         assert removed and bool((index["layers"] == -1).all())
-        assert all(bool((run.layout.split(u, index[u])[i] == -1).all()) for u in ("heads", "channels") for i in removed)
+        assert all(bool((run.res.layout.split(u, index[u])[i] == -1).all()) for u in ("heads", "channels") for i in removed)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -166,7 +166,7 @@ def test_every_sample_and_the_final_mask_are_the_budget_cut_in_the_start_order(c
     state = seen["state"]
     m = state.method_state["alloc"]
     start = {u: torch.sigmoid(b) for u, b in m["base"].items()}
-    init = run.ctx.hard_masks(start)
+    init = run.res.ctx.hard_masks(start)
     assert len(seen["samples"]) == 3 and float(m["mu"].abs().sum()) > 0  # (3 steps, and mu moved)
     distinct = set()
     for samples in seen["samples"]:
@@ -177,9 +177,9 @@ def test_every_sample_and_the_final_mask_are_the_budget_cut_in_the_start_order(c
             distinct.add(tuple((x[j] > 0.5).numpy().tobytes() for x in samples.values()))
     assert len(distinct) > 1  # the offsets' noise moves the cut
     final = results["masks"]
-    want = run.ctx.hard_masks(shifted_scores(m["base"], m["index"], m["mu"]))  # the last mu's cut: nothing moved it
+    want = run.res.ctx.hard_masks(shifted_scores(m["base"], m["index"], m["mu"]))  # the last mu's cut: nothing moved it
     assert all(torch.equal(final[u], want[u].to(final[u].dtype)) for u in want)
-    assert all(torch.equal(state.scores[u], s) for u, s in run.method.scores(state).items())  # the view, unprojected
+    assert all(torch.equal(state.scores[u], s) for u, s in run.res.method.scores(state).items())  # the view, unprojected
     assert_on_budget(run, final, init)
     assert_layer_order_kept(run, final, start)
 
@@ -206,8 +206,8 @@ def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one(tiny, eval_file, 
 def test_step_refit_scores_every_sample_refit(tiny, eval_file):
     run, seen = spied_run(alloc_config(eval_file, steps=1, step_refit=True, reconstruct=True), tiny)
     calls = []
-    weights = run.ctx.weights
-    run.ctx.weights = lambda masks: calls.append(masks) or weights(masks)
+    weights = run.res.ctx.weights
+    run.res.ctx.weights = lambda masks: calls.append(masks) or weights(masks)
     run.run(progress=False)
     assert len(calls) == 4  # one refit a sample
 
@@ -234,8 +234,8 @@ def test_the_learning_rate_cancels_out_of_the_steps_which_is_why_it_is_refused(t
     mus = []
     for factor in (1.0, 0.25):
         run, seen = spied_run(alloc_config(eval_file, steps=2, lr_schedule="cosine"), tiny)
-        step = run.method.next_scores
-        run.method.next_scores = lambda state, grads, lr, step=step, f=factor: step(state, grads, lr * f)
+        step = run.res.method.next_scores
+        run.res.method.next_scores = lambda state, grads, lr, step=step, f=factor: step(state, grads, lr * f)
         run.run(progress=False)
         mus.append(seen["state"].method_state["alloc"]["mu"].clone())
     assert float(mus[0].abs().sum()) > 0 and torch.equal(mus[0], mus[1])

@@ -19,8 +19,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Absolute names of every module this file imports at run time (relative imports resolved)."""
+def imports(path: Path, typing_too: bool = False) -> set[str]:
+    """Absolute names of every module this file imports at run time (relative imports resolved); typing_too:
+    the imports under `if TYPE_CHECKING:` (annotations only) as well."""
     package = module_name(path).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
@@ -29,7 +30,7 @@ def imports(path: Path) -> set[str]:
                    and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
     out = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:  # annotations only: never imported at run time
+        if id(node) in typing_only and not typing_too:  # annotations only: never imported at run time
             continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
@@ -42,6 +43,7 @@ def imports(path: Path) -> set[str]:
 
 
 MODULES = {module_name(p): imports(p) for p in ENGINE.rglob("*.py")}
+WITH_TYPES = {module_name(p): imports(p, typing_too=True) for p in ENGINE.rglob("*.py")}  # (type-only imports too)
 
 
 def under(name: str, package: str) -> bool:
@@ -96,14 +98,14 @@ def test_the_adapter_never_reaches_up_to_the_unit_types():
 
 
 # --- issue 23: no import cycles, nothing low reaching up ---------------------------------------------------------
-def _graph() -> dict[str, set[str]]:
+def _graph(modules: dict[str, set[str]] = MODULES) -> dict[str, set[str]]:
     """Module -> the engine modules it imports (an imported name collapses to the module that holds it)."""
     def owner(name: str) -> str:
-        while name and name not in MODULES:
+        while name and name not in modules:
             name = name.rsplit(".", 1)[0] if "." in name else ""
         return name
 
-    return {m: {owner(i) for i in deps if owner(i) and owner(i) != m} for m, deps in MODULES.items()}
+    return {m: {owner(i) for i in deps if owner(i) and owner(i) != m} for m, deps in modules.items()}
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -142,6 +144,30 @@ def test_no_import_cycles():
     # no allow-list: every cycle (registry packages <-> their entries, arch <-> unit_types, loading <-> rundir) is gone
     cycles = import_cycles(_graph())
     assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles_counting_type_only_imports():
+    # (a module that names another in its annotations alone still depends on it: the run's modules take
+    # engine/run/resources.py's RunResources, never the loop, so no circle runs through engine/run/loop.py)
+    cycles = import_cycles(_graph(WITH_TYPES))
+    assert cycles == [], "import cycles with the type-only imports: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+# the modules that start a run: they build the loop and call it (every other module takes RunResources, RunState or
+# less: engine/run/resources.py)
+STARTS_RUNS = {"engine.run.loop", "engine.cli", "engine.api", "engine.ui.jobs", "engine.tools.model_copy"}
+
+
+def test_only_the_loop_and_the_front_ends_that_start_runs_import_prunerun():
+    importers = {m for m, deps in WITH_TYPES.items() if "engine.run.loop.PruneRun" in deps}
+    assert importers - STARTS_RUNS == set(), "these modules name the loop; take engine.run.resources' RunResources"
+    assert "engine.ui.jobs" in importers  # (the check sees an import inside a function)
+
+
+def test_the_type_only_check_sees_an_annotation_import():
+    base = ENGINE / "hooks" / "base.py"  # (its RunState is named under `if TYPE_CHECKING:` alone)
+    assert "engine.run.state.RunState" in imports(base, typing_too=True)
+    assert "engine.run.state.RunState" not in imports(base)
 
 
 def test_the_cycle_check_sees_a_cycle():

@@ -81,14 +81,14 @@ def test_block_influence_runs_alone_and_in_the_joint(tiny, tiny_path, small_eval
                   layer_init="block-influence", method="metric", reconstruct=False, budget="params")
     run = PruneRun(PruneConfig.of(units=["layers"], prune_ratio=0.4, **common), tmp_path / "alone", model=model,
                    tokenizer=tok, log=lambda m: None)
-    run.progress = False
+    run.res.loop.progress = False
     results = run.run()
     z = run.load_checkpoint().init_metric["layers"]
     removed = [i for i, k in enumerate(results["kept_per_layer"]["layers"]) if k == 0]
     assert removed == sorted(torch.argsort(z, stable=True)[:len(removed)].tolist()) and removed
     joint = PruneRun(PruneConfig.of(units=["layers", "heads", "channels"], prune_ratio=0.6, init="flap", **common),
                      tmp_path / "joint", model=model, tokenizer=tok, log=lambda m: None)
-    joint.progress = False
+    joint.res.loop.progress = False
     res = joint.run()
     assert res["layer_init"] == "block-influence" and [m["layers_removed"] for m in res["init_mix"]] == [0, 1]
     z = joint.load_checkpoint().init_metric["layers"]

@@ -12,6 +12,7 @@ import pytest
 from engine.storage import ppl_cache
 from engine.settings.config import PruneConfig
 from engine.run.loop import PruneRun
+from engine.run.initialise import fresh_state
 
 from conftest import SMALL_CALIB
 from test_pruner import small_config
@@ -78,8 +79,8 @@ def test_a_budgeted_run_reserves_the_cached_dense_evaluation_s_seconds(tiny_path
     def start(name):
         logs = []
         run = PruneRun(small_config(tiny_path, small_eval_file, time_budget=5.0), tmp_path / name, log=logs.append)
-        run.progress = False
-        state = run.fresh_state()
+        run.res.loop.progress = False
+        state = fresh_state(run.res, run.call_hooks)
         return run, state, logs
 
     run, state, logs = start("a")
@@ -89,7 +90,7 @@ def test_a_budgeted_run_reserves_the_cached_dense_evaluation_s_seconds(tiny_path
     assert seconds > 0
     run, state, logs = start("b")
     assert evaluated(logs) == [] and any("(cached" in m for m in logs)
-    assert run.masks.longest_eval == pytest.approx(seconds)
+    assert run.res.masks.longest_eval == pytest.approx(seconds)
     entry.write_text(json.dumps({"ppl_dense": state.ppl_dense}))
     run, state, logs = start("c")
     assert evaluated(logs) == ["dense"] and json.loads(entry.read_text())["seconds"] > 0

@@ -195,42 +195,42 @@ def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_pat
     model, tok = tiny
     config = PruneConfig.of(model=str(tiny_path), steps=3, max_windows=2, init_batches=1, batch_size=2, lr=0.05, **options)
     run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tok, log=quiet)
-    config = run.config  # (the config the run ran: its method's implied settings and options written out)
+    config = run.res.config  # (the config the run ran: its method's implied settings and options written out)
     results = run.run(progress=False)
     assert results["status"] == "done" and results["steps"] == 3
     state = run.load_checkpoint()
     if config.within_layer_ranking == "init-metric":
-        by_scores = run.hard_masks(state.scores)
-        final = run.final_masks(state.scores, state.init_metric)
+        by_scores = run.res.masks.hard_masks(state.scores)
+        final = run.res.masks.final_masks(state.scores, state.init_metric)
         for u in by_scores:  # same per-layer counts, chosen by the metric inside each layer
-            assert [int(x.sum()) for x in run.layout.split(u, final[u])] == \
-                   [int(x.sum()) for x in run.layout.split(u, by_scores[u])]
-            for part, z in zip(run.layout.split(u, final[u]), run.layout.split(u, state.init_metric[u])):
+            assert [int(x.sum()) for x in run.res.layout.split(u, final[u])] == \
+                   [int(x.sum()) for x in run.res.layout.split(u, by_scores[u])]
+            for part, z in zip(run.res.layout.split(u, final[u]), run.res.layout.split(u, state.init_metric[u])):
                 if 0 < part.sum() < part.numel():
                     assert z[part > 0].min() >= z[part == 0].max()
     if config.bias_compensation:
-        assert state.input_means is not None and run.fill is not None
+        assert state.input_means is not None and run.res.ctx.fill is not None
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", trust_remote_code=True)
         assert exported.config.output_bias is True
     if config.method_options["unit_block"] > 1:  # the channels moved in blocks; the heads (4 a layer) alone
         blocks, b = state.method_state["blocks"], config.method_options["unit_block"]
         assert list(blocks) == ["channels"]
         ids, s = blocks["channels"], state.scores["channels"].double()
-        final = run.final_masks(state.scores, state.init_metric)["channels"]
+        final = run.res.masks.final_masks(state.scores, state.init_metric)["channels"]
         split = 0
         for k in range(int(ids.max()) + 1):
             members = ids == k
             assert 1 <= int(members.sum()) <= b
-            assert len({i // run.layout.sizes["channels"][0] for i in torch.nonzero(members).flatten().tolist()}) == 1
+            assert len({i // run.res.layout.sizes["channels"][0] for i in torch.nonzero(members).flatten().tolist()}) == 1
             assert float(s[members].max() - s[members].min()) <= 1e-4 + 1e-6  # one probability a block
             split += 0 < float(final[members].sum()) < int(members.sum())
         assert split <= 1  # the final mask keeps or drops whole blocks, but for the one the budget cuts
         start = copy.copy(state)  # the blocks made from the init: the same hard mask as the init's
         start.scores, start.method_state = dict(state.init_scores), {}
-        run.method._blocks(start)
+        run.res.method._blocks(start)
         assert torch.equal(start.method_state["blocks"]["channels"], ids)
-        for u, m in run.hard_masks(state.init_scores).items():
-            assert torch.equal(run.hard_masks(start.scores)[u], m), u
+        for u, m in run.res.masks.hard_masks(state.init_scores).items():
+            assert torch.equal(run.res.masks.hard_masks(start.scores)[u], m), u
     if config.method_options["control_variate"] == "init-metric":
         assert state.method_state.get("control_moments") is not None and state.method_state.get("control_moments")["count"] == 3
 

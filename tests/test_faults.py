@@ -19,6 +19,7 @@ from engine.cli import main
 from engine.settings.config import PruneConfig
 from engine.errors import UserError
 from engine.run.loop import PruneRun, StepReport
+from engine.run.results import finish
 from engine.storage.outdir import LOCK_FILE
 from engine.run.folder import RUN_MARKER
 
@@ -152,7 +153,7 @@ def test_interrupted_export_leaves_no_half_written_model(tiny, eval_file, tmp_pa
     monkeypatch.setattr(type(tok), "save_pretrained", interrupted)
     run = PruneRun(config, out, model=model, tokenizer=tok, log=quiet)
     with pytest.raises(KeyboardInterrupt):
-        run.finish(run.load_checkpoint())  # the export again, over the finished one
+        finish(run.res, run.load_checkpoint())  # the export again, over the finished one
     assert snapshot(out / "model") == before
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") and p.name != LOCK_FILE) == []
 

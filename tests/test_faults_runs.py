@@ -229,7 +229,7 @@ def test_resume_with_more_steps_extends_the_run(finished_run, tiny, eval_file, t
     assert json.loads((finished_run / "results.json").read_text())["steps"] == 5
     # the steps after the resume follow a 5-step run's schedule
     run = PruneRun(tiny_config(eval_file, steps=5), tmp_path / "x", model=tiny[0], tokenizer=tiny[1], log=quiet)
-    assert [ln["lr"] for ln in lines[3:]] == [run.lr_at(3), run.lr_at(4)]
+    assert [ln["lr"] for ln in lines[3:]] == [run.res.masks.lr_at(3), run.res.masks.lr_at(4)]
 
 
 def test_random_progressive_steps_cannot_change(tiny, eval_file, tmp_path, capfd):

@@ -41,13 +41,13 @@ def test_export_reloads_on_cuda_with_equal_logits(tiny_path, small_eval_file, tm
                          units=["heads", "channels", "layers"], prune_ratio=0.5)
     run = PruneRun(config, tmp_path / "run", log=lambda m: None)
     run.run(progress=False)
-    ids = torch.randint(0, run.model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, run.res.model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     from engine.export.artifacts import load_mask_artifact
 
     _, masks, _ = load_mask_artifact(tmp_path / "run")
     # the masked base model on CUDA as the run evaluated it: its compensation fill and least-squares refit included
-    with run.masks.weights(masks) as fill, run.ctx.masked(masks, fill), torch.no_grad():
-        masked = run.model(input_ids=ids.cuda()).logits.float().cpu()
+    with run.res.masks.weights(masks) as fill, run.res.ctx.masked(masks, fill), torch.no_grad():
+        masked = run.res.model(input_ids=ids.cuda()).logits.float().cpu()
     exported, _ = load_model(resolve_model(str(tmp_path / "run" / "model")), "float32", "cuda")
     with torch.no_grad():
         sliced = exported(input_ids=ids.cuda()).logits.float().cpu()

@@ -198,14 +198,17 @@ def test_the_view_reads_through_to_the_run_and_refuses_assignment():
 
     from engine.hooks import RunView
 
-    run = SimpleNamespace(config="c", ctx=SimpleNamespace(steps=3), method="pg")
-    view = RunView(run)
-    run.config = "changed"
-    assert view.config == "changed" and view.ctx.steps == 3  # (read at the moment it is read: a patched run too)
+    res = SimpleNamespace(config="c", ctx=SimpleNamespace(steps=3), method="pg", loop=SimpleNamespace(plan={"a": 1}),
+                          masks=SimpleNamespace(hard_masks="the masks' own"))
+    view = RunView()
+    view.bind(res)
+    res.config = "changed"
+    assert view.config == "changed" and view.ctx.steps == 3  # (read at the moment it is read: patched resources too)
+    assert view.plan == {"a": 1} and view.hard_masks == "the masks' own"  # (the loop's state, the masks')
     for act in (lambda: setattr(view, "config", 1), lambda: delattr(view, "ctx"), lambda: view.method):
         with pytest.raises(AttributeError):
             act()
-    assert run.config == "changed"
+    assert res.config == "changed"
 
 
 # --- the hooks' changes, applied by the run in one place -------------------------------------------------------------
@@ -214,8 +217,8 @@ def _fake_run(hooks=()):
 
     from engine.run.loop import PruneRun
 
-    run = SimpleNamespace(ctx=SimpleNamespace(steps=10, fill="means"), stages=[(0, 0.3)], unit_metric="wanda-sp",
-                          hooks=list(hooks))
+    run = SimpleNamespace(res=SimpleNamespace(ctx=SimpleNamespace(steps=10, fill="means"), hooks=list(hooks),
+                                              loop=SimpleNamespace(stages=[(0, 0.3)], unit_metric="wanda-sp")))
     run.apply_changes = lambda changes: PruneRun.apply_changes(run, changes)
     run.call_hooks = lambda event, *args: PruneRun.call_hooks(run, event, *args)
     return run
@@ -226,8 +229,8 @@ def test_the_run_applies_every_field_of_a_hooks_changes_and_nothing_left_kept():
 
     from engine.hooks import KEEP, RunChanges
 
-    where = {"steps": lambda r: r.ctx.steps, "fill": lambda r: r.ctx.fill, "stages": lambda r: r.stages,
-             "unit_metric": lambda r: r.unit_metric}
+    where = {"steps": lambda r: r.res.ctx.steps, "fill": lambda r: r.res.ctx.fill,
+             "stages": lambda r: r.res.loop.stages, "unit_metric": lambda r: r.res.loop.unit_metric}
     assert {f.name for f in fields(RunChanges)} == set(where)  # (a new field needs a line in PruneRun.apply_changes)
     for name, read in where.items():
         run = _fake_run()
@@ -238,12 +241,12 @@ def test_the_run_applies_every_field_of_a_hooks_changes_and_nothing_left_kept():
     run = _fake_run()
     run.apply_changes(RunChanges())
     run.apply_changes(None)
-    assert (run.ctx.steps, run.ctx.fill, run.stages, run.unit_metric) == (10, "means", [(0, 0.3)], "wanda-sp")
+    assert [f(run) for f in where.values()] == [10, "means", [(0, 0.3)], "wanda-sp"]
     assert all(getattr(RunChanges(), f.name) is KEEP for f in fields(RunChanges))
 
 
 def test_each_hooks_changes_reach_the_run_before_the_next_hook_is_called():
-    from engine.hooks import RunChanges, RunHook
+    from engine.hooks import RunChanges, RunHook, RunView
 
     seen = []
 
@@ -256,9 +259,11 @@ def test_each_hooks_changes_reach_the_run_before_the_next_hook_is_called():
             seen.append(self.run.ctx.steps)
 
     run = _fake_run()
-    run.hooks = [Plans(run), Reads(run)]
+    view = RunView()
+    view.bind(run.res)
+    run.res.hooks = [Plans(view), Reads(view)]
     run.call_hooks("on_step", None, None)
-    assert seen == [4] and run.ctx.steps == 4
+    assert seen == [4] and run.res.ctx.steps == 4
 
 
 def test_the_hooks_events_return_their_changes(tiny_path, small_eval_file):
@@ -338,9 +343,9 @@ def test_runmasks_applies_the_transforms_in_the_order_it_is_given(reverse):
     log = []
     a, b = _Recorder("a", log), _Recorder("b", log, edits=True)
     order = [(t, h) for t in ("final_scores", "hard_masks", "final_masks", "weights_for") for h in ((b, a) if reverse else (a, b))]
-    run = SimpleNamespace(config=SimpleNamespace(keep_ratio=0.5), budget=SimpleNamespace(hard_masks=lambda s, k: dict(s)),
+    res = SimpleNamespace(config=SimpleNamespace(keep_ratio=0.5), budget=SimpleNamespace(hard_masks=lambda s, k: dict(s)),
                           ctx=SimpleNamespace(reward=SimpleNamespace(frozen=False)))
-    masks = RunMasks(run, order)
+    masks = RunMasks(order).bind(res)
     masks.measured = {"before": 1.0}
     scores = masks.final_scores(None, {"heads": torch.ones(2)})
     final = masks.final_masks(scores, None)
@@ -377,8 +382,8 @@ def test_a_run_applies_its_transforms_in_the_listed_order(tiny, tiny_path, small
     monkeypatch.setattr(TimeBudget, "on_start", lambda self, state: None)
     monkeypatch.setattr(TimeBudget, "on_step", lambda self, state, report: None)
     run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None)
-    assert [type(h) for _, h in run.masks.transforms] == [cls for _, cls in hooks.MASK_TRANSFORMS]
-    assert all(isinstance(h.run, hooks.RunView) for h in run.hooks)  # (what each hook holds: the read-only view)
+    assert [type(h) for _, h in run.res.masks.transforms] == [cls for _, cls in hooks.MASK_TRANSFORMS]
+    assert all(isinstance(h.run, hooks.RunView) for h in run.res.hooks)  # (what each hook holds: the read-only view)
     calls.clear()
     assert run.run(progress=False)["status"] == "done"
     start = calls.index(("final_scores", hooks.BestValFinal))

@@ -28,7 +28,7 @@ def fake_run(units=("layers", "heads", "channels"), keep=0.6):
     config = PruneConfig(units=list(units), prune_ratio=1 - keep, budget="params")
     logs = []
     run = SimpleNamespace(config=config, budget=budget, layout=layout, log=logs.append,
-                          hard_masks=lambda scores, k=keep: budget.hard_masks(scores, k))
+                          masks=SimpleNamespace(hard_masks=lambda scores, k=keep: budget.hard_masks(scores, k)))
     g = torch.Generator().manual_seed(0)
     z = {u: torch.randn(layout.total(u), generator=g) for u in units}
     return run, z, adapter, logs
@@ -176,7 +176,7 @@ def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_ev
     def spy(run, z, batches, keep, **kw):
         seen.append(run.ctx.fill)
         scores, lines = real(run, z, batches, keep, **kw)
-        masks = run.hard_masks(scores, keep)  # (hard_mask_loss: the run's means, other means, or none)
+        masks = run.masks.hard_masks(scores, keep)  # (hard_mask_loss: the run's means, other means, or none)
         losses.append([hard_mask_loss(run, masks, batches[0], fill) for fill in (KEEP, run.ctx.fill, None)])
         return scores, lines
 

@@ -502,12 +502,12 @@ def test_a_mask_is_evaluated_once(tiny, tiny_path, small_eval_file, tmp_path):
     assert results["ppl_pruned"] == results["ppl_init"]
     run = PruneRun(small_config(tiny_path, small_eval_file, method="metric"), tmp_path / "s", model=tiny[0],
                    tokenizer=tiny[1], log=logs.append)
-    masks = {u: torch.ones(run.layout.total(u)) for u in run.layout.unit_types}
-    first = run.masked_perplexity(masks, "a")
+    masks = {u: torch.ones(run.res.layout.total(u)) for u in run.res.layout.unit_types}
+    first = run.res.masks.masked_perplexity(masks, "a")
     masks["channels"][:5] = 0
     n = len([m for m in logs if m.startswith("evaluating")])
-    assert run.masked_perplexity(masks, "b") != first and len([m for m in logs if m.startswith("evaluating")]) == n + 1
-    assert run.masked_perplexity(masks, "c") == run.masked_perplexity(dict(masks), "d")
+    assert run.res.masks.masked_perplexity(masks, "b") != first and len([m for m in logs if m.startswith("evaluating")]) == n + 1
+    assert run.res.masks.masked_perplexity(masks, "c") == run.res.masks.masked_perplexity(dict(masks), "d")
     assert len([m for m in logs if m.startswith("evaluating")]) == n + 1
 
 

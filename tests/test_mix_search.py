@@ -132,7 +132,7 @@ def joint_run(layers: int, keep: float, search: str):
     config = PruneConfig(units=units, prune_ratio=1 - keep, budget="params", mix_search=search)
     logs: list[str] = []
     run = SimpleNamespace(config=config, budget=budget, layout=layout, log=logs.append,
-                          hard_masks=lambda scores, k=keep: budget.hard_masks(scores, k))
+                          masks=SimpleNamespace(hard_masks=lambda scores, k=keep: budget.hard_masks(scores, k)))
     g = torch.Generator().manual_seed(0)
     z = {u: torch.randn(layout.total(u), generator=g) for u in units}
     return run, z, logs

@@ -188,7 +188,7 @@ def test_the_install_caches_the_dense_perplexity_a_first_run_takes(tiny_path, sm
     assert figure is not None and figure > 1.0
     run = PruneRun(PruneConfig.of(model=str(tiny_path), time_budget=5.0, **settings), None,
                    log=lambda m: None)
-    key, cached, seconds = run.masks.cached_dense()
+    key, cached, seconds = run.res.masks.cached_dense()
     assert cached == figure and seconds is not None and seconds >= 0.0  # (a budgeted run takes it: seconds kept)
     monkeypatch.setenv("PG_PRUNE_CACHE", "off")
     assert model_copy.dense_perplexity(str(tiny_path), **settings) is None

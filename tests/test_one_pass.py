@@ -248,8 +248,8 @@ def test_a_budget_that_cuts_the_refits_statistics_says_so(tiny, tiny_path, small
     config = config_for(tiny_path, small_eval_file, "flap", method="pg", time_budget=1.0, reconstruct_batches=64,
                         init_batches=2)
     r = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=(logged := []).append)
-    budget = next(h for h in r.hooks if isinstance(h, TimeBudget))
-    budget.clock = lambda: r.started + 3600.0 + len(logged)  # (an hour gone: no time left; it moves on as the run logs)
+    budget = next(h for h in r.res.hooks if isinstance(h, TimeBudget))
+    budget.clock = lambda: r.res.started + 3600.0 + len(logged)  # (an hour gone: no time left; it moves on as the run logs)
     results = r.run(progress=False)
     assert results["reconstruction"]["batches"] == 8
     assert results["reduced"]["reconstruct_batches"] == [64, 8] and "--time-budget" in results["reduced"]["why"]

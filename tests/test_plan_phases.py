@@ -79,8 +79,8 @@ def test_a_resumed_session_plans_the_steps_left(tiny, tiny_path, small_eval_file
     PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None).run(
         progress=False, stop=stop, observer=lambda r: stop.set() if r.step == 2 else None)
     run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=lambda m: None)
-    fresh = start_plan(run)  # (what a fresh run of these settings plans: run() makes it before a fresh run's work)
-    assert run.plan is None  # (a run plans when it runs: a resumed one once its checkpoint is read)
+    fresh = start_plan(run.res)  # (what a fresh run of these settings plans: run() makes it before a fresh run's work)
+    assert run.res.loop.plan is None  # (a run plans when it runs: a resumed one once its checkpoint is read)
     results = run.run(resume=True, progress=False)
     plan, recorded = results[PLAN_KEY], results["seconds_by_phase"]
     assert "init metric" in fresh and "init metric" not in plan and set(plan) == set(recorded)
@@ -207,7 +207,7 @@ def test_a_machine_busier_than_its_cached_probe_is_said_and_planned_at_todays_ra
     config = tiny_config(small_eval_file, steps=1)
     logged = []
     run = PruneRun(config, tmp_path / "r", model=tiny[0], tokenizer=tiny[1], log=logged.append)
-    rate, _ = runplan.run_rate(run, run_skeleton(run))  # (the first: probed and cached)
+    rate, _ = runplan.run_rate(run.res, run_skeleton(run))  # (the first: probed and cached)
     key = probe_key(config.model, config.dtype, config.batch_size, config.seqlen, None)
     cached = cached_probe(cache_dir(), key)
     assert cached == rate
@@ -219,7 +219,7 @@ def test_a_machine_busier_than_its_cached_probe_is_said_and_planned_at_todays_ra
     data = json.loads(table.read_text())
     data[key] = rate / 10  # (as if probed on an idle machine ten times faster)
     table.write_text(json.dumps(data))
-    now, source = runplan.run_rate(run, run_skeleton(run))
+    now, source = runplan.run_rate(run.res, run_skeleton(run))
     assert "busier" in source and now > rate / 10 * 1.5 and any("busier than when it was probed" in m for m in logged)
     assert cached_probe(cache_dir(), key) == rate / 10  # (today's rate is never cached)
 
@@ -227,4 +227,4 @@ def test_a_machine_busier_than_its_cached_probe_is_said_and_planned_at_todays_ra
 def run_skeleton(run):
     from engine.plan.forecast import skeleton_of
 
-    return skeleton_of(run.model, run.config.model, "folder")
+    return skeleton_of(run.res.model, run.res.config.model, "folder")

@@ -17,7 +17,7 @@ from test_pruner import small_config
 
 def dense(config, out, logs, **kw) -> float:
     run = PruneRun(config, out, log=logs.append, **kw)
-    return run.masks.dense_perplexity()
+    return run.res.masks.dense_perplexity()
 
 
 def passes(logs) -> int:

@@ -107,7 +107,7 @@ def test_a_run_multiplies_in_bfloat16_only_in_its_one_shot_passes(native, evals,
     seen: dict[str, set] = defaultdict(set)
 
     def record(module, args, out):
-        seen[run.phases.stack[-1][0] if run.phases.stack else None].add(out.dtype)
+        seen[run.res.phases.stack[-1][0] if run.res.phases.stack else None].add(out.dtype)
 
     results = run_watching_linears(run, model, record)
     passes = torch.bfloat16 if native == "1" else torch.float32
@@ -219,7 +219,7 @@ def test_steps_in_bfloat16_run_the_decoder_in_bfloat16_and_the_head_in_float32(n
     seen: dict[str, set] = defaultdict(set)
 
     def record(module, args, out):
-        if run.phases.stack and run.phases.stack[-1][0] == "steps":
+        if run.res.phases.stack and run.res.phases.stack[-1][0] == "steps":
             seen["head" if module is head else "decoder"].add(out.dtype)
 
     results = run_watching_linears(run, model, record)

@@ -116,7 +116,7 @@ def test_masks_artifact_and_budget(main_run):
     from engine.algo.context import KEEP
     from engine.run.masks import mask_key  # the saved init mask is the one whose perplexity is ppl_init
 
-    assert run.masks.measured[mask_key({u: tensors[f"init_masks.{u}"] for u in ("heads", "channels")}, KEEP)] == \
+    assert run.res.masks.measured[mask_key({u: tensors[f"init_masks.{u}"] for u in ("heads", "channels")}, KEEP)] == \
         results["ppl_init"]
     meta, masks, scores = load_mask_artifact(out)
     assert meta["units_per_layer"] == {"heads": [4, 4], "channels": [384, 384]}
@@ -126,10 +126,10 @@ def test_masks_artifact_and_budget(main_run):
         s = scores[u]
         assert float(s.min()) >= 0 and float(s.max()) <= 1
         assert float(s.sum()) <= keep * total + 1e-3  # the learned scores stay in the budget set
-        assert torch.equal(masks[u], run.layout.hard_mask(u, s, config.scope, keep))  # final mask = top of s
+        assert torch.equal(masks[u], run.res.layout.hard_mask(u, s, config.scope, keep))  # final mask = top of s
         assert sum(results["kept_per_layer"][u]) == keep_count(keep, total)  # global budget met
         assert all(k >= 1 for k in results["kept_per_layer"][u])
-        assert [int(m.sum()) for m in run.layout.split(u, masks[u])] == results["kept_per_layer"][u]
+        assert [int(m.sum()) for m in run.res.layout.split(u, masks[u])] == results["kept_per_layer"][u]
     assert not torch.equal(tensors["scores.channels"], tensors["init_scores.channels"])  # the steps moved s
     assert results["params_pruned"] == tiny_params(results["kept_per_layer"]["heads"],
                                                     results["kept_per_layer"]["channels"])
@@ -143,17 +143,17 @@ def test_export_is_faithful(main_run, tiny):
     cfg = exported.config
     assert cfg.kv_heads_per_layer == results["kept_per_layer"]["heads"]
     assert cfg.intermediate_size_per_layer == results["kept_per_layer"]["channels"]
-    ppl_export = perplexity(exported, run.windows, 8)
+    ppl_export = perplexity(exported, run.res.windows, 8)
     assert ppl_export == pytest.approx(results["ppl_pruned"], rel=1e-5)
 
     # and the same masks applied by hooks to the untouched base model, recomputed here
     model = tiny[0]
     _, masks, _ = load_mask_artifact(out)
     with MaskHooks(ModelAdapter.for_model(model)) as hooks:
-        hooks.set({u: run.layout.split(u, m) for u, m in masks.items()})
-        assert perplexity(model, run.windows, 8) == pytest.approx(results["ppl_pruned"], rel=1e-6)
+        hooks.set({u: run.res.layout.split(u, m) for u, m in masks.items()})
+        assert perplexity(model, run.res.windows, 8) == pytest.approx(results["ppl_pruned"], rel=1e-6)
     # the shared model is dense again afterwards, and dense is what the run measured first
-    assert perplexity(model, run.windows, 8) == pytest.approx(results["ppl_dense"], rel=1e-6)
+    assert perplexity(model, run.res.windows, 8) == pytest.approx(results["ppl_dense"], rel=1e-6)
     assert results["ppl_pruned"] > results["ppl_dense"]
 
 
@@ -312,11 +312,11 @@ def test_best_val_final_mask(tiny, tiny_path, small_eval_file, tmp_path):
     assert results["best_val"] == {"metric": "perplexity", "value": best} and results["mask_step"] == best_step
     _, masks, scores = load_mask_artifact(tmp_path / "V")
     for u in masks:
-        assert torch.equal(masks[u], run.layout.hard_mask(u, scores[u], config.scope, config.keep_ratio))
+        assert torch.equal(masks[u], run.res.layout.hard_mask(u, scores[u], config.scope, config.keep_ratio))
     # the exported mask is the one that scored best_val on the held-out batches
-    with MaskHooks(run.adapter) as hooks:
-        hooks.set(run.layer_masks(masks))
-        loss = torch.cat([batch_loss(tiny[0], b) for b in run.val_batches]).double().mean()
+    with MaskHooks(run.res.adapter) as hooks:
+        hooks.set(run.res.masks.layer_masks(masks))
+        loss = torch.cat([batch_loss(tiny[0], b) for b in run.res.val_batches]).double().mean()
     assert float(torch.exp(loss)) == pytest.approx(best, rel=1e-9)
 
 
@@ -367,7 +367,7 @@ def test_best_val_keeps_the_init_mask_when_the_steps_make_it_worse(tiny, tiny_pa
     config = small_config(tiny_path, small_eval_file, steps=3, val_every=1, val_batches=2, final_mask="best-val",
                           lr=5.0)
     run = PruneRun(config, tmp_path / "W", model=tiny[0], tokenizer=tiny[1], log=quiet)
-    run.method.gradient = lambda state, batch: StepGradient(  # descend along +metric: drop the best units first
+    run.res.method.gradient = lambda state, batch: StepGradient(  # descend along +metric: drop the best units first
         torch.ones(2, dtype=torch.float64), {u: state.init_metric[u].double() for u in state.scores}, 0.0)
     results = run.run(progress=False)
     vals = [ln["val_ppl"] for ln in metric_lines(tmp_path / "W")]
@@ -397,7 +397,7 @@ def test_a_check_of_an_unchanged_mask_reuses_its_held_out_perplexity(tiny, tiny_
     assert len(calls) == 2 and vals == [results["val_ppl_init"]] * 3 and results["mask_step"] == 0
     calls.clear()
     run = PruneRun(dataclasses.replace(config, lr=5.0), tmp_path / "M", model=tiny[0], tokenizer=tiny[1], log=quiet)
-    run.method.gradient = lambda state, batch: StepGradient(
+    run.res.method.gradient = lambda state, batch: StepGradient(
         torch.ones(2, dtype=torch.float64), {u: state.init_metric[u].double() for u in state.scores}, 0.0)
     moved = run.run(progress=False)
     checked = {moved["val_ppl_init"], *(ln["val_ppl"] for ln in metric_lines(tmp_path / "M"))}
@@ -514,13 +514,13 @@ def test_default_model_short_run(tmp_path, small_eval_file, default_model_cache,
     engine.register_pruned_classes()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model").eval()
     assert count_parameters(exported) == results["params_pruned"]
-    ids = run.tokenizer("The capital of France is Paris, and the capital of Italy is", return_tensors="pt")["input_ids"]
+    ids = run.res.tokenizer("The capital of France is Paris, and the capital of Italy is", return_tensors="pt")["input_ids"]
     _, masks, _ = load_mask_artifact(tmp_path / "run")
     with torch.no_grad():
-        with MaskHooks(run.adapter) as hooks:
-            hooks.set(run.layer_masks(masks))
-            masked = run.model(input_ids=ids).logits.float()
-        dense = run.model(input_ids=ids).logits.float()
+        with MaskHooks(run.res.adapter) as hooks:
+            hooks.set(run.res.masks.layer_masks(masks))
+            masked = run.res.model(input_ids=ids).logits.float()
+        dense = run.res.model(input_ids=ids).logits.float()
         got = exported(input_ids=ids).logits.float()
     # float32 over 30 layers: sliced and masked matmuls round differently (measured ~5e-4 on logits of
     # magnitude ~20, and 2.4e-3 on 4 of 638,976 logits on another host's CPU); a wrong slice would move logits

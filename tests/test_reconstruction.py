@@ -174,7 +174,7 @@ def test_a_reconstructed_run_exports_what_it_evaluated(compensation, tiny, tiny_
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "model", trust_remote_code=True).eval()
     run = PruneRun(PruneConfig.load(tmp_path / "r" / "config.json"), tmp_path / "x", model=tiny[0], tokenizer=tiny[1], log=quiet)
-    assert perplexity(exported, run.windows) == pytest.approx(results["ppl_pruned"], rel=1e-4)
+    assert perplexity(exported, run.res.windows) == pytest.approx(results["ppl_pruned"], rel=1e-4)
     assert json.loads((tmp_path / "r" / "results.json").read_text())["reconstruction"] == r
 
 
@@ -226,9 +226,9 @@ def test_the_joint_mix_is_chosen_on_refit_candidates_with_mix_refit(tiny, tiny_p
     """With --mix-refit every joint-mix candidate is scored with its own kept columns refit (the weights differ
     from the dense ones while its losses are taken exactly when a kept layer lost width, with the refit's fill),
     and the weights come back after."""
-    def see(run, masks, fill, dense):
-        changed = any(not torch.equal(v, dense[k]) for k, v in run.model.state_dict().items())
-        cut = any(len(kept[u]) < run.layout.sizes[u][i] for i, kept in kept_indices(run.layout, masks, run.adapter)
+    def see(res, masks, fill, dense):
+        changed = any(not torch.equal(v, dense[k]) for k, v in res.model.state_dict().items())
+        cut = any(len(kept[u]) < res.layout.sizes[u][i] for i, kept in kept_indices(res.layout, masks, res.adapter)
                   for u in ("heads", "channels"))  # (a kept layer lost width: something to refit)
         return changed == cut and isinstance(fill, dict)
 
@@ -263,8 +263,8 @@ def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refit
     """--no-mix-refit: every candidate's loss is taken on the unedited weights with the run's compensation (the
     fill the run measured, `...`), and the final mask is refit all the same (its perplexity differs from the same
     mask unrefit, which results.json keeps)."""
-    def see(run, masks, fill, dense):
-        return all(torch.equal(v, dense[k]) for k, v in run.model.state_dict().items()) and fill is KEEP
+    def see(res, masks, fill, dense):
+        return all(torch.equal(v, dense[k]) for k, v in res.model.state_dict().items()) and fill is KEEP
 
     seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, False)
     assert seen and all(seen)
@@ -330,16 +330,16 @@ def test_an_evaluation_cached_before_a_refit_is_still_cached_after_it(tiny, tiny
     config = small_config(tiny_path, small_eval_file, reconstruct_batches=2, method="pg", init="flap", reconstruct=True,
                           prune_ratio=0.5)
     run = PruneRun(config, tmp_path / "c", model=tiny[0], tokenizer=tiny[1], log=quiet)
-    run.progress = False
-    masks = {u: torch.ones(run.layout.total(u)) for u in run.layout.unit_types}
+    run.res.loop.progress = False
+    masks = {u: torch.ones(run.res.layout.total(u)) for u in run.res.layout.unit_types}
     for u in masks:
         masks[u][::2] = 0  # (every other unit: each layer keeps some)
-    before = run.masked_perplexity(masks, "before")
-    with run.masks.weights(masks) as fill:
-        assert run.masks.measured == {}
-        refit = run.masked_perplexity(masks, "refit", fill)
-    assert refit != before and run.masks.measured[mask_key(masks, KEEP)] == before
-    assert len(run.masks.measured) == 1  # (the refit's own perplexity is gone with its weights)
+    before = run.res.masks.masked_perplexity(masks, "before")
+    with run.res.masks.weights(masks) as fill:
+        assert run.res.masks.measured == {}
+        refit = run.res.masks.masked_perplexity(masks, "refit", fill)
+    assert refit != before and run.res.masks.measured[mask_key(masks, KEEP)] == before
+    assert len(run.res.masks.measured) == 1  # (the refit's own perplexity is gone with its weights)
 
 
 def test_a_model_whose_statistics_would_not_fit_skips_the_refit_and_says_so(tiny, tiny_path, small_eval_file, tmp_path,

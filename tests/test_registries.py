@@ -73,9 +73,9 @@ def test_a_new_metric_and_method_are_used_by_the_run(scratch_entries, tiny, tiny
     assert calls == [0, 1, 2]
     # the metric ranks the first units of every layer highest, and nothing moved them: they are the ones kept
     meta_kept = results["kept_per_layer"]
-    masks = run.final_masks(run.load_checkpoint().scores, None)
+    masks = run.res.masks.final_masks(run.load_checkpoint().scores, None)
     for u, mask in masks.items():
-        for part, kept in zip(run.layout.split(u, mask), meta_kept[u]):
+        for part, kept in zip(run.res.layout.split(u, mask), meta_kept[u]):
             assert part[:kept].all() and not part[kept:].any()
 
 

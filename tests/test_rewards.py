@@ -21,6 +21,7 @@ from engine.model.executors import EXECUTORS
 from engine.model.masking import MaskHooks
 from engine.plan.forecast import GENERATE_WEIGHT, model_skeleton, phase_tokens
 from engine.run.loop import PruneRun
+from engine.run.initialise import fresh_state
 from engine.algo.rewards import REWARDS, DenseKL, row_kl
 
 from test_adapters_export import build_model
@@ -434,24 +435,24 @@ def test_step_refit_scores_each_sample_under_its_own_refit(tiny, tiny_path, smal
     run = PruneRun(small_config(tiny_path, small_eval_file, step_refit=True, reconstruct=True, reconstruct_batches=2,
                                 steps=2),
                    tmp_path / "A", model=model, tokenizer=tiny[1], log=quiet)
-    state = run.fresh_state()
-    batch = run.sampler.next_batch()
+    state = fresh_state(run.res, run.call_hooks)
+    batch = run.res.sampler.next_batch()
     samples = {u: sample_masks(s, 3, torch.Generator().manual_seed(1), False) for u, s in state.scores.items()}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    got = run.ctx.rewards(samples, batch)
+    got = run.res.ctx.rewards(samples, batch)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    weights, run.ctx.weights = run.ctx.weights, None
-    plain = run.ctx.rewards(samples, batch)
+    weights, run.res.ctx.weights = run.res.ctx.weights, None
+    plain = run.res.ctx.rewards(samples, batch)
     for j in range(3):
         one = {u: m[j] for u, m in samples.items()}
-        with run.masks.weights(one) as fill:
-            want = run.ctx.losses({u: m[j:j + 1] for u, m in samples.items()}, batch, fill)
+        with run.res.masks.weights(one) as fill:
+            want = run.res.ctx.losses({u: m[j:j + 1] for u, m in samples.items()}, batch, fill)
         assert torch.equal(got[j:j + 1], want), (j, got, want)
     assert not torch.allclose(got, plain)
-    run.ctx.weights = weights
+    run.res.ctx.weights = weights
     results = run.run(progress=False)
     assert results["status"] == "done" and results["steps"] == 2
     # without --reconstruct there is no refit to score under (as --mix-refit): the samples get the compensation only
     plain_run = PruneRun(small_config(tiny_path, small_eval_file, step_refit=True, reconstruct=False, steps=1), None,
                          model=model, tokenizer=tiny[1], log=quiet)
-    assert plain_run.ctx.weights is None
+    assert plain_run.res.ctx.weights is None

@@ -213,8 +213,8 @@ def test_a_run_the_budget_cut_leaves_its_sums_and_the_next_run_continues_them(
                           init_batches=2)
     r = PruneRun(budgeted, tmp_path / "cut", model=tiny[0], tokenizer=tiny[1], log=(logged := []).append,
                  from_files=True)
-    budget = next(h for h in r.hooks if isinstance(h, TimeBudget))
-    budget.clock = lambda: r.started + 3600.0 + len(logged)  # (no time left: the statistics stop at their minimum)
+    budget = next(h for h in r.res.hooks if isinstance(h, TimeBudget))
+    budget.clock = lambda: r.res.started + 3600.0 + len(logged)  # (no time left: the statistics stop at their minimum)
     assert r.run(progress=False)["reconstruction"]["batches"] == 8
     assert len(list((caches / "statistics").glob("*.partial.pt"))) == 1
     plain = config_for(tiny_path, small_eval_file, "flap", method="pg", reconstruct_batches=32, init_batches=2)

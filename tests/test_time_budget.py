@@ -49,15 +49,15 @@ def budget_run(tiny, tiny_path, eval_file, out, clock, costs, minutes=1.0, log=l
     """A PG run under a time budget whose k-th step (0-based, over sessions) costs costs(k) fake seconds."""
     config = small_config(tiny_path, eval_file, time_budget=minutes, steps=4, val_every=5, checkpoint_every=1000, **kw)
     run = PruneRun(config, out, model=tiny[0], tokenizer=tiny[1], log=log, started=clock.t)
-    hook = next(h for h in run.hooks if isinstance(h, TimeBudget))
+    hook = next(h for h in run.res.hooks if isinstance(h, TimeBudget))
     hook.clock = clock
-    gradient = run.method.gradient
+    gradient = run.res.method.gradient
 
     def timed(state, batch):
         clock.t += costs(state.step)
         return gradient(state, batch)
 
-    run.method.gradient = timed
+    run.res.method.gradient = timed
     return run
 
 
@@ -69,7 +69,7 @@ def test_the_run_ends_within_one_step_of_its_limit_and_the_schedule_stretches(ti
     clock = FakeClock()
     run = budget_run(tiny, tiny_path, small_eval_file, tmp_path / "r", clock, lambda k: 2.0)
     results = run.run(progress=False)
-    reserve = RESERVE_FACTOR * run.masks.longest_eval + EXPORT_SECONDS
+    reserve = RESERVE_FACTOR * run.res.masks.longest_eval + EXPORT_SECONDS
     steps = results["steps"]
     assert steps == math.floor((60.0 - reserve) / 2.0)  # every step costs 2 s; the end is reserved
     assert steps * 2.0 + reserve <= 60.0 < (steps + 1) * 2.0 + reserve  # within one step of the limit
@@ -89,7 +89,7 @@ def test_a_slower_step_shrinks_the_plan(tiny, tiny_path, small_eval_file, tmp_pa
     results = run.run(progress=False)
     got = lines(tmp_path / "r")
     assert got[5]["total_steps"] > results["steps"]  # planned at 1 s a step, then re-planned
-    reserve = RESERVE_FACTOR * run.masks.longest_eval + EXPORT_SECONDS
+    reserve = RESERVE_FACTOR * run.res.masks.longest_eval + EXPORT_SECONDS
     assert abs(results["time_used"]["seconds"] + reserve - 60.0) <= 3.0  # within one (slow) step of the limit
 
 

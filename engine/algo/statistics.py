@@ -444,11 +444,12 @@ class StatisticsCache:
                 p.unlink(missing_ok=True)
 
 
-def statistics_pass(run, batches: list[torch.Tensor], readers: list[Statistic]) -> None:
+def statistics_pass(run, batches: list[torch.Tensor], readers: list[Statistic], memo: dict) -> None:
     """A fresh run's one statistics pass: `readers` over the init stream, whose first batches are `batches` (the
     init batches the run drew; the stream goes on from there, the init sampler left where it is), in the phase
-    "statistics"; the results with a memo key go into the run's memo (run.stats_memo), the others stay with
-    their readers. Readers of the same statistic on the same batches read once."""
+    "statistics"; the results with a memo key go into `memo` (the run's, which the init metric and the hooks
+    share), the others stay with their readers (run: the run's resources, engine/run/resources.py). Readers of
+    the same statistic on the same batches read once."""
     twins: dict = {}
     for r in readers:
         twins.setdefault(r.identity() or id(r), r)
@@ -472,4 +473,4 @@ def statistics_pass(run, batches: list[torch.Tensor], readers: list[Statistic]) 
         twin = twins[r.identity() or id(r)]
         r.result, r.tokens, r.batches = twin.result, twin.tokens, twin.batches
         if (key := r.memo_key(stream)) is not None:
-            run.stats_memo[key] = r.result
+            memo[key] = r.result

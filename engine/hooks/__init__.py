@@ -3,7 +3,7 @@ life (as llm-compressor's modifiers are). A hook joins a run when its `applies(c
 calls every joined hook's events in RUN_HOOKS' order and never branches on an option's name itself. A hook reads
 the run through a read-only RunView (engine/hooks/view.py) and never assigns to it, nor to the run's state but
 its own data (self.own(state): RunState.hooks[its name]): an event returns what it changes (a RunChanges), which
-the run applies before it calls the next hook (PruneRun.apply_changes). The masks pass through the hooks'
+the run applies before it calls the next hook (the loop's apply_changes). The masks pass through the hooks'
 transforms in MASK_TRANSFORMS' order.
 
     ranks          data-parallel runs (torchrun): every rank's state compared after every step

@@ -2,7 +2,7 @@
 
 A hook reads its run but never assigns to it, nor to the run's state but its own data, `self.own(state)`
 (RunState.hooks[its name]; tests/test_hook_state.py reads every hook's source for that): an event that changes the
-run returns a RunChanges, which the run applies in one place (PruneRun.apply_changes)
+run returns a RunChanges, which the run applies in one place (the loop's apply_changes, engine/run/loop.py)
 before it calls the next hook. The order of the events' hooks is engine.hooks.RUN_HOOKS; the order of the mask
 transforms (hard_masks, final_scores, final_masks, weights_for) is engine.hooks.MASK_TRANSFORMS."""
 
@@ -16,14 +16,14 @@ import torch
 
 from ..algo.context import KEEP  # noqa: F401  (a RunChanges field left KEEP changes nothing)
 if TYPE_CHECKING:  # annotations only
-    from ..run.loop import PruneRun
     from ..run.state import RunState, StepReport
+    from .view import RunView
 
 
 
 @dataclass(frozen=True)
 class RunChanges:
-    """What a hook's event changes in its run (a field left KEEP changes nothing); PruneRun.apply_changes applies it."""
+    """What a hook's event changes in its run (a field left KEEP changes nothing); the loop's apply_changes applies it."""
 
     steps: Any = KEEP  # the run's planned step count, ctx.steps (--time-budget re-plans it, --early-stop ends it)
     stages: Any = KEEP  # the budget's stages [(from step, prune ratio)] (random-progressive)
@@ -35,8 +35,8 @@ class RunHook:
     needs_data: ClassVar[bool] = False  # needs the init batches even when no init metric does
     final_evaluations: ClassVar[int] = 0  # evaluations it adds at the end (--time-budget keeps time for them)
 
-    def __init__(self, run: "PruneRun"):
-        self.run = run
+    def __init__(self, run: "RunView"):
+        self.run = run  # the read-only view of the run (engine/hooks/view.py)
 
     @property
     def name(self) -> str:

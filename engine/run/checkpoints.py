@@ -18,7 +18,7 @@ from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
 from .state import HOOK_DATA, RunState
 
 if TYPE_CHECKING:  # annotations only
-    from .loop import PruneRun
+    from .resources import RunResources
 
 
 def _normalised(saved: dict) -> dict:
@@ -47,14 +47,14 @@ def _tensor_bytes(obj) -> int:
 class Checkpoints:
     """The checkpoint file of one run: snapshots of its state, written atomically, read back and checked."""
 
-    def __init__(self, run: "PruneRun"):
-        self.run = run
+    def __init__(self, res: "RunResources"):
+        self.res = res
         self.saved_step: int | None = None  # the step of the checkpoint on disk, once this process read or wrote one
 
     @cached_property
     def config_dict(self) -> dict:
         """The run's config as the checkpoint stores it (JSON types); a run's config does not change while it runs."""
-        return json.loads(json.dumps(self.run.config.to_dict()))
+        return json.loads(json.dumps(self.res.config.to_dict()))
 
     def snapshot(self, state: RunState, line: str | None = None) -> RunState:
         """A copy of the state as a checkpoint would hold it now (the sampler's and the mask rng's positions,
@@ -64,8 +64,8 @@ class Checkpoints:
         snap.method_state = copy.deepcopy(state.method_state)
         snap.hooks = {name: dict(data) for name, data in state.hooks.items()}  # (a hook replaces its values, never
         # changes one in place)
-        snap.sampler_state = copy.deepcopy(self.run.sampler.state_dict())
-        snap.mask_rng_state = self.run.mask_rng.get_state()
+        snap.sampler_state = copy.deepcopy(self.res.sampler.state_dict())
+        snap.mask_rng_state = self.res.mask_rng.get_state()
         snap.config = self.config_dict
         if line is not None:
             snap.last_report = line
@@ -75,15 +75,15 @@ class Checkpoints:
         self.write(self.snapshot(state))
 
     def write(self, snap: RunState) -> None:
-        if self.run.out is None:  # a run in memory (engine.api.prune) keeps no checkpoint
+        if self.res.out is None:  # a run in memory (engine.api.prune) keeps no checkpoint
             return
         data = asdict(snap)
-        with atomic_file(self.run.out / CHECKPOINT_FILE, _tensor_bytes(data)) as tmp:
+        with atomic_file(self.res.out / CHECKPOINT_FILE, _tensor_bytes(data)) as tmp:
             torch.save(data, tmp)
         self.saved_step = snap.step
 
     def load(self) -> RunState:
-        path = self.run.out / CHECKPOINT_FILE
+        path = self.res.out / CHECKPOINT_FILE
         try:
             data = read_checkpoint(path)
         except UserError:
@@ -103,12 +103,12 @@ class Checkpoints:
                     if value is not None:
                         data.setdefault("hooks", {}).setdefault(hook, {})[key] = value
             state = RunState(**data)
-            self.run.sampler.load_state_dict(state.sampler_state)
-            self.run.mask_rng.set_state(state.mask_rng_state)
+            self.res.sampler.load_state_dict(state.sampler_state)
+            self.res.mask_rng.set_state(state.mask_rng_state)
             if not isinstance(state.step, int) or not 0 <= state.step:
                 raise ValueError(f"step {state.step!r}")
-            if set(state.scores) != set(self.run.layout.unit_types) or any(
-                    s.shape != (self.run.layout.total(u),) for u, s in state.scores.items()):
+            if set(state.scores) != set(self.res.layout.unit_types) or any(
+                    s.shape != (self.res.layout.total(u),) for u, s in state.scores.items()):
                 raise ValueError("scores do not fit this model and these units")
         except Exception as e:
             raise UserError(f"checkpoint {path} does not belong to this run ({type(e).__name__}: {e}); "
@@ -121,7 +121,7 @@ class Checkpoints:
         """The config must be the one the checkpoint was written under. Only steps may differ (a longer or
         shorter run; the schedules then follow an N-step run from the checkpoint on), and not below the step
         the checkpoint holds."""
-        c, path = self.run.config, self.run.out / CONFIG_FILE
+        c, path = self.res.config, self.res.out / CONFIG_FILE
         if state.config is not None:  # checkpoints from before this check carry no config
             now = self.config_dict
             then = _normalised(state.config)
@@ -131,7 +131,7 @@ class Checkpoints:
                 raise UserError(f"{path} differs from the run's checkpoint in {', '.join(changed)} ({k}: "
                                 f"{then.get(k)!r} when the run started, {now.get(k)!r} now); a run cannot "
                                 "change its settings midway: restore them, or start again with --overwrite")
-            if now["steps"] != then["steps"] and len(self.run.stages) > 1:
+            if now["steps"] != then["steps"] and len(self.res.loop.stages) > 1:
                 raise UserError(f"the number of steps of a random-progressive run cannot change on resume (its "
                                 f"stages are laid out over them): keep steps {then['steps']}")
         if state.step > c.steps and c.time_budget is None:  # (a time budget plans its own count)
@@ -142,10 +142,10 @@ class Checkpoints:
         """After a resume, drop metric lines from steps past the checkpoint (they will be redone), and a
         last line cut short by a crash; the checkpoint's own step is put back from the checkpoint if its
         line was lost. Each step stays recorded once (the first record of it)."""
-        kept = trim_metrics(self.run.out / METRICS_FILE, state.step, state.last_report)
+        kept = trim_metrics(self.res.out / METRICS_FILE, state.step, state.last_report)
         missing = sorted(set(range(1, state.step + 1)) - {r["step"] for r in kept})
-        if missing and self.run.method.optimises:
+        if missing and self.res.method.optimises:
             shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
-            self.run.log(f"warning: {METRICS_FILE} lacks the records of {len(missing)} finished steps ({shown}): "
+            self.res.log(f"warning: {METRICS_FILE} lacks the records of {len(missing)} finished steps ({shown}): "
                          "their lines were lost; the loss curve has a gap there")
         return kept

@@ -6,33 +6,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..storage import ppl_cache
 from ..errors import UserError
-from ..storage.io import atomic_write_text
 from ..algo.metrics import METRICS, MetricContext
 from ..algo.metrics.registry import removal_order
 from .mix import choose_mix
 from ..algo.metrics.probability import initial_scores, standardize
 from ..model.precision import run_pass_dtype, run_passes
 from ..algo.statistics import STATISTICS, Statistic, StatisticsCache, fork, pass_stream, statistics_pass
-from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, check_checkpoint_kept, write_run_marker
 from .files import INIT_PROGRESS_DIR
-from .state import RunState, check_finite
+from .state import RunState
 from ..model.unit_types import UNIT_TYPES
 
 if TYPE_CHECKING:  # annotations only
-    from .loop import PruneRun
+    from .resources import RunResources
 
 
-def metric_names(run: "PruneRun") -> dict[str, str]:
-    """unit type -> the init metric it is scored by (run.unit_metric for widths, --layer-init for layers)."""
-    return {u: run.config.layer_init if UNIT_TYPES[u].whole_layer else run.unit_metric for u in run.layout.unit_types}
+def metric_names(res: "RunResources") -> dict[str, str]:
+    """unit type -> the init metric it is scored by (res.loop.unit_metric for widths, --layer-init for layers)."""
+    return {u: res.config.layer_init if UNIT_TYPES[u].whole_layer else res.loop.unit_metric for u in res.layout.unit_types}
 
 
 def metric_batches(c, units: list[str]) -> int:
@@ -57,19 +54,19 @@ def metric_cache_folder(from_disk: bool = True) -> str | None:
     return shared
 
 
-def run_metric_cache(run: "PruneRun") -> str | None:
+def run_metric_cache(res: "RunResources") -> str | None:
     """The run's metric cache folder (metric_cache_folder), as rank 0 finds it (every rank's answer)."""
-    world = run.world
-    return world.from_writer(metric_cache_folder(getattr(run, "from_disk", False)) if world.writes else None,
+    world = res.world
+    return world.from_writer(metric_cache_folder(getattr(res, "from_disk", False)) if world.writes else None,
                              "the metric cache's folder")
 
 
-def cache_entry(run: "PruneRun", name: str, units: list[str], ctx: MetricContext, folder: str, keep) -> Path:
+def cache_entry(res: "RunResources", name: str, units: list[str], ctx: MetricContext, folder: str, keep) -> Path:
     """The file in `folder` that holds the metric's value for ctx (see cached_metric)."""
-    key = [name, units, run.source.path, run.source.gguf_file, keep, ctx.seed, run.config.dtype]
-    if getattr(run, "from_disk", False) and (files := ppl_cache.files_key(run.source, run.config.dtype)):
+    key = [name, units, res.source.path, res.source.gguf_file, keep, ctx.seed, res.config.dtype]
+    if getattr(res, "from_disk", False) and (files := ppl_cache.files_key(res.source, res.config.dtype)):
         key.append({"files": files})  # (by content: weights written over at the same path are another model)
-    if (passes := run_pass_dtype(run.config, run.model)) != run.config.dtype:  # (float32 passes keep their old keys)
+    if (passes := run_pass_dtype(res.config, res.model)) != res.config.dtype:  # (float32 passes keep their old keys)
         key.append({"passes": passes})
     if METRICS[name].greedy and ctx.finalists:  # (another order than SLEB's own; entries without finalists keep their key)
         key.append({"finalists": ctx.finalists})
@@ -79,18 +76,18 @@ def cache_entry(run: "PruneRun", name: str, units: list[str], ctx: MetricContext
     return Path(folder) / f"{name}-{h.hexdigest()[:16]}.pt"
 
 
-def metric_cached(run: "PruneRun", name: str, units: list[str], ctx: MetricContext) -> bool:
+def metric_cached(res: "RunResources", name: str, units: list[str], ctx: MetricContext) -> bool:
     """Does $PG_PRUNE_METRIC_CACHE hold this metric's value for ctx, so that cached_metric will not compute it? (A
     greedy metric's order is continued, never skipped: False.) Rank 0's folder answers for every rank."""
-    world = run.world
-    shared = run_metric_cache(run)
+    world = res.world
+    shared = run_metric_cache(res)
     if not shared or METRICS[name].greedy:
         return False
-    return bool(world.from_writer(cache_entry(run, name, units, ctx, shared, ctx.keep_ratio).is_file() if world.writes
+    return bool(world.from_writer(cache_entry(res, name, units, ctx, shared, ctx.keep_ratio).is_file() if world.writes
                                   else None, "the metric cache's answer"))
 
 
-def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricContext) -> dict[str, list[torch.Tensor]]:
+def cached_metric(res: "RunResources", name: str, units: list[str], ctx: MetricContext) -> dict[str, list[torch.Tensor]]:
     """METRICS[name] on ctx, or its earlier result from the folder $PG_PRUNE_METRIC_CACHE when one is set (a
     bench's cells share SLEB's 30 CPU minutes this way): keyed by the metric, the unit types, the model, the
     keep ratio, the seed and the calibration batches themselves, so a cached value is the same computation's.
@@ -101,14 +98,14 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
     (the ranks need not share a filesystem); a value not cached is computed by every rank together.
     Without a cache folder a greedy metric keeps its order in the run's own folder (INIT_PROGRESS_DIR) until the
     run's first checkpoint, so that --resume after a stop during SLEB continues its removals."""
-    world, metric = run.world, METRICS[name]
-    shared = run_metric_cache(run)
-    folder = shared or (str(run.out / INIT_PROGRESS_DIR) if metric.greedy and run.out is not None else None)
+    world, metric = res.world, METRICS[name]
+    shared = run_metric_cache(res)
+    folder = shared or (str(res.out / INIT_PROGRESS_DIR) if metric.greedy and res.out is not None else None)
     if not folder:
         return metric.fn(ctx, units)
 
     def path(keep) -> Path:
-        return cache_entry(run, name, units, ctx, folder, keep)
+        return cache_entry(res, name, units, ctx, folder, keep)
 
     def read(found: Path | None):
         from ..storage.io import safe_load  # (weights only: an entry naming a Python object is refused, never run)
@@ -133,7 +130,7 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
             removal_order(cached) if cached else [])
         if ctx.prefix:
             where = "the metric cache" if shared else "the run's stopped start:"
-            run.log(f"{name}: {len(ctx.prefix)} removals taken from {where} {found}")
+            res.log(f"{name}: {len(ctx.prefix)} removals taken from {where} {found}")
         longest = len(ctx.prefix)
 
         def store(order: list[int]) -> None:  # (after each removal, so that a stopped run keeps what it made)
@@ -149,73 +146,73 @@ def cached_metric(run: "PruneRun", name: str, units: list[str], ctx: MetricConte
         return out
     dest = path(ctx.keep_ratio)
     if world.from_writer(dest.is_file() if world.writes else None, "the metric cache's answer"):
-        run.log(f"{name}: taken from the metric cache {dest}")
+        res.log(f"{name}: taken from the metric cache {dest}")
         return read(dest)
     out = metric.fn(ctx, units)
     write(dest, out)
     return out
 
 
-def metric_contexts(run: "PruneRun", batches: list[torch.Tensor]) -> list[tuple[str, list[str], MetricContext]]:
-    """(metric, the unit types it scores, its context) for each init metric of the run."""
-    c, wanted = run.config, metric_names(run)
+def metric_contexts(res: "RunResources", batches: list[torch.Tensor]) -> list[tuple[str, list[str], MetricContext]]:
+    """(metric, the unit types it scores, its context) for each init metric of the res."""
+    c, wanted = res.config, metric_names(res)
     out = []
     for name in dict.fromkeys(wanted.values()):
         units = [u for u, m in wanted.items() if m == name]
-        out.append((name, units, MetricContext(run.adapter, run.layout, batches[:metric_batches(c, units)],
-                                               keep_ratio=c.keep_ratio, seed=c.seed + 2, progress=run.progress,
-                                               log=run.log, world=run.world, memo=run.stats_memo,
+        out.append((name, units, MetricContext(res.adapter, res.layout, batches[:metric_batches(c, units)],
+                                               keep_ratio=c.keep_ratio, seed=c.seed + 2, progress=res.loop.progress,
+                                               log=res.log, world=res.world, memo=res.loop.stats_memo,
                                                finalists=c.sleb_finalists)))
     return out
 
 
-def statistics_readers(run: "PruneRun", batches: list[torch.Tensor], planned: bool = False) -> list[Statistic]:
+def statistics_readers(res: "RunResources", batches: list[torch.Tensor], planned: bool = False) -> list[Statistic]:
     """The readers of a fresh run's one statistics pass (engine/algo/statistics.py): the statistics each init metric
     reads on its batches (unless the metric cache holds its value) and those each hook wants (planned: the readers
     the plan asks the cache about, which the hooks do not keep)."""
-    readers = [STATISTICS[s](len(ctx.batches)) for name, units, ctx in metric_contexts(run, batches)
-               for s in METRICS[name].statistics if not metric_cached(run, name, units, ctx)]
-    for hook in run.hooks:
+    readers = [STATISTICS[s](len(ctx.batches)) for name, units, ctx in metric_contexts(res, batches)
+               for s in METRICS[name].statistics if not metric_cached(res, name, units, ctx)]
+    for hook in res.hooks:
         readers += hook.planned_statistics(batches) if planned else hook.statistics_wanted(batches)
     return readers
 
 
-def initial_metric(run: "PruneRun", batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def initial_metric(res: "RunResources", batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The standardized importance metric of every unit type (flat; higher = keep)."""
-    wanted = metric_names(run)
+    wanted = metric_names(res)
     raw: dict[str, list[torch.Tensor]] = {}
-    for name, units, ctx in metric_contexts(run, batches):
-        run.log(f"computing the {name} metric for {', '.join(units)}")
-        raw.update(cached_metric(run, name, units, ctx))
+    for name, units, ctx in metric_contexts(res, batches):
+        res.log(f"computing the {name} metric for {', '.join(units)}")
+        raw.update(cached_metric(res, name, units, ctx))
     return {u: torch.cat(raw[u]).float() if METRICS[wanted[u]].comparable else standardize(u, raw[u])
-            for u in run.layout.unit_types}
+            for u in res.layout.unit_types}
 
 
-def init_batch_count(run: "PruneRun") -> int:
+def init_batch_count(res: "RunResources") -> int:
     """The calibration batches a fresh run draws for its init metric and its hooks (0 where none reads data)."""
-    c, names = run.config, metric_names(run)
-    if not (any(h.needs_data for h in run.hooks) or any(METRICS[m].needs_data for m in names.values())):
+    c, names = res.config, metric_names(res)
+    if not (any(h.needs_data for h in res.hooks) or any(METRICS[m].needs_data for m in names.values())):
         return 0
-    return max([metric_batches(c, [u]) for u in run.layout.unit_types] + [c.init_batches for h in run.hooks if h.needs_data])
+    return max([metric_batches(c, [u]) for u in res.layout.unit_types] + [c.init_batches for h in res.hooks if h.needs_data])
 
 
-def cached_phases(run: "PruneRun") -> dict[str, float]:
+def cached_phases(res: "RunResources") -> dict[str, float]:
     """The one-shot phases a fresh run will take in part or whole from its caches, for its plan: {phase: the share
     of it left to compute}. "init metric" (0.0) where the metric cache holds every init metric's value for the
     batches the run will draw; "statistics" where the statistics cache holds readers of the pass, whole or as the
     sums a budget-cut run left (the share: the forwards the pass still runs, of a fresh pass's). Read on a copy of
     the init sampler (the run draws the same batches after). Nothing under torchrun (the answer would be a
     collective; the statistics cache is off there)."""
-    n = init_batch_count(run)
-    if not n or run.world.size > 1:
+    n = init_batch_count(res)
+    if not n or res.world.size > 1:
         return {}
-    peek = fork(run.init_sampler)
+    peek = fork(res.init_sampler)
     batches = [peek.next_batch() for _ in range(n)]
     out = {}
-    if all(metric_cached(run, name, units, ctx) for name, units, ctx in metric_contexts(run, batches)):
+    if all(metric_cached(res, name, units, ctx) for name, units, ctx in metric_contexts(res, batches)):
         out["init metric"] = 0.0
-    readers = statistics_readers(run, batches, planned=True)
-    cache = StatisticsCache.for_run(run)
+    readers = statistics_readers(res, batches, planned=True)
+    cache = StatisticsCache.for_run(res)
     if readers and cache is not None:
         fresh = max(r.asked for r in readers)
         stream = pass_stream(batches, peek, fresh)
@@ -227,69 +224,46 @@ def cached_phases(run: "PruneRun") -> dict[str, float]:
     return out
 
 
-def fresh_state(run: "PruneRun") -> RunState:
-    """Scores from the init metric (each hook's on_init runs on them), then the dense and init perplexities."""
-    c, names = run.config, metric_names(run)
-    run.stats_memo = {}  # activation statistics the metric and the hooks share (metrics.activations.column_moments)
-    run.log(f"initialising scores ({', '.join(dict.fromkeys(names.values()))}, {c.prob_map})")
-    batches = [run.init_sampler.next_batch() for _ in range(init_batch_count(run))]
-    with run_passes(run):  # (bfloat16 matrix products where the CPU runs them natively: --pass-dtype)
-        statistics_pass(run, batches, statistics_readers(run, batches))  # (the dense model's, before any mask)
-        with run.phases("init metric"):
-            z = initial_metric(run, batches)
-        run.call_hooks("before_scores", batches)
-    keep0, mix = run.keep_ratio_at(0), None
-    comparable = [u for u in run.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
-    if getattr(run.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
-        first = [] if c.init_data == "all" else list(run.val_batches or [])  # (all: as a one-shot run chooses it)
+def fresh_state(res: "RunResources", call_hooks: Callable[..., None]) -> RunState:
+    """Scores from the init metric (each hook's before_scores and on_init run on them, through the loop's
+    call_hooks, which applies their changes), then the dense and init perplexities."""
+    c, names = res.config, metric_names(res)
+    res.loop.stats_memo = memo = {}  # activation statistics the metric and the hooks share (metrics.activations.column_moments)
+    res.log(f"initialising scores ({', '.join(dict.fromkeys(names.values()))}, {c.prob_map})")
+    batches = [res.init_sampler.next_batch() for _ in range(init_batch_count(res))]
+    with run_passes(res):  # (bfloat16 matrix products where the CPU runs them natively: --pass-dtype)
+        statistics_pass(res, batches, statistics_readers(res, batches), memo)  # (the dense model's, before any mask)
+        with res.phases("init metric"):
+            z = initial_metric(res, batches)
+        call_hooks("before_scores", batches)
+    keep0, mix = res.masks.keep_ratio_at(0), None
+    comparable = [u for u in res.layout.unit_types if METRICS[names[u]].comparable]  # (FLAP's adaptive structure)
+    if getattr(res.budget, "nested", False):  # layers and widths on one budget: the mix that loses least
+        first = [] if c.init_data == "all" else list(res.val_batches or [])  # (all: as a one-shot run chooses it)
         wanted = c.mix_batches + c.mix_refine_batches
         mix_on = (first + batches)[:wanted]
-        mix_on += [run.init_sampler.next_batch() for _ in range(wanted - len(mix_on))]  # (metrics without data)
-        with run.phases("joint mix"), run_passes(run):
-            scores, mix = choose_mix(run, z, mix_on[:c.mix_batches], keep0, comparable=frozenset(comparable),
+        mix_on += [res.init_sampler.next_batch() for _ in range(wanted - len(mix_on))]  # (metrics without data)
+        with res.phases("joint mix"), run_passes(res):
+            scores, mix = choose_mix(res, z, mix_on[:c.mix_batches], keep0, comparable=frozenset(comparable),
                                      more=mix_on[c.mix_batches:])
     else:  # each type at its share of the budget (budget.type_keeps), then one projection over them all
-        keeps = run.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)
-        scores = run.budget.initial({u: initial_scores(z[u], run.layout, u, c.scope, keeps.get(u, keep0), *c.map_for(u))
-                                     for u in run.layout.unit_types}, keep0)
-    state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=run.mask_rng.get_state(),
+        keeps = res.budget.type_keeps(keep0, {u: z[u] for u in comparable} if len(comparable) > 1 else None)
+        scores = res.budget.initial({u: initial_scores(z[u], res.layout, u, c.scope, keeps.get(u, keep0), *c.map_for(u))
+                                     for u in res.layout.unit_types}, keep0)
+    state = RunState(step=0, scores=scores, baseline=None, sampler_state={}, mask_rng_state=res.mask_rng.get_state(),
                      ppl_dense=float("nan"), ppl_init=float("nan"), init_scores={u: s.clone() for u, s in scores.items()},
-                     init_metric=z, init_mix=mix, init_mask_scores=run.budget.init_mask_scores(scores))
-    run.call_hooks("on_init", state, batches)
-    run.stats_memo = None  # (the model is masked from here on: no statistic of the dense model is reused)
-    state.ppl_dense = run.masks.dense_perplexity()
-    state.ppl_init = init_perplexity(run, state)  # (the init mask the app shows)
+                     init_metric=z, init_mix=mix, init_mask_scores=res.budget.init_mask_scores(scores))
+    call_hooks("on_init", state, batches)
+    res.loop.stats_memo = None  # (the model is masked from here on: no statistic of the dense model is reused)
+    state.ppl_dense = res.masks.dense_perplexity()
+    state.ppl_init = init_perplexity(res, state)  # (the init mask the app shows)
     return state
 
 
-def init_perplexity(run: "PruneRun", state: RunState) -> float | None:
+def init_perplexity(res: "RunResources", state: RunState) -> float | None:
     """The init mask's perplexity, or None when the run does not evaluate it (PruneConfig.evaluates_init: not under
     --time-budget unless --eval-init)."""
-    if run.config.evaluates_init:
-        return run.masked_perplexity(run.masks.init_masks(state), "init")
-    run.log("init perplexity: skipped (--eval-init evaluates it)")
+    if res.config.evaluates_init:
+        return res.masks.masked_perplexity(res.masks.init_masks(state), "init")
+    res.log("init perplexity: skipped (--eval-init evaluates it)")
     return None
-
-
-def start_state(run: "PruneRun", resume: bool) -> RunState:
-    """The state a run starts from: its checkpoint (--resume), or a fresh one written as the first checkpoint."""
-    if resume:
-        check_checkpoint_kept(run.out)  # (the app's resume too: steps recorded and no checkpoint is refused)
-    if resume and (run.out / CHECKPOINT_FILE).exists():
-        state = run.load_checkpoint()
-        run.restore_metrics(state)
-        run.log(f"resuming {run.out} at step {state.step}/{run.config.steps}")
-        return state
-    if run.out is not None:  # (None: a run in memory, engine.api.prune, which writes nothing)
-        write_run_marker(run.out)  # first: from now on the folder is recognisably a run
-        run.config.save(run.out / CONFIG_FILE)
-    state = run.fresh_state()
-    check_finite("the initial scores", state.scores, {k: v for k, v in {"dense perplexity": state.ppl_dense,
-                                                                        "init perplexity": state.ppl_init}.items() if v is not None})
-    if run.out is None:
-        return state
-    run.checkpoints.save(state)
-    if run.world.writes:
-        shutil.rmtree(run.out / INIT_PROGRESS_DIR, ignore_errors=True)  # (the checkpoint holds the init from here on)
-    atomic_write_text(run.out / METRICS_FILE, "")  # (replaces a link there, never writes its target)
-    return state

@@ -17,7 +17,7 @@ from ..algo.policy import LR_SCHEDULE_FNS, stage_at
 from ..model.precision import pass_precision, run_eval_dtype
 
 if TYPE_CHECKING:  # annotations only
-    from .loop import PruneRun
+    from .resources import RunResources
 
 
 def mask_key(flat_masks: dict[str, torch.Tensor] | None, fill) -> tuple:
@@ -30,11 +30,19 @@ def mask_key(flat_masks: dict[str, torch.Tensor] | None, fill) -> tuple:
 
 
 class RunMasks:
-    def __init__(self, run: "PruneRun", transforms: list[tuple[str, object]] = ()):
+    """The run's masks, made before its RunResources (which hold them) and bound to them once (bind)."""
+
+    def __init__(self, transforms: list[tuple[str, object]] = ()):
         # transforms: (transform, hook) in the order they apply (engine.hooks.joined_transforms: MASK_TRANSFORMS' order)
-        self.run, self.transforms = run, list(transforms)
+        self.res: "RunResources | None" = None
+        self.transforms = list(transforms)
         self.measured: dict[tuple, float] = {}  # mask_key -> perplexity, within this process
         self.longest_eval = 0.0  # wall seconds of the longest evaluation (--time-budget's reserve for the last one)
+
+    def bind(self, res: "RunResources") -> "RunMasks":
+        """The resources these masks are taken under (once, as the run is built)."""
+        self.res = res
+        return self
 
     def each(self, transform: str) -> list:
         """The hooks whose `transform` applies, in their order."""
@@ -42,16 +50,16 @@ class RunMasks:
 
     def keep_ratio_at(self, step: int) -> float:
         """The budget at 0-based `step`: the target, or the current stage's (progressive)."""
-        return 1.0 - stage_at(self.run.stages, step, self.run.ctx.steps)[0]
+        return 1.0 - stage_at(self.res.loop.stages, step, self.res.ctx.steps)[0]
 
     def lr_at(self, step: int) -> float:
         """The learning-rate schedule over the run, or over each stage (progressive)."""
-        _, into, length = stage_at(self.run.stages, step, self.run.ctx.steps)  # (the planned count: --time-budget stretches it)
-        return LR_SCHEDULE_FNS[self.run.config.lr_schedule](self.run.config.lr, into, length)
+        _, into, length = stage_at(self.res.loop.stages, step, self.res.ctx.steps)  # (the planned count: --time-budget stretches it)
+        return LR_SCHEDULE_FNS[self.res.config.lr_schedule](self.res.config.lr, into, length)
 
     def hard_masks(self, scores: dict[str, torch.Tensor], keep_ratio: float | None = None) -> dict[str, torch.Tensor]:
-        keep = self.run.config.keep_ratio if keep_ratio is None else keep_ratio
-        masks = self.run.budget.hard_masks(scores, keep)
+        keep = self.res.config.keep_ratio if keep_ratio is None else keep_ratio
+        masks = self.res.budget.hard_masks(scores, keep)
         for hook in self.each("hard_masks"):
             masks = hook.hard_masks(masks, scores)
         return masks
@@ -80,7 +88,7 @@ class RunMasks:
         """The model as the run evaluates and exports this hard mask (every hook's weights_for: --reconstruct refits
         its kept columns), and the compensation fill that goes with it (... for the run's own). A hook that edits the
         weights sets the perplexities measured so far aside until they are restored (none of them holds there)."""
-        reward = self.run.ctx.reward
+        reward = self.res.ctx.reward
         with ExitStack() as stack:
             fill = KEEP
             for hook in self.each("weights_for"):
@@ -103,14 +111,14 @@ class RunMasks:
             self.measured = outside
 
     def layer_masks(self, flat: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        return {u: self.run.layout.split(u, m) for u, m in flat.items()}
+        return {u: self.res.layout.split(u, m) for u, m in flat.items()}
 
     def cached_dense(self) -> tuple[str | None, float | None, float | None]:
         """(the dense perplexity's cache key, the cached figure the run takes, its seconds): the figure is None
         when the cache has none for this model's files, dtype, device and windows, or when a budgeted run that
         evaluates nothing before its last evaluation needs the evaluation's seconds (its reserve for the last
         one) and the entry, from before the cache kept them, has none: it is measured again, once."""
-        r, c = self.run, self.run.config
+        r, c = self.res, self.res.config
         fingerprint = ppl_cache.model_fingerprint(r.source.path, r.source.gguf_file) if r.from_disk else None
         evals = run_eval_dtype(c, r.model)  # (a dense figure in another dtype than the weights' is its own entry)
         dtype = c.dtype if evals == c.dtype else f"{c.dtype}, evaluated in {evals}"
@@ -124,7 +132,7 @@ class RunMasks:
     def dense_perplexity(self) -> float:
         """The dense model's perplexity, from the cache (engine/storage/ppl_cache.py) when this model's files, dtype,
         device and windows were evaluated before."""
-        r = self.run
+        r = self.res
         key, cached, seconds = self.cached_dense()
         if cached is not None:
             r.log(f"dense perplexity: {cached:.3f} (cached: the same model files and windows were evaluated before)")
@@ -144,19 +152,19 @@ class RunMasks:
         one-shot method's final mask is its init mask; best-val often returns it) is not evaluated again."""
         key = mask_key(flat_masks, fill)
         if key in self.measured:
-            self.run.log(f"{what} perplexity: {self.measured[key]:.3f} (the same mask as evaluated before)")
+            self.res.log(f"{what} perplexity: {self.measured[key]:.3f} (the same mask as evaluated before)")
             return self.measured[key]
-        self.run.log(f"evaluating {what} perplexity on {self.run.windows.shape[0]} windows of {self.run.config.eval_seqlen} tokens")
+        self.res.log(f"evaluating {what} perplexity on {self.res.windows.shape[0]} windows of {self.res.config.eval_seqlen} tokens")
 
         def masked_loss(model, batch):  # the executor gives the batch's mean; every row counts it once
-            return self.run.ctx.losses({u: m[None] for u, m in flat_masks.items()}, batch, fill).expand(batch.shape[0])
+            return self.res.ctx.losses({u: m[None] for u, m in flat_masks.items()}, batch, fill).expand(batch.shape[0])
 
         t0 = time.monotonic()
-        evals = run_eval_dtype(self.run.config, self.run.model)
-        with self.run.phases("evaluations"), pass_precision(evals, model_device(self.run.model).type):
-            ppl = perplexity(self.run.model, self.run.windows, self.run.config.eval_batch_size, self.run.progress,
+        evals = run_eval_dtype(self.res.config, self.res.model)
+        with self.res.phases("evaluations"), pass_precision(evals, model_device(self.res.model).type):
+            ppl = perplexity(self.res.model, self.res.windows, self.res.config.eval_batch_size, self.res.loop.progress,
                              batch_loss if flat_masks is None else masked_loss)
         self.longest_eval = max(self.longest_eval, time.monotonic() - t0)
-        self.run.log(f"{what} perplexity: {ppl:.3f}")
+        self.res.log(f"{what} perplexity: {ppl:.3f}")
         self.measured[key] = ppl
         return ppl

@@ -14,27 +14,27 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only
-    from .loop import PruneRun
+    from .resources import RunResources
 
 PLAN_KEY = "plan_seconds_by_phase"  # results.json's key of the plan the run started with
 
 
-def run_rate(run: "PruneRun", skeleton, passes: str | None = None) -> tuple[float, str]:
+def run_rate(res: "RunResources", skeleton, passes: str | None = None) -> tuple[float, str]:
     """(seconds per token of a dense forward, where it comes from); passes: of one autocast to that dtype (the
     one-shot passes', engine/model/precision.py)."""
     from ..plan.forecast import cached_probe, probe_key, probe_seconds_per_token
     from ..storage.ppl_cache import cache_dir
 
-    c = run.config
+    c = res.config
     hit = cached_probe(cache_dir(), probe_key(c.model, c.dtype, c.batch_size, c.seqlen, passes))
     if hit is not None:  # (one forward now, against the cached rate: a machine busier than then is said, and planned)
         now = probe_seconds_per_token(skeleton, c.dtype, c.batch_size, c.seqlen, cache=None, repeats=1,
-                                      model=run.model, min_seconds=0.0, passes=passes)
+                                      model=res.model, min_seconds=0.0, passes=passes)
         if (line := busier_line(now, hit)) is not None:
-            run.log(line)
+            res.log(line)
             return now, "a fresh probe of this machine (busier than its cached one)"
         return hit, "a probe of this machine (cached)"
-    rate = probe_seconds_per_token(skeleton, c.dtype, c.batch_size, c.seqlen, cache=cache_dir(), model=run.model,
+    rate = probe_seconds_per_token(skeleton, c.dtype, c.batch_size, c.seqlen, cache=cache_dir(), model=res.model,
                                    passes=passes)
     return rate, "a probe of this machine (one dense forward of a batch)"
 
@@ -52,12 +52,12 @@ def busier_line(now: float, cached: float, factor: float = BUSIER) -> str | None
             "cores slows every phase)")
 
 
-def start_plan(run: "PruneRun", done_steps: int | None = None) -> dict[str, float]:
+def start_plan(res: "RunResources", done_steps: int | None = None) -> dict[str, float]:
     """plan_with_steps' plan alone."""
-    return plan_with_steps(run, done_steps)[0]
+    return plan_with_steps(res, done_steps)[0]
 
 
-def time_plan(run: "PruneRun", done_steps: int | None = None):
+def time_plan(res: "RunResources", done_steps: int | None = None):
     """(the TimePlan of this session of the run, the forward's seconds per token, where that rate came from, the
     one-shot passes' dtype when it is another, their rate): engine/plan/forecast.py's plan_time at this machine's rates, the
     dense perplexity's cache and the calibration text's seconds as the run has them now. The one plan that the
@@ -66,21 +66,21 @@ def time_plan(run: "PruneRun", done_steps: int | None = None):
     from .initialise import cached_phases
     from ..plan.forecast import pass_dtype_of, plan_time, skeleton_of
 
-    c = run.config
-    skeleton = skeleton_of(run.model, c.model, "gguf" if run.source.gguf_file else "folder")
-    rate, source = run_rate(run, skeleton)
+    c = res.config
+    skeleton = skeleton_of(res.model, c.model, "gguf" if res.source.gguf_file else "folder")
+    rate, source = run_rate(res, skeleton)
     passes = pass_dtype_of(c)  # (the one-shot passes' own rate, when they run in another dtype)
-    pass_rate = run_rate(run, skeleton, passes)[0] if passes else None
-    dense_cached = run.masks.cached_dense()[1] is not None
-    text = run.phases.seconds.get(CALIB_PHASE)  # (the calibration text: generated or read, before the plan)
-    cached = cached_phases(run) if done_steps is None else {}  # (a second run's statistics and metric)
+    pass_rate = run_rate(res, skeleton, passes)[0] if passes else None
+    dense_cached = res.masks.cached_dense()[1] is not None
+    text = res.phases.seconds.get(CALIB_PHASE)  # (the calibration text: generated or read, before the plan)
+    cached = cached_phases(res) if done_steps is None else {}  # (a second run's statistics and metric)
     plan = plan_time(c, skeleton, rate, source, dense_cached=dense_cached, done_steps=done_steps,
-                     load=time.monotonic() - run.started - (text or 0.0) if done_steps is None else run.phases.seconds["load"],
+                     load=time.monotonic() - res.started - (text or 0.0) if done_steps is None else res.phases.seconds["load"],
                      pass_seconds_per_token=pass_rate, text_cached=True, text_seconds=text, cached=cached)
     return plan, rate, source, passes, pass_rate
 
 
-def plan_with_steps(run: "PruneRun", done_steps: int | None = None) -> tuple[dict[str, float], float | None]:
+def plan_with_steps(res: "RunResources", done_steps: int | None = None) -> tuple[dict[str, float], float | None]:
     """(the plan, the steps that fit under --time-budget: None without one). The plan of this session of the run in
     results.json's form (phase -> seconds, "other", "total"), made once the model and the data are in memory (the probe
     runs the model; the dense perplexity's cache is keyed by the evaluation windows): its "load" is what loading took
@@ -89,16 +89,16 @@ def plan_with_steps(run: "PruneRun", done_steps: int | None = None) -> tuple[dic
     resumed at done_steps. Logged."""
     from ..hooks.reconstruction import Reconstruction
 
-    plan, rate, source, passes, pass_rate = time_plan(run, done_steps)
+    plan, rate, source, passes, pass_rate = time_plan(res, done_steps)
     phases = dict(plan.phases)
-    if any(isinstance(h, Reconstruction) and h.skipped for h in run.hooks):  # (no statistics, no refit)
+    if any(isinstance(h, Reconstruction) and h.skipped for h in res.hooks):  # (no statistics, no refit)
         phases.pop("refit statistics", None)
         phases.pop("refit", None)
-    if run.out is None:  # (a run in memory writes no export)
+    if res.out is None:  # (a run in memory writes no export)
         phases.pop("export", None)
     out = {k: round(v, 1) for k, v in phases.items()}
     out.update(other=0.0, total=round(sum(phases.values()), 1))
-    run.log(f"plan: about {out['total']:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in out.items()
+    res.log(f"plan: about {out['total']:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in out.items()
                                                        if k not in ("other", "total") and v >= 1)
             + f"); {rate * 1e3:.4f} ms per token from {source}"
             + (f" ({pass_rate * 1e3:.4f} in the one-shot passes' {passes})" if pass_rate else "")

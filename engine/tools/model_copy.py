@@ -34,10 +34,10 @@ def dense_perplexity(model: str = DEFAULT_MODEL, **settings) -> float | None:
     if ppl_cache.cache_dir() is None:
         return None
     run = PruneRun(PruneConfig(model=model, **settings), None, log=lambda m: None)  # (the defaults: not of()'s migration)
-    key, cached, _ = run.masks.cached_dense()
+    key, cached, _ = run.res.masks.cached_dense()
     if key is None:
         return None
-    return cached if cached is not None else run.masks.dense_perplexity()
+    return cached if cached is not None else run.res.masks.dense_perplexity()
 
 
 def main() -> int:

@@ -107,7 +107,7 @@ def _kept_history(run, out: Path) -> list[dict]:
     from ..storage.outdir import folder_lock
 
     with folder_lock(out, what="resume"):
-        return run.restore_metrics(run.load_checkpoint())
+        return run.checkpoints.restore_metrics(run.load_checkpoint())
 
 
 def _without_masks(report: dict) -> dict:
@@ -122,8 +122,8 @@ def _init_view(run):
 
     if getattr(run, "start_masks", None) is None:
         return None
-    scores = {u: [p.tolist() for p in run.layout.split(u, s)] for u, s in run.init_scores.items()}
-    return scores_view(INIT, "init (step 0)", mask_rows(run.layout, run.start_masks), scores)
+    scores = {u: [p.tolist() for p in run.res.layout.split(u, s)] for u, s in run.init_scores.items()}
+    return scores_view(INIT, "init (step 0)", mask_rows(run.res.layout, run.start_masks), scores)
 
 
 def _ended(result: dict) -> dict:
@@ -223,10 +223,10 @@ class JobManager(BackgroundJob):
 
         with self._lock:
             s, run = self._snap, self._run
-            clock = phase_status(run.plan, run.phases) if run is not None and s.active else None
+            clock = phase_status(run.res.loop.plan, run.res.phases) if run is not None and s.active else None
             return dataclasses.replace(s, history=list(s.history), config=dict(s.config or {}) or None,
                                        result=dict(s.result) if s.result else None, clock=clock,
-                                       plan=dict(run.plan) if run is not None and run.plan else s.plan)
+                                       plan=dict(run.res.loop.plan) if run is not None and run.res.loop.plan else s.plan)
 
     def busy_with(self, out_dir: str | Path) -> bool:
         with self._lock:
