@@ -16,7 +16,9 @@
 #                                          # at half the step, tuning seeds, 50 % then 30 %; l: the refit's
 #                                          # ridge at 0.01, tuning then confirmation seeds at 30 %; m:
 #                                          # the init and pg24 on the C4 + own-text mixture, 50 %; n:
-#                                          # the same, confirmation seeds 3 and 4; o: seed 5)
+#                                          # the same, confirmation seeds 3 and 4; o: seed 5;
+#                                          # p: the own-text init with the steps on the mixture,
+#                                          # tuning seeds 2 and 1; q: seed 0)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -121,6 +123,13 @@ lane_n() {  # the candidate chosen on tuning seed 2 (issue 64, 2026-12-04): at 5
 lane_o() {  # lane n's last confirmation seed, beside it (seed 5's pair, so the two seeds run at once)
   for s in 5; do variant init-mix 50 "$s" && variant pg24-mix 50 "$s"; done
 }
+lane_p() {  # the own-text init and the steps on the mixture (issue 64, --step-calib-source mix), 50 %, tuning
+  # seeds 2 (the one whose own-text steps drift) and 1
+  variant pg24-mixsteps 50 2 1
+}
+lane_q() {  # the same, tuning seed 0, beside lane p
+  variant pg24-mixsteps 50 0
+}
 lane_l() {  # the refit's ridge at 0.01 (issue 64/65), the tuning seeds at 30 %, then the confirmation seeds
   variant init-r001 30 0 1 2
   variant init-r001 30 3 4 5
@@ -147,9 +156,11 @@ case "${1:-}" in
   m) lanes=(lane_m) ;;
   n) lanes=(lane_n) ;;
   o) lanes=(lane_o) ;;
+  p) lanes=(lane_p) ;;
+  q) lanes=(lane_q) ;;
   l) lanes=(lane_l) ;;
   "") ;;
-  *) echo "error: expected status, a, b, c, d, e, f, g, h, i, j, k, l, m, n, o or nothing, got '$1'" >&2; exit 2 ;;
+  *) echo "error: expected status, a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q or nothing, got '$1'" >&2; exit 2 ;;
 esac
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "

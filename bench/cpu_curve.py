@@ -139,7 +139,7 @@ def run_one(variant: str, seed: int, minutes: float, cell: Path, model: str | No
         text, _ = load_eval_text(run.res.config.eval_data)
         run.replace_resources(windows=eval_windows(run.res.tokenizer, text, run.res.config.eval_seqlen, EVAL_WINDOWS))
         run.res.masks.measured.clear()
-    if run.res.ctx.fill is None and run.res.config.bias_compensation:
+    if run.res.ctx.comp_means is None and run.res.config.bias_compensation:
         run.start_state(resume=True)  # the compensation's means, from the checkpoint
     ppl = {}
     for step in sorted({p["best_step"] for p in points}):

@@ -92,18 +92,19 @@ def worker(args) -> dict:
         if config.val_every and state.step % config.val_every == 0:
             validation.validate(state)
         if state.step == 50 and config.steps > 50:
-            out["step50"] = run_.res.masks.masked_perplexity(run_.res.masks.hard_masks(state.scores), "step 50", run_.res.ctx.fill)
+            out["step50"] = run_.res.masks.masked_perplexity(run_.res.masks.hard_masks(state.scores), "step 50", run_.res.ctx.comp_means)
     out["seconds_per_step"] = statistics.median(step_seconds[5:] or step_seconds)
     last = run_.res.masks.hard_masks(state.scores)
     hybrid = rank_within_layers(run_.res.layout, last, state.init_metric)
-    fill = run_.res.ctx.fill or compensation_fill(input_means(run_.res.adapter, [run_.res.sampler.next_batch() for _ in range(16)]),
+    fill = run_.res.ctx.comp_means or compensation_fill(input_means(run_.res.adapter, [run_.res.sampler.next_batch() for _ in range(16)]),
                                           run_.res.layout.unit_types)
-    out["last"] = run_.res.masks.masked_perplexity(last, "last", run_.res.ctx.fill)
-    out["hybrid"] = run_.res.masks.masked_perplexity(hybrid, "hybrid", run_.res.ctx.fill)
+    out["last"] = run_.res.masks.masked_perplexity(last, "last", run_.res.ctx.comp_means)
+    out["hybrid"] = run_.res.masks.masked_perplexity(hybrid, "hybrid", run_.res.ctx.comp_means)
     out["comp"] = run_.res.masks.masked_perplexity(last, "comp", fill)
     out["hybrid+comp"] = run_.res.masks.masked_perplexity(hybrid, "hybrid+comp", fill)
     if state.best_scores is not None:
-        out["best-val"] = run_.res.masks.masked_perplexity(run_.res.masks.hard_masks(state.best_scores), "best-val", run_.res.ctx.fill)
+        best = run_.res.masks.hard_masks(state.best_scores)
+        out["best-val"] = run_.res.masks.masked_perplexity(best, "best-val", run_.res.ctx.comp_means)
         out["best_val_step"] = state.best_step
     out["kept_heads_per_layer"] = [int(x.sum()) for x in run_.res.layout.split("heads", last["heads"])]
     return out

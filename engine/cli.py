@@ -720,23 +720,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # the own text's (--calib-source self, mix, auto from 0.5)
 _SELF_TEXT = ("self_docs", "self_tokens", "self_temperature", "self_batch", "self_dtype")
 _MIX = ("mix_search", "mix_batches", "mix_reward", "mix_refit", "mix_refine_batches")  # the joint mix's
-_INERT = (*_SELF_TEXT, *_MIX)
+_STEPS_TEXT = ("step_calib_source",)  # the steps' (a method that optimises)
+_INERT = (*_SELF_TEXT, *_MIX, *_STEPS_TEXT)
 
 
 def refuse_inert_flags(args, given: list[str]) -> None:
     """A flag given for a part the run does not have is refused in one line, as another method's option is (rather
     than ignored without a word): --self-* where the run's calibration source generates no text, --mix-* where
     no joint mix is chosen (whole layers and widths on one --budget params)."""
-    from .data.calib_sources import CALIB_SOURCES, SELF_FROM, source_of
+    from .algo.methods import METHODS
+    from .data.calib_sources import SELF_FROM, run_generates
     from .model.unit_types import UNIT_TYPES
 
     flag = lambda dest: "--" + dest.replace("_", "-")  # noqa: E731
     text = [d for d in given if d in _SELF_TEXT]
-    if text and not CALIB_SOURCES[source_of(args)].generates:
+    if text and not run_generates(args):
         how = "" if args.calib_source == "data" else f" at --prune-ratio {args.prune_ratio:g}"
         raise UserError(f"{flag(text[0])} applies to the model's own text (--calib-source self or mix, or auto from "
                         f"--prune-ratio {SELF_FROM:g} up); this run reads the calibration documents as "
                         f"given (--calib-source {args.calib_source}{how}): drop {flag(text[0])}")
+    if [d for d in given if d in _STEPS_TEXT] and not METHODS[args.method].optimises:
+        why = ": the default takes the init alone, --steps N buys steps" if getattr(args, "no_steps", False) else ""
+        raise UserError(f"--step-calib-source applies to the steps; this run takes none (--method {args.method}{why}); "
+                        "drop --step-calib-source, or run a method that takes steps")
     mix = [d for d in given if d in _MIX]
     whole = [u for u in args.units if u in UNIT_TYPES and UNIT_TYPES[u].whole_layer]
     if mix and not (whole and len(whole) < len(args.units) and args.budget == "params"):

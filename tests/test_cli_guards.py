@@ -54,6 +54,11 @@ INERT = {  # flags given for a part the run has not -> what the one line names
                                     "(--units heads,channels)"),
     "--mix-batches under --budget units": (["--units", "layers,heads", "--budget", "units", "--mix-batches", "2"],
                                            "--mix-batches applies to the joint mix", "(--budget units)"),
+    "--step-calib-source where the default takes no steps": (
+        ["--step-calib-source", "mix"], "--step-calib-source applies to the steps; this run takes none",
+        "(--method flap: the default takes the init alone, --steps N buys steps)"),
+    "--step-calib-source with a one-shot method": (["--method", "flap", "--preset", "fast", "--step-calib-source", "self"],
+                                                   "--step-calib-source applies to the steps", "(--method flap)"),
 }
 
 
@@ -80,7 +85,7 @@ def test_the_same_flags_where_they_apply_are_taken(tmp_path):
     for extra in (["--calib-source", "self", "--self-docs", "64"], ["--calib-source", "mix", "--self-tokens", "64"],
                   ["--calib-source", "auto", "--prune-ratio", "0.5", "--self-temperature", "0.8"],
                   ["--mix-search", "exhaustive"], ["--units", "layers,channels", "--mix-batches", "2"],
-                  ["--calib-source", "data"], ["--units", "heads,channels"]):
+                  ["--calib-source", "data"], ["--units", "heads,channels"], ["--steps", "4", "--step-calib-source", "mix"]):
         assert parse_args(base + extra).command == "prune"
 
 

@@ -209,7 +209,7 @@ def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_pat
                 if 0 < part.sum() < part.numel():
                     assert z[part > 0].min() >= z[part == 0].max()
     if config.bias_compensation:
-        assert state.input_means is not None and run.res.ctx.fill is not None
+        assert state.input_means is not None and run.res.ctx.comp_means is not None
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", trust_remote_code=True)
         assert exported.config.output_bias is True
     if config.method_options["unit_block"] > 1:  # the channels moved in blocks; the heads (4 a layer) alone

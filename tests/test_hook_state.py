@@ -139,8 +139,8 @@ def test_no_hook_assigns_to_its_run():
     ("class H:\n    def f(self):\n        setattr(self.run, 'steps', 3)\n", ["setattr(self.run, 'steps', 3)"]),
     ("class H:\n    def f(self):\n        c = self.run.config\n        c.steps = 3\n", ["c.steps"]),
     ("class H:\n    def f(self):\n        self.run.masks.measured.clear()\n", ["self.run.masks.measured.clear()"]),
-    ("class H:\n    def g(self):\n        self.ctx = self.run.ctx\n    def f(self):\n        self.ctx.fill = None\n",
-     ["self.ctx.fill"]),
+    ("class H:\n    def g(self):\n        self.ctx = self.run.ctx\n    def f(self):\n        self.ctx.comp_means = None\n",
+     ["self.ctx.comp_means"]),
     ("def share(run, x):\n    run.started = x\n", ["run.started"]),
     ("class H:\n    def f(self):\n        del self.run.stats_memo\n", ["self.run.stats_memo"]),
     # the state a hook is handed: only its own data, through self.own(state)
@@ -217,7 +217,7 @@ def _fake_run(hooks=()):
 
     from engine.run.loop import PruneRun
 
-    run = SimpleNamespace(res=SimpleNamespace(ctx=SimpleNamespace(steps=10, fill="means"), hooks=list(hooks),
+    run = SimpleNamespace(res=SimpleNamespace(ctx=SimpleNamespace(steps=10, comp_means="means"), hooks=list(hooks),
                                               loop=SimpleNamespace(stages=[(0, 0.3)], unit_metric="wanda-sp")))
     run.apply_changes = lambda changes: PruneRun.apply_changes(run, changes)
     run.call_hooks = lambda event, *args: PruneRun.call_hooks(run, event, *args)
@@ -229,7 +229,7 @@ def test_the_run_applies_every_field_of_a_hooks_changes_and_nothing_left_kept():
 
     from engine.hooks import KEEP, RunChanges
 
-    where = {"steps": lambda r: r.res.ctx.steps, "fill": lambda r: r.res.ctx.fill,
+    where = {"steps": lambda r: r.res.ctx.steps, "comp_means": lambda r: r.res.ctx.comp_means,
              "stages": lambda r: r.res.loop.stages, "unit_metric": lambda r: r.res.loop.unit_metric}
     assert {f.name for f in fields(RunChanges)} == set(where)  # (a new field needs a line in PruneRun.apply_changes)
     for name, read in where.items():
@@ -278,8 +278,8 @@ def test_the_hooks_events_return_their_changes(tiny_path, small_eval_file):
         stages=progressive_stages(0.3, 6, 0.1), unit_metric="random")
     means = {"heads": [torch.ones(2)], "channels": [torch.ones(3)], "layers": None}
     hook = BiasCompensation(SimpleNamespace(layout=SimpleNamespace(unit_types=["heads", "channels"])))
-    assert hook.on_resume(SimpleNamespace(input_means=means)).fill == {"heads": means["heads"], "channels": means["channels"]}
-    assert hook.on_resume(SimpleNamespace(input_means=None)) == RunChanges(fill=None)
+    assert hook.on_resume(SimpleNamespace(input_means=means)).comp_means == {"heads": means["heads"], "channels": means["channels"]}
+    assert hook.on_resume(SimpleNamespace(input_means=None)) == RunChanges(comp_means=None)
 
 
 # --- the mask transforms: one ordered list -----------------------------------------------------------------------------

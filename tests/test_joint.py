@@ -174,10 +174,10 @@ def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_ev
     losses = []
 
     def spy(run, z, batches, keep, **kw):
-        seen.append(run.ctx.fill)
+        seen.append(run.ctx.comp_means)
         scores, lines = real(run, z, batches, keep, **kw)
         masks = run.masks.hard_masks(scores, keep)  # (hard_mask_loss: the run's means, other means, or none)
-        losses.append([hard_mask_loss(run, masks, batches[0], fill) for fill in (KEEP, run.ctx.fill, None)])
+        losses.append([hard_mask_loss(run, masks, batches[0], fill) for fill in (KEEP, run.ctx.comp_means, None)])
         return scores, lines
 
     monkeypatch.setattr(initialise, "choose_mix", spy)

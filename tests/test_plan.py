@@ -389,6 +389,8 @@ def test_the_loss_chart_draws_a_kl_runs_check_as_a_kl_and_a_ce_runs_as_a_log_per
     ce = loss_figure([{**r, "val_ppl": 120.0 if r["val_ppl"] else None} for r in history], reward="ce")
     check = next(t for t in ce.data if t.name.startswith("hard mask"))
     assert check.name == "hard mask, held-out (log ppl)" and list(check.y) == [pytest.approx(math.log(120.0))]
+    named = loss_figure([{**r, "reward": "kl"} for r in history], reward="ce")  # (a line that names its reward wins)
+    assert "KL" in named.layout.yaxis.title.text
 
 
 def test_the_own_texts_plan_follows_its_batch_and_dtype(tiny_path, skeleton, monkeypatch):

@@ -61,6 +61,12 @@ def main_run(tiny, tiny_path, tmp_path_factory):
     return dict(config=config, out=out, run=run, results=results, reports=reports)
 
 
+def test_each_step_line_names_the_reward_its_losses_hold(main_run):
+    lines = metric_lines(main_run["out"])
+    assert lines and all(line["reward"] == main_run["config"].reward for line in lines)
+    assert all(r.reward == main_run["config"].reward for r in main_run["reports"])
+
+
 def test_run_artifacts(main_run):
     out, config, results = main_run["out"], main_run["config"], main_run["results"]
     for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "masks.safetensors", "masks.json", "results.json"):

@@ -303,6 +303,42 @@ def test_a_run_on_self_generated_text_records_it(tiny, tiny_path, small_eval_fil
     assert set(res["plan_seconds_by_phase"]) == set(res["seconds_by_phase"])
 
 
+def test_the_steps_may_read_another_source_than_the_init(tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
+    """--step-calib-source: the steps' batches and their held-out check come from that source's text, while the
+    init (its metric, the joint mix, the refit's statistics) reads --calib-source's, every document of it; same
+    (the default) is one source for both, as before."""
+    from engine.data.calib_sources import run_generates, step_source_of
+    from engine.data.text import CalibrationSampler, load_calibration_texts
+    from engine.data.tokenize_docs import tokenize_documents
+
+    def key(doc) -> tuple:  # (a sampler's documents are tensors, tokenize_documents' may be lists)
+        return tuple(doc.tolist() if hasattr(doc, "tolist") else doc)
+
+    def inside(row: list[int], doc: tuple) -> bool:
+        return any(list(doc[i:i + len(row)]) == row for i in range(len(doc) - len(row) + 1))
+
+    monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
+    config = small_config(tiny_path, small_eval_file, calib_source="data", step_calib_source="self", self_docs=20,
+                          self_tokens=70, steps=1, val_every=1)
+    assert step_source_of(config) == "self" and run_generates(config) and generated_tokens(config) > 0
+    assert step_source_of(dataclasses.replace(config, step_calib_source="same")) == "data"
+    assert not run_generates(dataclasses.replace(config, step_calib_source="same"))
+    run = PruneRun(config, tmp_path / "A", model=tiny[0], tokenizer=tiny[1], log=quiet)
+    own, _ = CALIB_SOURCES["self"](load_calibration_texts(config.calib)[0], tiny[0], tiny[1], config, None, log=quiet)
+    own_ids = {key(d) for d in tokenize_documents(tiny[1], own)}
+    steps_docs, init_docs = {key(d) for d in run.res.sampler.docs}, {key(d) for d in run.res.init_sampler.docs}
+    assert steps_docs < own_ids and len(steps_docs) == len(own_ids) - len(own_ids) // 10  # (every 10th held out)
+    assert not init_docs & own_ids  # (the init reads the calibration documents, all of them)
+    every = CalibrationSampler(tiny[1], None, config.seqlen, config.batch_size, config.seed,
+                               tokenize_documents(tiny[1], load_calibration_texts(config.calib)[0]))
+    assert init_docs == {key(d) for d in every.docs}
+    held_out = [r for b in run.res.val_batches for r in b.tolist()]
+    assert held_out and all(any(inside(r, d) for d in own_ids - steps_docs) for r in held_out)  # (own text, held out)
+    res = run.run(progress=False)
+    assert res["calib_source"] == "data" and res["step_calib_source"] == "self"
+    assert "the steps and their check" in res["scored_on"] and res["seconds_by_phase"][CALIB_PHASE] > 0
+
+
 def test_auto_reads_the_own_text_from_half_the_decoder_and_the_documents_below(tiny, tiny_path, small_eval_file,
                                                                               tmp_path, monkeypatch):
     """--calib-source auto (the joint preset's): the source measured best at the run's rate, resolved per run;

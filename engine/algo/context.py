@@ -2,7 +2,7 @@
 
 A method never holds the run. It gets the model's adapter and unit layout, an executor that turns
 mask samples into calibration losses, a way to run the model under (soft) masks for methods that
-back-propagate, the mask rng, and the compensation fill once the run has measured it.
+back-propagate, the mask rng, and the compensation means once the run has measured them (comp_means).
 
     ctx.losses(samples, batch)      # {unit type: (N_s, units) 0/1} -> (N_s,) mean token losses
     ctx.rewards(samples, batch)     # the same samples scored by the run's reward (--reward), as the steps are
@@ -39,7 +39,7 @@ class StepContext:
     rng: torch.Generator  # the mask samples' generator (part of every checkpoint)
     num_samples: int  # N_s masks per step
     steps: int  # the steps of the whole run (schedules inside a method, e.g. Gumbel's temperature)
-    fill: dict[str, list[torch.Tensor]] | None = None  # bias compensation's means, once the run measured them
+    comp_means: dict[str, list[torch.Tensor]] | None = None  # bias compensation's means, once measured
     hard_masks: Callable | None = None  # {unit type: scores} -> the run's hard masks of them at its budget
     reward: Reward = field(default_factory=CrossEntropy)  # --reward: what a sample's score is (engine/algo/rewards.py)
     # --step-refit: {unit type: (units,) hard mask} -> a context manager under which the model carries that mask's
@@ -54,7 +54,7 @@ class StepContext:
         """Each sample's mean token cross-entropy on the batch (the evaluations' loss, whatever the reward).
         fill: the compensation means to use instead of the run's (None: none)."""
         with MaskHooks(self.adapter) as hooks:
-            return self.executor(hooks, self.layout, batch, samples, self.fill if fill is KEEP else fill)
+            return self.executor(hooks, self.layout, batch, samples, self.comp_means if fill is KEEP else fill)
 
     def rewards(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=KEEP, refit: bool = True,
                 reward=None) -> torch.Tensor:
@@ -65,13 +65,13 @@ class StepContext:
         score = (reward or self.reward).scorer(self.model, batch)
         if self.weights is None or not refit:
             with MaskHooks(self.adapter) as hooks:
-                return self.executor(hooks, self.layout, batch, samples, self.fill if fill is KEEP else fill, score)
+                return self.executor(hooks, self.layout, batch, samples, self.comp_means if fill is KEEP else fill, score)
         executor = self.own_executor or self.executor
 
         def one(j: int) -> torch.Tensor:  # (--step-refit: each sample scored under its own refit, a solve and a forward)
             with self.weights({u: m[j] for u, m in samples.items()}) as refit, MaskHooks(self.adapter) as hooks:
                 return executor(hooks, self.layout, batch, {u: m[j:j + 1] for u, m in samples.items()},
-                                self.fill if refit is KEEP else refit, score)
+                                self.comp_means if refit is KEEP else refit, score)
 
         n = next(iter(samples.values())).shape[0]
         return self.spread(n, one) if self.spread else torch.cat([one(j) for j in range(n)])
@@ -80,5 +80,5 @@ class StepContext:
     def masked(self, masks: dict[str, torch.Tensor], fill=KEEP):
         """fill: as for `losses`."""
         with MaskHooks(self.adapter) as hooks:
-            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.fill if fill is KEEP else fill)
+            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.comp_means if fill is KEEP else fill)
             yield

@@ -60,10 +60,31 @@ def source_of(config) -> str:
     return fn.resolve(config) if fn is not None and fn.resolve is not None else config.calib_source
 
 
+def step_source_of(config) -> str:
+    """The source the steps and their held-out check read: --step-calib-source's, resolved as source_of resolves
+    one, or the init's (same: source_of's)."""
+    name = getattr(config, "step_calib_source", "same")
+    fn = CALIB_SOURCES.get(name)
+    if fn is None:  # (same)
+        return source_of(config)
+    return fn.resolve(config) if fn.resolve is not None else name
+
+
+def run_sources(config) -> tuple[str, ...]:
+    """The sources a run reads: the init's (its metric, the joint mix, the refit's statistics), then the steps' where
+    it is another."""
+    return tuple(dict.fromkeys((source_of(config), step_source_of(config))))
+
+
+def run_generates(config) -> bool:
+    """Does any source the run reads sample text from the dense model? (self and mix sample the same own text, once.)"""
+    return any(getattr(CALIB_SOURCES.get(s), "generates", False) for s in run_sources(config))
+
+
 def generated_tokens(config) -> int:
-    """Tokens a run's calibration source puts through the dense model when its text is not cached (each
-    document's prompt and its continuation); 0 for a source that generates nothing."""
-    if not getattr(CALIB_SOURCES.get(source_of(config)), "generates", False):
+    """Tokens a run's calibration sources put through the dense model when their text is not cached (each
+    document's prompt and its continuation; self and mix share it); 0 where no source generates."""
+    if not run_generates(config):
         return 0
     return config.self_docs * (PROMPT_TOKENS + config.self_tokens)
 

@@ -28,7 +28,7 @@ class RunChanges:
     steps: Any = KEEP  # the run's planned step count, ctx.steps (--time-budget re-plans it, --early-stop ends it)
     stages: Any = KEEP  # the budget's stages [(from step, prune ratio)] (random-progressive)
     unit_metric: Any = KEEP  # the init metric of the widths (random-progressive: random)
-    fill: Any = KEEP  # the compensation means every masked forward uses, ctx.fill (None: none)
+    comp_means: Any = KEEP  # the compensation means every masked forward uses, ctx.comp_means (None: none)
 
 
 class RunHook:

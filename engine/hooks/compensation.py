@@ -29,11 +29,11 @@ class BiasCompensation(RunHook):
     def before_scores(self, batches) -> RunChanges:  # (so that the joint method's candidate losses are compensated)
         self.run.log("measuring mean inputs of the output projections (bias compensation)")
         self.means = input_means(self.run.adapter, batches, self.run.world, self.run.stats_memo)
-        return RunChanges(fill=compensation_fill(self.means, self.run.layout.unit_types))
+        return RunChanges(comp_means=compensation_fill(self.means, self.run.layout.unit_types))
 
     def on_init(self, state, batches) -> RunChanges:
         self.own(state)["input_means"] = self.means
         return self.on_resume(state)
 
     def on_resume(self, state) -> RunChanges:
-        return RunChanges(fill=compensation_fill(state.input_means, self.run.layout.unit_types))
+        return RunChanges(comp_means=compensation_fill(state.input_means, self.run.layout.unit_types))

@@ -28,7 +28,7 @@ import torch
 from ..model.arch import ModelAdapter
 from ..algo.budget import BUDGETS
 from ..data.calib_sources import (CALIB_SOURCES, PHASE as CALIB_PHASE, check_cache_dir as check_self_calib_cache,
-                                  check_generation, source_of)
+                                  check_generation, run_generates, source_of, step_source_of)
 from .checkpoints import Checkpoints
 from ..settings.config import PruneConfig
 from ..algo.context import StepContext
@@ -91,36 +91,47 @@ def _no_follow(path: str, flags: int) -> int:
 def _run_data(tokenizer, config: PruneConfig, model=None, fingerprint: str | None = None, log=print,
               calib: list[str] | None = None, check: Callable[[dict], None] | None = None):
     """(calibration sampler, init sampler, held-out validation batches, evaluation windows, where the data came
-    from {"calib_data", "eval_data"}). With validation on, every 10th calibration document is held out from the
+    from {"calib_data", "eval_data", "calib_source"}, the seconds the calibration sources took). The steps' sampler
+    and the held-out batches read the steps' source (--step-calib-source; the init's unless it names another),
+    the init sampler the init's. With validation on, every 10th document of the steps' text is held out from the
     steps; the init metric (and the joint mix) read every document with --init-data all, as a one-shot run of the
-    seed does, so that the run starts from that run's mask; the init sampler is the calibration sampler otherwise.
+    seed does, so that the run starts from that run's mask, and always where the steps read another source (the
+    check reads that source, not the init's); the init sampler is the calibration sampler otherwise.
     check (torchrun: World.check_data) sees the texts as read, before any forward (--calib-source self generates).
-    Last, the seconds the calibration source took (a generating one's: the run's "calibration text" phase)."""
+    The seconds: the run's "calibration text" phase, where a source generates."""
     texts, calib_source = load_calibration_texts(config.calib) if calib is None else (calib, "in memory")
     text, eval_source = load_eval_text(config.eval_data)
     if check is not None:
         check({"model weights": (lambda: weights_digest(model), config.model),  # (torchrun: other weights, same size)
                "calibration data": (texts, calib_source), "evaluation data": (text, eval_source)})
-    began = time.monotonic()  # (the source's seconds: its own phase, "calibration text", where it generates)
+    began = time.monotonic()  # (the sources' seconds: their own phase, "calibration text", where they generate)
     say = lambda left: say_text_plan(model, config, left, fingerprint is not None, log)  # noqa: E731
-    texts, scored_on = CALIB_SOURCES[source_of(config)](texts, model, tokenizer, config, fingerprint, log=log,
-                                                        before_sampling=say)
+    init_texts, scored_on = CALIB_SOURCES[source_of(config)](texts, model, tokenizer, config, fingerprint, log=log,
+                                                             before_sampling=say)
+    step_texts = init_texts
+    if (steps_read := step_source_of(config)) != source_of(config):  # (self and mix share one own text, cached)
+        step_texts, steps_on = CALIB_SOURCES[steps_read](texts, model, tokenizer, config, fingerprint, log=log,
+                                                         before_sampling=say)
+        scored_on = f"{scored_on}; the steps and their check: {steps_on}"
     source_seconds = time.monotonic() - began
-    ids = tokenize_documents(tokenizer, texts)  # (once: the samplers below share documents; bounded memory)
+    ids = tokenize_documents(tokenizer, init_texts)  # (once: the samplers below share documents; bounded memory)
+    step_ids = ids if step_texts is init_texts else tokenize_documents(tokenizer, step_texts)
     val_batches, init_sampler = [], None
+    if step_ids is not ids:
+        init_sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
     if config.validates:
-        kept, held_out = split_holdout(ids)
+        kept, held_out = split_holdout(step_ids)
         if not held_out:
-            CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)  # (its error first)
+            CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, step_ids)  # (its error first)
             raise UserError("held-out validation (--val-every, on by default for --final-mask best-val) needs at least "
                             "10 calibration documents (every 10th is held out); give more, or --val-every 0 "
                             "--final-mask last")
         sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed + 3, held_out)
         val_batches = [sampler.next_batch() for _ in range(config.val_batches)]
-        if config.init_data == "all":
+        if config.init_data == "all" and init_sampler is None:
             init_sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
-        ids = kept
-    sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, ids)
+        step_ids = kept
+    sampler = CalibrationSampler(tokenizer, None, config.seqlen, config.batch_size, config.seed, step_ids)
     windows = eval_windows(tokenizer, text, config.eval_seqlen, config.max_windows)
     return sampler, init_sampler or sampler, val_batches, windows, {"calib_data": calib_source, "eval_data": eval_source,
                                                                  "calib_source": scored_on}, source_seconds
@@ -156,7 +167,7 @@ class PruneRun:
         metric_cache_folder()  # (a $PG_PRUNE_METRIC_CACHE that is a file: refused now, not after the model's work)
         ppl_cache.check_cache_dir()  # (and a $PG_PRUNE_CACHE that is one)
         ppl_cache.check_folder(STATS_CACHE_ENV, stats_cache_dir(), f" (or set {STATS_CACHE_ENV}=off)")  # (and its statistics')
-        generates = CALIB_SOURCES[source_of(c)].generates
+        generates = run_generates(c)
         if generates:  # (and the self-generated text's cache)
             check_self_calib_cache()
             check_generation(c, model.config)  # (documents beyond the positions, or no longer than --seqlen)
@@ -229,8 +240,8 @@ class PruneRun:
         ctx, loop = self.res.ctx, self.res.loop
         if changes.steps is not KEEP:
             ctx.steps = changes.steps
-        if changes.fill is not KEEP:
-            ctx.fill = changes.fill
+        if changes.comp_means is not KEEP:
+            ctx.comp_means = changes.comp_means
         if changes.stages is not KEEP:
             loop.stages = changes.stages
         if changes.unit_metric is not KEEP:
@@ -283,7 +294,7 @@ class PruneRun:
             kept_fraction={u: layout.layer_means(u, m) for u, m in hard.items()},
             head_scores=[p.tolist() for p in layout.split(detailed[0], state.scores[detailed[0]])] if detailed else None,
             seconds=seconds, eta_seconds=(state.seconds_in_steps / state.step) * max(steps - state.step, 0), keep_ratio=keep,
-            masks=mask_rows(layout, hard))
+            masks=mask_rows(layout, hard), reward=res.ctx.reward.name)
 
     def run(self, resume: bool = False, observer: Observer | None = None, stop: threading.Event | None = None,
             progress: bool = True) -> dict:

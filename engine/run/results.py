@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..algo.context import KEEP
 from ..algo.budget import removal_report
-from ..data.calib_sources import source_of
+from ..data.calib_sources import source_of, step_source_of
 from ..model.distributed import shares
 from ..storage.io import atomic_write_text
 from ..model.loading import count_parameters
@@ -74,6 +74,7 @@ def run_results(res: "RunResources", state: RunState, scores: dict, masks: dict,
         "calib_data": res.sources["calib_data"],
         "calib_source": source_of(c),  # what the masks were scored on (--calib-source, auto resolved), in words below
         "scored_on": res.sources.get("calib_source"),
+        "step_calib_source": step_source_of(c),  # what the steps and their check read (--step-calib-source)
         "reward": c.reward,
         "params_dense": count_parameters(res.model),
         "params_pruned": params_pruned,
@@ -115,13 +116,14 @@ def finish(res: "RunResources", state: RunState) -> dict:
         if not res.world.writes:  # rank 0 alone writes the masks, the export and results.json
             return {"status": "done", "rank": res.world.rank, "ppl_pruned": ppl_pruned}
         if res.out is None:  # a run in memory (engine.api.prune) writes nothing: its caller takes masks and model
-            model = build_pruned_model(res.model, res.layout, masks, res.ctx.fill if fill is KEEP else fill)
+            model = build_pruned_model(res.model, res.layout, masks, res.ctx.comp_means if fill is KEEP else fill)
             return {**report(res, state, scores, masks, ppl_pruned, count_parameters(model)), "masks": masks, "model": model}
         save_mask_artifact(res.out, res.source.name, res.layout, scores, masks, state.init_scores,
                            res.masks.init_masks(state))
         res.log(f"exporting the sliced model to {res.out / MODEL_DIR}")
         with res.phases("export"):
-            export = export_pruned(res.model, res.tokenizer, res.layout, masks, res.out / MODEL_DIR, res.ctx.fill if fill is KEEP else fill)
+            export = export_pruned(res.model, res.tokenizer, res.layout, masks, res.out / MODEL_DIR,
+                                   res.ctx.comp_means if fill is KEEP else fill)
     results = report(res, state, scores, masks, ppl_pruned, export["params"])
     atomic_write_text(res.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results

@@ -22,8 +22,8 @@ class StepReport:
 
     step: int  # 1-based count of steps done
     total_steps: int
-    losses: list[float]  # L_j of each mask sample
-    baseline: float  # delta after this step's update (0 when the baseline is off)
+    losses: list[float]  # L_j of each mask sample: its reward's value (`reward` says which: kl, a mean KL in nats)
+    baseline: float  # delta after this step's update (0 when the baseline is off), in the same reward
     lr: float
     mean_score: dict[str, list[float]]  # unit type -> mean s per layer
     kept_fraction: dict[str, list[float]]  # unit type -> fraction kept per layer by the current hard mask
@@ -36,6 +36,7 @@ class StepReport:
     # the hard masks this step computed under the run's own budget (this step's keep ratio, every hook's rounding):
     # unit type -> per layer a 0/1 list; metrics.jsonl holds them as encode_mask_rows' compact strings
     masks: dict[str, list[list[int]]] | None = None
+    reward: str | None = None  # what losses and baseline hold: the run's --reward (ce, kl; None: a line from before)
 
     def to_json(self) -> str:
         data = asdict(self)

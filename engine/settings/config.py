@@ -357,6 +357,10 @@ class PruneConfig:
         "the text masks are scored on: data (the calibration documents), self (the dense model's own "
         "continuations of their first tokens, sampled once and cached), mix (both, interleaved), auto (self from "
         f"--prune-ratio {SELF_FROM:g} up, data below: the joint preset's, what was measured best at each rate)"))
+    step_calib_source: str = setting("same", choices=lambda: ("same", *CALIB_SOURCES), label="Steps' calibration source",
+                                     help=(
+        "the text the steps and their held-out check (best-val) read: same (--calib-source's), or another source "
+        "(data, self, mix, auto) while the init metric, the joint mix and the refit read --calib-source's"))
     self_docs: int = setting(256, minimum=1, label="Self-generated documents",
                              help="--calib-source self/mix: documents sampled from the dense model")
     self_tokens: int = setting(256, minimum=1, label="Self-generated tokens",

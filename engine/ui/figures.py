@@ -170,6 +170,7 @@ def loss_figure(history: list[dict], title: str = "", reward: str = "ce") -> go.
     """Each mask sample's loss, the moving-average baseline, the held-out check of the hard mask, and the learning
     rate (right axis). The loss and the check are the reward's: under kl the mean KL from the dense model (nats per
     token; the check's value is that, not a perplexity), under ce the cross-entropy (the check: log perplexity)."""
+    reward = next((r["reward"] for r in history if r.get("reward")), reward)  # (a line names its reward itself)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     steps = [r["step"] for r in history]
     n_samples = max((len(r["losses"]) for r in history), default=0)
