@@ -178,8 +178,8 @@ def worker(args) -> dict:
 
     def pg_step(executor, dtype="float32"):
         def step():
-            # (the executor the step's samples run on, and --step-dtypes' autocast: the loop reads both from its
-            # resources, bound once, so a replaced copy; until 2026-12-04 the executor was set where no step read it)
+            # (the executor the step's samples run on, and --step-dtypes' autocast: the step reads the executor from
+            # its context and the dtype from the run's resources, bound once, so a replaced copy)
             run.res.ctx.executor = EXECUTORS[executor]
             run.replace_resources(step_dtype=dtype)
             run.step(state)
