@@ -102,3 +102,35 @@ def test_bad_calibration_is_one_user_error(tiny):
     model, tokenizer = tiny
     with pytest.raises(UserError, match="calib must be a list"):
         prune(model, tokenizer, calib=[1, 2, 3])
+
+
+def test_the_readmes_python_line_and_command_1_give_the_same_masks(tiny, small_eval_file, tmp_path):
+    """README's `prune(model, tokenizer, default_run(prune_ratio=0.3), calib=texts)` is command 1's run: on the tiny
+    model, with the same data (and two evaluation windows, on both sides), the CLI's masks.safetensors and the API's
+    masks are the same masks."""
+    import dataclasses
+    import shlex
+
+    from safetensors.torch import load_file
+
+    from conftest import TINY_MODEL
+    from engine import default_run, prune
+    from engine.cli import main
+    from engine.data.text import load_calibration_texts
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if "python -m engine prune --prune-ratio 0.3 --time-budget" in ln)
+    argv = shlex.split(line.split("python -m engine", 1)[1])
+    argv[argv.index("--out") + 1] = str(tmp_path / "cli")
+    data = ["--model", str(TINY_MODEL), "--calib", str(SMALL_CALIB), "--eval-data", str(small_eval_file),
+            "--max-windows", "2"]
+    assert main(argv + data) == 0
+    on_disk = load_file(str(tmp_path / "cli" / "masks.safetensors"))
+    python = re.search(r"prune\(model, tokenizer, (default_run\(.*?\)), calib=texts\)", readme).group(1)
+    config = dataclasses.replace(eval(python, {"default_run": default_run}), model=str(TINY_MODEL),  # (README's call,
+                                 calib=str(SMALL_CALIB), eval_data=str(small_eval_file), max_windows=2)  # the same data)
+    model, tokenizer = tiny
+    result = prune(model, tokenizer, config, calib=load_calibration_texts(str(SMALL_CALIB))[0])
+    assert {f"masks.{u}" for u in result.masks} == {k for k in on_disk if k.startswith("masks.")}
+    assert all(torch.equal(on_disk[f"masks.{u}"].bool(), m.bool()) for u, m in result.masks.items())
+    assert any(not bool(m.bool().all()) for m in result.masks.values())  # (a mask that prunes: not all kept)
