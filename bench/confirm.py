@@ -475,6 +475,26 @@ def rule(args) -> None:
             measure(str(dests[c]), step_measures(folder, c), wanted)
 
 
+def step(args) -> None:
+    """One validated step's mask of a finished steps run (pg24 or a variant, --only), exported as the run would
+    export it (its config's init and refit statistics) and measured into <cell>-step<N>.measures.json: what a
+    final choice that declined (or took) that step would have given."""
+    import tempfile
+
+    folder = cell_dir(args.rate, args.seed, args.only)
+    by_step = step_masks(folder)
+    if args.step not in by_step:
+        raise SystemExit(f"error: {folder.name} has no mask of step {args.step} (validated steps: {sorted(by_step)})")
+    wanted = tuple(m for m in MEASURES[set_of(args.seed)] if m not in args.without)
+    dest = step_measures(folder, args.step)
+    if all(m in load(dest) for m in wanted):
+        print(f"{folder.name} step {args.step}: measured ({dest})", flush=True)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        export_masks(folder, {Path(tmp) / "model": by_step[args.step]})
+        measure(str(Path(tmp) / "model"), dest, wanted)
+
+
 def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
     """Each hard mask exported as the run in `folder` exports its final one: the run started again from its
     config (its init and its refit statistics, no evaluation), each mask refit with them and sliced into its dest
@@ -697,6 +717,10 @@ def main() -> None:
     cell_args(sub.add_parser("checks", help="a finished pg24 cell's validated masks on two held-out texts; each "
                                             "rule's choice"), without=False)
     cell_args(sub.add_parser("rule", help="each rule's chosen step of a checked pg24 cell, exported and measured"))
+    s = cell_args(sub.add_parser("step", help="one validated step's mask of a finished steps run, exported and measured"))
+    s.add_argument("--only", choices=[r for r in RUNS if RUNS[r][:1] == ["--steps"]], default="pg24",
+                   help="the steps run (default pg24)")
+    s.add_argument("--step", type=int, required=True, help="a validated step (metrics.jsonl's lines with a check)")
     sub.add_parser("dense", help="the dense model's measures")
     s = sub.add_parser("report", help="the tables from the cells on disk")
     s.add_argument("--all", action="store_true", help="also the (set, rate) pairs with no finished cell")
@@ -706,7 +730,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))
-    {"cell": cell, "checks": checks, "rule": rule, "dense": dense, "report": report}[args.stage](args)
+    {"cell": cell, "checks": checks, "rule": rule, "step": step, "dense": dense, "report": report}[args.stage](args)
 
 
 if __name__ == "__main__":
