@@ -218,3 +218,37 @@ def test_the_branch_check_sees_a_branch(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('if config.final_mask == "best-val":\n    pass\nx = 1 if c.baseline == "none" else 2\n')
     assert _string_branches(probe) == ["probe.py:1 ('best-val')", "probe.py:3 ('none')"]
+
+
+def _assigned_loop_fields(path: Path) -> set[str]:
+    """The LoopState fields a module assigns (`x.loop.FIELD = ...`, tuple targets too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Attribute) and e.value.attr == "loop":
+                    out.add(e.attr)
+                elif isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "loop":
+                    out.add(e.attr)
+    return out
+
+
+def test_only_the_loop_sets_the_loop_state_and_the_resources_are_frozen():
+    """LoopState's stages and widths' metric change only where the loop applies a hook's RunChanges, its plan and
+    progress only in the loop; the init's statistics memo lives in initialise's fresh_state alone. RunResources
+    refuses an assignment."""
+    import dataclasses
+
+    from engine.run.resources import LoopState, RunResources
+
+    by_module = {module_name(p): _assigned_loop_fields(p) for p in ENGINE.rglob("*.py")}
+    setters = {m: f for m, f in by_module.items() if f}
+    assert setters == {"engine.run.loop": {"stages", "unit_metric", "progress", "plan", "plan_steps"},
+                       "engine.run.initialise": {"stats_memo"}}
+    assert {f.name for f in dataclasses.fields(LoopState)} == {"stages", "unit_metric", "progress", "plan",
+                                                                "plan_steps", "stats_memo"}
+    res = RunResources(**{f.name: None for f in dataclasses.fields(RunResources)})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.model = "another"
