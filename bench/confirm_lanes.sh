@@ -18,7 +18,8 @@
 #                                          # the init and pg24 on the C4 + own-text mixture, 50 %; n:
 #                                          # the same, confirmation seeds 3 and 4; o: seed 5;
 #                                          # p: the own-text init with the steps on the mixture,
-#                                          # tuning seeds 2 and 1; q: seed 0)
+#                                          # tuning seeds 2 and 1; q: seed 0; r: the zero-shot
+#                                          # means of the confirmation cells at 30 %, s: at 50 %)
 #   AFTER=PID bash bench/confirm_lanes.sh a   # lane a once process PID has ended (a cell of an older lane that
 #                                             # is finishing: the lane then resumes after it, on CODE's engine)
 # CODE=/path/to/a/checkout runs the cells on that checkout's engine and bench (a worktree at a fixed commit, so
@@ -134,6 +135,14 @@ lane_l() {  # the refit's ridge at 0.01 (issue 64/65), the tuning seeds at 30 %,
   variant init-r001 30 0 1 2
   variant init-r001 30 3 4 5
 }
+lane_r() {  # the confirmation table's zero-shot means (issue 64, must-show 2), 30 %: each seed's init and pg24
+  # (a seed's pair at a time), then seed 5's final-choice checks and each rule's choice (perplexities, LAMBADA)
+  for s in 3 4 5; do cell "r30-s$s" cell --rate 0.3 --seed "$s"; done
+  cell "r30-s5" checks --rate 0.3 --seed 5 && cell "r30-s5" rule --rate 0.3 --seed 5 --without zeroshot
+}
+lane_s() {  # the same at 50 %, beside lane r
+  for s in 3 4 5; do cell "r50-s$s" cell --rate 0.5 --seed "$s"; done
+}
 if [[ "${1:-}" == "status" ]]; then
   if [[ -f "$LOGS/lanes.txt" ]]; then tail -n 20 "$LOGS/lanes.txt"; else echo "no lane has started ($LOGS)"; fi
   exit 0
@@ -141,27 +150,11 @@ fi
 # each lane a session of its own (setsid), its autogroup at nice 19: the kernel groups processes by session, so
 # plain nice would not yield the cores to foreground work
 lanes=(lane_a lane_b)
-case "${1:-}" in
-  a) lanes=(lane_a) ;;
-  b) lanes=(lane_b) ;;
-  c) lanes=(lane_c) ;;
-  d) lanes=(lane_d) ;;
-  e) lanes=(lane_e) ;;
-  f) lanes=(lane_f) ;;
-  g) lanes=(lane_g) ;;
-  h) lanes=(lane_h) ;;
-  i) lanes=(lane_i) ;;
-  j) lanes=(lane_j) ;;
-  k) lanes=(lane_k) ;;
-  m) lanes=(lane_m) ;;
-  n) lanes=(lane_n) ;;
-  o) lanes=(lane_o) ;;
-  p) lanes=(lane_p) ;;
-  q) lanes=(lane_q) ;;
-  l) lanes=(lane_l) ;;
-  "") ;;
-  *) echo "error: expected status, a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q or nothing, got '$1'" >&2; exit 2 ;;
-esac
+if [[ -n "${1:-}" ]]; then
+  [[ $1 =~ ^[a-z]$ && $(type -t "lane_$1") == function ]] ||
+    { echo "error: expected status, a lane's letter ($(declare -F | sed -n 's/^declare -f lane_//p' | tr '\n' ' ')) or nothing, got '$1'" >&2; exit 2; }
+  lanes=("lane_$1")
+fi
 wait_for=""
 [[ -n "${AFTER:-}" ]] && wait_for="while kill -0 ${AFTER} 2>/dev/null; do sleep 20; done; "
 for lane in "${lanes[@]}"; do
