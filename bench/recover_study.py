@@ -7,8 +7,9 @@ lacks it), one thread, in a ladder of minutes: 2, then resumed to 5, 10 and 30 m
 minutes of the process, `--budget-clock cpu`: equal work for every cell whatever else shares the cores; the
 learning rate is constant after its warm-up, so each rung is where one longer recovery passes; the rungs' exports
 are measured as they come). Rows:
-- `ce-lora`: CE only, LoRA (what `finetune` trains: the baseline);
-- `kl-lora`: KL from the dense model, LoRA (recover's default);
+- `ce-lora`: CE only, LoRA (what `finetune` trains: the baseline; recover's default since the study chose it; since
+  then it runs no teacher forward, so a rung run after 2026-12-06 takes more steps a minute than the earlier ones);
+- `kl-lora`: KL from the dense model, LoRA (recover's default before the study);
 - `kl-full`: KL, every decoder weight;
 - `mix-lora`: half KL, half CE, LoRA.
 Text: `c4`, the set's C4 calibration file (the run's own); `own`, the dense model's own text (256 documents of 256

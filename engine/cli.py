@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-gguf", metavar="OUTTYPE", default=None, choices=list(EXPORT_FORMATS["gguf"].outtypes),
                    help=f"at the end, also write RUN/{GGUF_FILE} for llama.cpp ({', '.join(EXPORT_FORMATS['gguf'].outtypes)})")
     p.add_argument("--recover", metavar="MINUTES", type=float, default=None,
-                   help=f"at the end, distil the pruned model from the dense one for MINUTES into RUN/{RECOVER_DIR} "
-                        f"(`recover RUN --out RUN/{RECOVER_DIR} --time-budget MINUTES`, its other defaults)")
+                   help=f"at the end, recover the pruned model for MINUTES into RUN/{RECOVER_DIR} (`recover RUN --out "
+                        f"RUN/{RECOVER_DIR} --time-budget MINUTES`, its other defaults: LoRA on the calibration "
+                        "text's cross-entropy)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint (its saved config is used)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out")
@@ -475,13 +476,15 @@ def _prune_writer(args, world) -> int:
 
 
 def chain_recover(out: Path, minutes: float, resume: bool, overwrite: bool) -> None:
-    """prune --recover MINUTES: the finished run's export distilled into RUN/recover, as `recover` does it. A
+    """prune --recover MINUTES: the finished run's export recovered into RUN/recover, as `recover` does it. A
     resumed run continues a recovery that has its checkpoint there; an overwritten run replaces the recovery."""
-    from .tools.recover import CHECKPOINT_FILE as RECOVER_CHECKPOINT, RecoverInterrupted, recover
+    from .tools.recover import CHECKPOINT_FILE as RECOVER_CHECKPOINT, RecoverConfig, RecoverInterrupted, recover
+    from .tools.recover import recovery_words, recovery_words_of
 
     dest = out / RECOVER_DIR
     again = resume and (dest / RECOVER_CHECKPOINT).is_file()
-    print(f"recovery: distilling {out / MODEL_DIR} from the dense model for {minutes:g} min into {dest}"
+    how = recovery_words_of(dest) if again else recovery_words(RecoverConfig().ce_weight, RecoverConfig().mode)
+    print(f"recovery: {out / MODEL_DIR} {how}, for {minutes:g} min into {dest}"
           + (" (continued from its checkpoint)" if again else ""), file=sys.stderr)
     try:
         r = recover(out, dest, resume=again, overwrite=overwrite and not again, time_budget=minutes)
@@ -628,13 +631,14 @@ def cmd_finetune(args) -> int:
     return 0
 
 
-# --- recover (engine/tools/recover.py: distillation of a run's export from its dense base model) -----------------
+# --- recover (engine/tools/recover.py: a run's export trained on text, or distilled from its dense base model) -----
 def _recover_parser(sub) -> None:
     """The `recover RUN_DIR --out OUT ...` subcommand: one flag per RecoverConfig field, from its declaration."""
     from .tools.recover import RecoverConfig
 
-    r = sub.add_parser("recover", help="distil a finished run's pruned model from its dense base model (KL; LoRA or "
-                                       "all decoder weights), merged and saved like the export")
+    r = sub.add_parser("recover", help="recover a finished run's pruned model: LoRA (or all decoder weights) on the "
+                                       "calibration text's cross-entropy, or distilled from the dense model (KL), "
+                                       "merged and saved like the export")
     r.add_argument("run", metavar="RUN_DIR", help="a finished prune run folder: its model/ is the student")
     r.add_argument("--out", required=True, help="folder for model/ (recovered), recover_config.json, recover_log.jsonl, "
                                                 "recover_checkpoint.pt and recover_results.json")

@@ -317,17 +317,19 @@ def render_run(history: list[dict], config: dict, views: list[M.MaskView], resul
 
 
 def recover_panel(run_dir: str | Path, key: str) -> None:
-    """Recover a finished run: its export distilled from the dense model for some minutes into RUN/recover (as
+    """Recover a finished run: its export trained for some minutes into RUN/recover, with recover's defaults (as
     `prune --recover MINUTES` does), the loss drawn live while it runs; Chat then talks to all three models."""
     from engine.errors import UserError
     from engine.tools.chat import recovered_folder
+    from engine.tools.recover import RecoverConfig, recovery_words
 
     run_dir = Path(run_dir)
     if not (run_dir / "model" / "config.json").is_file():
         return
     jobs = recover_jobs()
     box = st.container(border=True)
-    box.markdown("**Recover** · distil the pruned model from the dense one (KL; LoRA, merged)")
+    box.markdown(f"**Recover** · the pruned model {recovery_words(RecoverConfig().ce_weight, RecoverConfig().mode)}, "
+                 "merged")
     snap = jobs.snapshot()
     mine = snap.run_dir == str(run_dir)
     c1, c2 = box.columns([1, 2])

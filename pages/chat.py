@@ -13,6 +13,7 @@ import streamlit as st  # noqa: E402
 from engine.tools.chat import (MIN_SPEED_TOKENS, PROMPTS_FILE, GenerationSettings, masked_from_run,  # noqa: E402
                                prompt_problem, recovered_folder, saved_prompts, speed_comparison, stream)
 from engine.errors import UserError  # noqa: E402
+from engine.tools.recover import recovery_words_of  # noqa: E402
 
 st.title(":material/forum: Chat: dense vs pruned")
 st.markdown("The models answer the same prompt, one after the other (dense first), streamed token by token; a run "
@@ -49,7 +50,7 @@ mode = st.radio("Pruned model", list(MODES), format_func=MODES.get, horizontal=T
 recovered = recovered_folder(run.path) if mode == "sliced" else None
 with_recovered = recovered is not None and st.toggle(
     "Also the recovered model", value=True, key="chat-recovered",
-    help="The run's export after recovery by distillation from the dense model (RUN/recover/model: `prune "
+    help="The run's export after recovery (RUN/recover/model: `prune "
          "--recover MINUTES`, or `recover RUN --out RUN/recover`), in a third column, in the same backend.")
 with st.expander("Generation settings (shared by every column)", expanded=False):
     g1, g2, g3 = st.columns(3)
@@ -113,7 +114,7 @@ def answer(prompt: str, dense, pruned, third=None) -> None:
     columns = [("dense", dense, f"Dense · {Path(run.config['model']).name} · {dense.backend}"),
                ("pruned", pruned, f"Pruned · {MODES[mode].split(' (')[0]} · {pruned.backend}")]
     if third is not None:
-        columns.append(("recovered", third, f"Recovered · distilled from the dense model · {third.backend}"))
+        columns.append(("recovered", third, f"Recovered · {recovery_words_of(recovered.parent)} · {third.backend}"))
     tps = {}
     for col, (side, model, label) in zip(st.columns(len(columns)), columns):
         with col:

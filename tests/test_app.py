@@ -330,7 +330,7 @@ def test_chat_dense_and_pruned_answer(runs_dir, mode):
 
 
 def test_recover_on_a_finished_run_shows_its_loss_live_and_writes_run_recover(runs_dir):
-    """Prune's view of a finished run has a Recover action: it distils the export for the minutes given into
+    """Prune's view of a finished run has a Recover action: it recovers the export for the minutes given into
     RUN/recover in a background thread (the page draws the snapshot: the status, the loss per step, the result),
     and the recovered model is then in RUN/recover/model, where Chat finds it."""
     import shutil
@@ -373,7 +373,7 @@ def test_chat_puts_the_recovered_model_in_a_third_column(runs_dir):
     at.chat_input[0].set_value("Once upon a time").run()
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     turn = at.session_state["chat_history"][-1]
-    assert turn["recovered_label"].startswith("Recovered · distilled from the dense model")
+    assert turn["recovered_label"].startswith("Recovered · fine-tuned on the text (CE), LoRA")  # (recover's default)
     assert all(turn[side].strip() and "tokens/s" in turn[side + "_stats"] for side in ("dense", "pruned", "recovered"))
     assert len([c.value for c in at.caption if "tokens/s" in c.value]) == 3
     next(t for t in at.toggle if t.key == "chat-recovered").set_value(False).run()

@@ -42,7 +42,7 @@ def test_recover_a_finished_run_watch_its_loss_and_chat_with_three_models(browse
                              prune_ratio=0.3), run, log=lambda m: None).run(progress=False)
         d.get(f"{url}/?{URL_RUN_KEY}=to-recover")  # (Prune, the default page, showing that run: a shared link)
         wait(lambda: "Prune" in d.find_element(By.TAG_NAME, "h1").text, timeout=90 * SLOW, what="the Prune page")
-        wait(lambda: "distil the pruned model from the dense one" in page_text(d), timeout=60 * SLOW,
+        wait(lambda: "Recover · the pruned model fine-tuned on the text (CE), LoRA" in page_text(d), timeout=60 * SLOW,
              what="the Recover panel of the finished run")
         set_input(d, "Minutes", 0.1)
         click_when_free(d, button(d, "Recover"))
@@ -67,5 +67,5 @@ def test_recover_a_finished_run_watch_its_loss_and_chat_with_three_models(browse
         captions = wait(lambda: (c := answers_with_speed(d)) and len(c) == 3 and c, timeout=120 * SLOW,
                         what="three answers: dense, pruned, recovered")
         assert all(int(c.split(" tokens")[0]) > 0 for c in captions), captions
-        assert "Recovered · distilled from the dense model" in page_text(d)
+        assert "Recovered · fine-tuned on the text (CE), LoRA" in page_text(d)
         shot(d, "chat-recovered")

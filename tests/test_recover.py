@@ -114,7 +114,7 @@ def test_one_kl_step_equals_a_hand_computation(finished_template, tiny, segments
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_an_identical_teacher_leaves_the_model_unchanged(mode, segments):
     student, teacher = fresh()[0], fresh()[0]
-    config = RecoverConfig(mode=mode, steps=4, lr=1e-2, **SMALL)  # (a large lr: any gradient would show)
+    config = RecoverConfig(mode=mode, steps=4, lr=1e-2, ce_weight=0.0, **SMALL)  # (a large lr: any gradient shows)
     trained, params = prepare_student(student, config)
     state = TrainState()
     assert train(trained, teacher, params, make_optimizer(params, config), segments, config, state) == "steps"
@@ -156,17 +156,17 @@ def weights(folder):
 
 
 def log_lines(folder):
-    return [{k: r[k] for k in ("step", "loss", "kl", "ce", "lr")}
+    return [{k: r.get(k) for k in ("step", "loss", "kl", "ce", "lr")}
             for r in map(json.loads, (folder / "recover_log.jsonl").read_text().splitlines())]
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
-def test_a_stopped_and_resumed_recovery_ends_as_an_uninterrupted_one(mode, finished_template, tmp_path):
-    whole = recover(finished_template, tmp_path / "whole", mode=mode, steps=6, log=quiet, **SMALL)
+@pytest.mark.parametrize("mode, ce_weight", [("lora", 1.0), ("full", 0.0)])  # (the default CE-LoRA; KL, all weights)
+def test_a_stopped_and_resumed_recovery_ends_as_an_uninterrupted_one(mode, ce_weight, finished_template, tmp_path):
+    whole = recover(finished_template, tmp_path / "whole", mode=mode, ce_weight=ce_weight, steps=6, log=quiet, **SMALL)
     assert whole.results["steps"] == 6 and whole.results["ended_by"] == "steps"
 
     stop = threading.Event()  # stopped after step 2 (as the app's Stop would), then resumed to 6
-    stopped = recover(finished_template, tmp_path / "parts", mode=mode, steps=6, log=quiet, stop=stop,
+    stopped = recover(finished_template, tmp_path / "parts", mode=mode, ce_weight=ce_weight, steps=6, log=quiet, stop=stop,
                       on_step=lambda r: r["step"] == 2 and stop.set(), **SMALL)
     assert stopped.results["steps"] == 2 and stopped.results["ended_by"] == "stop"
     resumed = recover(finished_template, tmp_path / "parts", resume=True, log=quiet)
@@ -176,7 +176,8 @@ def test_a_stopped_and_resumed_recovery_ends_as_an_uninterrupted_one(mode, finis
         if record["step"] == 3:
             raise KeyboardInterrupt
     with pytest.raises(RecoverInterrupted) as e:
-        recover(finished_template, tmp_path / "ctrl-c", mode=mode, steps=6, log=quiet, on_step=interrupt, **SMALL)
+        recover(finished_template, tmp_path / "ctrl-c", mode=mode, ce_weight=ce_weight, steps=6, log=quiet,
+                on_step=interrupt, **SMALL)
     assert e.value.step == 3 and not (tmp_path / "ctrl-c" / "model").exists()
     recover(finished_template, tmp_path / "ctrl-c", resume=True, log=quiet)
 
@@ -191,6 +192,32 @@ def test_a_stopped_and_resumed_recovery_ends_as_an_uninterrupted_one(mode, finis
         recover(finished_template, tmp_path / "whole", resume=True, steps=8, seqlen=64, log=quiet)
 
 
+def test_the_default_ce_recovery_reads_no_teacher(finished_template, segments, tmp_path, monkeypatch):
+    """--ce-weight 1, the default: one step's loss is the text's cross-entropy written out by hand, the teacher is
+    never run (None will do), and a recovery whose run's base model cannot be loaded still runs: no teacher is
+    loaded, and its log and results carry no KL."""
+    from engine.tools.recover import backward_losses
+
+    student = fresh(finished_template / "model")[0]
+    config = RecoverConfig(mode="full", lr=1e-3, **SMALL)
+    assert config.ce_weight == 1.0 and not config.distils
+    trained, params = prepare_student(student, config)
+    batch = segments[:2]
+    losses = backward_losses(trained, None, batch, make_optimizer(params, config), config.ce_weight)
+    with torch.no_grad():
+        logp = fresh(finished_template / "model")[0].double()(input_ids=batch).logits.log_softmax(-1)
+    hand = -logp[:, :-1].gather(-1, batch[:, 1:, None]).mean()
+    assert "kl" not in losses and losses["loss"] == losses["ce"] == pytest.approx(float(hand), rel=1e-5)
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_template, run)
+    config_file = run / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model": str(tmp_path / "gone")}))
+    res = recover(run, tmp_path / "out", steps=2, log=quiet, **SMALL).results
+    assert res["steps"] == 2 and res["teacher"] is None and res["kl_last"] is None and res["ce_weight"] == 1.0
+    assert all("kl" not in json.loads(ln) for ln in (tmp_path / "out" / "recover_log.jsonl").read_text().splitlines())
+
+
 def test_the_recovered_export_reloads_and_converts_to_gguf(finished_template, tmp_path, capfd):
     from transformers import AutoModelForCausalLM
 
@@ -198,7 +225,7 @@ def test_the_recovered_export_reloads_and_converts_to_gguf(finished_template, tm
 
     assert engine.recover is recover
     out = tmp_path / "rec"
-    result = recover(finished_template, out, steps=3, lr=1e-2, log=quiet, seqlen=32, batch_size=2)
+    result = recover(finished_template, out, steps=3, lr=1e-2, ce_weight=0.5, log=quiet, seqlen=32, batch_size=2)
     r = json.loads((out / "recover_results.json").read_text())
     assert r == result.results and result.model == out / "model"
     assert {"ppl_before", "ppl_after", "loss_first", "loss_last", "steps", "train_seconds", "mode"} <= r.keys()
@@ -251,7 +278,7 @@ def test_bad_input_is_one_error_line_from_the_command(finished_template, other_v
     shutil.copytree(finished_template, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model": str(other_vocab_teacher)}))
-    for run, extra, message in ((no_model, [], "no model/"), (other, [], "another vocabulary"),
+    for run, extra, message in ((no_model, [], "no model/"), (other, ["--ce-weight", "0"], "another vocabulary"),
                                 (finished_template, ["--time-budget", "0"], "time budget must be above 0")):
         res = run_engine("recover", str(run), "--out", str(tmp_path / "out"), "--skip-eval", *extra)
         errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
@@ -264,6 +291,7 @@ def test_bad_input_is_one_error_line_from_the_command(finished_template, other_v
     (["--steps", "0"], "steps must be at least 1"),
     (["--time-budget", "-1"], "time budget must be above 0"),
     (["--ce-weight", "1.5"], "ce weight must be at most 1"),
+    (["--teacher", str(TINY_MODEL)], "--teacher is read only by a recovery with a KL term"),
     (["--mode", "half"], "invalid choice"),
     (["--resume"], "holds no recovery to continue"),
 ])
@@ -323,7 +351,8 @@ def test_prune_recover_chains_a_recovery_into_the_run_folder(tmp_path, capfd):
     out = tmp_path / "run"
     assert main(chain_argv(out, "--recover", "0.002")) == 0
     err = capfd.readouterr().err
-    assert f"recovery: distilling {out / 'model'} from the dense model for 0.002 min into {out / 'recover'}" in err
+    assert (f"recovery: {out / 'model'} fine-tuned on the text (CE), LoRA, for 0.002 min into {out / 'recover'}"
+            in err)
     res = json.loads((out / "recover" / "recover_results.json").read_text())
     assert res["ended_by"] == "time budget" and res["steps"] >= 1
     assert (out / "results.json").is_file() and fresh(out / "recover" / "model")[0] is not None

@@ -138,13 +138,13 @@ def recovered_folder(run_dir: str | Path) -> Path | None:
 
 
 def load_recovered(run_dir: str | Path) -> ChatModel:
-    """A run's recovered model (RUN/recover/model: the sliced export after distillation), as the sliced export is."""
+    """A run's recovered model (RUN/recover/model: the sliced export after recovery), as the sliced export is."""
     folder = recovered_folder(run_dir)
     if folder is None:
         raise UserError(f"{Path(run_dir).name} has no recovered model (python -m engine prune ... --recover MINUTES, "
                         f"or recover RUN --out RUN/{RECOVER_DIR})")
     chat = _load_export(folder)
-    chat.label = f"recovered (distilled): {Path(run_dir).name}"
+    chat.label = f"recovered: {Path(run_dir).name}"
     return chat
 
 

@@ -1,4 +1,4 @@
-"""The app's Recover action: a finished run's export distilled from its dense model (engine.tools.recover) in a
+"""The app's Recover action: a finished run's export recovered (engine.tools.recover, its defaults) in a
 thread of its own, into RUN/recover (what `prune --recover MINUTES` writes), with a snapshot the page reads.
 
     jobs = RecoverJobs()
