@@ -192,3 +192,35 @@ def test_the_install_caches_the_dense_perplexity_a_first_run_takes(tiny_path, sm
     assert cached == figure and seconds is not None and seconds >= 0.0  # (a budgeted run takes it: seconds kept)
     monkeypatch.setenv("PG_PRUNE_CACHE", "off")
     assert model_copy.dense_perplexity(str(tiny_path), **settings) is None
+
+
+def test_the_install_caches_the_speed_probes_a_budgeted_first_run_plans_with(tiny_path, small_eval_file, monkeypatch,
+                                                                             tmp_path):
+    """install.sh's third build: the forward-speed probes a --time-budget plan reads (its float32 forward's, and its
+    one-shot passes' dtype where that differs), cached where the run's plan finds them; the run's plan then times
+    one forward a dtype against them, once in a process: a second plan within minutes (the command line's trades,
+    then the run's own) times none."""
+    from engine.settings.config import PruneConfig
+    from engine.run.loop import PruneRun
+    from engine.run import plan as runplan
+    from engine.plan import forecast
+    from engine.tools import model_copy
+
+    monkeypatch.setenv("PG_PRUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runplan, "_CHECKED", {})
+    settings = dict(eval_data=str(small_eval_file), max_windows=4, eval_seqlen=32, pass_dtype="bfloat16")
+    rates = model_copy.speed_probes(str(tiny_path), **settings)
+    assert set(rates) == {"float32", "bfloat16"} and all(v > 0 for v in rates.values())
+    monkeypatch.setattr(runplan, "_CHECKED", {})  # (a new process: the first run after the install)
+    timed = []
+    probe = forecast.probe_seconds_per_token
+    monkeypatch.setattr(forecast, "probe_seconds_per_token", lambda *a, **k: timed.append(k) or probe(*a, **k))
+    run = PruneRun(PruneConfig.of(model=str(tiny_path), time_budget=5.0, **settings), None, log=lambda m: None)
+    first = runplan.time_plan(run.res)
+    assert [(k["cache"], k["repeats"], k["passes"]) for k in timed] == [(None, 1, None), (None, 1, "bfloat16")]
+    assert first[2] in ("a probe of this machine (cached)",  # (the install's rate; or today's, on a busier machine)
+                        "a fresh probe of this machine (busier than its cached one)")
+    second = runplan.time_plan(run.res)
+    assert len(timed) == 2 and second[1] == first[1] and second[4] == first[4]
+    monkeypatch.setenv("PG_PRUNE_CACHE", "off")
+    assert model_copy.speed_probes(str(tiny_path), **settings) == {}

@@ -265,11 +265,13 @@ class PruneConfig:
                               help="joint method with --reconstruct: score the mix's candidates with the least-squares "
                                    "refit (a refit per candidate), or without it (the run's compensation only; the "
                                    "chosen mask is refit at the end all the same); how the two choose: docs/results.md")
-    mix_search: str = setting("grid", choices=lambda: tuple(MIX_SEARCHES), label="Joint mix search",
+    mix_search: str = setting("grid-stop", choices=lambda: tuple(MIX_SEARCHES), label="Joint mix search",
                               help="joint method: which layer counts the mix scores. grid: every other count and the "
                                    "last, then the neighbours of the best until both are scored (the exhaustive scan's "
                                    "choice whenever the loss is unimodal over the counts, in fewer forwards); "
-                                   "exhaustive: every count")
+                                   "grid-stop: the grid from none up, stopped once the loss has risen twice in a row "
+                                   "above the best so far (the grid's choice on such losses, in fewer forwards "
+                                   "still); exhaustive: every count")
     mix_refine_batches: int = setting(0, minimum=0, label="Joint mix refine batches",
                                       help="joint method: more calibration batches (the next init batches) the 3 mixes "
                                            "that lose least on the mix batches are compared on again; 0: off")
