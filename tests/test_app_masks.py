@@ -402,3 +402,16 @@ def test_chat_talks_to_the_export_and_checks_the_prompt_first(tmp_path, monkeypa
     want, _ = answer(load_sliced(run), "Once upon a time", GenerationSettings(max_new_tokens=16, greedy=True))
     assert shown[-1].strip() == want.strip() and want.strip()  # the pruned column: the export's greedy answer (markdown trims)
 
+
+
+def test_the_recovery_chart_draws_the_terms_the_loss_has():
+    """A CE recovery (the default: no kl in its lines) is one line named by its term, and the title says CE alone;
+    a KL + CE mixture draws the loss and both terms."""
+    from engine.ui.figures import recovery_figure
+
+    ce = recovery_figure([{"step": s, "loss": 5.0 - s / 10, "ce": 5.0 - s / 10} for s in (1, 2, 3)])
+    assert [t.name for t in ce.data] == ["loss (cross-entropy)"] and list(ce.data[0].y) == [4.9, 4.8, 4.7]
+    assert ce.layout.title.text.endswith("(cross-entropy)") and "KL" not in ce.layout.title.text
+    mixed = recovery_figure([{"step": s, "loss": 2.0, "kl": 1.0, "ce": 3.0} for s in (1, 2)])
+    assert [t.name for t in mixed.data] == ["loss", "KL from the dense model", "cross-entropy"]
+    assert "KL from the dense model, cross-entropy" in mixed.layout.title.text

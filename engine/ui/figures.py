@@ -202,19 +202,33 @@ def loss_figure(history: list[dict], title: str = "", reward: str = "ce") -> go.
     return _layout(fig, title or "Calibration loss per mask sample, baseline, learning rate", height=400)
 
 
+RECOVERY_PARTS = {"kl": "KL from the dense model", "ce": "cross-entropy"}  # a recovery's loss terms, as labelled
+
+
+def recovery_parts(records: list[dict]) -> list[str]:
+    """The loss terms a recovery's lines hold (recover_log.jsonl: kl only where the loss has a KL term)."""
+    return [k for k in RECOVERY_PARTS if any(k in r for r in records)]
+
+
 def recovery_figure(records: list[dict], title: str = "") -> go.Figure:
-    """A recovery's loss per step (recover_log.jsonl's lines): the training loss, its KL and CE parts (nats per
-    token)."""
+    """A recovery's loss per step (recover_log.jsonl's lines), in nats per token: the training loss and, where it
+    mixes two terms, each term; a loss of one term is drawn once, under that term's name."""
     fig = go.Figure()
     steps = [r["step"] for r in records]
-    for key, name, style in (("loss", "loss", dict(width=2.5, color="black")), ("kl", "KL from the dense model",
-                             dict(width=1.5, color="#4c78a8")), ("ce", "cross-entropy", dict(width=1.5, dash="dot",
-                                                                                               color="#e45756"))):
-        if any(key in r for r in records):
-            fig.add_scatter(x=steps, y=[r.get(key) for r in records], name=name, mode="lines", line=style)
+    parts = recovery_parts(records)
+    if len(parts) == 1:
+        fig.add_scatter(x=steps, y=[r.get("loss") for r in records], name=f"loss ({RECOVERY_PARTS[parts[0]]})",
+                        mode="lines", line=dict(width=2.5, color="black"))
+    else:
+        for key, name, style in (("loss", "loss", dict(width=2.5, color="black")),
+                                 ("kl", RECOVERY_PARTS["kl"], dict(width=1.5, color="#4c78a8")),
+                                 ("ce", RECOVERY_PARTS["ce"], dict(width=1.5, dash="dot", color="#e45756"))):
+            if any(key in r for r in records):
+                fig.add_scatter(x=steps, y=[r.get(key) for r in records], name=name, mode="lines", line=style)
     fig.update_xaxes(title="step", tickformat="d")
     fig.update_yaxes(title="nats per token")
-    return _layout(fig, title or "Recovery: loss per step (KL from the dense model, cross-entropy)", height=320)
+    what = ", ".join(RECOVERY_PARTS[k] for k in parts) or "its terms"
+    return _layout(fig, title or f"Recovery: loss per step ({what})", height=320)
 
 
 def sparsity_profiles(runs: list[tuple[str, dict[str, list[float]]]], unit_types: list[str],
