@@ -478,12 +478,12 @@ def _prune_writer(args, world) -> int:
 def chain_recover(out: Path, minutes: float, resume: bool, overwrite: bool) -> None:
     """prune --recover MINUTES: the finished run's export recovered into RUN/recover, as `recover` does it. A
     resumed run continues a recovery that has its checkpoint there; an overwritten run replaces the recovery."""
-    from .tools.recover import CHECKPOINT_FILE as RECOVER_CHECKPOINT, RecoverConfig, RecoverInterrupted, recover
+    from .tools.recover import CHECKPOINT_FILE as RECOVER_CHECKPOINT, RecoverInterrupted, recover
     from .tools.recover import recovery_words, recovery_words_of
 
     dest = out / RECOVER_DIR
     again = resume and (dest / RECOVER_CHECKPOINT).is_file()
-    how = recovery_words_of(dest) if again else recovery_words(RecoverConfig().ce_weight, RecoverConfig().mode)
+    how = recovery_words_of(dest) if again else recovery_words()
     print(f"recovery: {out / MODEL_DIR} {how}, for {minutes:g} min into {dest}"
           + (" (continued from its checkpoint)" if again else ""), file=sys.stderr)
     try:

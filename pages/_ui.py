@@ -321,15 +321,14 @@ def recover_panel(run_dir: str | Path, key: str) -> None:
     `prune --recover MINUTES` does), the loss drawn live while it runs; Chat then talks to all three models."""
     from engine.errors import UserError
     from engine.tools.chat import recovered_folder
-    from engine.tools.recover import RecoverConfig, recovery_words
+    from engine.tools.recover import recovery_words
 
     run_dir = Path(run_dir)
     if not (run_dir / "model" / "config.json").is_file():
         return
     jobs = recover_jobs()
     box = st.container(border=True)
-    box.markdown(f"**Recover** · the pruned model {recovery_words(RecoverConfig().ce_weight, RecoverConfig().mode)}, "
-                 "merged")
+    box.markdown(f"**Recover** · the pruned model {recovery_words()}, merged")
     snap = jobs.snapshot()
     mine = snap.run_dir == str(run_dir)
     c1, c2 = box.columns([1, 2])

@@ -45,6 +45,24 @@ def unimodal(rng: random.Random, n: int) -> list[float]:
     return [x + 100 for x in values]
 
 
+def side_by_side(seed: int, best: int, search: str, against: str) -> list[tuple[int, list[int], list[int]]]:
+    """`search` against `against` on 500 random unimodal losses over 1-16 counts: the same `best` lowest counts
+    (so the same choice, and the same finalists for --mix-refine-batches), each count scored at most once, and
+    the scored values the loss's; returns each loss's (count n, the counts `against` scored, those `search` did)."""
+    rng, totals = random.Random(seed), []
+    for _ in range(500):
+        n = rng.randint(1, 16)
+        values = unimodal(rng, n)
+        ref_loss, ref_calls = counted(values)
+        ref = search_counts(list(range(n)), ref_loss, against, best)
+        loss, calls = counted(values)
+        got = search_counts(list(range(n)), loss, search, best)
+        assert ranked(got, best) == ranked(ref, best), values
+        assert len(calls) == len(set(calls)) and all(got[k] == values[k] for k in got)
+        totals.append((n, ref_calls, calls))
+    return totals
+
+
 def test_the_grid_leaves_no_two_neighbouring_counts_out():
     for n in range(1, 12):
         counts = list(range(n))
@@ -56,23 +74,12 @@ def test_the_grid_leaves_no_two_neighbouring_counts_out():
 
 @pytest.mark.parametrize("best", [1, 3])
 def test_the_search_chooses_what_the_scan_chooses_on_unimodal_losses_in_fewer_evaluations(best):
-    """500 random unimodal losses over 1-16 counts: the same `best` lowest counts (so the same choice, and the same
-    finalists for --mix-refine-batches), each count scored at most once, never more evaluations than the scan and fewer in all."""
-    rng = random.Random(0)
-    totals = []
-    for _ in range(500):
-        n = rng.randint(1, 16)
-        values = unimodal(rng, n)
-        scan_loss, scan_calls = counted(values)
-        scan = search_counts(list(range(n)), scan_loss, "exhaustive", best)
-        grid_loss, grid_calls = counted(values)
-        grid = search_counts(list(range(n)), grid_loss, "grid", best)
-        assert scan_calls == list(range(n)) and len(grid_calls) == len(set(grid_calls))
-        assert ranked(grid, best) == ranked(scan, best), values
-        assert all(grid[k] == values[k] for k in grid)
-        totals.append((len(scan_calls), len(grid_calls)))
-    scan_total, grid_total = map(sum, zip(*totals))
-    assert grid_total < scan_total and all(g <= s for s, g in totals)  # (never more than the scan)
+    """500 random unimodal losses over 1-16 counts: the grid chooses what the scan chooses (side_by_side), the scan
+    scores every count, and the grid never more evaluations than the scan and fewer in all."""
+    totals = [(n, len(scan), len(grid)) for n, scan, grid in side_by_side(0, best, "grid", "exhaustive")
+              if scan == list(range(n))]
+    assert len(totals) == 500  # (the scan scored every count, in order, once)
+    assert sum(g for _, _, g in totals) < sum(s for _, s, _ in totals) and all(g <= s for _, s, g in totals)
 
 
 def test_on_a_strictly_unimodal_loss_the_search_scores_at_most_the_grid_and_two_more_counts():
@@ -162,21 +169,11 @@ def test_the_joint_mix_chooses_the_scan_s_mix_from_fewer_counts_and_says_how_man
 
 @pytest.mark.parametrize("best", [1, 3])
 def test_grid_stop_chooses_what_the_grid_chooses_on_unimodal_losses_and_scores_no_more(best):
-    """grid-stop (the default): on 500 random unimodal losses the same `best` lowest counts as the grid and the scan,
-    never more evaluations than the grid, fewer in all; a valley at the first counts leaves the grid's tail out."""
-    rng = random.Random(2)
-    saved = 0
-    for _ in range(500):
-        n = rng.randint(1, 16)
-        values = unimodal(rng, n)
-        grid_loss, grid_calls = counted(values)
-        grid = search_counts(list(range(n)), grid_loss, "grid", best)
-        stop_loss, stop_calls = counted(values)
-        stopped = search_counts(list(range(n)), stop_loss, "grid-stop", best)
-        assert ranked(stopped, best) == ranked(grid, best), values
-        assert len(stop_calls) == len(set(stop_calls)) <= len(grid_calls)
-        saved += len(grid_calls) - len(stop_calls)
-    assert saved > 0
+    """grid-stop (the default): on 500 random unimodal losses the same `best` lowest counts as the grid
+    (side_by_side), never more evaluations than the grid, fewer in all; a valley at the first counts leaves the
+    grid's tail out."""
+    totals = [(len(grid), len(stop)) for _, grid, stop in side_by_side(2, best, "grid-stop", "grid")]
+    assert all(stop <= grid for grid, stop in totals) and sum(grid - stop for grid, stop in totals) > 0
     values = [3.0, 2.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]  # the valley at 2: the grid's 4 and 6 rise
     loss, calls = counted(values)
     assert ranked(search_counts(list(range(11)), loss, "grid-stop"), 1) == [2]

@@ -372,3 +372,16 @@ def test_a_bad_recover_budget_is_one_line_before_the_run(tmp_path, capfd, minute
     assert main(chain_argv(tmp_path / "run", "--recover", minutes)) == 2
     one_error(capfd, message)
     assert not (tmp_path / "run").exists()
+
+
+def test_recovery_words_name_the_loss_and_what_trained_and_default_to_recovers_own():
+    """recovery_words: CE, KL or their mixture, LoRA or every decoder weight; with nothing given, RecoverConfig()'s
+    (the label the CLI's chain and the app's panel show before a recovery has its own recover_config.json)."""
+    from engine.tools.recover import RecoverConfig, recovery_words
+
+    assert recovery_words(1.0, "lora") == "fine-tuned on the text (CE), LoRA"
+    assert recovery_words(0.0, "full") == "distilled from the dense model (KL), all decoder weights"
+    assert recovery_words(0.5, "lora") == "distilled from the dense model (KL + 0.5 CE), LoRA"
+    defaults = RecoverConfig()
+    assert recovery_words() == recovery_words(defaults.ce_weight, defaults.mode)
+    assert recovery_words(mode="full") == recovery_words(defaults.ce_weight, "full")

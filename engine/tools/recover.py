@@ -435,8 +435,13 @@ def train(trained, teacher, params, opt, segments: torch.Tensor, config: Recover
     return ended
 
 
-def recovery_words(ce_weight: float, mode: str) -> str:
-    """How a recovery trained, in a few words for a label: its loss and what it trained."""
+def recovery_words(ce_weight: float | None = None, mode: str | None = None) -> str:
+    """How a recovery trained, in a few words for a label: its loss and what it trained (None: recover's default,
+    RecoverConfig's)."""
+    if ce_weight is None or mode is None:
+        defaults = RecoverConfig()
+        ce_weight = defaults.ce_weight if ce_weight is None else ce_weight
+        mode = defaults.mode if mode is None else mode
     loss = ("fine-tuned on the text (CE)" if ce_weight >= 1 else "distilled from the dense model (KL)" if ce_weight <= 0
             else f"distilled from the dense model (KL + {ce_weight:g} CE)")
     return f"{loss}, {'LoRA' if mode == 'lora' else 'all decoder weights'}"
