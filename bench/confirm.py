@@ -63,6 +63,10 @@ RUNS = {  # a cell's runs: the flags after the default command's
     "init-b96": ["--method", "flap", "--reconstruct-batches", "96"],
     # (issue 65: the own text sampled 128 at a time in bfloat16, 3.3x faster: bench/self_text_speed.py; 50 % only)
     "init-gen": ["--method", "flap", "--self-batch", "128", "--self-dtype", "auto"],
+    # (issue 65: init-gen's control, another sample from today's sampler itself (float32, transformers' generate),
+    # its documents grouped 64 a batch instead of 32, so each batch's seed draws other documents: how far another
+    # sample of the same text moves the 50 % init, the noise floor under init-gen's comparison)
+    "init-b64text": ["--method", "flap", "--self-batch", "64"],
     # (issue 65: the joint mix's candidates scored on 4 calibration batches instead of 8, about half its 44-90 s)
     "init-m4": ["--method", "flap", "--mix-batches", "4"],
     # (issue 64: does the drift follow the step size? 24 steps at half pg-alloc's step alpha, 0.125 for 0.25: its
@@ -83,6 +87,7 @@ RUNS = {  # a cell's runs: the flags after the default command's
 }
 # the phase each variant is about (its wall seconds against the init's in the report)
 VARIANT_PHASES = {"init-bi": "init metric", "init-b96": "statistics", "init-gen": "calibration text",
+                  "init-b64text": "calibration text",
                   "init-m4": "joint mix", "pg24-a0125": "steps", "init-r001": "refit",
                   "init-mix": "calibration text", "pg24-mix": "steps", "pg24-mixsteps": "steps"}
 # the runs a variant is reported against where it is not the init alone (the steps on another text: that text's
