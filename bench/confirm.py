@@ -61,7 +61,9 @@ RUNS = {  # a cell's runs: the flags after the default command's
     "init-bi": ["--method", "flap", "--layer-init", "block-influence"],
     # (issue 65: the refit's statistics on 96 batches instead of 128, a quarter of the statistics pass off a first run)
     "init-b96": ["--method", "flap", "--reconstruct-batches", "96"],
-    # (issue 65: the own text sampled 128 at a time in bfloat16, 3.3x faster: bench/self_text_speed.py; 50 % only)
+    # (issue 65: the own text sampled 128 at a time in bfloat16, 3.3x faster: bench/self_text_speed.py; 50 % only;
+    # the default's sampler since 2026-12-06, so an `init` cell at 50 % run after then samples this text too, while
+    # the cells before it sampled with float32 generate, 32 a batch: docs/results.md, "The own text's sampler")
     "init-gen": ["--method", "flap", "--self-batch", "128", "--self-dtype", "auto"],
     # (issue 65: init-gen's control, another sample from today's sampler itself (float32, transformers' generate),
     # its documents grouped 64 a batch instead of 32, so each batch's seed draws other documents: how far another

@@ -394,13 +394,15 @@ def test_the_loss_chart_draws_a_kl_runs_check_as_a_kl_and_a_ce_runs_as_a_log_per
 
 
 def test_the_own_texts_plan_follows_its_batch_and_dtype(tiny_path, skeleton, monkeypatch):
-    """The sampling's planned tokens: the default's (32 at a time, the weights' dtype) at GENERATE_WEIGHT, a measured
-    batch and dtype at its measured speed-up (GENERATE_SPEEDUP), one not measured at the default's rate."""
+    """The sampling's planned tokens: the float32 sampler's (32 at a time, the weights' dtype) at GENERATE_WEIGHT, a
+    measured batch and dtype (the default's, 128 in bfloat16 where native) at its measured speed-up
+    (GENERATE_SPEEDUP), one not measured at the float32 sampler's rate."""
     from engine.plan.forecast import GENERATE_SPEEDUP, GENERATE_WEIGHT
 
     monkeypatch.setenv("PG_PRUNE_NATIVE_BF16", "1")  # (auto resolves to bfloat16, as on such a CPU)
     text = {kw: phase_tokens(PruneConfig(model=str(tiny_path), calib_source="self", **dict(kw)), skeleton)
-            ["calibration text"] for kw in ((), (("self_batch", 128), ("self_dtype", "auto")), (("self_batch", 7),))}
-    default, fast, other = text.values()
-    assert default == pytest.approx(256 * (256 + 8) * GENERATE_WEIGHT)
-    assert fast == pytest.approx(default / GENERATE_SPEEDUP[(128, "bfloat16")]) and other == default
+            ["calibration text"] for kw in ((("self_batch", 32), ("self_dtype", "float32")), (),
+                                            (("self_batch", 7), ("self_dtype", "float32")))}
+    plain, fast, other = text.values()
+    assert plain == pytest.approx(256 * (256 + 8) * GENERATE_WEIGHT)
+    assert fast == pytest.approx(plain / GENERATE_SPEEDUP[(128, "bfloat16")]) and other == plain

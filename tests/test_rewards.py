@@ -364,13 +364,19 @@ def test_auto_reads_the_own_text_from_half_the_decoder_and_the_documents_below(t
 def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny, tiny_path, small_eval_file, tmp_path,
                                                                        monkeypatch):
     """The app's plan, before a run: the generated text's tokens (each document's prompt and continuation) at
-    GENERATE_WEIGHT while it is not cached, nothing once a run from the model's files has cached it, nothing for
-    the calibration documents as given."""
+    GENERATE_WEIGHT, at the sampler's measured speed-up (the default's 128 a batch, in bfloat16 where native),
+    while it is not cached, nothing once a run from the model's files has cached it, nothing for the calibration
+    documents as given."""
+    from engine.data.calib_sources import generation_dtype
+    from engine.plan.forecast import GENERATE_SPEEDUP
+
     monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
     skeleton = model_skeleton(str(tiny_path))
     config = small_config(tiny_path, small_eval_file, calib_source="self", self_docs=20, self_tokens=70, steps=1)
     assert generated_tokens(config) == 20 * (PROMPT_TOKENS + 70)
-    assert phase_tokens(config, skeleton)[CALIB_PHASE] == pytest.approx(20 * (PROMPT_TOKENS + 70) * GENERATE_WEIGHT)
+    speedup = GENERATE_SPEEDUP[(128, generation_dtype(config))]
+    assert phase_tokens(config, skeleton)[CALIB_PHASE] == pytest.approx(20 * (PROMPT_TOKENS + 70) * GENERATE_WEIGHT
+                                                                        / speedup)
     assert CALIB_PHASE not in phase_tokens(config, skeleton, text_cached=True)
     assert CALIB_PHASE not in phase_tokens(small_config(tiny_path, small_eval_file), skeleton)
     assert not config_text_cached(config) and not config_text_cached(small_config(tiny_path, small_eval_file))
@@ -413,7 +419,8 @@ def test_the_self_batch_and_dtype_sample_their_own_text_under_their_own_cache_ke
     """--self-batch N samples N continuations at once, each batch from its own seed: a batch of 3 gives other
     documents than batches of 1 (the seeds differ), the same ones again when asked again, and another cache entry;
     --self-dtype bfloat16 samples with decode_bfloat16 under a key of its own, and leaves the weights as they were.
-    The default (32, the weights' dtype) keeps the key it had before the settings existed."""
+    The float32 sampler at 32 a batch (the default before 2026-12-06) keeps the key it had before the settings
+    existed; the default (128, auto) has a key of its own."""
     model, tokenizer = tiny
     monkeypatch.setenv("PG_PRUNE_SELF_CALIB_CACHE", str(tmp_path / "cache"))
     texts = [f"Tale {i}: a boy found a red ball under the big old tree near the river." for i in range(5)]
@@ -424,9 +431,11 @@ def test_the_self_batch_and_dtype_sample_their_own_text_under_their_own_cache_ke
     assert CALIB_SOURCES["self"](texts, model, tokenizer, self_config(self_batch=3), None, log=quiet)[0] == by[3]
     assert len(list((tmp_path / "cache").iterdir())) == 2
     keys = {calib_sources.self_key("m", self_config(**kw), digest) for kw in
-            ({}, {"self_batch": 3}, {"self_dtype": "bfloat16"})}
-    assert len(keys) == 3
-    before = calib_sources.self_key("m", self_config(), digest)  # (the default's key: as the cached files were named)
+            ({"self_dtype": "float32"}, {"self_batch": 3}, {"self_dtype": "bfloat16"},
+             {"self_batch": 32, "self_dtype": "float32"})}
+    assert len(keys) == 4
+    # (the float32 sampler at 32 a batch: as the files it cached were named)
+    before = calib_sources.self_key("m", self_config(self_batch=32, self_dtype="float32"), digest)
     import hashlib
     old = ["m", "float32", 0, 20, 1.0, calib_sources.PROMPT_TOKENS, digest]
     assert before == hashlib.sha256(json.dumps(old).encode()).hexdigest()[:20]

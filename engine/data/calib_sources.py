@@ -34,7 +34,14 @@ from ..settings.registry import add_entry
 CALIB_SOURCES: dict[str, Callable] = {}
 CACHE_ENV = "PG_PRUNE_SELF_CALIB_CACHE"
 PROMPT_TOKENS = 8  # the prompt of each generated document: the first tokens of a calibration document
-GENERATE_BATCH = 32  # continuations sampled per generate() call unless --self-batch says otherwise (its default)
+# continuations sampled at once unless --self-batch says otherwise (its default), in bfloat16 where the CPU runs it
+# natively (--self-dtype auto): 3.3x the float32 sampler's 32 a batch, the own text at 50 % of a first run in about
+# 80 s on 2 cores. At 50 % the one-shot init moves 10-40 % with any redraw of the text, whichever sampler draws it; this
+# one's text was no worse than a redraw of the float32 sampler's on the tuning or the confirmation seeds
+# (docs/results.md, "The own text's sampler")
+GENERATE_BATCH = 128
+KEYLESS_BATCH = 32  # the one sampler before --self-batch and --self-dtype (32 a batch in the weights' dtype): the
+#                    names of the texts it cached carry neither setting
 
 
 PHASE = "calibration text"  # the phase a run's generated text is timed in (results.json's seconds_by_phase)
@@ -211,8 +218,8 @@ def self_key(fingerprint: str, config, texts_digest: str, docs: int | None = Non
     what = [fingerprint, config.dtype, config.seed, *([docs] if docs is not None else []), config.self_tokens,
             config.self_temperature, PROMPT_TOKENS, texts_digest]
     how = (config.self_batch, generation_dtype(config))
-    if how != (GENERATE_BATCH, config.dtype):  # (another batch or dtype samples other text; the default's key is
-        what.append(list(how))                  # what it was before they were settings: its caches still serve)
+    if how != (KEYLESS_BATCH, config.dtype):  # (another batch or dtype samples other text; the float32 sampler's key
+        what.append(list(how))             # is what it was before they were settings: its caches still serve)
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
 
 
