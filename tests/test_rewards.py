@@ -374,7 +374,7 @@ def test_the_plan_counts_the_text_a_source_generates_until_it_is_cached(tiny, ti
     skeleton = model_skeleton(str(tiny_path))
     config = small_config(tiny_path, small_eval_file, calib_source="self", self_docs=20, self_tokens=70, steps=1)
     assert generated_tokens(config) == 20 * (PROMPT_TOKENS + 70)
-    speedup = GENERATE_SPEEDUP[(128, generation_dtype(config))]
+    speedup = GENERATE_SPEEDUP[(config.self_batch, generation_dtype(config))]
     assert phase_tokens(config, skeleton)[CALIB_PHASE] == pytest.approx(20 * (PROMPT_TOKENS + 70) * GENERATE_WEIGHT
                                                                         / speedup)
     assert CALIB_PHASE not in phase_tokens(config, skeleton, text_cached=True)

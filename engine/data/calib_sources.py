@@ -35,10 +35,9 @@ CALIB_SOURCES: dict[str, Callable] = {}
 CACHE_ENV = "PG_PRUNE_SELF_CALIB_CACHE"
 PROMPT_TOKENS = 8  # the prompt of each generated document: the first tokens of a calibration document
 # continuations sampled at once unless --self-batch says otherwise (its default), in bfloat16 where the CPU runs it
-# natively (--self-dtype auto): 3.3x the float32 sampler's 32 a batch, the own text at 50 % of a first run in about
-# 80 s on 2 cores. At 50 % the one-shot init moves 10-40 % with any redraw of the text, whichever sampler draws it; this
-# one's text was no worse than a redraw of the float32 sampler's on the tuning or the confirmation seeds
-# (docs/results.md, "The own text's sampler")
+# natively (--self-dtype auto): 3.3x the float32 sampler's 32 a batch. At 50 % the one-shot init moves 10-40 % with
+# any redraw of the text, whichever sampler draws it; this one's text was no worse than a redraw of the float32
+# sampler's on the tuning or the confirmation seeds (docs/results.md, "The own text's sampler")
 GENERATE_BATCH = 128
 KEYLESS_BATCH = 32  # the one sampler before --self-batch and --self-dtype (32 a batch in the weights' dtype): the
 #                    names of the texts it cached carry neither setting
