@@ -469,6 +469,45 @@ def test_the_bfloat16_decoder_is_generate_with_a_kv_cache(tiny):
         assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
+def test_the_preallocated_cache_samples_the_tokens_a_growing_cache_samples(tiny):
+    """decode_bfloat16 keeps its keys and values in buffers filled in place (preallocated_cache): at temperature 1,
+    from the same seed, it samples exactly the tokens that the same loop over transformers' DynamicCache samples
+    (the cache is a speed-up, not another text: the own-text cache's key stays valid); a cache asked for more
+    positions than it holds says so."""
+    from transformers import DynamicCache
+
+    from engine.data.calib_sources import bfloat16_linears, decode_bfloat16, preallocated_cache
+
+    model, _ = tiny
+    prompt = torch.randint(5, 200, (4, 5), generator=torch.Generator().manual_seed(1))
+
+    @torch.no_grad()
+    def growing(new_tokens):  # the sampler's loop, over the cache that concatenates
+        cache, x, out = DynamicCache(), prompt, [prompt]
+        for _ in range(new_tokens):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            cdf = torch.softmax(logits.float(), dim=-1).cumsum(dim=-1)
+            x = torch.searchsorted(cdf, torch.rand(cdf.shape[0], 1) * cdf[:, -1:]).clamp_(max=cdf.shape[1] - 1)
+            out.append(x)
+        return torch.cat(out, dim=1)
+
+    with bfloat16_linears(model):
+        torch.manual_seed(3)
+        ours = decode_bfloat16(model, prompt, 9, 1.0)
+        torch.manual_seed(3)
+        theirs = growing(9)
+    assert ours.shape == (4, 14) and torch.equal(ours, theirs)
+    assert not torch.equal(ours[:, 5:], torch.full_like(ours[:, 5:], int(ours[0, 5])))  # (sampled, not constant)
+    cache = preallocated_cache(3)
+    k = torch.randn(2, 1, 2, 4)
+    assert torch.equal(cache.update(k, k + 1, 0)[0], k)
+    keys, values = cache.update(k[:, :, :1] * 2, k[:, :, :1], 0)
+    assert torch.equal(keys, torch.cat([k, k[:, :, :1] * 2], dim=2)) and cache.get_seq_length(0) == 3
+    with pytest.raises(ValueError, match="holds 3 positions"):
+        cache.update(k, k, 0)
+
+
 # --- --step-refit: samples scored as they would be exported ------------------------------------------
 def test_step_refit_scores_each_sample_under_its_own_refit(tiny, tiny_path, small_eval_file, tmp_path):
     """With --step-refit a step's sample j scores exactly what the run's refit of mask j scores (RunMasks.weights,
