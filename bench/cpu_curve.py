@@ -72,10 +72,10 @@ COLOURS = ["#000000", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8
 
 
 def cell_config(variant: str, seed: int, minutes: float, model: str | None = None):
-    from engine.settings.config import PruneConfig
+    from engine.settings.config import FAST, PruneConfig
 
     extra = {"model": model} if model else {}
-    return PruneConfig.from_dict({**PruneConfig().to_dict(), **PROTOCOL, **VARIANTS[variant][1], **extra, "seed": seed,
+    return PruneConfig.from_dict({**PruneConfig(**FAST).to_dict(), **PROTOCOL, **VARIANTS[variant][1], **extra, "seed": seed,
                                   "time_budget": minutes}).resolved()
 
 

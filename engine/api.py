@@ -89,7 +89,13 @@ def check_config(config) -> PruneConfig:
         return default_run()
     if not isinstance(config, PruneConfig):
         raise UserError(f"config must be an engine.PruneConfig (PruneConfig(prune_ratio=0.3, ...); a dict of settings: "
-                        f"PruneConfig.of(**settings)), got {type(config).__name__}")
+                        f"PruneConfig(**settings)), got {type(config).__name__}")
+    from .algo.methods import METHODS
+
+    method = METHODS.get(config.method)
+    if method is not None and not method.optimises and config.steps != PruneConfig.steps:
+        raise UserError(f"config: steps={config.steps} under method {config.method!r}, which takes no steps (the "
+                        f"default: the one-shot init); give method='pg-alloc' (or another that optimises) to take them")
     return config
 
 

@@ -33,7 +33,7 @@ def _comma_list(text: str) -> list[str]:
 def _setting_args(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None = None, preset: dict | None = None) -> None:
     """One flag per field of a settings dataclass (all, or `names`), made from its declaration
     (engine.settings.fields.setting): --FIELD-NAME (or the declared flag), its type, choices, default and help (and the
-    value `preset`, the default preset, gives it)."""
+    value `preset`, the fast preset, gives it)."""
     hints, defaults = typing.get_type_hints(cls), cls()
     for f in dataclasses.fields(cls):
         if (names is not None and f.name not in names) or f.metadata.get("flag") is False:
@@ -42,8 +42,8 @@ def _setting_args(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None
         shown = lambda v: ",".join(v) if isinstance(v, list) else ("none" if v in (None, {}) else v)  # noqa: E731
         text = f.metadata.get("help", "")
         text += "" if "(default" in text else f" (default {shown(default)})"  # a help that says its default says it better
-        if f.name in (preset or {}):  # a setting the default preset sets: what a run that names no preset gets
-            text += f" ({shown(preset[f.name])} under the default preset {DEFAULT_PRESET}, see --preset)"
+        if f.name in (preset or {}):  # a setting the fast preset sets: what a run that names its units gets
+            text += f" ({shown(preset[f.name])} where a run starts from the fast preset, see --preset)"
         kw = dict(default=default, help=text.replace("%", "%%"))
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         if hint is bool or set(typing.get_args(hint)) == {bool, type(None)}:  # (bool | None: neither flag = None)
@@ -149,10 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from a saved run config (a run's config.json, or one a script wrote); flags given override it")
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="start from named settings, flags given override them: " + "; ".join(
-                       f"{name}: {preset_text(name)}" for name in PRESETS) + f" (default {DEFAULT_PRESET}, "
-                       "whole layers and widths in one budget, unless --units, --scope uniform, --budget units or "
-                       "--config is given: then none, the settings' own defaults, which are the fast preset's)")
-    _setting_args(p, PruneConfig, preset=PRESETS[DEFAULT_PRESET])  # every run setting, from its declaration
+                       f"{name}: {preset_text(name)}" for name in PRESETS) + f" (default {DEFAULT_PRESET}'s "
+                       "one-shot init, whole layers and widths in one budget: the settings' own defaults; --steps N "
+                       "buys its steps; --units, --scope uniform or --budget units start from fast; --config from "
+                       "the file)")
+    _setting_args(p, PruneConfig, preset=PRESETS["fast"])  # every run setting, from its declaration
     _method_option_args(p)
     p.add_argument("--out", required=True, help="run folder (config, metrics, masks, model/, results.json)")
     p.add_argument("--export-gguf", metavar="OUTTYPE", default=None, choices=list(EXPORT_FORMATS["gguf"].outtypes),
@@ -422,13 +423,13 @@ def _prune_writer(args, world) -> int:
             raise
         # model and data loaded: only now may --overwrite remove the old run, not for a typo in an argument
         check_out_dir(out, args.resume, args.overwrite)
-        if getattr(args, "default_preset", None):  # (after every refusal: a refused run's stderr is its one error line)
+        if getattr(args, "default_preset", None) == DEFAULT_PRESET:  # (after every refusal: a refused run's stderr is its one error line)
             if getattr(args, "no_steps", False):
                 run.res.log(no_steps_line(config.prune_ratio))
             elif config.method == PRESETS[args.default_preset].get("method"):  # (the preset's steps, bought)
                 run.res.log(steps_bought_line(config.prune_ratio, config.steps, config.time_budget))
             run.res.log(f"the default preset {args.default_preset}: {preset_text(args.default_preset)} (--preset fast, "
-                    "or --units, for the settings' own defaults)")
+                    "or --units, for policy gradient over KV groups and channels)")
         saved_steps = PruneConfig.load(out / CONFIG_FILE).steps if args.resume else config.steps
         if saved_steps != config.steps:
             print(f"steps: {saved_steps} -> {config.steps} (the schedules follow a {config.steps}-step run from the "
@@ -693,13 +694,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     defaults, chosen, steps_given = {}, None, True
+    # (a preset's method options apply under the method the run will have: the one given, else the preset's)
+    method_of = lambda preset: args.method if _given(argv, "method") else preset.get("method", args.method)  # noqa: E731
     if getattr(args, "preset", None):
-        defaults.update(_as_flag_defaults(PRESETS[args.preset], args.method))
+        defaults.update(_as_flag_defaults(PRESETS[args.preset], method_of(PRESETS[args.preset])))
     if getattr(args, "config", None):
         defaults.update(_config_defaults(args.config))
     if args.command == "prune" and not (args.preset or args.config or args.resume):
         chosen = default_preset(_given(argv, "units"), args.scope, args.budget)
-        defaults.update(_as_flag_defaults(PRESETS[chosen], args.method) if chosen else {})
+        defaults.update(_as_flag_defaults(PRESETS[chosen], method_of(PRESETS[chosen])))
     if getattr(args, "resume", False):  # the run's own settings: a flag given beside --resume is checked against them
         if args.preset or args.config:
             raise UserError("--resume continues the run with its saved config; --preset and --config do not apply")

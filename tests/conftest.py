@@ -223,11 +223,20 @@ def eval_file(tmp_path_factory) -> Path:
     return path
 
 
-def tiny_config(eval_file: Path, **kw):
-    """A 3-step run of the tiny model on the small calibration and evaluation files, checkpointed every step."""
-    from engine.settings.config import PruneConfig
+def pg_config(**kw):
+    """A PruneConfig of policy gradient over KV groups and channels (the fast preset's settings, FAST: what the
+    settings' defaults were before they became the default run's, one-shot), `kw` on top."""
+    from engine.settings.config import FAST, PruneConfig
 
-    base = dict(model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
+    return PruneConfig(**{**FAST, **kw})
+
+
+def tiny_config(eval_file: Path, **kw):
+    """A 3-step run of the tiny model on the small calibration and evaluation files, checkpointed every step: policy
+    gradient over KV groups and channels (the fast preset's settings, FAST)."""
+    from engine.settings.config import FAST, PruneConfig
+
+    base = dict(FAST, model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
                 init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file),
                 checkpoint_every=1)
     return PruneConfig(**{**base, **kw})

@@ -61,10 +61,10 @@ def test_docs_example_runs_in_memory_and_writes_nothing(tiny, texts, small_data_
     exec(compile(example, str(API_MD), "exec"), scope)  # (its own assert: the sliced model's perplexity = the report's)
 
     result = scope["result"]
-    assert set(result.masks) == {"heads", "channels"} and all(m.dtype == torch.bool for m in result.masks.values())
+    assert set(result.masks) == {"layers", "heads", "channels"} and all(m.dtype == torch.bool for m in result.masks.values())
     dense = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for p in result.model.parameters()) == result.report["params_pruned"] < dense
-    assert result.report["calib_data"] == "in memory" and result.report["steps"] == 5
+    assert result.report["calib_data"] == "in memory" and result.report["steps"] == 0  # (one-shot: no steps)
     assert "masks" not in result.report and "model" not in result.report  # (the report is results.json's content)
     assert fingerprint(model) == before  # the model given stays as it was
     assert files_under(work) == [] and files_under(cache) == []
@@ -75,7 +75,7 @@ def test_masks_say_what_the_report_removed(tiny, texts, small_eval_file):
     from engine import PruneConfig, prune
 
     model, tokenizer = tiny
-    result = prune(model, tokenizer, PruneConfig(prune_ratio=0.4, steps=2, val_every=1, **CHEAP,
+    result = prune(model, tokenizer, PruneConfig(prune_ratio=0.4, method="pg-alloc", steps=2, val_every=1, **CHEAP,
                                                         eval_data=str(small_eval_file)), calib=texts)
     layout = result.report["units_per_layer"]
     for unit, mask in result.masks.items():
@@ -89,7 +89,7 @@ def test_prune_with_out_writes_the_cli_run(tiny, texts, small_eval_file, tmp_pat
     from engine import PruneConfig, perplexity, prune
 
     model, tokenizer = tiny
-    config = PruneConfig(prune_ratio=0.3, steps=2, **CHEAP, eval_data=str(small_eval_file))
+    config = PruneConfig(prune_ratio=0.3, **CHEAP, eval_data=str(small_eval_file))
     result = prune(model, tokenizer, config, calib=texts, out=tmp_path / "run")
     assert (tmp_path / "run" / "results.json").is_file() and (tmp_path / "run" / "model" / "config.json").is_file()
     assert perplexity(result.model, tokenizer, config) == pytest.approx(result.report["ppl_pruned"], rel=1e-4)
@@ -105,7 +105,7 @@ def test_bad_calibration_is_one_user_error(tiny):
 
 
 def test_the_readmes_python_line_and_command_1_give_the_same_masks(tiny, small_eval_file, tmp_path):
-    """README's `prune(model, tokenizer, default_run(prune_ratio=0.3), calib=texts)` is command 1's run: on the tiny
+    """README's `prune(model, tokenizer, PruneConfig(prune_ratio=0.3), calib=texts)` is command 1's run: on the tiny
     model, with the same data (and two evaluation windows, on both sides), the CLI's masks.safetensors and the API's
     masks are the same masks."""
     import dataclasses
@@ -114,7 +114,7 @@ def test_the_readmes_python_line_and_command_1_give_the_same_masks(tiny, small_e
     from safetensors.torch import load_file
 
     from conftest import TINY_MODEL
-    from engine import default_run, prune
+    from engine import PruneConfig, prune
     from engine.cli import main
     from engine.data.text import load_calibration_texts
 
@@ -126,8 +126,8 @@ def test_the_readmes_python_line_and_command_1_give_the_same_masks(tiny, small_e
             "--max-windows", "2"]
     assert main(argv + data) == 0
     on_disk = load_file(str(tmp_path / "cli" / "masks.safetensors"))
-    python = re.search(r"prune\(model, tokenizer, (default_run\(.*?\)), calib=texts\)", readme).group(1)
-    config = dataclasses.replace(eval(python, {"default_run": default_run}), model=str(TINY_MODEL),  # (README's call,
+    python = re.search(r"prune\(model, tokenizer, (PruneConfig\(.*?\)), calib=texts\)", readme).group(1)
+    config = dataclasses.replace(eval(python, {"PruneConfig": PruneConfig}), model=str(TINY_MODEL),  # (README's call,
                                  calib=str(SMALL_CALIB), eval_data=str(small_eval_file), max_windows=2)  # the same data)
     model, tokenizer = tiny
     result = prune(model, tokenizer, config, calib=load_calibration_texts(str(SMALL_CALIB))[0])

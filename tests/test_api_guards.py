@@ -17,8 +17,8 @@ from engine.errors import UserError
 
 from conftest import SMALL_CALIB, TINY_MODEL, engine_in_process
 
-CHEAP = dict(init_batches=1, reconstruct_batches=1, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2, steps=1,
-             num_mask_samples=2, val_every=0, final_mask="last")
+CHEAP = dict(init_batches=1, reconstruct_batches=1, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
+             layer_init_batches=1, mix_batches=1)  # (the default run, one-shot, on the fewest batches)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,11 @@ def test_the_argument_checks_pass_what_a_run_takes(tiny):
     check_model(model)
     check_tokenizer(tokenizer)
     check_vocabulary(model, tokenizer)
-    assert check_config(None) == default_run() and check_config(PruneConfig(steps=3)).steps == 3
+    assert check_config(None) == default_run() == PruneConfig()
+    assert check_config(PruneConfig(method="pg-alloc", steps=3)).steps == 3
+    with pytest.raises(UserError, match=r"^config: steps=3 under method 'flap', which takes no steps") as e:
+        check_config(PruneConfig(steps=3))  # (the default method is one-shot: steps given to it would go unread)
+    assert "\n" not in str(e.value)
     assert out_path(None) is None and out_path("runs/x") == Path("runs/x") == out_path(Path("runs/x"))
 
     class Short:  # a tokenizer of 10 tokens for the model's 2,048 rows

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from engine.run.phases import phase_line  # noqa: E402
+from engine.settings.config import FAST as PG_FAST  # noqa: E402
 
 TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
 pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason=f"tiny model not found at {TINY}")
@@ -700,8 +701,8 @@ def test_compare_names_the_differing_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
     calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
     for scope, steps in (("global", 2), ("uniform", 3)):
-        config = PruneConfig(model=str(TINY), scope=scope, prune_ratio=0.5, **{**FAST, "steps": steps}, calib=calib,
-                             num_mask_samples=2)
+        config = PruneConfig(**{**PG_FAST, **FAST, "steps": steps}, model=str(TINY), scope=scope, prune_ratio=0.5,
+                             calib=calib, num_mask_samples=2)
         PruneRun(config, runs / f"{scope}-{steps}", log=lambda m: None).run(progress=False)
         time.sleep(1.1)
     at = app()

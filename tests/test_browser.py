@@ -670,7 +670,7 @@ def test_browser_end_to_end(server, browser):
 def layer_runs(runs: Path) -> None:
     """Two finished runs on the tiny model that prune whole layers: layers alone (global) and layers with
     widths (uniform, each type losing half its count), so they remove different numbers of parameters."""
-    from engine.settings.config import PruneConfig
+    from engine.settings.config import FAST, PruneConfig
     from engine.run.loop import PruneRun
 
     calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
@@ -678,6 +678,6 @@ def layer_runs(runs: Path) -> None:
                  num_mask_samples=2, val_batches=1, calib=calib, budget="units", prune_ratio=0.5)
     for name, units, scope, steps in (("zz-layers", ["layers"], "global", 2),
                                       ("zz-layers-width", ["heads", "channels", "layers"], "uniform", 3)):
-        PruneRun(PruneConfig(model=str(TINY), units=units, scope=scope, **{**small, "steps": steps}), runs / name,
+        PruneRun(PruneConfig(**{**FAST, **small, "steps": steps, "units": units}, model=str(TINY), scope=scope), runs / name,
                  log=lambda m: None).run(progress=False)
         time.sleep(1.1)  # newest last: Compare's defaults pick the newest global run, and the newest uniform one

@@ -377,7 +377,7 @@ def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():
 
 def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applies():
     from engine.cli import _config_from_args, parse_args
-    from engine.settings.config import DEFAULT_PRESET, PRESETS, default_preset
+    from engine.settings.config import DEFAULT_PRESET, FAST, PRESETS, default_preset
 
     def config(*flags):
         args = parse_args(["prune", *flags, "--out", "x"])
@@ -390,24 +390,35 @@ def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applie
     assert config("--prune-ratio", "0.3", "--steps", "24")[1].method == PRESETS["joint"]["method"]
     assert plain.fixed_layers and plain.lr == PruneConfig().lr and plain.time_budget == 10.0
     assert config("--init-batches", "4", "--method", "flap")[1].init_batches == 4  # a flag given still overrides it
-    own = PruneConfig()  # where the joint does not apply: the settings' own defaults, in every spelling of the flag
-    for flags, units in ((["--units", "heads,channels"], ["heads", "channels"]), (["--units=layers"], ["layers"]),
-                         (["--scope", "uniform"], own.units), (["--budget", "units"], own.units),
-                         (["--preset", "fast"], own.units)):
+    fast = PruneConfig(**FAST)  # where the joint does not apply: the fast preset, in every spelling of the flag
+    for flags, units, name_ in ((["--units", "heads,channels"], ["heads", "channels"], "fast"),
+                                (["--units=layers"], ["layers"], "fast"), (["--scope", "uniform"], fast.units, "fast"),
+                                (["--budget", "units"], fast.units, "fast"), (["--preset", "fast"], fast.units, None)):
         name, c = config(*flags)
-        assert name is None, flags
-        assert (c.units, c.layer_init, c.layer_score_const, c.init_batches) == (
-            units, own.layer_init, own.layer_score_const, own.init_batches), flags
+        assert name == name_, flags
+        assert (c.units, c.method, c.layer_init, c.layer_score_const, c.init_batches, c.reward, c.step_refit,
+                c.calib_source) == (units, "pg", "sleb", None, 64, "ce", False, "data"), flags
+        assert c.method_options["baseline"] == "leave-one-out", flags  # (the preset's options, under its method)
+    assert config("--units", "heads", "--method", "flap")[1].method == "flap"  # a method given beats the preset's
     assert [default_preset(*a) for a in [(False, "global", "params"), (True, "global", "params"),
-                                         (False, "uniform", "params"), (False, "global", "units")]] == ["joint", None, None, None]
+                                         (False, "uniform", "params"), (False, "global", "units")]] == [
+        "joint", "fast", "fast", "fast"]
 
 
 def test_a_config_file_or_a_resume_is_not_moved_onto_the_default_preset(tmp_path):
-    from engine.cli import parse_args
+    """A --config file is read as written, and a setting it lacks is the fast preset's (what a config saved before
+    the settings' defaults became the default run's meant by it), never the default preset's."""
+    import json
 
-    PruneConfig(model="m", steps=7).save(tmp_path / "run.json")
+    from engine.cli import parse_args
+    from engine.settings.config import FAST
+
+    PruneConfig(**{**FAST, "model": "m", "steps": 7, "init_batches": 8}).save(tmp_path / "run.json")
     args = parse_args(["prune", "--config", str(tmp_path / "run.json"), "--out", "x"])
-    assert args.default_preset is None and args.units == PruneConfig().units and args.init_batches == 64
+    assert args.default_preset is None and (args.units, args.init_batches, args.method) == (FAST["units"], 8, "pg")
+    (tmp_path / "part.json").write_text(json.dumps({"model": "m", "steps": 7}))
+    args = parse_args(["prune", "--config", str(tmp_path / "part.json"), "--out", "x"])
+    assert args.default_preset is None and all(getattr(args, k) == v for k, v in FAST.items())
 
 
 # --- an existing run in --out ------------------------------------------------------------------------
@@ -497,9 +508,10 @@ def test_the_no_steps_line_gives_the_verdict_of_the_nearest_rate_measured_below(
 
 
 def test_readme_command_1s_run_is_the_joint_preset_without_steps_from_python():
-    """docs/api.md and README's Python line: `default_run(prune_ratio=0.3)` (= `PruneConfig(**{**PRESETS["joint"],
-    "method": "flap"})`) is the run `prune --prune-ratio 0.3` makes (the default preset, no steps: STEP_VERDICTS),
-    field for field, and what engine.prune runs with no config."""
+    """docs/api.md and README's Python line: `default_run(prune_ratio=0.3)` (= `PruneConfig(prune_ratio=0.3)` =
+    `PruneConfig(**{**PRESETS["joint"], "method": "flap"})`) is the run `prune --prune-ratio 0.3` makes (the default
+    preset, no steps: STEP_VERDICTS), field for field, and what engine.prune runs with no config; `PruneConfig()` is
+    `prune --out x`'s."""
     import engine
     from engine.api import check_config
     from engine.cli import _config_from_args, parse_args
@@ -508,8 +520,11 @@ def test_readme_command_1s_run_is_the_joint_preset_without_steps_from_python():
     cli = _config_from_args(parse_args(["prune", "--prune-ratio", "0.3", "--out", "x"])).resolved().to_dict()
     assert engine.default_run(prune_ratio=0.3).resolved().to_dict() == cli
     assert PruneConfig(**{**PRESETS["joint"], "method": "flap"}).resolved().to_dict() == cli
+    assert PruneConfig(prune_ratio=0.3).resolved().to_dict() == cli
     assert check_config(None).resolved().to_dict() == cli
-    assert "default_run(prune_ratio=0.3)" in (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    bare = _config_from_args(parse_args(["prune", "--out", "x"])).resolved()
+    assert PruneConfig().resolved() == bare and PruneConfig() == _config_from_args(parse_args(["prune", "--out", "x"]))
+    assert "PruneConfig(prune_ratio=0.3)" in (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
 def test_a_default_run_that_buys_steps_is_told_what_they_bought(eval_file, tmp_path, capfd):

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import cpu_curve as cc  # noqa: E402
 
-from engine.settings.config import PruneConfig  # noqa: E402
+from engine.settings.config import FAST, PruneConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
@@ -23,7 +23,7 @@ TINY = ROOT.parent / "shared" / "models" / "tinystories-656k"
 def test_each_variant_is_the_default_protocol_with_its_own_settings_changed():
     base = cc.cell_config("default", 0, 15).to_dict()
     assert base["time_budget"] == 15 and base["max_windows"] == cc.EVAL_WINDOWS and base["init"] == "flap"
-    defaults = PruneConfig().resolved().to_dict()  # everything else is the tool's default
+    defaults = PruneConfig(**FAST).resolved().to_dict()  # everything else is the fast preset's (the curve's run)
     assert {k for k in base if base[k] != defaults[k]} <= set(cc.PROTOCOL) | {"time_budget"}
     for name, (_, overrides) in cc.VARIANTS.items():
         config = cc.cell_config(name, 1, 15).to_dict()

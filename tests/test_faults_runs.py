@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.cli import main
-from engine.settings.config import PruneConfig
+from engine.settings.config import FAST as PG_FAST, PruneConfig
 from engine.errors import UserError
 from engine.storage.outdir import LOCK_FILE, OutputKind, check_output_folder, folder_lock, output_folder
 from engine.run.loop import PruneRun
@@ -48,7 +48,7 @@ def tiny_flags(eval_file: Path, steps: int = 3) -> list[str]:
 def tiny_config(eval_file: Path, **kw) -> PruneConfig:
     base = dict(model=str(TINY_MODEL), steps=3, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=2,
                 init_batches=1, num_mask_samples=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file))
-    return PruneConfig(**{**base, **kw})
+    return PruneConfig(**{**PG_FAST, **base, **kw})  # (policy gradient over KV groups and channels)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import engine.model.loading
-from engine.settings.config import PruneConfig
+from engine.settings.config import FAST as PG_FAST, PruneConfig
 from engine.errors import UserError
 from engine.ui.jobs import DONE, FAILED, LOADING, RUNNING, STOPPED, JobBusy, JobManager, delete_run
 from engine.run.loop import PruneRun, StepReport
@@ -21,7 +21,7 @@ def config(eval_file, **kw) -> PruneConfig:
     base = dict(model=str(TINY_MODEL), steps=4, batch_size=2, seqlen=32, eval_seqlen=32, max_windows=1, init_batches=1,
                 checkpoint_every=2, lr=0.05, calib=str(SMALL_CALIB), eval_data=str(eval_file))
     base.update(kw)
-    return PruneConfig(**base)
+    return PruneConfig(**{**PG_FAST, **base})  # (policy gradient over KV groups and channels)
 
 
 @pytest.fixture

@@ -218,7 +218,7 @@ def test_layer_score_const_validates():
     from engine.errors import UserError
 
     assert PruneConfig(layer_score_const=1.0).resolved().score_const_for("layers") == 1.0
-    assert PruneConfig().resolved().score_const_for("layers") == PruneConfig.score_const
+    assert PruneConfig(layer_score_const=None).resolved().score_const_for("layers") == PruneConfig.score_const
     assert PruneConfig(layer_score_const=1.0, layer_prob_map="score-const").fixed_layers
     assert not PruneConfig(layer_score_const=1.0, layer_prob_map="sigmoid-norm").fixed_layers
     for bad in (0.5, 1.5):

@@ -325,7 +325,7 @@ def test_sleb_with_finalists_removes_the_finalist_that_loses_least_on_every_batc
 
 def test_sleb_finalists_validate():
     assert PruneConfig().sleb_finalists == 0
-    PruneConfig(units=["layers", "heads"], sleb_finalists=3).validate()
+    PruneConfig(units=["layers", "heads"], layer_init="sleb", sleb_finalists=3).validate()
     for bad in (dict(sleb_finalists=3), dict(units=["layers"], layer_init="layerwise-ppl", sleb_finalists=3)):
         with pytest.raises(UserError, match="SLEB finalists apply to whole layers scored by SLEB"):
             PruneConfig(**bad).validate()

@@ -15,7 +15,7 @@ from engine.plan.forecast import (STEP_SAMPLE_WEIGHT, model_skeleton, phase_toke
 from engine.ui import figures
 from engine.ui import settings as S
 
-from conftest import SMALL_CALIB
+from conftest import SMALL_CALIB, pg_config
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,8 @@ def test_speedup_grows_with_what_is_removed(skeleton):
 
 
 def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
-    base = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor")
-    more = PruneConfig(model=str(tiny_path), steps=20, max_windows=4, init="taylor")
+    base = pg_config(model=str(tiny_path), steps=10, max_windows=4, init="taylor")
+    more = pg_config(model=str(tiny_path), steps=20, max_windows=4, init="taylor")
     t1, t2 = (plan_time(c, skeleton, 1e-4, "test") for c in (base, more))
     assert t2.phases["steps"] == pytest.approx(2 * t1.phases["steps"])
     samples = 10 * base.num_mask_samples * base.batch_size * base.seqlen  # (masked forwards, each CE-scored)
@@ -102,7 +102,7 @@ def test_time_and_memory_follow_the_settings(skeleton, tiny_path):
     assert removals > 0 and shortlist["init metric"] / eight["init metric"] == pytest.approx(
         sleb_runs(n, 8, 0, removals, 1) / sleb_runs(n, 8, 0, removals)) and shortlist["init metric"] < eight["init metric"]
     taylor = plan_memory(base, skeleton)
-    wanda = plan_memory(PruneConfig(model=str(tiny_path), init="wanda-sp"), skeleton)
+    wanda = plan_memory(pg_config(model=str(tiny_path), init="wanda-sp"), skeleton)
     # (Taylor's backward: its gradients, and the whole batch's logits where a score without gradients has the
     # head's chunks)
     assert taylor.total - wanda.total == pytest.approx(taylor.parts["gradients (Taylor init)"] + taylor.parts[
@@ -143,9 +143,9 @@ def test_the_steps_count_their_dense_forward_and_their_refits(skeleton, tiny_pat
     refit phase (where a run records it); under --time-budget the steps and their refits share what is left."""
     from engine.plan.forecast import refit_tokens
 
-    base = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor")
-    kl = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor", reward="kl")
-    refit = PruneConfig(model=str(tiny_path), steps=10, max_windows=4, init="taylor", step_refit=True)
+    base = pg_config(model=str(tiny_path), steps=10, max_windows=4, init="taylor")
+    kl = pg_config(model=str(tiny_path), steps=10, max_windows=4, init="taylor", reward="kl")
+    refit = pg_config(model=str(tiny_path), steps=10, max_windows=4, init="taylor", step_refit=True)
     t_base, t_kl, t_refit = (phase_tokens(c, skeleton) for c in (base, kl, refit))
     batch = base.batch_size * base.seqlen
     samples = 10 * base.num_mask_samples * batch  # (the KL scores them, and once a step's batch, its dense target)
@@ -230,7 +230,8 @@ def test_joint_preset_fills_the_form_and_the_fixed_layers_box_round_trips():
     config = S.form_config({**S.default_values(), **joint}).resolved()
     assert config.layer_score_const == 1.0 and config.fixed_layers and config.layer_init == "layerwise-ppl"
     assert S.form_values(config)["fixed_layers"] is True
-    assert S.form_values(PruneConfig())["fixed_layers"] is False  # (the settings' own: no fixed layers)
+    assert S.form_values(PruneConfig())["fixed_layers"] is True  # (the default run's: the joint mix's layers fixed)
+    assert S.form_values(pg_config())["fixed_layers"] is False  # (the fast preset's: none)
     sharp = PruneConfig(units=["layers", "heads"], layer_score_const=0.95).to_dict()
     kept = S.form_config({**S.form_values(sharp), "fixed_layers": False}, base=sharp)
     assert kept.layer_score_const == 0.95  # unticked, a run's own c stays
@@ -332,7 +333,7 @@ def test_under_a_time_budget_the_held_out_checks_are_those_of_the_steps_that_fit
 
     from engine.plan.forecast import validation_checks
 
-    c = PruneConfig(model=str(tiny_path), steps=100, val_every=5, max_windows=4, init="taylor")
+    c = pg_config(model=str(tiny_path), steps=100, val_every=5, max_windows=4, init="taylor")
     rate = 1e-4
     free = plan_time(c, skeleton, rate, "t").phases
     per_check = free["validation"] / validation_checks(c)

@@ -15,6 +15,7 @@ from engine.plan.forecast import (MIX_REFITS, RUN_PHASES, model_skeleton, phase_
 from engine.run.loop import PruneRun
 from engine.run.plan import PLAN_KEY, phase_progress, phase_status, plan_lines, plan_rows, start_plan
 
+from conftest import pg_config
 from test_pruner import small_config
 
 
@@ -41,12 +42,12 @@ def test_the_plan_counts_the_refit_and_its_statistics(tiny_path):
     """--reconstruct (on by default) adds its statistics and its solves; without it they are gone, and a refit
     per held-out check (--val-refit) and per joint-mix candidate (--mix-refit) is counted."""
     skeleton = model_skeleton(str(tiny_path))
-    on, off = (phase_tokens(PruneConfig(model=str(tiny_path), reconstruct=r), skeleton) for r in (True, False))
-    phase = statistics_plan(PruneConfig(model=str(tiny_path)))[0]
+    on, off = (phase_tokens(pg_config(model=str(tiny_path), reconstruct=r), skeleton) for r in (True, False))
+    phase = statistics_plan(pg_config(model=str(tiny_path)))[0]
     assert on[phase] > 0 and on["refit"] > 0 and "refit" not in off
-    no_val_refit = phase_tokens(PruneConfig(model=str(tiny_path), val_refit=False), skeleton)
-    checks = validation_checks(PruneConfig(model=str(tiny_path)))
-    one = refit_tokens(PruneConfig(model=str(tiny_path)), skeleton)
+    no_val_refit = phase_tokens(pg_config(model=str(tiny_path), val_refit=False), skeleton)
+    checks = validation_checks(pg_config(model=str(tiny_path)))
+    one = refit_tokens(pg_config(model=str(tiny_path)), skeleton)
     assert checks == 1 + 50 // 10 and on["refit"] - no_val_refit["refit"] == pytest.approx(checks * one)
     joint = {**PRESETS["joint"], "model": str(tiny_path), "prune_ratio": 0.7}  # (a layer can go: two counts scored)
     joint.pop("mix_refit", None)
@@ -60,7 +61,7 @@ def test_the_plan_counts_the_refit_and_its_statistics(tiny_path):
 
 def test_a_cached_dense_perplexity_and_a_resumed_session_plan_less(tiny_path):
     skeleton = model_skeleton(str(tiny_path))
-    config = PruneConfig(model=str(tiny_path))
+    config = pg_config(model=str(tiny_path))
     fresh, cached = phase_tokens(config, skeleton), phase_tokens(config, skeleton, dense_cached=True)
     windows = config.max_windows * config.eval_seqlen
     assert fresh["evaluations"] - cached["evaluations"] == pytest.approx(windows)  # (one dense evaluation)

@@ -34,17 +34,24 @@ SAMPLE_FORWARDS = ("auto", *EXECUTORS)
 WITHIN_LAYER_RANKINGS = ("scores", "init-metric")
 INIT_DATA = ("all", "training")
 MAX_TIME_BUDGET = 7 * 24 * 60.0  # minutes: --time-budget below 7 days (1e300 minutes would overflow the step plan)
+# the settings of policy gradient over KV groups and channels where they differ from PruneConfig's defaults (the
+# default run's): the fast preset's, PruneConfig's own defaults before the default run's became them, and what a
+# saved config or PruneConfig.of that lacks one of them reads (_migrate). PruneConfig(**FAST) is that run.
+FAST = dict(units=["heads", "channels"], method="pg", layer_init="sleb", layer_score_const=None, init_batches=64,
+            reward="ce", step_refit=False, mix_reward="run", calib_source="data")
 # named settings a run can start from (`--preset NAME`; explicit flags override them)
 PRESETS: dict[str, dict] = {
     # the paper's optimiser: lr 2e-3 cosine, N_s 2 masks per step, moving-average baseline over T = 5 steps
     # (baseline and baseline_window are options of method pg: a preset names them as their flags do)
-    "paper": dict(steps=1000, lr=2e-3, num_mask_samples=2, baseline="moving-average", baseline_window=5),
-    # the settings' own defaults: leave-one-out over N_s = 8 masks (one batched forward on a GPU), lr 0.02, 50 steps
-    # (over KV groups and channels: the units' own default; a command line that names no preset starts from the
-    # joint's, below, where it can: default_preset)
-    "fast": dict(steps=50, lr=0.02, num_mask_samples=8, baseline="leave-one-out"),
+    "paper": {**FAST, "steps": 1000, "lr": 2e-3, "num_mask_samples": 2, "baseline": "moving-average",
+              "baseline_window": 5},
+    # policy gradient over KV groups and channels: leave-one-out over N_s = 8 masks (one batched forward on a GPU),
+    # lr 0.02, 50 steps, each sample scored by the calibration text's cross-entropy under the compensation, the init
+    # FLAP's on 64 batches (whole layers, when named, from SLEB's order); what a run that names its own units, a
+    # uniform scope or --budget units starts from (default_preset)
+    "fast": {**FAST, "steps": 50, "lr": 0.02, "num_mask_samples": 8, "baseline": "leave-one-out"},
     # as fast, run to the plateau (300 steps: about a minute on an H100)
-    "converged": dict(steps=300, lr=0.02, num_mask_samples=8, baseline="leave-one-out"),
+    "converged": {**FAST, "steps": 300, "lr": 0.02, "num_mask_samples": 8, "baseline": "leave-one-out"},
     # the best mask per CPU minute measured on the default model (docs/results.md, the default run in 10 minutes):
     # whole layers and widths in one budget, the layers from Layerwise-PPL's order (level with SLEB's there, at a
     # quarter of its cost), the widths from FLAP on 16 batches, their mix chosen on calibration loss (CE, the
@@ -99,30 +106,30 @@ def steps_bought_line(prune_ratio: float, steps: int, time_budget: float | None)
             f"default reads) {step_verdict(prune_ratio)} (docs/results.md, \"Two sets\")")
 
 
-def default_preset(units_given: bool, scope: str, budget: str) -> str | None:
+def default_preset(units_given: bool, scope: str, budget: str) -> str:
     """The preset a run that names none (nor a --config file) starts from: DEFAULT_PRESET, unless the run chose its
     units, or a scope or budget the joint does not take (uniform scope removes the same fraction of every layer;
-    --budget units counts each unit type apart); then none: the settings' own defaults, KV groups and channels
-    (the fast preset's)."""
+    --budget units counts each unit type apart); then "fast", policy gradient over KV groups and channels."""
     if units_given or scope != "global" or budget != "params":
-        return None
+        return "fast"
     return DEFAULT_PRESET
 
 
 def default_run_values(units=None, scope: str = "global", budget: str = "params") -> dict:
     """The settings a run gets from what its front end does not set, as the command line gives them to a prune run
-    that names no preset: DEFAULT_PRESET's, with its one-shot init alone (takes_no_steps: method flap), where the
-    run's units, scope and budget are the preset's (default_preset); else the settings' own defaults ({}: the fast
-    preset's). The app's form and `engine.prune(config=None)` start from these."""
+    that names no preset: PruneConfig's own defaults (DEFAULT_PRESET's with its one-shot init alone: takes_no_steps)
+    where the run's units, scope and budget are the preset's (default_preset), so {}; else the fast preset's
+    settings (FAST, units and all; the rest of that preset is the settings' defaults). The app's form starts from
+    these."""
     joint = PRESETS[DEFAULT_PRESET]
     chosen = default_preset(units is not None and list(units) != list(joint["units"]), scope, budget)
-    return {**PRESETS[chosen], "method": "flap"} if chosen else {}
+    return {} if chosen == DEFAULT_PRESET else {k: list(v) if isinstance(v, list) else v for k, v in FAST.items()}
 
 
 def default_run(**overrides) -> "PruneConfig":
     """The run `python -m engine prune` makes with no flag but --out (README command 1 less its --time-budget):
-    PruneConfig(**default_run_values()), with `overrides` on top of it."""
-    return PruneConfig(**{**default_run_values(), **overrides})
+    PruneConfig(**overrides), whose defaults are that run's."""
+    return PruneConfig(**overrides)
 
 
 def preset_text(name: str) -> str:
@@ -168,6 +175,8 @@ def _migrate(data: dict) -> dict:
     data.setdefault("pass_dtype", "float32")  # and ran its one-shot passes in its weights' dtype
     data.setdefault("eval_dtype", "float32")  # and its evaluations
     data.setdefault("step_dtype", "float32")  # and its steps
+    for name, value in FAST.items():  # the settings' defaults before the default run's became them
+        data.setdefault(name, list(value) if isinstance(value, list) else value)
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)
@@ -209,7 +218,7 @@ class PruneConfig:
 
     model: str = setting(DEFAULT_MODEL, label="Model",
                          help=f"{DEFAULT_MODEL} (packaged GGUF), a model folder, a .gguf file or a hub id")
-    units: list[str] = setting(default_factory=lambda: ["heads", "channels"], label="Units to prune",
+    units: list[str] = setting(default_factory=lambda: ["layers", "heads", "channels"], label="Units to prune",
                                help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers)")
     prune_ratio: float = setting(0.3, label="Pruning rate",
                                  help="fraction removed: of the decoder layers' parameters (--budget params), or of each "
@@ -222,8 +231,8 @@ class PruneConfig:
                                "unit type's count (the paper's, and every run made before the parameter budget)")
     scope: str = setting("global", choices=SCOPES, label="Scope",
                          help="global: budget shared across layers (learned per-layer split); uniform: same ratio per layer")
-    method: str = setting("pg", choices=_METHODS, label="Method",
-                          help="pg: policy gradient, forward passes only (default); gumbel: Gumbel-softmax masks trained by "
+    method: str = setting("flap", choices=_METHODS, label="Method",
+                          help="pg: policy gradient, forward passes only; gumbel: Gumbel-softmax masks trained by "
                                "back-propagation through the model (for comparison); metric: no optimisation, keep the top "
                                "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, "
                                "Layerwise-PPL, SLEB); flap: FLAP one-shot (= metric with --init flap and "
@@ -235,7 +244,7 @@ class PruneConfig:
                              "(LLM-Pruner's first-order importance) needs one backward pass per init batch; wanda-sp "
                              "needs forward passes only; random-progressive starts random at --progressive-increment "
                              "pruning and raises the rate by that much per stage")
-    layer_init: str = setting("sleb", choices=layer_metrics, label="Initial scores of layers",
+    layer_init: str = setting("layerwise-ppl", choices=layer_metrics, label="Initial scores of layers",
                               help="initial scores of whole layers: sleb = greedy removal order; "
                                    "layerwise-ppl = calibration loss with each layer removed alone (n model runs "
                                    "instead of SLEB's n per removal); block-influence = ShortGPT's 1 - cosine between "
@@ -248,7 +257,7 @@ class PruneConfig:
                                   help="metric -> initial keep probability, of whole layers (sigmoid-norm over 30 "
                                        "layers starts most of them at one value: docs/pg-optimizer.md)")
     score_const: float = setting(0.8, label="score-const c", help="score-const: s of metric-kept units (1 - c for the others)")
-    layer_score_const: float | None = setting(None, label="score-const c (layers)",
+    layer_score_const: float | None = setting(1.0, label="score-const c (layers)",
                                               help="score-const c of whole layers (default: --score-const); 1 fixes the "
                                                    "init's layers (the joint method then learns the kept layers' widths)")
     prob_temperature: float = setting(0.1, minimum=0.0, exclusive=True, label="sigmoid-cut temperature", help=(
@@ -258,7 +267,7 @@ class PruneConfig:
                                help="joint method: calibration batches the starting mix of layers and widths is chosen "
                                     "on (the first init batches; with --init-data training, the held-out ones first; "
                                     "a forward pass per candidate and batch)")
-    mix_reward: str = setting("run", choices=lambda: ("run", *REWARDS), label="Joint mix reward",
+    mix_reward: str = setting("ce", choices=lambda: ("run", *REWARDS), label="Joint mix reward",
                               help="joint method: what the mix's candidates are scored by: run (the run's --reward) "
                                    "or a reward's name (ce: the calibration text's cross-entropy)")
     mix_refit: bool = setting(False, label="Joint mix scored refit",
@@ -275,7 +284,7 @@ class PruneConfig:
     mix_refine_batches: int = setting(0, minimum=0, label="Joint mix refine batches",
                                       help="joint method: more calibration batches (the next init batches) the 3 mixes "
                                            "that lose least on the mix batches are compared on again; 0: off")
-    init_batches: int = setting(64, minimum=1, label="Init batches (metric)",
+    init_batches: int = setting(16, minimum=1, label="Init batches (metric)",
                                 help="calibration batches for the init metric of KV groups and channels (FLAP, Wanda-sp, "
                                      "Taylor); more batches cost more forwards and depend less on the seed's draw of "
                                      "batches (docs/results.md)")
@@ -333,7 +342,7 @@ class PruneConfig:
     refit_stream: str = setting("init", choices=("init", "own"), label="Reconstruction stream", help=(
         "the calibration batches the reconstruction's statistics read: init (the init metric's stream, in one "
         "statistics pass with it) or own (a stream of their own, as runs before the one pass read)"))
-    step_refit: bool = setting(False, label="Score samples refit", help=(
+    step_refit: bool = setting(True, label="Score samples refit", help=(
         "with --reconstruct (without it: nothing to refit, ignored): the steps score every sampled mask as it would be "
         "exported, its least-squares refit "
         "solved per sample before its forward (a solve costs about a third of an 8 x 128 forward of SmolLM2-135M on "
@@ -355,7 +364,7 @@ class PruneConfig:
     calib: str | None = setting(None, label="Calibration data",
                                 help="C4-style JSON lines (.json/.jsonl[.gz]) file or folder (default: $PG_PRUNE_DATA_DIR/c4 "
                                      "or ../shared/data/c4, else the hub)")
-    calib_source: str = setting("data", choices=lambda: tuple(CALIB_SOURCES), label="Calibration source", help=(
+    calib_source: str = setting("auto", choices=lambda: tuple(CALIB_SOURCES), label="Calibration source", help=(
         "the text masks are scored on: data (the calibration documents), self (the dense model's own "
         "continuations of their first tokens, sampled once and cached), mix (both, interleaved), auto (self from "
         f"--prune-ratio {SELF_FROM:g} up, data below: the joint preset's, what was measured best at each rate)"))
@@ -378,7 +387,7 @@ class PruneConfig:
         "decodes with bfloat16 copies of the linear weights under autocast (the norms, the residual stream and the "
         "next-token distribution in --dtype), 1.8x faster at 32 a batch and 3.3x at 128 on a CPU that runs it "
         "natively (bench/self_text_speed.py); auto is bfloat16 there for float32 weights, else --dtype"))
-    reward: str = setting("ce", choices=lambda: tuple(REWARDS), label="Reward", help=(
+    reward: str = setting("kl", choices=lambda: tuple(REWARDS), label="Reward", help=(
         "what a sampled mask is scored by, in the steps, the joint mix and best-val's held-out check: ce (the "
         "next-token cross-entropy of the calibration text) or kl (the KL divergence from the dense model's "
         "next-token distribution)"))
@@ -559,7 +568,7 @@ class PruneConfig:
             # saved before layers had their own map and batch count: its layer metric used the units' (its
             # validation and final mask were saved, so they keep their meaning)
             data.setdefault("layer_prob_map", data["prob_map"])
-            data.setdefault("layer_init_batches", data.get("init_batches", PruneConfig.init_batches))
+            data.setdefault("layer_init_batches", data.get("init_batches", FAST["init_batches"]))
         try:
             return cls.from_dict(data)
         except UserError as e:
