@@ -15,7 +15,6 @@ its init: the change of each measure with its paired 95 % bootstrap interval (th
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 3 --without zeroshot   # the hour-long one later
     OMP_NUM_THREADS=1 python bench/confirm.py cell --rate 0.3 --seed 0 --only init-bi      # a variant of the init
     OMP_NUM_THREADS=1 python bench/confirm.py dense                               # the dense model's measures
-    OMP_NUM_THREADS=1 python bench/confirm.py measure RUN --set tune              # any run's export, measured
     OMP_NUM_THREADS=1 python bench/confirm.py checks --rate 0.3 --seed 0          # the final-choice rules' checks
     OMP_NUM_THREADS=1 python bench/confirm.py rule --rate 0.3 --seed 0            # and each rule's choice measured
     python bench/confirm.py report                                                # the tables, running nothing
@@ -177,20 +176,6 @@ def measure(model_dir: str, dest: Path, wanted=MEASURES["confirm"]) -> dict:
         save(dest, done)
         print(f"{dest.parent.name}: {name} {accuracy(done[name]['scores']):.4f}", flush=True)
     return done
-
-
-def measure_run(args) -> None:
-    """`measure RUN`: a run made outside the cells (the first-run protocol's default run, say) measured on a set's
-    judges as a cell is, into RUN/measures.json (resumable), then each measure printed."""
-    from engine.errors import UserError
-
-    if not (args.run_dir / "model" / "config.json").is_file():
-        raise UserError(f"{args.run_dir} has no exported model (RUN/model/config.json): give a finished run folder")
-    wanted = tuple(m for m in MEASURES[args.set] if m not in args.without)
-    done = measure(str(args.run_dir / "model"), args.run_dir / "measures.json", wanted)
-    for name in wanted:
-        shown = f"{ppl(done[name]['losses']):.2f}" if name in PERPLEXITIES else f"{accuracy(done[name]['scores']):.4f}"
-        print(f"{args.run_dir}: {name} {shown}")
 
 
 def ppl(losses: list[float]) -> float:
@@ -744,11 +729,6 @@ def main() -> None:
                    help="the steps run (default pg24)")
     s.add_argument("--step", type=int, required=True, help="a validated step (metrics.jsonl's lines with a check)")
     sub.add_parser("dense", help="the dense model's measures")
-    s = sub.add_parser("measure", help="any run's export (RUN/model) on a set's judges, into RUN/measures.json")
-    s.add_argument("run_dir", type=Path, metavar="RUN", help="a finished run folder (its model/ exported)")
-    s.add_argument("--set", choices=tuple(SETS), default="tune", help="whose judges (default tune)")
-    s.add_argument("--without", action="append", default=[], choices=MEASURES["confirm"],
-                   help="a measure left out (repeatable)")
     s = sub.add_parser("report", help="the tables from the cells on disk")
     s.add_argument("--all", action="store_true", help="also the (set, rate) pairs with no finished cell")
     s.add_argument("--block", type=positive(int), default=1,
@@ -757,8 +737,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PG_PRUNE_METRIC_CACHE", str(OUT / "metric_cache"))
-    {"cell": cell, "checks": checks, "rule": rule, "step": step, "dense": dense, "measure": measure_run,
-     "report": report}[args.stage](args)
+    {"cell": cell, "checks": checks, "rule": rule, "step": step, "dense": dense, "report": report}[args.stage](args)
 
 
 if __name__ == "__main__":
