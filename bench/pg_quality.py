@@ -106,7 +106,7 @@ def worker(args) -> dict:
         best = run_.res.masks.hard_masks(state.best_scores)
         out["best-val"] = run_.res.masks.masked_perplexity(best, "best-val", run_.res.ctx.comp_means)
         out["best_val_step"] = state.best_step
-    out["kept_heads_per_layer"] = [int(x.sum()) for x in run_.res.layout.split("heads", last["heads"])]
+    out["kept_heads_per_layer"] = [int(x.sum()) for x in run_.res.layout.split("kv_groups", last["kv_groups"])]
     return out
 
 

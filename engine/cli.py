@@ -111,7 +111,7 @@ def _as_flag_defaults(values: dict, method: str) -> dict:
 
 
 def _unit_multiple(text: str) -> dict:
-    """`channels=32[,heads=2]` -> {"channels": 32, "heads": 2}"""
+    """`channels=32[,kv_groups=2]` -> {"channels": 32, "kv_groups": 2}"""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         unit, _, n = part.partition("=")
@@ -755,7 +755,7 @@ def refuse_inert_flags(args, given: list[str]) -> None:
     if mix and not (whole and len(whole) < len(args.units) and args.budget == "params"):
         why = (f"--budget {args.budget}" if whole and len(whole) < len(args.units) else f"--units {','.join(args.units)}")
         raise UserError(f"{flag(mix[0])} applies to the joint mix of whole layers and widths (--units with layers and "
-                        f"heads or channels, --budget params); this run has none ({why}): drop {flag(mix[0])}")
+                        f"kv_groups or channels, --budget params); this run has none ({why}): drop {flag(mix[0])}")
 
 
 def _prune_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -58,7 +58,7 @@ def build_model(arch: str, seed: int = 0):
 
 
 def layout_of(adapter: ModelAdapter) -> UnitLayout:
-    return UnitLayout({"heads": unit_sizes(adapter)["heads"], "channels": unit_sizes(adapter)["channels"]})
+    return UnitLayout({"kv_groups": unit_sizes(adapter)["kv_groups"], "channels": unit_sizes(adapter)["channels"]})
 
 
 def random_hard_masks(layout: UnitLayout, seed: int) -> dict[str, torch.Tensor]:
@@ -154,13 +154,13 @@ def test_adapter_geometry(arch):
     a = ModelAdapter.for_model(model)
     c = model.config
     assert a.num_layers == 3
-    assert unit_sizes(a)["heads"] == [c.num_key_value_heads] * 3
+    assert unit_sizes(a)["kv_groups"] == [c.num_key_value_heads] * 3
     assert unit_sizes(a)["channels"] == [200] * 3
     assert a.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     assert a.queries_per_group * c.num_key_value_heads == c.num_attention_heads
     assert a.attention(0).output.in_features == c.num_attention_heads * a.head_dim
     # a count that the params formula reproduces for the dense model validates the formula itself
-    assert count_parameters(model) == expected_params(model, unit_sizes(a)["heads"], unit_sizes(a)["channels"])
+    assert count_parameters(model) == expected_params(model, unit_sizes(a)["kv_groups"], unit_sizes(a)["channels"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -187,12 +187,12 @@ def test_mask_zeroes_a_group_and_a_channel(arch, ids):
     model = build_model(arch)
     a = ModelAdapter.for_model(model)
     layout = layout_of(a)
-    heads = torch.ones(layout.total("heads"))
-    group = unit_sizes(a)["heads"][0] + 1  # layer 1, group 1
+    heads = torch.ones(layout.total("kv_groups"))
+    group = unit_sizes(a)["kv_groups"][0] + 1  # layer 1, group 1
     heads[group] = 0
     channels = torch.ones(layout.total("channels"))
     channels[[3, 150]] = 0  # layer 0, channels 3 and 150
-    logits = masked_logits(model, layout, {"heads": heads, "channels": channels}, ids)
+    logits = masked_logits(model, layout, {"kv_groups": heads, "channels": channels}, ids)
 
     width = a.queries_per_group * a.head_dim
     with torch.no_grad():
@@ -228,14 +228,14 @@ def test_export_folder(arch, exported):
     kept = {u: [int(m.sum()) for m in rec["layout"].split(u, rec["masks"][u])] for u in rec["masks"]}
     assert cfg["model_type"] == f"pruned_{arch}"
     assert cfg["base_model_type"] == arch
-    assert cfg["kv_heads_per_layer"] == kept["heads"]
+    assert cfg["kv_heads_per_layer"] == kept["kv_groups"]
     assert cfg["intermediate_size_per_layer"] == kept["channels"]
     assert cfg["auto_map"]["AutoModelForCausalLM"] == f"modeling_pruned.{PRUNED_CLASSES[arch][1].__name__}"
     assert (d / "modeling_pruned.py").is_file() and (d / "model.safetensors").is_file()
     assert (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
     assert not [p.name for p in d.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
     # the random masks really prune something in some layer, not everything everywhere
-    assert sum(kept["heads"]) < rec["layout"].total("heads") and sum(kept["channels"]) < rec["layout"].total("channels")
+    assert sum(kept["kv_groups"]) < rec["layout"].total("kv_groups") and sum(kept["channels"]) < rec["layout"].total("channels")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -251,7 +251,7 @@ def test_export_reloads_elsewhere_with_same_logits(arch, exported, reloaded):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_export_param_count(arch, exported, reloaded):
     rec = exported[arch]
-    kept_groups = [int(m.sum()) for m in rec["layout"].split("heads", rec["masks"]["heads"])]
+    kept_groups = [int(m.sum()) for m in rec["layout"].split("kv_groups", rec["masks"]["kv_groups"])]
     kept_channels = [int(m.sum()) for m in rec["layout"].split("channels", rec["masks"]["channels"])]
     expected = expected_params(rec["model"], kept_groups, kept_channels)
     assert rec["export"]["params"] == expected
@@ -278,7 +278,7 @@ def test_pruning_an_export_again(arch, exported, ids, tmp_path, tiny):
     pruned = AutoModelForCausalLM.from_pretrained(rec["dir"]).eval()
     a = ModelAdapter.for_model(pruned)
     kept = {u: [int(m.sum()) for m in rec["layout"].split(u, rec["masks"][u])] for u in rec["masks"]}
-    assert unit_sizes(a)["heads"] == kept["heads"] and unit_sizes(a)["channels"] == kept["channels"]
+    assert unit_sizes(a)["kv_groups"] == kept["kv_groups"] and unit_sizes(a)["channels"] == kept["channels"]
     layout = layout_of(a)
     masks = random_hard_masks(layout, seed=7)
     expected = masked_logits(pruned, layout, masks, ids)

@@ -61,7 +61,7 @@ def test_its_gradient_pulls_the_scores_toward_the_best_sample(registered):
 
     ctx = SimpleNamespace(num_samples=3, rng=torch.Generator().manual_seed(0),
                           losses=lambda samples, batch: torch.tensor([2.0, 1.0, 3.0], dtype=torch.float64))
-    s = {"heads": torch.full((8,), 0.5, dtype=torch.float64), "channels": torch.full((16,), 0.7, dtype=torch.float64)}
+    s = {"kv_groups": torch.full((8,), 0.5, dtype=torch.float64), "channels": torch.full((16,), 0.7, dtype=torch.float64)}
     g = registered(ctx, registered.Options(pull=0.5)).gradient(SimpleNamespace(scores=s), batch=None)
     rng = torch.Generator().manual_seed(0)  # the same draws, in the same order
     for u, scores in s.items():

@@ -25,29 +25,29 @@ from engine.model.unit_types import UNIT_TYPES
 
 from conftest import SMALL_CALIB, TINY_MODEL, one_error, quiet
 
-SIZES = {"layers": [1, 1, 1], "heads": [2, 2, 2], "channels": [3, 3, 3]}
+SIZES = {"layers": [1, 1, 1], "kv_groups": [2, 2, 2], "channels": [3, 3, 3]}
 
 
 # --- the pure parts ---------------------------------------------------------------------------------------------
 def test_offsets_are_learned_where_they_can_change_a_mask_and_expand_to_their_units():
     scores = {"layers": torch.tensor([1.0, 0.0, 1.0]),  # fixed layers (0/1): no layer offset; layer 1 removed
-              "heads": torch.tensor([0.3, 0.7, 0.4, 0.6, 1.0, 1.0]),  # layer 2's heads saturated: no offset
+              "kv_groups": torch.tensor([0.3, 0.7, 0.4, 0.6, 1.0, 1.0]),  # layer 2's heads saturated: no offset
               "channels": torch.tensor([0.2, 0.5, 1.0, 0.5, 0.5, 0.5, 0.0, 0.9, 0.8])}
     learned = learned_layers(scores, SIZES)
     assert learned["layers"].tolist() == [False, False, False]
-    assert learned["heads"].tolist() == [True, False, False]  # (layer 1: removed whole)
+    assert learned["kv_groups"].tolist() == [True, False, False]  # (layer 1: removed whole)
     assert learned["channels"].tolist() == [True, False, True]
     index = offset_index(SIZES, learned)
     assert index["layers"].tolist() == [-1, -1, -1]
-    assert index["heads"].tolist() == [0, 0, -1, -1, -1, -1]
+    assert index["kv_groups"].tolist() == [0, 0, -1, -1, -1, -1]
     assert index["channels"].tolist() == [1, 1, 1, -1, -1, -1, 2, 2, 2]
     mu = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
     per_unit = expand_offsets(mu, index)
     assert per_unit["channels"].tolist() == [-1.0] * 3 + [0.0] * 3 + [2.0] * 3
     base = {u: torch.logit(s.double()) for u, s in scores.items()}
     s = shifted_scores(base, index, mu)
-    torch.testing.assert_close(s["heads"][:2], torch.sigmoid(torch.logit(torch.tensor([0.3, 0.7], dtype=torch.float64)) + 0.5))
-    assert s["layers"].tolist() == [1.0, 0.0, 1.0] and s["heads"][4:].tolist() == [1.0, 1.0]  # saturated stay
+    torch.testing.assert_close(s["kv_groups"][:2], torch.sigmoid(torch.logit(torch.tensor([0.3, 0.7], dtype=torch.float64)) + 0.5))
+    assert s["layers"].tolist() == [1.0, 0.0, 1.0] and s["kv_groups"][4:].tolist() == [1.0, 1.0]  # saturated stay
     assert s["channels"][6] == 0.0 and s["channels"][2] == 1.0
     torch.testing.assert_close(shifted_scores(base, index, torch.zeros(3, dtype=torch.float64))["channels"],
                                scores["channels"].double())
@@ -86,7 +86,7 @@ def test_the_estimator_points_downhill_on_a_quadratic_loss():
 
 
 # --- runs of the tiny model -------------------------------------------------------------------------------------
-JOINT = dict(units=["layers", "heads", "channels"], layer_init="layerwise-ppl", layer_score_const=1.0)  # the joint preset
+JOINT = dict(units=["layers", "kv_groups", "channels"], layer_init="layerwise-ppl", layer_score_const=1.0)  # the joint preset
 CASES = {"params": {}, "units": dict(budget="units"), "joint": JOINT}
 
 
@@ -156,7 +156,7 @@ def test_mu_zero_is_the_start_mask(case, tiny, eval_file):
         removed = [i for i, p in enumerate(start["layers"].tolist()) if p == 0.0]
         index = state.method_state["alloc"]["index"]
         assert removed and bool((index["layers"] == -1).all())
-        assert all(bool((run.res.layout.split(u, index[u])[i] == -1).all()) for u in ("heads", "channels") for i in removed)
+        assert all(bool((run.res.layout.split(u, index[u])[i] == -1).all()) for u in ("kv_groups", "channels") for i in removed)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -185,7 +185,7 @@ def test_every_sample_and_the_final_mask_are_the_budget_cut_in_the_start_order(c
 
 
 def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one(tiny, eval_file, tmp_path):
-    config = alloc_config(eval_file, units=["heads", "channels"], reward="kl")
+    config = alloc_config(eval_file, units=["kv_groups", "channels"], reward="kl")
     a, b = tmp_path / "A", tmp_path / "B"
     PruneRun(config, a, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
     stop = threading.Event()

@@ -61,7 +61,7 @@ def test_docs_example_runs_in_memory_and_writes_nothing(tiny, texts, small_data_
     exec(compile(example, str(API_MD), "exec"), scope)  # (its own assert: the sliced model's perplexity = the report's)
 
     result = scope["result"]
-    assert set(result.masks) == {"layers", "heads", "channels"} and all(m.dtype == torch.bool for m in result.masks.values())
+    assert set(result.masks) == {"layers", "kv_groups", "channels"} and all(m.dtype == torch.bool for m in result.masks.values())
     dense = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for p in result.model.parameters()) == result.report["params_pruned"] < dense
     assert result.report["calib_data"] == "in memory" and result.report["steps"] == 0  # (one-shot: no steps)

@@ -46,7 +46,7 @@ def app() -> AppTest:
 
 
 def fill_prune_form(at: AppTest, model: str = str(TINY), rate: float = 0.5, steps: int = 6, scope: str = "global",
-                    units=("heads", "channels"), method: str = "pg", **extra) -> AppTest:
+                    units=("kv_groups", "channels"), method: str = "pg", **extra) -> AppTest:
     """A policy-gradient run over KV groups and channels (the heatmap's steps; the form opens on the default run,
     one-shot over layers too)."""
     at.radio(key="model_choice").set_value("local")
@@ -143,7 +143,7 @@ def test_joint_preset_button_sets_layers_widths_fixed_layers_and_steps(runs_dir,
 
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(tmp_path / "runs"))  # (the form's settings persist beside the runs)
     at = app()
-    at.multiselect(key="units").set_value(["heads", "channels"]).run()
+    at.multiselect(key="units").set_value(["kv_groups", "channels"]).run()
     next(b for b in at.button if b.key == "preset-joint").click().run()
     assert not at.exception, at.exception
     joint = PRESETS["joint"]
@@ -581,7 +581,7 @@ def test_compare_two_layer_runs_and_warns_when_the_parameters_differ(tmp_path, m
     runs = tmp_path / "runs"
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
     calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
-    for name, units in (("layers", ["layers"]), ("layers-and-width", ["heads", "channels", "layers"])):
+    for name, units in (("layers", ["layers"]), ("layers-and-width", ["kv_groups", "channels", "layers"])):
         config = PruneConfig(model=str(TINY), units=units, prune_ratio=0.5, steps=2, method="pg", **FAST, calib=calib,
                              budget="units")  # each type loses half its count: the two runs remove different parameters
         PruneRun(config, runs / name, log=lambda m: None).run(progress=False)
@@ -589,7 +589,7 @@ def test_compare_two_layer_runs_and_warns_when_the_parameters_differ(tmp_path, m
     at.switch_page("pages/compare.py").run()
     assert not at.exception, at.exception
     a, b = compared_configs(at, runs)[:2]
-    assert {tuple(a["units"]), tuple(b["units"])} == {("layers",), ("heads", "channels", "layers")}
+    assert {tuple(a["units"]), tuple(b["units"])} == {("layers",), ("kv_groups", "channels", "layers")}
     assert any("removed different numbers of parameters" in w.value for w in at.warning), [w.value for w in at.warning]
     titles = [s["layout"]["title"]["text"] for s in charts(at)]
     assert any("Sparsity per layer" in t for t in titles)
@@ -605,7 +605,7 @@ def test_compare_says_why_a_joint_run_has_no_uniform_match(tmp_path, monkeypatch
     runs = tmp_path / "runs"
     monkeypatch.setenv("PG_PRUNE_RUNS_DIR", str(runs))
     calib = str(ROOT.parent / "shared" / "data" / "c4" / "c4-en.llamafactory-c4_demo.300.text-only.json.gz")
-    config = PruneConfig(model=str(TINY), units=["layers", "heads", "channels"], prune_ratio=0.5, steps=2, **FAST,
+    config = PruneConfig(model=str(TINY), units=["layers", "kv_groups", "channels"], prune_ratio=0.5, steps=2, **FAST,
                          calib=calib, mix_batches=1)
     PruneRun(config, runs / "joint", log=lambda m: None).run(progress=False)
     at = app()
@@ -716,7 +716,7 @@ def test_compare_names_the_differing_steps(tmp_path, monkeypatch):
 
 def test_a_removed_layer_is_drawn_removed(runs_dir):
     at = fill_prune_form(app(), steps=2, rate=0.5)
-    at.multiselect(key="units").set_value(["heads", "channels", "layers"]).run()
+    at.multiselect(key="units").set_value(["kv_groups", "channels", "layers"]).run()
     at.selectbox(key="layer_init").set_value("layerwise-ppl")
     start_button(at).click().run()
     assert not at.error, [e.value for e in at.error]

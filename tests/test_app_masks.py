@@ -37,16 +37,16 @@ def test_mask_rows_round_trip_compactly():
     assert decode_mask_rows(encoded) == rows
     assert decode_mask_rows([[1, 0], [0, 1]]) == [[1, 0], [0, 1]]  # (lists pass through)
     assert report_masks({"step": 1}) is None  # a line from before reports carried masks
-    assert report_masks({"masks": {"heads": ["4:d"]}}) == {"heads": [[1, 1, 0, 1]]}
+    assert report_masks({"masks": {"kv_groups": ["4:d"]}}) == {"kv_groups": [[1, 1, 0, 1]]}
 
 
 def test_step_report_line_carries_its_masks():
     from engine.run.state import StepReport, report_masks
 
     r = StepReport(step=1, total_steps=2, losses=[1.0], baseline=0.0, lr=0.1, mean_score={}, kept_fraction={},
-                   head_scores=None, seconds=0.1, eta_seconds=0.1, masks={"heads": [[1, 0, 1, 1]], "layers": [[1], [0]]})
+                   head_scores=None, seconds=0.1, eta_seconds=0.1, masks={"kv_groups": [[1, 0, 1, 1]], "layers": [[1], [0]]})
     line = json.loads(r.to_json())
-    assert line["masks"] == {"heads": ["4:b"], "layers": ["1:8", "1:0"]}
+    assert line["masks"] == {"kv_groups": ["4:b"], "layers": ["1:8", "1:0"]}
     assert report_masks(line) == r.masks
 
 
@@ -75,15 +75,15 @@ def test_results_problem_names_what_is_wrong():
     from engine.ui import checks
 
     good = {"status": "done", "ppl_dense": 10.0, "ppl_init": 12.0, "ppl_pruned": 11.0, "params_dense": 100,
-            "params_pruned": 70, "kept_per_layer": {"heads": [3, 4]}, "units_per_layer": {"heads": [4, 4]},
+            "params_pruned": 70, "kept_per_layer": {"kv_groups": [3, 4]}, "units_per_layer": {"kv_groups": [4, 4]},
             "mask_step": None, "seconds_by_phase": {"load": 1.0, "total": 1.0}}
     assert checks.results_problem(good) is None
     assert checks.results_problem([1, 2]) == "holds a list, not an object"
     assert "no ppl_pruned" in checks.results_problem({k: v for k, v in good.items() if k != "ppl_pruned"})
     for key in ("ppl_dense", "ppl_init", "ppl_pruned", "params_dense", "params_pruned", "mask_step"):
         assert key in checks.results_problem({**good, key: "12.5"}), key
-    assert "kept_per_layer" in checks.results_problem({**good, "kept_per_layer": {"heads": [3]}})
-    assert "kept_per_layer" in checks.results_problem({**good, "kept_per_layer": {"heads": [3, 9]}})
+    assert "kept_per_layer" in checks.results_problem({**good, "kept_per_layer": {"kv_groups": [3]}})
+    assert "kept_per_layer" in checks.results_problem({**good, "kept_per_layer": {"kv_groups": [3, 9]}})
     assert "seconds_by_phase" in checks.results_problem({**good, "seconds_by_phase": {"load": "x"}})
     assert checks.config_problem(["a"]) == "holds a list, not an object"
     assert "prune_ratio" in checks.config_problem({"prune_ratio": "0.3"})
@@ -112,18 +112,18 @@ def test_rate_bounds_never_0_or_1():
 def test_masks_json_holds_the_kept_units():
     from engine.ui.masks import FINAL, MaskView, masks_json
 
-    view = MaskView(FINAL, "final (best-val, from step 3)", {"heads": [[1, 0, 1, 1]], "channels": [[0, 1, 1]]},
+    view = MaskView(FINAL, "final (best-val, from step 3)", {"kv_groups": [[1, 0, 1, 1]], "channels": [[0, 1, 1]]},
                     {}, {})
     data = json.loads(masks_json(view, "r"))
-    assert data == {"run": "r", "mask": "final (best-val, from step 3)", "kept_units": {"heads": [[0, 2, 3]],
-                    "channels": [[1, 2]]}, "units_per_layer": {"heads": [4], "channels": [3]}}
+    assert data == {"run": "r", "mask": "final (best-val, from step 3)", "kept_units": {"kv_groups": [[0, 2, 3]],
+                    "channels": [[1, 2]]}, "units_per_layer": {"kv_groups": [4], "channels": [3]}}
 
 
 def test_kept_units_and_mask_source():
     from engine.ui.masks import kept_units, mask_source
 
-    assert kept_units({"heads": [[1, 0, 1, 1], [0, 0, 1, 0]], "layers": [[1], [0]]}) == {
-        "heads": [[0, 2, 3], [2]], "layers": [[0], []]}
+    assert kept_units({"kv_groups": [[1, 0, 1, 1], [0, 0, 1, 0]], "layers": [[1], [0]]}) == {
+        "kv_groups": [[0, 2, 3], [2]], "layers": [[0], []]}
     assert mask_source({"mask_step": 0, "final_mask": "best-val", "steps": 6}).startswith(
         "The final mask is from the init mask (step 0) (final mask: best-val")
     assert "step 4 of 6" in mask_source({"mask_step": 4, "final_mask": "best-val", "steps": 6})
@@ -146,7 +146,7 @@ def _fill(at, steps: int, rate: float = 0.3):
     """A policy-gradient run over KV groups and channels (the form opens on the default run: one-shot, layers too)."""
     at.radio(key="model_choice").set_value("local")
     at.text_input(key="model_path").input(str(TINY))
-    at.multiselect(key="units").set_value(["heads", "channels"])
+    at.multiselect(key="units").set_value(["kv_groups", "channels"])
     at.selectbox(key="method").set_value("pg")
     at.slider(key="rate").set_value(rate)
     for k, v in {**FAST, "steps": steps}.items():
@@ -186,9 +186,9 @@ def _saved(run: Path, prefix: str = "masks") -> list[list[int]]:
     from safetensors.torch import load_file
 
     meta = json.loads((run / "masks.json").read_text())
-    flat = load_file(str(run / "masks.safetensors"))[f"{prefix}.heads"].tolist()
+    flat = load_file(str(run / "masks.safetensors"))[f"{prefix}.kv_groups"].tolist()
     rows, i = [], 0
-    for n in meta["units_per_layer"]["heads"]:
+    for n in meta["units_per_layer"]["kv_groups"]:
         rows.append([int(x > 0.5) for x in flat[i:i + n]])
         i += n
     return rows
@@ -224,7 +224,7 @@ def test_the_heatmap_draws_the_runs_own_masks_live_and_saved(tmp_path, monkeypat
     from engine.run.state import report_masks
     from engine.ui.masks import mask_source
 
-    assert at.multiselect(key="units").value == ["heads", "channels"] and at.radio(key="budget").value == "params"
+    assert at.multiselect(key="units").value == ["kv_groups", "channels"] and at.radio(key="budget").value == "params"
     assert ticks[-1] is None  # nothing runs: no redraws
     next(b for b in at.button if b.key == "start").click().run()
     if any("Start it anyway?" in w.value for w in at.warning):
@@ -237,7 +237,7 @@ def test_the_heatmap_draws_the_runs_own_masks_live_and_saved(tmp_path, monkeypat
         mask_view(at).set_value("current").run()
         step = shown_step(at)
         lines = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-        assert heatmap_marks(_heatmap(at)) == report_masks(lines[step])["heads"], step
+        assert heatmap_marks(_heatmap(at)) == report_masks(lines[step])["kv_groups"], step
         time.sleep(0.5)
     next(b for b in at.button if b.key == "stop").click().run()
     at = _wait(at, lambda a: "Stopped" in _status(a))
@@ -257,7 +257,7 @@ def test_the_heatmap_draws_the_runs_own_masks_live_and_saved(tmp_path, monkeypat
     table = next(d.value for d in at.dataframe if "layer kept" in d.value.columns)
     from engine.model.unit_types import UNIT_TYPES
 
-    assert [int(x.split("/")[0]) for x in table[UNIT_TYPES["heads"].title]] == [sum(r) for r in _saved(run)]
+    assert [int(x.split("/")[0]) for x in table[UNIT_TYPES["kv_groups"].title]] == [sum(r) for r in _saved(run)]
     view.set_value("init").run()
     assert heatmap_marks(_heatmap(at)) == _saved(run, "init_masks")
     # the "Masks (JSON)" download is the shown mask's (its content: test_masks_json_holds_the_kept_units)

@@ -86,7 +86,7 @@ def test_block_influence_runs_alone_and_in_the_joint(tiny, tiny_path, small_eval
     z = run.load_checkpoint().init_metric["layers"]
     removed = [i for i, k in enumerate(results["kept_per_layer"]["layers"]) if k == 0]
     assert removed == sorted(torch.argsort(z, stable=True)[:len(removed)].tolist()) and removed
-    joint = PruneRun(PruneConfig.of(units=["layers", "heads", "channels"], prune_ratio=0.6, init="flap", **common),
+    joint = PruneRun(PruneConfig.of(units=["layers", "kv_groups", "channels"], prune_ratio=0.6, init="flap", **common),
                      tmp_path / "joint", model=model, tokenizer=tok, log=lambda m: None)
     joint.res.loop.progress = False
     res = joint.run()

@@ -25,8 +25,8 @@ def test_the_regression_recovers_an_additive_importance_exactly(seed):
 
 
 def test_the_rounds_shrink_the_alive_units_to_the_target():
-    targets = alive_targets({"heads": 90, "channels": 46080}, keep=0.7, rounds=5)
-    assert [t["heads"] for t in targets] == [85, 79, 74, 68, 63]  # 90 - 27 r / 5, rounded
+    targets = alive_targets({"kv_groups": 90, "channels": 46080}, keep=0.7, rounds=5)
+    assert [t["kv_groups"] for t in targets] == [85, 79, 74, 68, 63]  # 90 - 27 r / 5, rounded
     assert targets[-1]["channels"] == round(46080 * 0.7)
     assert all(a["channels"] > b["channels"] for a, b in zip(targets, targets[1:]))
 

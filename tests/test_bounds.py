@@ -17,14 +17,14 @@ from conftest import REPO, TINY_MODEL
 # A finished run's results.json as the engine writes it (the tiny model's two layers), with every key the pages read:
 # the time plan, what a time budget cut, the refit, the per-layer counts.
 RESULTS = {
-    "status": "done", "model": "tinystories-656k", "method": "pg", "init": "flap", "units": ["heads", "channels"],
+    "status": "done", "model": "tinystories-656k", "method": "pg", "init": "flap", "units": ["kv_groups", "channels"],
     "scope": "global", "budget": "params", "prune_ratio": 0.3, "seed": 0,
     "ppl_dense": 20.5, "ppl_init": 30.25, "ppl_pruned": 28.0, "eval_windows": 2, "seqlen": 32,
     "params_dense": 656_000, "params_pruned": 520_000, "params_removed": 136_000, "params_decoder": 400_000,
     "removed_of_decoder": 0.3, "removed_of_model": 0.2,
-    "params_removed_by_unit_type": {"heads": 36_000, "channels": 100_000},
-    "kept_per_layer": {"heads": [3, 4], "channels": [300, 250]},
-    "units_per_layer": {"heads": [4, 4], "channels": [384, 384]},
+    "params_removed_by_unit_type": {"kv_groups": 36_000, "channels": 100_000},
+    "kept_per_layer": {"kv_groups": [3, 4], "channels": [300, 250]},
+    "units_per_layer": {"kv_groups": [4, 4], "channels": [384, 384]},
     "steps": 3, "final_mask": "best-val", "mask_step": 2, "best_val": {"metric": "perplexity", "value": 27.5},
     "val_ppl_init": 29.0, "lr": 0.05,
     "seconds_per_step": 0.5, "seconds_in_steps": 1.5, "stopped_early": None, "time_budget": 5.0, "peak_rss_mb": 900.0,
@@ -34,7 +34,7 @@ RESULTS = {
     "reduced": {"refit_batches": [64, 16], "why": "the time budget"},
 }
 CONFIG = {"model": str(TINY_MODEL), "scope": "global", "budget": "params", "method": "pg", "init": "flap",
-          "units": ["heads", "channels"], "prune_ratio": 0.3, "steps": 3, "dtype": "float32"}
+          "units": ["kv_groups", "channels"], "prune_ratio": 0.3, "steps": 3, "dtype": "float32"}
 BAD_VALUES = ["x", [1, 2], {"a": 1}, None, True, math.nan, -math.inf, -1]  # (a string, list, object, null, ...)
 
 
@@ -234,10 +234,10 @@ def test_a_masks_json_naming_an_odd_unit_type_is_damaged_not_a_traceback():
 
     from engine.export.artifacts import mask_meta_problem
 
-    tensors = {"masks.heads": torch.ones(8), "scores.heads": torch.zeros(8)}
-    good = {"unit_types": ["heads"], "units_per_layer": {"heads": [4, 4]}}
+    tensors = {"masks.kv_groups": torch.ones(8), "scores.kv_groups": torch.zeros(8)}
+    good = {"unit_types": ["kv_groups"], "units_per_layer": {"kv_groups": [4, 4]}}
     assert mask_meta_problem(good, tensors) is None
-    for odd in (["heads"], {"a": 1}, 5, "nonesuch"):
+    for odd in (["kv_groups"], {"a": 1}, 5, "nonesuch"):
         why = mask_meta_problem({**good, "unit_types": [odd]}, tensors)
         assert why is not None and "unit type" in why and len(why) < 200, (odd, why)
 

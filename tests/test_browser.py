@@ -434,8 +434,8 @@ def saved_head_mask(run: Path, prefix: str = "masks") -> list[list[int]]:
     """masks.safetensors' KV-group mask (final, or init_masks), per layer."""
     from safetensors.torch import load_file
 
-    sizes = json.loads((run / "masks.json").read_text())["units_per_layer"]["heads"]
-    flat = load_file(str(run / "masks.safetensors"))[f"{prefix}.heads"].tolist()
+    sizes = json.loads((run / "masks.json").read_text())["units_per_layer"]["kv_groups"]
+    flat = load_file(str(run / "masks.safetensors"))[f"{prefix}.kv_groups"].tolist()
     return [[int(x > 0.5) for x in flat[sum(sizes[:i]):sum(sizes[:i + 1])]] for i in range(len(sizes))]
 
 
@@ -460,7 +460,7 @@ def shown_step_masks(d, run: Path) -> tuple[int, list[list[int]], list[list[int]
     step, marks, reading = wait(stable, timeout=60 * SLOW, what="the current mask")
     lines = {r["step"]: r for r in (json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip())}
     check_contrast(reading)
-    return step, marks, report_masks(lines[step])["heads"]
+    return step, marks, report_masks(lines[step])["kv_groups"]
 
 
 def check_contrast(reading: dict) -> None:
@@ -677,7 +677,7 @@ def layer_runs(runs: Path) -> None:
     small = dict(steps=2, max_windows=2, init_batches=1, layer_init_batches=1, batch_size=2, seqlen=32, eval_seqlen=32,
                  num_mask_samples=2, val_batches=1, calib=calib, budget="units", prune_ratio=0.5)
     for name, units, scope, steps in (("zz-layers", ["layers"], "global", 2),
-                                      ("zz-layers-width", ["heads", "channels", "layers"], "uniform", 3)):
+                                      ("zz-layers-width", ["kv_groups", "channels", "layers"], "uniform", 3)):
         PruneRun(PruneConfig(**{**FAST, **small, "steps": steps, "units": units}, model=str(TINY), scope=scope), runs / name,
                  log=lambda m: None).run(progress=False)
         time.sleep(1.1)  # newest last: Compare's defaults pick the newest global run, and the newest uniform one

@@ -38,7 +38,7 @@ def test_browser_heatmap_marks_are_the_runs_masks(browser):
         wait(lambda: "Running" in status_line(d) and heatmap_reading(d), timeout=300 * SLOW, what="the live heatmap")
         run = newest_run(runs)
         config = json.loads((run / "config.json").read_text())
-        assert config["budget"] == "params" and config["units"] == ["heads", "channels"] and config["prune_ratio"] == 0.3
+        assert config["budget"] == "params" and config["units"] == ["kv_groups", "channels"] and config["prune_ratio"] == 0.3
         seen = set()
         while len(seen) < 2:  # two different steps while it runs: the marks follow the run's own masks
             step, marks, want = shown_step_masks(d, run)

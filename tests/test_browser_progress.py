@@ -85,7 +85,7 @@ def test_a_kl_runs_results_tab_names_its_kl_as_a_kl(browser):
     d = browser
     with serve() as (url, runs):
         run = runs / "kl-run"
-        PruneRun(PruneConfig(model=str(TINY), units=["heads", "channels"], method="pg", reward="kl", steps=4, val_every=2,
+        PruneRun(PruneConfig(model=str(TINY), units=["kv_groups", "channels"], method="pg", reward="kl", steps=4, val_every=2,
                              val_batches=1, max_windows=2, init_batches=1, batch_size=2, seqlen=32, eval_seqlen=32,
                              num_mask_samples=2, calib=str(CALIB), prune_ratio=0.3),
                  run, log=lambda m: None).run(progress=False)

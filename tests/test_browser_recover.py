@@ -37,7 +37,7 @@ def test_recover_a_finished_run_watch_its_loss_and_chat_with_three_models(browse
     d = browser
     with serve() as (url, runs):
         run = runs / "to-recover"
-        PruneRun(PruneConfig(model=str(TINY), units=["heads", "channels"], steps=2, max_windows=2, init_batches=1,
+        PruneRun(PruneConfig(model=str(TINY), units=["kv_groups", "channels"], steps=2, max_windows=2, init_batches=1,
                              batch_size=2, seqlen=32, eval_seqlen=32, num_mask_samples=2, calib=str(CALIB),
                              prune_ratio=0.3), run, log=lambda m: None).run(progress=False)
         d.get(f"{url}/?{URL_RUN_KEY}=to-recover")  # (Prune, the default page, showing that run: a shared link)

@@ -16,7 +16,7 @@ from engine.model.units import UnitLayout
 from test_adapters_export import ARCHS, build_model
 from engine.model.unit_types import unit_sizes
 
-UNIT_SETS = [("heads",), ("channels",), ("layers",), ("heads", "channels"), ("heads", "channels", "layers"),
+UNIT_SETS = [("kv_groups",), ("channels",), ("layers",), ("kv_groups", "channels"), ("kv_groups", "channels", "layers"),
              ("channels", "layers")]
 
 
@@ -46,14 +46,14 @@ def test_a_removed_layers_width_counts_once():
     model = build_model("llama")
     adapter = ModelAdapter.for_model(model)
     sizes = unit_sizes(adapter)
-    layout = UnitLayout({u: sizes[u] for u in ("heads", "channels", "layers")})
+    layout = UnitLayout({u: sizes[u] for u in ("kv_groups", "channels", "layers")})
     weights = unit_weights(adapter, layout)
     masks = {u: torch.ones(layout.total(u)) for u in layout.unit_types}
     masks["layers"][1] = 0
-    masks["heads"][:] = 0  # every KV group marked removed, those of layer 1 included
+    masks["kv_groups"][:] = 0  # every KV group marked removed, those of layer 1 included
     by_type = removed_parameters(layout, weights, masks)
-    per_layer_heads = weights["heads"][: sizes["heads"][0]].sum()
-    assert by_type["heads"] == int(per_layer_heads) * (adapter.num_layers - 1)  # layer 1's are the layer's
+    per_layer_heads = weights["kv_groups"][: sizes["kv_groups"][0]].sum()
+    assert by_type["kv_groups"] == int(per_layer_heads) * (adapter.num_layers - 1)  # layer 1's are the layer's
     assert by_type["layers"] == sum(p.numel() for p in adapter.layer(1).parameters())
     assert by_type["channels"] == 0
     assert decoder_params(adapter) == sum(p.numel() for i in range(adapter.num_layers) for p in adapter.layer(i).parameters())
@@ -75,8 +75,8 @@ def one_unit(budget, units) -> float:
     return max(float(budget.weights[u].max()) for u in units if u != "layers" or len(units) == 1)
 
 
-COMBOS = [("heads",), ("channels",), ("heads", "channels"), ("layers",), ("heads", "channels", "layers"),
-          ("channels", "layers"), ("heads", "layers")]
+COMBOS = [("kv_groups",), ("channels",), ("kv_groups", "channels"), ("layers",), ("kv_groups", "channels", "layers"),
+          ("channels", "layers"), ("kv_groups", "layers")]
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -132,7 +132,7 @@ def test_param_budget_projection_and_hard_mask(units, scope, arch):
 def test_nested_budget_holds_at_every_step_of_a_run():
     """Layers over widths: the expected kept parameters, sum_l p_l (c_l + sum w s), stay at the budget after
     every step of a noisy descent (the exact expectation, not a per-type approximation)."""
-    budget, adapter, layout = param_budget("llama", ("layers", "heads", "channels"), "global")
+    budget, adapter, layout = param_budget("llama", ("layers", "kv_groups", "channels"), "global")
     g = torch.Generator().manual_seed(3)
     for keep in (0.6, 0.75):
         target = budget.kept_target(keep)
@@ -143,7 +143,7 @@ def test_nested_budget_holds_at_every_step_of_a_run():
             s = budget.project(z, keep)
             p = s["layers"].double()
             exact = float(sum(p[i] * (budget.fixed[i] + sum(float((budget.weights[u] * s[u].double())[sl].sum())
-                                                                 for u in ("heads", "channels")
+                                                                 for u in ("kv_groups", "channels")
                                                                  for sl in [layout.layer_slices(u)[i]]))
                                   for i in range(adapter.num_layers)))
             assert exact == pytest.approx(budget.expected_kept(s), rel=1e-9)
@@ -158,35 +158,35 @@ def test_nested_projection_is_the_plain_one_when_layers_are_sure():
     """With every layer at 1 the nested projection is the weighted projection of the widths alone."""
     from engine.algo.policy import project_weighted_capped_simplex
 
-    budget, adapter, layout = param_budget("llama", ("layers", "heads", "channels"), "global")
+    budget, adapter, layout = param_budget("llama", ("layers", "kv_groups", "channels"), "global")
     g = torch.Generator().manual_seed(4)
     z = {u: torch.rand(layout.total(u), generator=g) + 0.3 for u in layout.unit_types}
     z["layers"] = torch.full((adapter.num_layers,), 5.0)  # far above 1: stays kept
     s = budget.project(z, 0.7)
-    flat = project_weighted_capped_simplex(torch.cat([z["heads"], z["channels"]]).double(),
-                                           torch.cat([budget.weights["heads"], budget.weights["channels"]]),
+    flat = project_weighted_capped_simplex(torch.cat([z["kv_groups"], z["channels"]]).double(),
+                                           torch.cat([budget.weights["kv_groups"], budget.weights["channels"]]),
                                            budget.kept_target(0.7) - float(budget.fixed.sum()))
-    assert torch.allclose(torch.cat([s["heads"], s["channels"]]).double(), flat, atol=1e-5)
+    assert torch.allclose(torch.cat([s["kv_groups"], s["channels"]]).double(), flat, atol=1e-5)
     assert torch.equal(s["layers"], torch.ones(adapter.num_layers))
 
 
 def test_nested_hard_mask_removes_unlikely_layers_and_fills_with_width():
-    budget, adapter, layout = param_budget("llama", ("layers", "heads", "channels"), "global")
-    s = {u: torch.full((layout.total(u),), 0.9) for u in ("heads", "channels")}
+    budget, adapter, layout = param_budget("llama", ("layers", "kv_groups", "channels"), "global")
+    s = {u: torch.full((layout.total(u),), 0.9) for u in ("kv_groups", "channels")}
     s["layers"] = torch.ones(adapter.num_layers)
     s["layers"][1] = 0.2  # layer 1 is unlikely: removed whole; the others' width makes up the rest
     keep = 0.6
     masks = budget.hard_masks(s, keep)
     assert masks["layers"].tolist() == [1.0 if i != 1 else 0.0 for i in range(adapter.num_layers)]
     kept = budget.kept_params(masks)
-    assert budget.kept_target(keep) - one_unit(budget, ("heads", "channels")) < kept <= budget.kept_target(keep)
+    assert budget.kept_target(keep) - one_unit(budget, ("kv_groups", "channels")) < kept <= budget.kept_target(keep)
 
 
 def test_uniform_and_global_remove_the_same_parameters():
     """At the same ratio, a uniform run removes what a global one does, to within one unit (each layer's pool
     lands below its own target by less than one of its channels: together less than a KV group here)."""
-    g_budget, adapter, layout = param_budget("llama", ("heads", "channels"), "global")
-    u_budget, _, _ = param_budget("llama", ("heads", "channels"), "uniform")
+    g_budget, adapter, layout = param_budget("llama", ("kv_groups", "channels"), "global")
+    u_budget, _, _ = param_budget("llama", ("kv_groups", "channels"), "uniform")
     gen = torch.Generator().manual_seed(1)
     heaviest = max(float(w.max()) for w in g_budget.weights.values())
     for keep in (0.6, 0.7, 0.8):
@@ -199,9 +199,9 @@ def test_uniform_and_global_remove_the_same_parameters():
 def test_param_budget_refuses_impossible_ratios():
     from engine.errors import UserError
 
-    budget, _, layout = param_budget("llama", ("heads",), "global")
+    budget, _, layout = param_budget("llama", ("kv_groups",), "global")
     with pytest.raises(UserError, match="lower --prune-ratio"):
-        budget.project({"heads": torch.ones(layout.total("heads"))}, 0.2)
+        budget.project({"kv_groups": torch.ones(layout.total("kv_groups"))}, 0.2)
 
 
 def test_configs_without_a_budget_count_units(tmp_path):

@@ -68,7 +68,7 @@ def test_prune_cli_end_to_end(cli_run):
     assert "Traceback" not in proc.stderr
     results = json.loads((out / "results.json").read_text())
     config = PruneConfig.load(out / "config.json")
-    assert config.units == ["layers", "heads", "channels"]  # (no --units, no preset: the default preset, the joint)
+    assert config.units == ["layers", "kv_groups", "channels"]  # (no --units, no preset: the default preset, the joint)
     m = re.search(r"dense ([\d.]+) \| init \(layers layerwise-ppl \+ flap\) ([\d.]+) \| pruned ([\d.]+)", proc.stdout)
     assert m, proc.stdout
     assert m.groups() == tuple(f"{results[k]:.2f}" for k in ("ppl_dense", "ppl_init", "ppl_pruned"))
@@ -291,7 +291,7 @@ def make_bad_inputs(tmp: Path, tiny_path: Path, gpt2_folder: Path) -> dict[str, 
         "unit multiple not a number": (prune_args(tiny_path, out, "--unit-multiple", "channels=x"), "UNIT=N"),
         "unit multiple of whole layers": (prune_args(tiny_path, out, "--units", "heads,layers", "--unit-multiple",
                                                      "layers=2"), "not 'layers'"),
-        "unit multiple of an unpruned type": (prune_args(tiny_path, out, "--units", "heads", "--unit-multiple",
+        "unit multiple of an unpruned type": (prune_args(tiny_path, out, "--units", "kv_groups", "--unit-multiple",
                                                          "channels=8"), "not 'channels'"),
         "unit multiple 0": (prune_args(tiny_path, out, "--unit-multiple", "channels=0"), "at least 1"),
     }
@@ -352,11 +352,11 @@ def test_config_file_starts_a_run_and_flags_override_it(tmp_path):
     from engine.cli import parse_args
     from engine.settings.config import PruneConfig
 
-    saved = PruneConfig(model="m", units=["heads", "layers"], steps=7, lr=0.05, method="gumbel", seed=4,
+    saved = PruneConfig(model="m", units=["kv_groups", "layers"], steps=7, lr=0.05, method="gumbel", seed=4,
                         method_options={"temperature": 2.0, "straight_through": True})
     saved.save(tmp_path / "run.json")
     args = parse_args(["prune", "--config", str(tmp_path / "run.json"), "--preset", "paper", "--steps", "9", "--out", "x"])
-    assert (args.model, args.units, args.steps, args.seed) == ("m", ["heads", "layers"], 9, 4)  # the flag beats the file
+    assert (args.model, args.units, args.steps, args.seed) == ("m", ["kv_groups", "layers"], 9, 4)  # the flag beats the file
     assert args.lr == 0.05 and args.num_mask_samples == PruneConfig().num_mask_samples  # the file beats the preset
     # the saved options, written out whole
     assert (args.gumbel_temperature, args.gumbel_straight_through, args.gumbel_final_temperature) == (2.0, True, 0.1)
@@ -372,7 +372,7 @@ def test_joint_preset_sets_the_joint_and_a_flag_still_overrides_it():
     assert config.fixed_layers and config.time_budget == 10.0 and config.lr == PruneConfig().lr
     narrowed = _config_from_args(parse_args(["prune", "--preset", "joint", "--units", "heads,layers", "--init-batches",
                                              "4", "--out", "x"])).validate()
-    assert (narrowed.units, narrowed.init_batches, narrowed.layer_init) == (["heads", "layers"], 4, "layerwise-ppl")
+    assert (narrowed.units, narrowed.init_batches, narrowed.layer_init) == (["kv_groups", "layers"], 4, "layerwise-ppl")
 
 
 def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applies():
@@ -391,7 +391,7 @@ def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applie
     assert plain.fixed_layers and plain.lr == PruneConfig().lr and plain.time_budget == 10.0
     assert config("--init-batches", "4", "--method", "flap")[1].init_batches == 4  # a flag given still overrides it
     fast = PruneConfig(**FAST)  # where the joint does not apply: the fast preset, in every spelling of the flag
-    for flags, units, name_ in ((["--units", "heads,channels"], ["heads", "channels"], "fast"),
+    for flags, units, name_ in ((["--units", "heads,channels"], ["kv_groups", "channels"], "fast"),
                                 (["--units=layers"], ["layers"], "fast"), (["--scope", "uniform"], fast.units, "fast"),
                                 (["--budget", "units"], fast.units, "fast"), (["--preset", "fast"], fast.units, None)):
         name, c = config(*flags)
@@ -399,7 +399,7 @@ def test_a_run_that_names_no_preset_starts_from_the_joint_where_the_joint_applie
         assert (c.units, c.method, c.layer_init, c.layer_score_const, c.init_batches, c.reward, c.step_refit,
                 c.calib_source) == (units, "pg", "sleb", None, 64, "ce", False, "data"), flags
         assert c.method_options["baseline"] == "leave-one-out", flags  # (the preset's options, under its method)
-    assert config("--units", "heads", "--method", "flap")[1].method == "flap"  # a method given beats the preset's
+    assert config("--units", "kv_groups", "--method", "flap")[1].method == "flap"  # a method given beats the preset's
     assert [default_preset(*a) for a in [(False, "global", "params"), (True, "global", "params"),
                                          (False, "uniform", "params"), (False, "global", "units")]] == [
         "joint", "fast", "fast", "fast"]
@@ -465,7 +465,7 @@ def test_overwrite_replaces_the_run(run_copy, tiny_path, capfd, small_eval_file)
 def test_the_summary_names_the_metrics_the_init_came_from():
     from engine.cli import _init_label
 
-    assert _init_label(PruneConfig(units=["heads", "channels"], init="taylor")) == "taylor"
+    assert _init_label(PruneConfig(units=["kv_groups", "channels"], init="taylor")) == "taylor"
     assert _init_label(PruneConfig(units=["layers"], layer_init="sleb")) == "layers sleb"  # not the widths' metric
     assert _init_label(PruneConfig(units=["layers", "channels"], layer_init="layerwise-ppl")) == "layers layerwise-ppl + flap"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from test_app_masks import CALIB, FAST, ROOT, TINY, needs_tiny  # (the app tests' tiny model and fast settings)
 
-SIZES = {"heads": [4, 4], "channels": [384, 384], "layers": [1, 1]}  # the tiny model's units per layer
+SIZES = {"kv_groups": [4, 4], "channels": [384, 384], "layers": [1, 1]}  # the tiny model's units per layer
 
 
 # --- fake runs, written by the engine's own writers ----------------------------------------------------------
@@ -25,7 +25,7 @@ def _rows(n_layers_units: list[int], removed: dict[int, list[int]]) -> list[list
     return [[0 if j in removed.get(i, []) else 1 for j in range(n)] for i, n in enumerate(n_layers_units)]
 
 
-def make_run(runs: Path, name: str, *, scope: str = "global", units=("heads", "channels"), ratio: float = 0.3,
+def make_run(runs: Path, name: str, *, scope: str = "global", units=("kv_groups", "channels"), ratio: float = 0.3,
              steps: int = 3, method: str = "pg", budget: str = "params", finished: bool = True, removed=None,
              checkpoint: bool = False, losses=None, val=None, params_removed: int = 118_272,
              params_pruned: int = 538_240, ppl_pruned: float = 31.234567, age: int = 0, **extra) -> Path:
@@ -52,7 +52,7 @@ def make_run(runs: Path, name: str, *, scope: str = "global", units=("heads", "c
         kept = {u: [sum(r) / len(r) for r in rows] for u, rows in masks.items()}
         lines.append(StepReport(step=s, total_steps=steps, losses=ls, baseline=0.0, lr=0.02,
                                 mean_score={u: [0.7] * 2 for u in units}, kept_fraction=kept,
-                                head_scores=[[0.8] * 4, [0.6] * 4] if "heads" in units else None, seconds=0.1,
+                                head_scores=[[0.8] * 4, [0.6] * 4] if "kv_groups" in units else None, seconds=0.1,
                                 eta_seconds=0.0, val_ppl=(val or {}).get(s), masks=masks).to_json())
     atomic_write_text(run / "metrics.jsonl", "".join(ln + "\n" for ln in lines))
     if checkpoint:
@@ -204,8 +204,8 @@ def test_loss_and_held_out_curves_of_several_runs_overlaid_one_colour_per_run(tm
 @needs_tiny
 def test_per_layer_kept_and_removed_diff_reads_each_runs_saved_masks(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
-    make_run(runs, "a", removed={"heads": {1: [0, 2]}, "channels": {0: list(range(100))}}, age=1)
-    make_run(runs, "b", scope="uniform", removed={"heads": {0: [3], 1: [2]}, "channels": {0: list(range(50, 130))}},
+    make_run(runs, "a", removed={"kv_groups": {1: [0, 2]}, "channels": {0: list(range(100))}}, age=1)
+    make_run(runs, "b", scope="uniform", removed={"kv_groups": {0: [3], 1: [2]}, "channels": {0: list(range(50, 130))}},
              age=2)
     at = compare(monkeypatch, runs)
     pick(at, ["a", "b"])
@@ -220,7 +220,7 @@ def test_per_layer_kept_and_removed_diff_reads_each_runs_saved_masks(tmp_path, m
     assert fig["data"][0]["z"] == [[3, 3, 3, 2], [1, 3, 0, 3]]  # 3 both, 2 A only, 1 B only, 0 neither
     assert any("A: the final" in c.value and "B: the final" in c.value for c in at.caption)
     # a run that has not finished: its last step's mask (metrics.jsonl)
-    make_run(runs, "c-live", finished=False, removed={"heads": {0: [0]}}, age=3)
+    make_run(runs, "c-live", finished=False, removed={"kv_groups": {0: [0]}}, age=3)
     at = compare(monkeypatch, runs)
     pick(at, ["a", "c-live"])
     assert any("B: the current (step 3)" in c.value for c in at.caption), [c.value for c in at.caption]
@@ -232,7 +232,7 @@ def test_per_layer_kept_and_removed_diff_reads_each_runs_saved_masks(tmp_path, m
 @needs_tiny
 def test_a_joint_run_is_offered_no_uniform_match(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
-    make_run(runs, "joint", units=("layers", "heads", "channels"), layer_init="layerwise-ppl")
+    make_run(runs, "joint", units=("layers", "kv_groups", "channels"), layer_init="layerwise-ppl")
     at = compare(monkeypatch, runs)
     assert not any("matching" in b.label for b in at.button), [b.label for b in at.button]
     line = next(c.value for c in at.caption if c.value.startswith("No uniform run can match run A"))
@@ -307,7 +307,7 @@ def test_one_parameter_count_per_run_the_results_params_removed(tmp_path, monkey
 def test_differences_name_only_settings_that_apply_to_both():
     from engine.ui.compare import differences
 
-    base = dict(model="m", units=["heads", "channels"], prune_ratio=0.3, steps=50, calib="c")
+    base = dict(model="m", units=["kv_groups", "channels"], prune_ratio=0.3, steps=50, calib="c")
     pg = {**base, "method": "pg", "lr": 0.02, "num_mask_samples": 8}
     flap = {**base, "method": "flap", "lr": 0.5, "num_mask_samples": 4, "steps": 10}
     labels = [d[0] for d in differences(pg, flap)]
@@ -315,7 +315,7 @@ def test_differences_name_only_settings_that_apply_to_both():
     for name in ("Learning rate", "Steps", "N_s", "Mask samples"):  # the one-shot run has no steps
         assert not any(name.lower() in lbl.lower() for lbl in labels), labels
     # whole-layer settings differ only where both prune whole layers
-    layers = {**pg, "units": ["layers", "heads", "channels"], "layer_init": "layerwise-ppl"}
+    layers = {**pg, "units": ["layers", "kv_groups", "channels"], "layer_init": "layerwise-ppl"}
     labels = [d[0] for d in differences(pg, layers)]
     assert not any("layer init" in lbl.lower() or "layer metric" in lbl.lower() for lbl in labels), labels
     assert any(lbl.startswith("Units") for lbl in labels)
@@ -373,14 +373,14 @@ def test_curves_and_mask_diff_rows_are_the_runs_own():
     history = [{"step": 1, "losses": [2.0, 4.0]}, {"step": 2, "losses": [1.0, 3.0], "val_ppl": 12.5}]
     assert curves(history, {"val_ppl_init": 20.0}) == {"steps": [1, 2], "loss": [3.0, 2.0], "val_steps": [0, 2],
                                                        "val_ppl": [20.0, 12.5]}
-    a = {"heads": [[1, 1, 0, 0]], "layers": [[1]]}
-    b = {"heads": [[1, 0, 1, 0]], "layers": [[0]]}  # B removes the layer whole: none of its groups kept
+    a = {"kv_groups": [[1, 1, 0, 0]], "layers": [[1]]}
+    b = {"kv_groups": [[1, 0, 1, 0]], "layers": [[0]]}  # B removes the layer whole: none of its groups kept
     rows = mask_diff_rows(a, b)
     by = {r["unit type"]: r for r in rows}
     assert by["Whole layers"]["A only"] == 1
     assert (by["KV groups (attention heads)"]["B keeps"], by["KV groups (attention heads)"]["A only"]) == (0, 2)
-    assert mask_diff_problem({"heads": [[1, 1]]}, {"heads": [[1, 1, 1]]}) is not None
-    assert mask_diff_problem({"heads": [[1]]}, {"channels": [[1]]}) is not None
+    assert mask_diff_problem({"kv_groups": [[1, 1]]}, {"kv_groups": [[1, 1, 1]]}) is not None
+    assert mask_diff_problem({"kv_groups": [[1]]}, {"channels": [[1]]}) is not None
 
 
 # --- the run a page shows is kept in the URL (issue 66) ----------------------------------------------------------

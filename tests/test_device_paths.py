@@ -125,7 +125,7 @@ def test_column_index_stays_on_the_device_of_the_kept_units():
     from test_adapters_export import build_model
 
     a = ModelAdapter.for_model(build_model("llama"))
-    for u in ("heads", "channels"):
+    for u in ("kv_groups", "channels"):
         kept = torch.tensor([0, 1])
         on_cpu = UNIT_TYPES[u].column_index(a, kept)
         on_meta = UNIT_TYPES[u].column_index(a, kept.to("meta"))

@@ -40,8 +40,8 @@ def test_share_of_three_over_two_and_bad_input():
 
 def test_digest_sees_values_and_order():
     a = torch.tensor([0.5, 0.25])
-    assert digest({"heads": a}, 1.0) == digest({"heads": a.clone()}, 1.0)
-    assert digest({"heads": a}, 1.0) != digest({"heads": a + 1e-7}, 1.0)
+    assert digest({"kv_groups": a}, 1.0) == digest({"kv_groups": a.clone()}, 1.0)
+    assert digest({"kv_groups": a}, 1.0) != digest({"kv_groups": a + 1e-7}, 1.0)
     assert digest(a, None) != digest(None, a)
     assert digest(torch.tensor([1.0])) != digest(torch.tensor([1.0], dtype=torch.float64))
 
@@ -100,11 +100,11 @@ def test_sums_added_in_batch_order_are_one_fold():
     """column_sums' per-batch sums, added in batch order, are the running sum one process accumulates."""
     from engine.algo.metrics.activations import add_in_order
 
-    xs = [{("heads", 0): torch.rand(4) * 10 ** e} for e in (0, 7, -7, 3)]
-    running = xs[0][("heads", 0)]
+    xs = [{("kv_groups", 0): torch.rand(4) * 10 ** e} for e in (0, 7, -7, 3)]
+    running = xs[0][("kv_groups", 0)]
     for x in xs[1:]:
-        running = running + x[("heads", 0)]
-    assert torch.equal(add_in_order(xs)[("heads", 0)], running) and add_in_order([]) == {}
+        running = running + x[("kv_groups", 0)]
+    assert torch.equal(add_in_order(xs)[("kv_groups", 0)], running) and add_in_order([]) == {}
 
 
 HELPERS_ON_RANKS = """
@@ -276,7 +276,7 @@ def test_init_metrics_shared_over_two_ranks_give_the_single_process_run(case, ex
     ca, cb = checkpoint(one), checkpoint(two)
     assert ca["init_metric"].keys() == cb["init_metric"].keys()
     assert all(torch.equal(ca["init_metric"][u], cb["init_metric"][u]) for u in ca["init_metric"])
-    units = extra[extra.index("--units") + 1].split(",") if "--units" in extra else ["heads", "channels"]
+    units = extra[extra.index("--units") + 1].split(",") if "--units" in extra else ["kv_groups", "channels"]
     compensated = "--no-bias-compensation" not in extra and units != ["layers"]  # (on by default; layers have no widths)
     means_a, means_b = (c["hooks"].get("compensation", {}).get("input_means") for c in (ca, cb))  # (bias compensation's)
     assert (means_a is None) == (not compensated)

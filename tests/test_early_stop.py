@@ -39,8 +39,8 @@ def test_never_fires_while_validation_improves_on_a_synthetic_sequence():
 
 
 def test_the_mask_key_follows_the_hard_mask():  # (what early stopping compares from step to step)
-    a = {"heads": torch.tensor([0.9, 0.2]), "channels": torch.tensor([0.7, 0.6, 0.1])}
-    b = {"heads": torch.tensor([0.8, 0.1]), "channels": torch.tensor([0.9, 0.51, 0.3])}
+    a = {"kv_groups": torch.tensor([0.9, 0.2]), "channels": torch.tensor([0.7, 0.6, 0.1])}
+    b = {"kv_groups": torch.tensor([0.8, 0.1]), "channels": torch.tensor([0.9, 0.51, 0.3])}
     assert mask_key(a, KEEP) == mask_key(b, KEEP)
     b["channels"][1] = 0.4
     assert mask_key(a, KEEP) != mask_key(b, KEEP)

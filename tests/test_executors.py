@@ -45,7 +45,7 @@ def random_fill(model, seed: int) -> dict[str, list[torch.Tensor]]:
     """Made-up per-column means (non-zero, so that a wrong fill shows)."""
     a = ModelAdapter.for_model(model)
     g = torch.Generator().manual_seed(seed)
-    return {"heads": [torch.randn(a.attention(i).output.in_features, generator=g) * 0.3 for i in range(a.num_layers)],
+    return {"kv_groups": [torch.randn(a.attention(i).output.in_features, generator=g) * 0.3 for i in range(a.num_layers)],
             "channels": [torch.randn(a.mlp(i).output.in_features, generator=g) * 0.3 for i in range(a.num_layers)]}
 
 
@@ -84,9 +84,9 @@ def test_sliced_forward_of_a_layer_that_keeps_no_unit(with_fill):
 
     model = build_model("qwen2")  # q/k/v biases: they are sliced too
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
+    layout = UnitLayout({"kv_groups": unit_sizes(a)["kv_groups"], "channels": unit_sizes(a)["channels"]})
     masks = {u: [torch.ones(n) for n in layout.sizes[u]] for u in layout.unit_types}
-    masks["heads"][1] = torch.zeros(layout.sizes["heads"][1])
+    masks["kv_groups"][1] = torch.zeros(layout.sizes["kv_groups"][1])
     masks["channels"][2] = torch.zeros(layout.sizes["channels"][2])
     masks["channels"][0][::3] = 0
     fill = random_fill(model, 2) if with_fill else None
@@ -107,7 +107,7 @@ def test_sliced_layers_restore_the_weights_after_an_error():
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
     before = {n: p for n, p in model.named_parameters()}
-    masks = {"heads": [torch.tensor([1.0, 0.0])] * 3, "channels": [torch.ones(200)] * 3}
+    masks = {"kv_groups": [torch.tensor([1.0, 0.0])] * 3, "channels": [torch.ones(200)] * 3}
 
     def boom(module, args, output):
         raise RuntimeError("inside the layer")
@@ -150,7 +150,7 @@ def test_compensated_export_equals_masked_model_with_fill(arch, tmp_path, tiny):
     reproduces the masked model whose removed inputs are replaced by their means."""
     model = build_model(arch)
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
+    layout = UnitLayout({"kv_groups": unit_sizes(a)["kv_groups"], "channels": unit_sizes(a)["channels"]})
     g = torch.Generator().manual_seed(3)
     masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in layout.unit_types}
     ids = batch(model, rows=2, seqlen=19, seed=4)
@@ -186,10 +186,10 @@ def test_all_ones_masks_ignore_the_fill():
 @pytest.mark.parametrize("options", [
     dict(sample_forward="batched", num_mask_samples=4, mask_sampling="antithetic"),
     dict(sample_forward="batched", num_mask_samples=4, baseline="leave-one-out", control_variate="init-metric"),
-    dict(bias_compensation=True, within_layer_ranking="init-metric", units=["heads", "channels", "layers"],
+    dict(bias_compensation=True, within_layer_ranking="init-metric", units=["kv_groups", "channels", "layers"],
          prune_ratio=0.25),
     dict(method_options=dict(unit_block=16), num_mask_samples=4),
-    dict(method_options=dict(unit_block=16), num_mask_samples=4, units=["heads", "channels", "layers"], layer_score_const=1.0),
+    dict(method_options=dict(unit_block=16), num_mask_samples=4, units=["kv_groups", "channels", "layers"], layer_score_const=1.0),
 ])
 def test_run_with_variance_and_quality_options(options, tiny, tiny_path, tmp_path):
     model, tok = tiny
@@ -272,13 +272,13 @@ def test_sliced_forwards_multiply_aligned_widths_and_equal_the_masked_model(arch
 
     model = build_model(arch)
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
+    layout = UnitLayout({"kv_groups": unit_sizes(a)["kv_groups"], "channels": unit_sizes(a)["channels"]})
     g = torch.Generator().manual_seed(3)
     masks = {u: [(torch.rand(n, generator=g) < 0.6).float() for n in layout.sizes[u]] for u in layout.unit_types}
     masks["channels"][0][:] = 1
     masks["channels"][0][:3] = 0  # 197 of 200 channels: 3 padding units
-    masks["heads"][1][:] = 0
-    masks["heads"][1][0] = 1  # one KV group of 20-wide heads (llama, mistral): one padding group
+    masks["kv_groups"][1][:] = 0
+    masks["kv_groups"][1][0] = 1  # one KV group of 20-wide heads (llama, mistral): one padding group
     fill, ids = random_fill(model, 4), batch(model)
     with MaskHooks(a) as hooks:
         hooks.set(masks, fill)

@@ -201,14 +201,14 @@ def test_first_non_finite_value_stops_the_run(poison, tiny, eval_file, tmp_path,
             if poison == "loss":
                 report.losses[0] = float("nan")
             else:
-                state.scores["heads"][1] = float("inf")
+                state.scores["kv_groups"][1] = float("inf")
         return report
 
     monkeypatch.setattr(PruneRun, "step", step)
     out = tmp_path / "run"
     with pytest.raises(UserError, match="step 3") as e:
         PruneRun(config, out, model=model, tokenizer=tok, log=quiet).run(progress=False)
-    assert ("loss of mask sample 1 is nan" if poison == "loss" else "heads scores are not finite") in str(e.value)
+    assert ("loss of mask sample 1 is nan" if poison == "loss" else "kv_groups scores are not finite") in str(e.value)
     assert [ln["step"] for ln in metric_lines(out)] == [1, 2]
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     assert state["step"] == 2 and all(torch.isfinite(s).all() for s in state["scores"].values())

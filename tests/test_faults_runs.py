@@ -208,7 +208,7 @@ def test_resume_refuses_changed_flags(finished_run, capfd):
     capfd.readouterr()
     assert main(["prune", "--out", str(finished_run), "--resume", "--steps", "10", "--prune-ratio", "0.6"]) == 2
     one_error(capfd, "--prune-ratio 0.6 differs from the run's 0.3")
-    assert main(["prune", "--out", str(finished_run), "--resume", "--units", "heads"]) == 2
+    assert main(["prune", "--out", str(finished_run), "--resume", "--units", "kv_groups"]) == 2
     one_error(capfd, "--units")
     assert main(["prune", "--out", str(finished_run), "--resume", "--preset", "paper"]) == 2
     one_error(capfd, "--preset and --config do not apply")
@@ -281,7 +281,7 @@ def test_keyboard_interrupt_checkpoints_the_last_finished_step(tiny, eval_file, 
     def step(self, state):
         if state.step == 3:
             seen["scores"] = {u: s.clone() for u, s in state.scores.items()}
-            state.scores["heads"] = state.scores["heads"] * 0  # half-way through a step
+            state.scores["kv_groups"] = state.scores["kv_groups"] * 0  # half-way through a step
             raise KeyboardInterrupt
         return original(self, state)
 

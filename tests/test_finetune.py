@@ -25,13 +25,13 @@ def pruned_export(tiny, tmp_path_factory):
     """TinyStories-656K with a KV group dropped in layer 0 and a third of the channels in each layer."""
     model, tok = tiny
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
-    heads = torch.ones(layout.total("heads"))
+    layout = UnitLayout({"kv_groups": unit_sizes(a)["kv_groups"], "channels": unit_sizes(a)["channels"]})
+    heads = torch.ones(layout.total("kv_groups"))
     heads[1] = 0
     g = torch.Generator().manual_seed(0)
     channels = (torch.rand(layout.total("channels"), generator=g) > 0.33).float()
     dest = tmp_path_factory.mktemp("export") / "model"
-    export_pruned(model, tok, layout, {"heads": heads, "channels": channels}, dest)
+    export_pruned(model, tok, layout, {"kv_groups": heads, "channels": channels}, dest)
     return dest
 
 

@@ -22,7 +22,7 @@ from test_adapters_export import ARCHS, build_model
 from test_executors import batch
 
 
-def flap_scores(model, batches, units=("heads", "channels")):
+def flap_scores(model, batches, units=("kv_groups", "channels")):
     a = ModelAdapter.for_model(model)
     layout = UnitLayout({u: unit_sizes(a)[u] for u in units})
     raw = METRICS["flap"].fn(MetricContext(a, layout, batches), list(units))
@@ -47,7 +47,7 @@ def test_the_fluctuation_metric_equals_a_hand_computation(arch):
     model = build_model(arch)
     batches = [batch(model, rows=2, seqlen=11, seed=s) for s in (1, 2)]
     a, layout, _, raw = flap_scores(model, batches)
-    for u in ("heads", "channels"):
+    for u in ("kv_groups", "channels"):
         t = UNIT_TYPES[u]
         for i in range(a.num_layers):
             proj = t.output_proj(a, i)
@@ -82,10 +82,10 @@ def test_the_adaptive_structure_splits_the_budget_between_modules_by_one_ranking
     model = build_model("llama")
     a, layout, z, _ = flap_scores(model, [batch(model, rows=4, seqlen=16, seed=1)])
     budget = ParamBudget(layout, "global", a)
-    z["heads"] = z["heads"] + 5.0  # every KV group far above every channel: the channels take the whole cut
+    z["kv_groups"] = z["kv_groups"] + 5.0  # every KV group far above every channel: the channels take the whole cut
     keeps = budget.type_keeps(0.8, z)
-    assert keeps["heads"] == 1.0 and keeps["channels"] < 0.8
-    assert budget.type_keeps(0.8, None)["heads"] == pytest.approx(budget.type_keeps(0.8, None)["channels"])
+    assert keeps["kv_groups"] == 1.0 and keeps["channels"] < 0.8
+    assert budget.type_keeps(0.8, None)["kv_groups"] == pytest.approx(budget.type_keeps(0.8, None)["channels"])
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -144,7 +144,7 @@ def test_a_compensated_flap_start_forwards_its_init_batches_once(tiny, tiny_path
     memo: dict = {}
     means = input_means(a, batches, memo=memo)
     assert input_means(a, batches, memo=memo) is not None and len(passes) == 1  # the second call: no forward
-    for u in ("heads", "channels"):
+    for u in ("kv_groups", "channels"):
         t = UNIT_TYPES[u]
         for i in range(a.num_layers):
             x = recorded_inputs(model, t.output_proj(a, i), batches)

@@ -63,7 +63,7 @@ def heterogeneous_masks(model, seed: int = 0) -> tuple[UnitLayout, dict[str, tor
     layout = UnitLayout(unit_sizes(a))
     g = torch.Generator().manual_seed(seed)
     masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6)
-             for u in ("heads", "channels")}
+             for u in ("kv_groups", "channels")}
     layers = torch.ones(a.num_layers)
     layers[1] = 0
     masks["layers"] = layers
@@ -94,7 +94,7 @@ def test_heterogeneous_export_matches_transformers(arch, outtype, tol, tmp_path)
     layout, masks = heterogeneous_masks(model)
     pruned = build_pruned_model(model, layout, masks)
     sizes = unit_sizes(ModelAdapter.for_model(pruned))
-    assert len(set(sizes["heads"])) > 1 and len(set(sizes["channels"])) > 1  # really heterogeneous
+    assert len(set(sizes["kv_groups"])) > 1 and len(set(sizes["channels"])) > 1  # really heterogeneous
     info = write_gguf(pruned, tmp_path / "m.gguf", outtype, tokenizer_json=TOKENIZER_JSON)
     assert len(info["layers"]) == 3  # the removed layer is not written
     ids = torch.randint(3, 2048, (1, 24), generator=torch.Generator().manual_seed(1))
@@ -177,7 +177,7 @@ def test_bias_compensation_exports_match_transformers(arch, tmp_path):
     layout, masks = heterogeneous_masks(model)
     a = ModelAdapter.for_model(model)
     g = torch.Generator().manual_seed(3)
-    fill = {"heads": [0.3 * torch.randn(a.attention(i).output.in_features, generator=g) for i in range(a.num_layers)],
+    fill = {"kv_groups": [0.3 * torch.randn(a.attention(i).output.in_features, generator=g) for i in range(a.num_layers)],
             "channels": [0.3 * torch.randn(a.mlp(i).output.in_features, generator=g) for i in range(a.num_layers)]}
     pruned = build_pruned_model(model, layout, masks, fill)
     assert ModelAdapter.for_model(pruned).attention(0).output.bias is not None

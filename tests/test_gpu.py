@@ -38,7 +38,7 @@ def test_short_run_on_cuda(tiny_path, small_eval_file, tmp_path):
 def test_export_reloads_on_cuda_with_equal_logits(tiny_path, small_eval_file, tmp_path):
     config = PruneConfig(model=str(tiny_path), device="cuda", steps=2, batch_size=2, seqlen=64, eval_seqlen=64,
                          max_windows=2, init_batches=1, calib=str(SMALL_CALIB), eval_data=str(small_eval_file),
-                         units=["heads", "channels", "layers"], prune_ratio=0.5)
+                         units=["kv_groups", "channels", "layers"], prune_ratio=0.5)
     run = PruneRun(config, tmp_path / "run", log=lambda m: None)
     run.run(progress=False)
     ids = torch.randint(0, run.res.model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))

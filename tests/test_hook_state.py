@@ -276,9 +276,9 @@ def test_the_hooks_events_return_their_changes(tiny_path, small_eval_file):
     config = SimpleNamespace(prune_ratio=0.3, steps=6, progressive_increment=0.1)
     assert ProgressiveSchedule(SimpleNamespace(config=config)).on_setup() == RunChanges(
         stages=progressive_stages(0.3, 6, 0.1), unit_metric="random")
-    means = {"heads": [torch.ones(2)], "channels": [torch.ones(3)], "layers": None}
-    hook = BiasCompensation(SimpleNamespace(layout=SimpleNamespace(unit_types=["heads", "channels"])))
-    assert hook.on_resume(SimpleNamespace(input_means=means)).comp_means == {"heads": means["heads"], "channels": means["channels"]}
+    means = {"kv_groups": [torch.ones(2)], "channels": [torch.ones(3)], "layers": None}
+    hook = BiasCompensation(SimpleNamespace(layout=SimpleNamespace(unit_types=["kv_groups", "channels"])))
+    assert hook.on_resume(SimpleNamespace(input_means=means)).comp_means == {"kv_groups": means["kv_groups"], "channels": means["channels"]}
     assert hook.on_resume(SimpleNamespace(input_means=None)) == RunChanges(comp_means=None)
 
 
@@ -347,7 +347,7 @@ def test_runmasks_applies_the_transforms_in_the_order_it_is_given(reverse):
                           ctx=SimpleNamespace(reward=SimpleNamespace(frozen=False)))
     masks = RunMasks(order).bind(res)
     masks.measured = {"before": 1.0}
-    scores = masks.final_scores(None, {"heads": torch.ones(2)})
+    scores = masks.final_scores(None, {"kv_groups": torch.ones(2)})
     final = masks.final_masks(scores, None)
     with masks.weights(final) as fill:
         seen = dict(masks.measured)

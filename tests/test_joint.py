@@ -23,7 +23,7 @@ def test_layer_counts_span_none_to_the_most_the_budget_allows():
     assert layer_counts([10] * 10, 5.0) == [0]  # less than a layer: width only
 
 
-def fake_run(units=("layers", "heads", "channels"), keep=0.6):
+def fake_run(units=("layers", "kv_groups", "channels"), keep=0.6):
     budget, adapter, layout = param_budget("llama", units, "global")
     config = PruneConfig(units=list(units), prune_ratio=1 - keep, budget="params")
     logs = []
@@ -102,11 +102,11 @@ def test_a_joint_run_refines_its_mix_on_the_next_init_batches(tiny, tiny_path, s
         return real(run, z, batches, keep, **kw)
 
     monkeypatch.setattr(initialise, "choose_mix", spy)
-    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", units=["layers", "heads", "channels"],
+    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", units=["layers", "kv_groups", "channels"],
              layer_init="sleb", prune_ratio=0.5, budget="params", mix_batches=2, mix_refine_batches=3, init_batches=4)
     assert seen == [(2, 3)]
     skeleton = model_skeleton(str(tiny_path))
-    base = dict(model=str(tiny_path), units=["layers", "heads", "channels"], prune_ratio=0.5, mix_batches=2)
+    base = dict(model=str(tiny_path), units=["layers", "kv_groups", "channels"], prune_ratio=0.5, mix_batches=2)
     plain, refined = (phase_tokens(PruneConfig(**base, mix_refine_batches=n), skeleton)["joint mix"] for n in (0, 3))
     assert refined > plain
 
@@ -119,7 +119,7 @@ def test_a_candidate_removes_the_least_important_layers_and_cuts_width_to_the_re
     masks = run.budget.hard_masks(scores, keep)
     assert masks["layers"].tolist() == [1.0 if i != 1 else 0.0 for i in range(adapter.num_layers)]  # the lowest
     kept = run.budget.kept_params(masks)
-    heaviest = max(float(run.budget.weights[u].max()) for u in ("heads", "channels"))
+    heaviest = max(float(run.budget.weights[u].max()) for u in ("kv_groups", "channels"))
     assert run.budget.kept_target(keep) - heaviest < kept <= run.budget.kept_target(keep) + 1e-6
 
 
@@ -152,13 +152,13 @@ def test_comparable_width_metrics_split_the_width_by_one_ranking():
     comparability both types keep the same share."""
     run, z, adapter, _ = fake_run(keep=0.8)
     keep = 0.8
-    z["heads"], z["channels"] = z["heads"].abs() + 10.0, z["channels"] - 10.0
+    z["kv_groups"], z["channels"] = z["kv_groups"].abs() + 10.0, z["channels"] - 10.0
     b = run.budget
     equal = b.hard_masks(candidate_scores(b, z, run.layout, 0, keep, run.config), keep)
-    ranked = b.hard_masks(candidate_scores(b, z, run.layout, 0, keep, run.config, frozenset({"heads", "channels"})), keep)
-    assert width_share(b, ranked, "heads") == 1.0 and width_share(b, ranked, "channels") < width_share(b, equal, "channels")
-    assert abs(width_share(b, equal, "heads") - width_share(b, equal, "channels")) < 0.35  # (KV groups round coarsely)
-    assert b.expected_kept(candidate_scores(b, z, run.layout, 0, keep, run.config, frozenset({"heads", "channels"}))) \
+    ranked = b.hard_masks(candidate_scores(b, z, run.layout, 0, keep, run.config, frozenset({"kv_groups", "channels"})), keep)
+    assert width_share(b, ranked, "kv_groups") == 1.0 and width_share(b, ranked, "channels") < width_share(b, equal, "channels")
+    assert abs(width_share(b, equal, "kv_groups") - width_share(b, equal, "channels")) < 0.35  # (KV groups round coarsely)
+    assert b.expected_kept(candidate_scores(b, z, run.layout, 0, keep, run.config, frozenset({"kv_groups", "channels"}))) \
         <= b.kept_target(keep) * (1 + 1e-6)
 
 
@@ -181,9 +181,9 @@ def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_ev
         return scores, lines
 
     monkeypatch.setattr(initialise, "choose_mix", spy)
-    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", units=["layers", "heads", "channels"],
+    run_tiny(tiny, tiny_path, small_eval_file, tmp_path / "r", method="flap", units=["layers", "kv_groups", "channels"],
              layer_init="sleb", prune_ratio=0.5, budget="params")
-    assert len(seen) == 1 and seen[0] is not None and set(seen[0]) == {"heads", "channels"}
+    assert len(seen) == 1 and seen[0] is not None and set(seen[0]) == {"kv_groups", "channels"}
     own, given, uncompensated = losses[0]
     assert own == given and own != uncompensated
 
@@ -233,17 +233,17 @@ def test_a_joint_run_with_fixed_layers_learns_the_widths_only(tiny, tiny_path, s
     from test_methods import run_tiny
 
     out = tmp_path / "r"
-    results = run_tiny(tiny, tiny_path, small_eval_file, out, units=["layers", "heads", "channels"], layer_init="sleb",
+    results = run_tiny(tiny, tiny_path, small_eval_file, out, units=["layers", "kv_groups", "channels"], layer_init="sleb",
                        prune_ratio=0.5, budget="params", layer_score_const=1.0, steps=3, num_mask_samples=3,
                        lr=0.5, final_mask="last", val_every=0)
     state = torch.load(out / CHECKPOINT_FILE, weights_only=False)
     init, now = state["init_scores"], state["scores"]
     assert set(init["layers"].tolist()) <= {0.0, 1.0} and torch.equal(now["layers"], init["layers"])
-    assert any(not torch.equal(now[u], init[u]) for u in ("heads", "channels"))
+    assert any(not torch.equal(now[u], init[u]) for u in ("kv_groups", "channels"))
     assert results["steps"] == 3 and results["kept_per_layer"]["layers"] == [int(p) for p in init["layers"].tolist()]
 
 
-@pytest.mark.parametrize("units", [["heads", "channels"], ["layers", "heads", "channels"]], ids=["widths", "joint"])
+@pytest.mark.parametrize("units", [["kv_groups", "channels"], ["layers", "kv_groups", "channels"]], ids=["widths", "joint"])
 def test_a_pg_run_starts_from_the_one_shot_mask_of_its_seed(units, tiny, tiny_path, small_eval_file, tmp_path):
     """--init-data all (the default): with validation on, the steps never see the held-out documents, but the init
     metric and the joint mix read what a one-shot run of the seed reads, so PG's init mask (exported here: no later
@@ -312,7 +312,7 @@ def test_the_metric_cache_keeps_sleb_s_order_across_ratios(tiny, tiny_path, smal
     test_the_metric_cache_extends_sleb_s_order's, on 3 layers)."""
     from test_methods import run_tiny
 
-    kw = dict(method="metric", units=["layers", "heads", "channels"], layer_init="sleb", init="wanda-sp",
+    kw = dict(method="metric", units=["layers", "kv_groups", "channels"], layer_init="sleb", init="wanda-sp",
               budget="params")
     plain = {r: run_tiny(tiny, tiny_path, small_eval_file, tmp_path / f"plain{r}", prune_ratio=r, **kw)
              for r in (0.3, 0.6)}
@@ -328,7 +328,7 @@ def test_an_order_made_with_sleb_finalists_is_cached_apart(tiny, tiny_path, smal
     later run with the same finalists reads (and SLEB's own entry stays SLEB's)."""
     from test_methods import run_tiny
 
-    kw = dict(method="metric", units=["layers", "heads", "channels"], layer_init="sleb", init="wanda-sp",
+    kw = dict(method="metric", units=["layers", "kv_groups", "channels"], layer_init="sleb", init="wanda-sp",
               budget="params", prune_ratio=0.3, layer_init_batches=4)
     cache = tmp_path / "cache"
     monkeypatch.setenv("PG_PRUNE_METRIC_CACHE", str(cache))

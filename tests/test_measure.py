@@ -22,7 +22,7 @@ def half_export(tiny, tmp_path_factory):
     """Half the KV groups and half the channels of every layer of TinyStories-656K."""
     model, tok = tiny
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
+    layout = UnitLayout({"kv_groups": unit_sizes(a)["kv_groups"], "channels": unit_sizes(a)["channels"]})
     masks = {u: torch.cat([(torch.arange(n) % 2 == 0).float() for n in layout.sizes[u]]) for u in layout.unit_types}
     dest = tmp_path_factory.mktemp("export") / "model"
     export_pruned(model, tok, layout, masks, dest)

@@ -91,7 +91,7 @@ def test_relaxed_bernoulli():
 
 
 def test_layers_are_one_pool_even_when_uniform():
-    layout = UnitLayout({"heads": [2, 2, 2, 2], "layers": [1, 1, 1, 1]})
+    layout = UnitLayout({"kv_groups": [2, 2, 2, 2], "layers": [1, 1, 1, 1]})
     assert layout.pools("layers", "uniform") == [slice(0, 4)]
     s = torch.tensor([0.9, 0.1, 0.8, 0.2])
     mask = layout.hard_mask("layers", s, "uniform", 0.5)
@@ -103,7 +103,7 @@ def test_standardize_layers_over_the_pool():
     z = standardize("layers", [torch.tensor([1.0]), torch.tensor([3.0]), torch.tensor([2.0])])
     assert z.tolist() == pytest.approx([-1.0, 1.0, 0.0])
     # units inside layers are standardized per layer
-    z = standardize("heads", [torch.tensor([1.0, 3.0]), torch.tensor([10.0, 30.0])])
+    z = standardize("kv_groups", [torch.tensor([1.0, 3.0]), torch.tensor([10.0, 30.0])])
     assert z.tolist() == pytest.approx(z[:2].tolist() * 2)
 
 
@@ -113,7 +113,7 @@ def ids() -> torch.Tensor:
     return torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(7))
 
 
-def layer_layout(model, units=("heads", "channels", "layers")) -> UnitLayout:
+def layer_layout(model, units=("kv_groups", "channels", "layers")) -> UnitLayout:
     sizes = unit_sizes(ModelAdapter.for_model(model))
     return UnitLayout({u: sizes[u] for u in units})
 
@@ -196,7 +196,7 @@ def exports_with_layers(ids, tiny, tmp_path_factory) -> dict:
         model = build_model(arch)
         layout = layer_layout(model)
         g = torch.Generator().manual_seed(5)
-        masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in ("heads", "channels")}
+        masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in ("kv_groups", "channels")}
         masks["layers"] = torch.tensor([0.0, 1.0, 1.0])
         export_pruned(model, tiny[1], layout, masks, root / arch)
         made[arch] = (root / arch, masked_logits(model, layout, masks, ids))
@@ -223,18 +223,18 @@ def test_export_layers_heads_channels_together(arch, exports_with_layers):
 def test_magnitude_sp_is_the_output_projection_column_magnitude():
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
-    metric = METRICS["magnitude-sp"].fn(MetricContext(a, _Layout(unit_sizes(a))), ["heads", "channels"])
+    metric = METRICS["magnitude-sp"].fn(MetricContext(a, _Layout(unit_sizes(a))), ["kv_groups", "channels"])
     w = a.mlp(1).output.weight.abs().mean(0)
     assert torch.allclose(metric["channels"][1], w)
     hw = a.attention(2).output.weight.abs().mean(0).view(-1, a.head_dim).sum(1).view(-1, a.queries_per_group).mean(1)
-    assert torch.allclose(metric["heads"][2], hw)
+    assert torch.allclose(metric["kv_groups"][2], hw)
 
 
 def test_taylor_matches_a_hand_computed_unit(ids):
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
-    metric = METRICS["taylor"].fn(MetricContext(a, _Layout(unit_sizes(a)), [ids]), ["heads", "channels"])
-    assert [len(t) for t in metric["heads"]] == unit_sizes(a)["heads"]
+    metric = METRICS["taylor"].fn(MetricContext(a, _Layout(unit_sizes(a)), [ids]), ["kv_groups", "channels"])
+    assert [len(t) for t in metric["kv_groups"]] == unit_sizes(a)["kv_groups"]
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
     # by hand: gradient of every parameter, then sum |w * g| over what KV group 1 of layer 0 owns
     reference = build_model("llama").requires_grad_(True)
@@ -244,7 +244,7 @@ def test_taylor_matches_a_hand_computed_unit(ids):
     expected = sum(float((p.weight.detach() * p.weight.grad).abs()[rows].sum()) for p, rows in
                    ((attn.q_proj, slice(q, 2 * q)), (attn.k_proj, slice(hd, 2 * hd)), (attn.v_proj, slice(hd, 2 * hd))))
     expected += float((attn.o_proj.weight.detach() * attn.o_proj.weight.grad).abs()[:, q:2 * q].sum())
-    assert float(metric["heads"][0][1]) == pytest.approx(expected, rel=1e-4)
+    assert float(metric["kv_groups"][0][1]) == pytest.approx(expected, rel=1e-4)
     mlp = reference.model.layers[2].mlp
     channel = sum(float((p.weight.detach() * p.weight.grad).abs()[7].sum()) for p in (mlp.gate_proj, mlp.up_proj))
     channel += float((mlp.down_proj.weight.detach() * mlp.down_proj.weight.grad).abs()[:, 7].sum())
@@ -325,7 +325,7 @@ def test_sleb_with_finalists_removes_the_finalist_that_loses_least_on_every_batc
 
 def test_sleb_finalists_validate():
     assert PruneConfig().sleb_finalists == 0
-    PruneConfig(units=["layers", "heads"], layer_init="sleb", sleb_finalists=3).validate()
+    PruneConfig(units=["layers", "kv_groups"], layer_init="sleb", sleb_finalists=3).validate()
     for bad in (dict(sleb_finalists=3), dict(units=["layers"], layer_init="layerwise-ppl", sleb_finalists=3)):
         with pytest.raises(UserError, match="SLEB finalists apply to whole layers scored by SLEB"):
             PruneConfig(**bad).validate()
@@ -386,7 +386,7 @@ def test_metric_method_is_the_one_shot_ranking(tiny, tiny_path, small_eval_file,
     assert results["steps"] == 0 and metric_lines(tmp_path / "r") == []
     assert results["ppl_pruned"] == pytest.approx(results["ppl_init"])  # the init mask is the final mask
     kept = results["kept_per_layer"]
-    assert kept["heads"] == [keep_count(0.7, 4)] * 2 and kept["channels"] == [keep_count(0.7, 384)] * 2
+    assert kept["kv_groups"] == [keep_count(0.7, 4)] * 2 and kept["channels"] == [keep_count(0.7, 384)] * 2
 
 
 def test_random_progressive_raises_the_rate_in_stages(tiny, tiny_path, small_eval_file, tmp_path):
@@ -408,7 +408,7 @@ def test_estimators_and_inits_run_within_budget(kw, tiny, tiny_path, small_eval_
     assert len(lines) == 3 and all(len(ln["losses"]) == kw.get("num_mask_samples", PruneConfig().num_mask_samples)
                                  for ln in lines)
     assert lines[0]["mean_score"] != lines[-1]["mean_score"]  # the scores moved
-    assert sum(results["kept_per_layer"]["heads"]) == keep_count(0.7, 8)
+    assert sum(results["kept_per_layer"]["kv_groups"]) == keep_count(0.7, 8)
     assert all(p.grad is None for p in tiny[0].parameters())  # nothing left behind on the shared model
 
 
@@ -419,7 +419,7 @@ def test_layer_pruning_run_exports_a_shallower_model(tiny, tiny_path, small_eval
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
     for layer_init in ("sleb", "random"):
         out = tmp_path / layer_init
-        r = run_tiny(tiny, tiny_path, small_eval_file, out, units=["layers", "heads"], layer_init=layer_init,
+        r = run_tiny(tiny, tiny_path, small_eval_file, out, units=["layers", "kv_groups"], layer_init=layer_init,
                      method="metric", prune_ratio=0.5)
         assert sum(r["kept_per_layer"]["layers"]) == 1
 
@@ -458,7 +458,7 @@ COMBOS = {"pg-taylor": dict(init="taylor"), "pg-wanda-sp": dict(init="wanda-sp")
           "metric-taylor": dict(method="metric", init="taylor"),
           "layers-sleb": dict(units=["layers"], layer_init="sleb", prune_ratio=0.5),
           "layers-layerwise-ppl": dict(units=["layers"], layer_init="layerwise-ppl", prune_ratio=0.5),
-          "joint": dict(units=["layers", "heads", "channels"], prune_ratio=0.6)}
+          "joint": dict(units=["layers", "kv_groups", "channels"], prune_ratio=0.6)}
 
 
 @pytest.mark.parametrize("budget", ["params", "units"])

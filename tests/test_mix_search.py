@@ -131,7 +131,7 @@ def joint_run(layers: int, keep: float, search: str):
 
     from test_block_influence import tiny_random
 
-    units = ["layers", "heads", "channels"]
+    units = ["layers", "kv_groups", "channels"]
     adapter = ModelAdapter.for_model(tiny_random("llama", layers))
     sizes = unit_sizes(adapter)
     layout = UnitLayout({u: sizes[u] for u in units})

@@ -35,7 +35,7 @@ from test_pruner import assert_same_run, quiet, resume_run, small_config, stop_a
 # the refit weights of the one pass and of the separate passes: the same float32 sums in the same order, so equal;
 # the tolerance allows the last bits (a reordering of float64 sums that rounded differently would pass)
 RTOL, ATOL = 1e-6, 1e-7
-TYPES = ["heads", "channels"]
+TYPES = ["kv_groups", "channels"]
 
 
 def stream_of(model, n: int) -> list[torch.Tensor]:
@@ -131,7 +131,7 @@ def random_llama(vocab: int) -> LlamaForCausalLM:
 
 CASES = {  # the default run's settings, cheap: the joint default preset, and FLAP alone (one-shot)
     "joint": dict(PRESETS["joint"], mix_refit=True),  # (the mix scored refit: the refit's statistics choose it)
-    "flap": dict(units=["heads", "channels"], init="flap", method="metric"),
+    "flap": dict(units=["kv_groups", "channels"], init="flap", method="metric"),
 }
 
 

@@ -38,10 +38,10 @@ def test_a_model_that_cannot_be_read_is_one_user_error(tmp_path):
 
 
 @pytest.mark.parametrize("units,budget,scope,rate", [
-    (["heads", "channels"], "params", "global", 0.3),
-    (["heads", "channels"], "params", "uniform", 0.4),
+    (["kv_groups", "channels"], "params", "global", 0.3),
+    (["kv_groups", "channels"], "params", "uniform", 0.4),
     (["layers"], "params", "global", 0.3),
-    (["heads", "channels"], "units", "global", 0.5),
+    (["kv_groups", "channels"], "units", "global", 0.5),
     (["channels"], "units", "uniform", 0.25),
 ])
 def test_the_plan_removes_what_the_run_removes(tmp_path, tiny_path, skeleton, units, budget, scope, rate):
@@ -71,14 +71,14 @@ def test_the_plan_uses_the_budgets_accounting(skeleton):
     report = removal_report(skeleton.adapter, UnitLayout({"layers": [1, 1]}), layout_masks, skeleton.params_total)
     assert plan.params_removed == report["params_removed"] and plan.layers_removed == 1
     with pytest.raises(UserError, match="lower --prune-ratio"):
-        plan_removal(skeleton, ["heads"], 0.95, "params", "global")  # more than the KV groups hold
+        plan_removal(skeleton, ["kv_groups"], 0.95, "params", "global")  # more than the KV groups hold
     with pytest.raises(UserError, match="strictly between 0 and 1"):
-        plan_removal(skeleton, ["heads"], 1.0)
+        plan_removal(skeleton, ["kv_groups"], 1.0)
 
 
 def test_speedup_grows_with_what_is_removed(skeleton):
     assert speedup(skeleton, 0) == 1.0
-    small, large = (speedup(skeleton, plan_removal(skeleton, ["heads", "channels"], r).params_removed) for r in (0.2, 0.5))
+    small, large = (speedup(skeleton, plan_removal(skeleton, ["kv_groups", "channels"], r).params_removed) for r in (0.2, 0.5))
     assert 1.0 < small < large
 
 
@@ -117,7 +117,7 @@ def test_the_memory_plan_counts_the_refits_moments_and_loading_apart(tiny_path):
 
     skeleton = model_skeleton(str(tiny_path))
     cfg = skeleton.adapter.config
-    config = PruneConfig(model=str(tiny_path), units=["heads", "channels"], reconstruct=True)
+    config = PruneConfig(model=str(tiny_path), units=["kv_groups", "channels"], reconstruct=True)
     n_heads_in = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
     want = cfg.num_hidden_layers * 8 * (n_heads_in ** 2 + n_heads_in + cfg.intermediate_size ** 2 + cfg.intermediate_size)
     assert refit_moment_bytes(config, skeleton) == want
@@ -185,7 +185,7 @@ def test_rate_from_runs_reads_the_same_model_only():
 # --- the Prune form as data -------------------------------------------------------------------------
 def test_form_values_round_trip_a_config(tiny_path):
     """A run's config -> the form's values -> the same config (the settings the form does not show from the base)."""
-    config = PruneConfig.of(model=str(tiny_path), units=["heads", "channels", "layers"], prune_ratio=0.45, steps=7, lr=0.005,
+    config = PruneConfig.of(model=str(tiny_path), units=["kv_groups", "channels", "layers"], prune_ratio=0.45, steps=7, lr=0.005,
                             budget="units", val_batches=2, unit_multiple={"channels": 4}, baseline="moving-average",
                             baseline_window=3, max_windows=9, seed=3).resolved()
     values = S.form_values(config.to_dict())
@@ -232,7 +232,7 @@ def test_joint_preset_fills_the_form_and_the_fixed_layers_box_round_trips():
     assert S.form_values(config)["fixed_layers"] is True
     assert S.form_values(PruneConfig())["fixed_layers"] is True  # (the default run's: the joint mix's layers fixed)
     assert S.form_values(pg_config())["fixed_layers"] is False  # (the fast preset's: none)
-    sharp = PruneConfig(units=["layers", "heads"], layer_score_const=0.95).to_dict()
+    sharp = PruneConfig(units=["layers", "kv_groups"], layer_score_const=0.95).to_dict()
     kept = S.form_config({**S.form_values(sharp), "fixed_layers": False}, base=sharp)
     assert kept.layer_score_const == 0.95  # unticked, a run's own c stays
     assert S.form_config({**S.form_values(config), "fixed_layers": False}, base=config.to_dict()).layer_score_const is None
@@ -290,10 +290,10 @@ def test_config_differences_name_every_differing_setting():
 
 # --- removed layers -------------------------------------------------------------------------------
 def test_removed_layers_count_their_units_as_removed():
-    kept = {"heads": [1.0, 0.75], "channels": [0.5, 1.0], "layers": [1.0, 0.0]}
+    kept = {"kv_groups": [1.0, 0.75], "channels": [0.5, 1.0], "layers": [1.0, 0.0]}
     eff = figures.effective_kept(kept)
-    assert eff["heads"] == [1.0, 0.0] and eff["channels"] == [0.5, 0.0] and eff["layers"] == [1.0, 0.0]
-    rows = S.layer_rows(eff, {"heads": [4, 4], "channels": [8, 8]})
+    assert eff["kv_groups"] == [1.0, 0.0] and eff["channels"] == [0.5, 0.0] and eff["layers"] == [1.0, 0.0]
+    rows = S.layer_rows(eff, {"kv_groups": [4, 4], "channels": [8, 8]})
     kv = next(k for k in rows[1] if k.startswith("KV"))
     assert rows[1]["layer kept"] == "removed" and rows[1][kv] == "0/4"
     assert next(v for k, v in rows[0].items() if k.startswith("MLP")) == "4/8"
@@ -365,8 +365,8 @@ def test_scoring_over_the_vocabulary_is_planned_where_a_phase_scores(skeleton, t
 
 def test_a_run_that_prunes_no_whole_layer_lists_no_layer_settings():
     """Issue 66: a heads/channels run's Config said "Initial scores of layers: sleb", a setting that did nothing."""
-    widths = {r["setting"] for r in S.settings_table(PruneConfig(units=["heads", "channels"]).to_dict())}
-    joint = {r["setting"] for r in S.settings_table(PruneConfig(units=["layers", "heads", "channels"]).to_dict())}
+    widths = {r["setting"] for r in S.settings_table(PruneConfig(units=["kv_groups", "channels"]).to_dict())}
+    joint = {r["setting"] for r in S.settings_table(PruneConfig(units=["layers", "kv_groups", "channels"]).to_dict())}
     assert S.setting_label("layer_init") in joint and S.setting_label("layer_init") not in widths
     assert S.setting_label("units") in widths and S.setting_label("layer_init_batches") not in widths
     for name in ("layer_prob_map", "mix_batches", "mix_search"):  # (the layers' map, the joint mix of layers and widths)

@@ -429,10 +429,10 @@ def test_sigmoid_norm_mean_is_keep_ratio(keep):
 def test_sigmoid_norm_reaches_zero_and_one_after_projection():
     # no cap: a unit the metric is sure of starts at exactly 1 (or 0) and is never flipped
     z = torch.tensor([-20.0, -10.0, 0.0, 10.0, 20.0])
-    layout = UnitLayout({"heads": [5]})
-    hi = initial_scores(z, layout, "heads", "global", 0.95, "sigmoid-norm", 0.8)
+    layout = UnitLayout({"kv_groups": [5]})
+    hi = initial_scores(z, layout, "kv_groups", "global", 0.95, "sigmoid-norm", 0.8)
     assert float(hi.max()) == 1.0 and float(hi.sum()) <= 0.95 * 5 + 1e-5
-    lo = initial_scores(z, layout, "heads", "global", 0.2, "sigmoid-norm", 0.8)
+    lo = initial_scores(z, layout, "kv_groups", "global", 0.2, "sigmoid-norm", 0.8)
     assert float(lo.min()) == 0.0 and float(lo.sum()) <= 0.2 * 5 + 1e-5
     assert float(sigmoid_norm(z, 0.95).max()) > 1.0  # the map itself is not clamped; the projection clips
 
@@ -488,7 +488,7 @@ def test_sigmoid_cut_per_pool_and_on_the_budget():
 @pytest.mark.parametrize("keep", [0.3, 0.7])
 def test_initial_scores_feasible(prob_map, scope, keep):
     g = torch.Generator().manual_seed(13)
-    layout = UnitLayout({"heads": [4, 4, 3], "channels": [30, 17, 25]})
+    layout = UnitLayout({"kv_groups": [4, 4, 3], "channels": [30, 17, 25]})
     for unit_type in layout.unit_types:
         # depth-growing scales, as raw activation metrics have
         metric = [torch.rand(n, generator=g) * (10**i) for i, n in enumerate(layout.sizes[unit_type])]
@@ -512,9 +512,9 @@ def test_initial_scores_feasible(prob_map, scope, keep):
 
 
 def test_initial_scores_unknown_map():
-    layout = UnitLayout({"heads": [2, 2]})
+    layout = UnitLayout({"kv_groups": [2, 2]})
     with pytest.raises(ValueError):
-        initial_scores(torch.rand(4), layout, "heads", "global", 0.5, "nope", 0.8)
+        initial_scores(torch.rand(4), layout, "kv_groups", "global", 0.5, "nope", 0.8)
 
 
 # --- the weighted projection (a parameter budget: each unit weighs its parameters) --------------------------

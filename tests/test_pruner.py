@@ -101,12 +101,12 @@ def test_metrics_and_observer(main_run):
         assert len(line["losses"]) == config.num_mask_samples
         assert all(math.isfinite(x) and x > 0 for x in line["losses"])
         assert line["lr"] == pytest.approx(cosine_lr(config.lr, i - 1, config.steps))
-        assert set(line["mean_score"]) == set(line["kept_fraction"]) == {"heads", "channels"}
-        assert len(line["kept_fraction"]["heads"]) == 2 and len(line["head_scores"]) == 2
+        assert set(line["mean_score"]) == set(line["kept_fraction"]) == {"kv_groups", "channels"}
+        assert len(line["kept_fraction"]["kv_groups"]) == 2 and len(line["head_scores"]) == 2
         assert all(len(layer) == 4 and all(0 <= s <= 1 for s in layer) for layer in line["head_scores"])
         masks = report_masks(line)  # the step's own hard masks: what kept_fraction counts, and what observers get
         assert masks == report.masks and {u: [len(r) for r in rows] for u, rows in masks.items()} == {
-            "heads": [4, 4], "channels": [384, 384]}
+            "kv_groups": [4, 4], "channels": [384, 384]}
         assert all([sum(r) / len(r) for r in rows] == pytest.approx(line["kept_fraction"][u]) for u, rows in masks.items())
     # the moving-average baseline, rebuilt from the recorded losses
     b = None
@@ -118,17 +118,17 @@ def test_metrics_and_observer(main_run):
 def test_masks_artifact_and_budget(main_run):
     out, config, results, run = main_run["out"], main_run["config"], main_run["results"], main_run["run"]
     tensors = load_file(str(out / "masks.safetensors"))
-    assert set(tensors) == {f"{k}.{u}" for k in ("scores", "masks", "init_scores", "init_masks") for u in ("heads", "channels")}
+    assert set(tensors) == {f"{k}.{u}" for k in ("scores", "masks", "init_scores", "init_masks") for u in ("kv_groups", "channels")}
     from engine.algo.context import KEEP
     from engine.run.masks import mask_key  # the saved init mask is the one whose perplexity is ppl_init
 
-    assert run.res.masks.measured[mask_key({u: tensors[f"init_masks.{u}"] for u in ("heads", "channels")}, KEEP)] == \
+    assert run.res.masks.measured[mask_key({u: tensors[f"init_masks.{u}"] for u in ("kv_groups", "channels")}, KEEP)] == \
         results["ppl_init"]
     meta, masks, scores = load_mask_artifact(out)
-    assert meta["units_per_layer"] == {"heads": [4, 4], "channels": [384, 384]}
+    assert meta["units_per_layer"] == {"kv_groups": [4, 4], "channels": [384, 384]}
     assert meta["kept_per_layer"] == results["kept_per_layer"]
     keep = config.keep_ratio
-    for u, total in (("heads", 8), ("channels", 768)):
+    for u, total in (("kv_groups", 8), ("channels", 768)):
         s = scores[u]
         assert float(s.min()) >= 0 and float(s.max()) <= 1
         assert float(s.sum()) <= keep * total + 1e-3  # the learned scores stay in the budget set
@@ -137,7 +137,7 @@ def test_masks_artifact_and_budget(main_run):
         assert all(k >= 1 for k in results["kept_per_layer"][u])
         assert [int(m.sum()) for m in run.res.layout.split(u, masks[u])] == results["kept_per_layer"][u]
     assert not torch.equal(tensors["scores.channels"], tensors["init_scores.channels"])  # the steps moved s
-    assert results["params_pruned"] == tiny_params(results["kept_per_layer"]["heads"],
+    assert results["params_pruned"] == tiny_params(results["kept_per_layer"]["kv_groups"],
                                                     results["kept_per_layer"]["channels"])
 
 
@@ -147,7 +147,7 @@ def test_export_is_faithful(main_run, tiny):
     exported, _ = load_model(resolve_model(str(out / "model")))
     assert count_parameters(exported) == results["params_pruned"]
     cfg = exported.config
-    assert cfg.kv_heads_per_layer == results["kept_per_layer"]["heads"]
+    assert cfg.kv_heads_per_layer == results["kept_per_layer"]["kv_groups"]
     assert cfg.intermediate_size_per_layer == results["kept_per_layer"]["channels"]
     ppl_export = perplexity(exported, run.res.windows, 8)
     assert ppl_export == pytest.approx(results["ppl_pruned"], rel=1e-5)
@@ -274,10 +274,10 @@ def test_unit_blocks_resume_as_an_uninterrupted_run(tiny, tiny_path, small_eval_
 def test_uniform_scope_keeps_equal_counts_per_layer(tiny, tiny_path, small_eval_file, tmp_path):
     config = small_config(tiny_path, small_eval_file, steps=2, scope="uniform", prune_ratio=0.5)
     results = PruneRun(config, tmp_path / "U", model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
-    assert results["kept_per_layer"] == {"heads": [2, 2], "channels": [192, 192]}
+    assert results["kept_per_layer"] == {"kv_groups": [2, 2], "channels": [192, 192]}
     assert results["params_pruned"] == tiny_params([2, 2], [192, 192])
     _, _, scores = load_mask_artifact(tmp_path / "U")
-    for u, n in (("heads", 4), ("channels", 384)):
+    for u, n in (("kv_groups", 4), ("channels", 384)):
         for part in scores[u].split(n):
             assert float(part.sum()) <= 0.5 * n + 1e-3  # each layer is its own budget pool
 
@@ -285,18 +285,18 @@ def test_uniform_scope_keeps_equal_counts_per_layer(tiny, tiny_path, small_eval_
 def test_heads_only_with_other_options(tiny, tiny_path, small_eval_file, tmp_path):
     """Only KV groups pruned (channels untouched), random init, score-const map, sqrt estimator,
     no baseline, constant learning rate."""
-    config = small_config(tiny_path, small_eval_file, steps=3, units=["heads"], prune_ratio=0.25, init="random",
+    config = small_config(tiny_path, small_eval_file, steps=3, units=["kv_groups"], prune_ratio=0.25, init="random",
                           prob_map="score-const", estimator="sqrt", baseline="none", lr_schedule="constant",
                           num_mask_samples=3)
     reports: list[StepReport] = []
     out = tmp_path / "H"
     results = PruneRun(config, out, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False,
                                                                                    observer=reports.append)
-    assert set(results["kept_per_layer"]) == {"heads"}
-    assert sum(results["kept_per_layer"]["heads"]) == keep_count(0.75, 8) == 6  # global: the split is learned
+    assert set(results["kept_per_layer"]) == {"kv_groups"}
+    assert sum(results["kept_per_layer"]["kv_groups"]) == keep_count(0.75, 8) == 6  # global: the split is learned
     assert [len(r.losses) for r in reports] == [3, 3, 3]
     assert all(r.baseline == 0.0 and r.lr == config.lr for r in reports)
-    assert set(reports[0].mean_score) == {"heads"}
+    assert set(reports[0].mean_score) == {"kv_groups"}
     model_cfg = json.loads((out / "model" / "config.json").read_text())
     assert model_cfg["intermediate_size_per_layer"] == [384, 384]
     assert sum(model_cfg["kv_heads_per_layer"]) == 6
@@ -512,10 +512,10 @@ def test_default_model_short_run(tmp_path, small_eval_file, default_model_cache,
         assert math.isfinite(results[k]) and results[k] > 1
     assert results["ppl_dense"] < 200  # a trained model, correctly de-quantized (about 50 on WikiText-2)
     assert results["params_pruned"] < results["params_dense"]
-    assert results["units_per_layer"] == {"heads": [3] * 30, "channels": [1536] * 30}
-    assert sum(results["kept_per_layer"]["heads"]) == keep_count(0.7, 90)
+    assert results["units_per_layer"] == {"kv_groups": [3] * 30, "channels": [1536] * 30}
+    assert sum(results["kept_per_layer"]["kv_groups"]) == keep_count(0.7, 90)
     assert sum(results["kept_per_layer"]["channels"]) == keep_count(0.7, 30 * 1536)
-    assert min(results["kept_per_layer"]["heads"]) >= 1
+    assert min(results["kept_per_layer"]["kv_groups"]) >= 1
 
     engine.register_pruned_classes()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model").eval()

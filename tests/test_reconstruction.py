@@ -69,8 +69,8 @@ def test_the_statistics_agree_with_the_engines_column_moments_in_one_pass_or_sev
     model = build_model("llama")
     a = ModelAdapter.for_model(model)
     batches = [batch(model, rows=2, seqlen=13, seed=s) for s in (1, 2)]
-    one = input_moments(a, batches, ["heads", "channels"])
-    several = input_moments(a, batches, ["heads", "channels"], max_bytes=1)  # one projection a pass
+    one = input_moments(a, batches, ["kv_groups", "channels"])
+    several = input_moments(a, batches, ["kv_groups", "channels"], max_bytes=1)  # one projection a pass
     sums, squares, tokens = column_moments(a, batches)
     for key, (second, total, n) in one.items():
         assert n == tokens
@@ -88,8 +88,8 @@ def test_a_stop_rule_ends_the_statistics_early_in_every_pass():
     stop = lambda done: asked.append(done) or done >= 2  # noqa: E731
     for max_bytes in (2 << 30, 1):  # one pass, or one pass per projection (the later passes run as many)
         asked.clear()
-        early = input_moments(a, batches, ["heads", "channels"], max_bytes=max_bytes, stop=stop)
-        first_two = input_moments(a, batches[:2], ["heads", "channels"], max_bytes=max_bytes)
+        early = input_moments(a, batches, ["kv_groups", "channels"], max_bytes=max_bytes, stop=stop)
+        first_two = input_moments(a, batches[:2], ["kv_groups", "channels"], max_bytes=max_bytes)
         assert asked == [1, 2]
         for key, (second, total, n) in early.items():
             assert n == first_two[key][2] == sum(b.numel() for b in batches[:2])
@@ -106,7 +106,7 @@ def _recorded(model, proj, ids):
     return got[0].double()
 
 
-@pytest.mark.parametrize("unit", ["heads", "channels"])
+@pytest.mark.parametrize("unit", ["kv_groups", "channels"])
 def test_the_refit_projection_matches_the_dense_one_best_and_the_weights_come_back(unit):
     """One layer pruned (the projection's input is then the dense model's): on the statistics' own tokens the
     refit output is the least-squares fit of the dense output, no worse than the compensation's mean fill, and
@@ -213,7 +213,7 @@ def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypa
         return real(run, masks, batch, fill, **kw)
 
     monkeypatch.setattr(joint, "hard_mask_loss", spy)
-    results = _run(tiny, tiny_path, small_eval_file, out, method="flap", units=["layers", "heads", "channels"],
+    results = _run(tiny, tiny_path, small_eval_file, out, method="flap", units=["layers", "kv_groups", "channels"],
                    layer_init="layerwise-ppl", reconstruct=True, mix_refit=mix_refit, mix_batches=2, budget="params",
                    prune_ratio=0.5, eval_unrefit=True)
     for k, v in tiny[0].state_dict().items():
@@ -229,7 +229,7 @@ def test_the_joint_mix_is_chosen_on_refit_candidates_with_mix_refit(tiny, tiny_p
     def see(res, masks, fill, dense):
         changed = any(not torch.equal(v, dense[k]) for k, v in res.model.state_dict().items())
         cut = any(len(kept[u]) < res.layout.sizes[u][i] for i, kept in kept_indices(res.layout, masks, res.adapter)
-                  for u in ("heads", "channels"))  # (a kept layer lost width: something to refit)
+                  for u in ("kv_groups", "channels"))  # (a kept layer lost width: something to refit)
         return changed == cut and isinstance(fill, dict)
 
     seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, True)
@@ -276,7 +276,7 @@ def test_step_refit_does_not_refit_the_mix_candidates_twice(tiny, tiny_path, sma
     samples' own refit is not applied again on top of it); --step-refit alone leaves the mix unrefit. --mix-reward
     ce (the default preset's) scores the mix by cross-entropy whatever --reward the steps take."""
     def mix(name: str, **kw) -> list[dict]:
-        return _run(tiny, tiny_path, small_eval_file, tmp_path / name, method="flap", units=["layers", "heads", "channels"],
+        return _run(tiny, tiny_path, small_eval_file, tmp_path / name, method="flap", units=["layers", "kv_groups", "channels"],
                     layer_init="layerwise-ppl", reconstruct=True, mix_batches=2, budget="params", prune_ratio=0.5,
                     **kw)["init_mix"]
 
@@ -362,7 +362,7 @@ def test_an_offloaded_model_is_not_refit_and_says_why():
     model = build_model("llama").to("meta")
     a = ModelAdapter.for_model(model)
     logs: list[str] = []
-    run = SimpleNamespace(adapter=a, layout=UnitLayout({"heads": unit_sizes(a)["heads"]}), log=logs.append, config=None)
+    run = SimpleNamespace(adapter=a, layout=UnitLayout({"kv_groups": unit_sizes(a)["kv_groups"]}), log=logs.append, config=None)
     hook = Reconstruction(run)
     hook.on_setup()
     assert "offloaded" in hook.skipped and any("reconstruction skipped" in m for m in logs)

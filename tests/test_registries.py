@@ -65,7 +65,7 @@ def test_a_new_metric_and_method_are_used_by_the_run(scratch_entries, tiny, tiny
                                 {u: torch.zeros_like(s, dtype=torch.float64) for u, s in state.scores.items()}, 0.0)
 
     config = PruneConfig(model=str(tiny_path), method="frozen", init="first-units", prob_map="score-const", steps=3,
-                         units=["heads", "channels"], calib=str(SMALL_CALIB), eval_data=str(WIKI_RAW), max_windows=2,
+                         units=["kv_groups", "channels"], calib=str(SMALL_CALIB), eval_data=str(WIKI_RAW), max_windows=2,
                          init_batches=1)
     model, tok = tiny
     run = PruneRun(config, tmp_path / "run", model=model, tokenizer=tok, log=lambda m: None)

@@ -49,7 +49,7 @@ def test_the_runs_tables_row_leads_with_the_runs_name_and_rounds_with_one_missin
     showed raw floats (551.5698) and a missing value "None" beside "—"."""
     from engine.ui.settings import runs_row
 
-    config = {"scope": "global", "prune_ratio": 0.3, "steps": 40, "model": "/x/tinystories-656k", "units": ["heads"]}
+    config = {"scope": "global", "prune_ratio": 0.3, "steps": 40, "model": "/x/tinystories-656k", "units": ["kv_groups"]}
     done = runs_row("r-a", "done", config, {"ppl_pruned": 551.5698, "ppl_dense": None, "params_pruned": 538_240,
                                             "removed_of_decoder": 0.3}, 6, "2026-12-01 19:00", "1.21× est.")
     assert list(done)[:6] == ["run", "status", "scope", "rate", "ppl pruned", "params"]

@@ -24,7 +24,7 @@ from conftest import engine_in_process
 from test_adapters_export import build_model
 from test_one_pass import config_for, counting, same_moments, stream_of
 
-TYPES = ["heads", "channels"]
+TYPES = ["kv_groups", "channels"]
 
 
 def from_files(tiny, config, out):

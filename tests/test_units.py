@@ -8,7 +8,7 @@ import torch
 from engine.algo.policy import keep_count, project_capped_simplex
 from engine.model.units import UnitLayout
 
-SIZES = {"heads": [4, 4, 3], "channels": [10, 7, 13]}
+SIZES = {"kv_groups": [4, 4, 3], "channels": [10, 7, 13]}
 
 
 @pytest.fixture
@@ -22,9 +22,9 @@ def kept_outrank_dropped(scores: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 def test_geometry(layout):
-    assert layout.unit_types == ["heads", "channels"]
-    assert layout.total("heads") == 11 and layout.total("channels") == 30
-    assert layout.layer_slices("heads") == [slice(0, 4), slice(4, 8), slice(8, 11)]
+    assert layout.unit_types == ["kv_groups", "channels"]
+    assert layout.total("kv_groups") == 11 and layout.total("channels") == 30
+    assert layout.layer_slices("kv_groups") == [slice(0, 4), slice(4, 8), slice(8, 11)]
     flat = torch.arange(30.0)
     parts = layout.split("channels", flat)
     assert [p.tolist() for p in parts] == [list(range(0, 10)), list(range(10, 17)), list(range(17, 30))]
@@ -32,10 +32,10 @@ def test_geometry(layout):
 
 
 def test_pools(layout):
-    assert layout.pools("heads", "global") == [slice(0, 11)]
+    assert layout.pools("kv_groups", "global") == [slice(0, 11)]
     assert layout.pools("channels", "uniform") == layout.layer_slices("channels")
     with pytest.raises(ValueError):
-        layout.pools("heads", "per-head")
+        layout.pools("kv_groups", "per-head")
 
 
 @pytest.mark.parametrize("keep", [0.25, 0.6, 0.9])
@@ -86,19 +86,19 @@ def test_hard_mask_global_counts(layout, keep):
 
 
 def test_hard_mask_global_is_top_k_when_no_layer_is_empty():
-    layout = UnitLayout({"heads": [3, 3]})
+    layout = UnitLayout({"kv_groups": [3, 3]})
     s = torch.tensor([0.9, 0.1, 0.5, 0.8, 0.7, 0.2])
-    assert layout.hard_mask("heads", s, "global", 0.5).tolist() == [1, 0, 0, 1, 1, 0]
+    assert layout.hard_mask("kv_groups", s, "global", 0.5).tolist() == [1, 0, 0, 1, 1, 0]
 
 
 def test_repair_keeps_best_unit_of_empty_layer_and_stays_on_budget():
-    layout = UnitLayout({"heads": [4, 4, 4]})
+    layout = UnitLayout({"kv_groups": [4, 4, 4]})
     s = torch.tensor([0.90, 0.91, 0.92, 0.93,   # layer 0: best overall
                       0.50, 0.60, 0.70, 0.80,   # layer 1
                       0.10, 0.30, 0.20, 0.05])  # layer 2: all below the global cut
     # plain top-6 keeps layer 0 entirely and 0.8, 0.7 of layer 1, nothing of layer 2. The rule keeps
     # layer 2's best (0.30) and drops the lowest unit kept elsewhere in a layer keeping > 1 (0.70).
-    m = layout.hard_mask("heads", s, "global", 0.5)
+    m = layout.hard_mask("kv_groups", s, "global", 0.5)
     assert m.tolist() == [1, 1, 1, 1,
                           0, 0, 0, 1,
                           0, 1, 0, 0]
@@ -119,10 +119,10 @@ def test_repair_of_two_empty_layers():
 
 def test_repair_when_budget_is_below_one_unit_per_layer():
     """Fewer kept units than layers: every layer still keeps one (an export needs one), budget exceeded."""
-    layout = UnitLayout({"heads": [2, 2, 2]})
+    layout = UnitLayout({"kv_groups": [2, 2, 2]})
     s = torch.tensor([0.9, 0.8, 0.1, 0.2, 0.3, 0.05])
-    m = layout.hard_mask("heads", s, "global", 0.2)  # keep_count(0.2, 6) = 1
-    assert [p.tolist() for p in layout.split("heads", m)] == [[1, 0], [0, 1], [1, 0]]
+    m = layout.hard_mask("kv_groups", s, "global", 0.2)  # keep_count(0.2, 6) = 1
+    assert [p.tolist() for p in layout.split("kv_groups", m)] == [[1, 0], [0, 1], [1, 0]]
 
 
 def test_hard_mask_global_random_properties():
@@ -132,14 +132,14 @@ def test_hard_mask_global_random_properties():
     for trial in range(300):
         n_layers = int(torch.randint(1, 6, (1,), generator=g))
         sizes = torch.randint(1, 9, (n_layers,), generator=g).tolist()
-        layout = UnitLayout({"heads": sizes})
-        total = layout.total("heads")
+        layout = UnitLayout({"kv_groups": sizes})
+        total = layout.total("kv_groups")
         # layer-dependent offsets make whole layers fall below the cut often
         s = torch.cat([torch.rand(n, generator=g) * 0.3 + float(torch.rand(1, generator=g)) for n in sizes])
         keep = float(torch.rand(1, generator=g)) * 0.9 + 0.05
-        m = layout.hard_mask("heads", s, "global", keep)
+        m = layout.hard_mask("kv_groups", s, "global", keep)
         k = keep_count(keep, total)
-        parts, sparts = layout.split("heads", m), layout.split("heads", s)
+        parts, sparts = layout.split("kv_groups", m), layout.split("kv_groups", s)
         assert all(int(p.sum()) >= 1 for p in parts)
         if k >= n_layers:
             assert int(m.sum()) == k
@@ -150,10 +150,10 @@ def test_hard_mask_global_random_properties():
 
 
 def test_hard_mask_deterministic_on_ties():
-    layout = UnitLayout({"heads": [3, 3]})
+    layout = UnitLayout({"kv_groups": [3, 3]})
     s = torch.full((6,), 0.5)
-    m1 = layout.hard_mask("heads", s, "global", 0.5)
-    m2 = layout.hard_mask("heads", s.clone(), "global", 0.5)
+    m1 = layout.hard_mask("kv_groups", s, "global", 0.5)
+    m2 = layout.hard_mask("kv_groups", s.clone(), "global", 0.5)
     assert torch.equal(m1, m2) and int(m1.sum()) == 3
 
 
@@ -190,6 +190,41 @@ def test_round_to_multiple_gives_freed_blocks_to_the_best_layer():
     out = round_to_multiple(mask, scores, layout.layer_slices("channels"), layout.pools("channels", "global"), 4)
     assert out.tolist() == [1.0] * 4 + [0.0] * 4 + [1.0] * 4 + [0.0] * 4
     # a layer no larger than the multiple is left as it is
-    small = UnitLayout({"heads": [3, 3]})
+    small = UnitLayout({"kv_groups": [3, 3]})
     m = torch.tensor([1, 1, 0, 1, 0, 0.0])
-    assert torch.equal(round_to_multiple(m, torch.rand(6), small.layer_slices("heads"), small.pools("heads", "global"), 4), m)
+    assert torch.equal(round_to_multiple(m, torch.rand(6), small.layer_slices("kv_groups"), small.pools("kv_groups", "global"), 4), m)
+
+
+def test_kv_groups_are_read_under_their_older_name_heads(tmp_path):
+    """The unit type of a KV head and its query heads is kv_groups; heads, its older name, is read as it in the
+    settings (units, --units, unit_multiple) and in a run saved under it (masks.json and masks.safetensors), while
+    the registry iterates each unit type once, by its name."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.cli import _config_from_args, parse_args
+    from engine.export.artifacts import load_mask_artifact
+    from engine.model.unit_types import UNIT_TYPES, renamed_units, unit_name
+    from engine.settings.config import PruneConfig
+
+    assert list(UNIT_TYPES) == ["kv_groups", "channels", "layers"] and "heads" in UNIT_TYPES
+    assert UNIT_TYPES["heads"] is UNIT_TYPES["kv_groups"] and UNIT_TYPES.get("heads") is UNIT_TYPES["kv_groups"]
+    assert unit_name("heads") == "kv_groups" and unit_name("channels") == "channels" and unit_name(3) == 3
+    assert renamed_units({"units": ["heads"], "scores": {"heads": [1]}, "other": {"x": ["heads"]}}) == {
+        "units": ["kv_groups"], "scores": {"kv_groups": [1]}, "other": {"x": ["heads"]}}
+    config = PruneConfig(units=["heads", "channels"], unit_multiple={"heads": 2})
+    assert config.units == ["kv_groups", "channels"] and config.unit_multiple == {"kv_groups": 2}
+    assert PruneConfig.from_dict({**config.to_dict(), "units": ["heads"]}).units == ["kv_groups"]
+    cli = _config_from_args(parse_args(["prune", "--units", "heads,channels", "--unit-multiple", "heads=2",
+                                        "--out", "x"]))
+    assert cli.units == ["kv_groups", "channels"] and cli.unit_multiple == {"kv_groups": 2}
+    old = tmp_path / "old"  # a finished run's masks as the version that named them heads saved them
+    old.mkdir()
+    (old / "masks.json").write_text(json.dumps({"unit_types": ["heads"], "units_per_layer": {"heads": [2, 2]}}))
+    save_file({"masks.heads": torch.tensor([1.0, 0.0, 1.0, 1.0]), "scores.heads": torch.zeros(4)},
+              str(old / "masks.safetensors"))
+    meta, masks, scores = load_mask_artifact(old)
+    assert meta["unit_types"] == ["kv_groups"] and meta["units_per_layer"] == {"kv_groups": [2, 2]}
+    assert set(masks) == set(scores) == {"kv_groups"} and masks["kv_groups"].tolist() == [1.0, 0.0, 1.0, 1.0]

@@ -78,9 +78,9 @@ def run_dir(tiny, tiny_path, tmp_path_factory):
     """A finished-looking prune run of the tiny model: masks artifact and the sliced export."""
     model, tok = tiny
     a = ModelAdapter.for_model(model)
-    layout = UnitLayout({"heads": unit_sizes(a)["heads"], "channels": unit_sizes(a)["channels"]})
+    layout = UnitLayout({"kv_groups": unit_sizes(a)["kv_groups"], "channels": unit_sizes(a)["channels"]})
     g = torch.Generator().manual_seed(3)
-    masks = {"heads": torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 1]),
+    masks = {"kv_groups": torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 1]),
              "channels": (torch.rand(layout.total("channels"), generator=g) > 0.4).float()}
     out = tmp_path_factory.mktemp("run")
     save_mask_artifact(out, str(tiny_path), layout, masks, {u: m.clone() for u, m in masks.items()},

@@ -1,5 +1,5 @@
 """The joint method's starting mix: how much of a parameter budget goes to whole layers and how much to the
-widths (KV groups, channels) of the layers kept, when `--units layers,heads,channels` share one budget.
+widths (KV groups, channels) of the layers kept, when `--units layers,kv_groups,channels` share one budget.
 
 Layer metrics (SLEB, Layerwise-PPL) and width metrics (Taylor, Wanda-sp, FLAP) are on different scales, so no
 z-score compares a layer with a channel. The scale used instead is the calibration loss itself: every candidate

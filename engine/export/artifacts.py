@@ -21,7 +21,7 @@ from ..errors import UserError, shorten
 from ..storage.io import atomic_file, atomic_dir, atomic_write_text
 from ..model.loading import count_parameters
 from ..run.files import MASKS_FILE, MASKS_META_FILE  # noqa: F401  (MASKS_FILE: the app reads it from here)
-from ..model.unit_types import UNIT_TYPES, layer_unit_types
+from ..model.unit_types import UNIT_TYPES, layer_unit_types, renamed_units, unit_name
 from ..model.units import UnitLayout
 
 _MODELING_FILE = "modeling_pruned.py"
@@ -64,6 +64,10 @@ def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tenso
     except Exception as e:  # (a missing file, or safetensors' own error for a damaged or truncated one)
         raise UserError(f"{run_dir / MASKS_FILE} cannot be read ({shorten(str(e), 100)}): the run's masks are "
                         "damaged; run the pruning again (--overwrite)") from e
+    if isinstance(meta, dict):  # (a unit type saved under an older name: by its name)
+        meta = renamed_units(meta)
+        tensors = {".".join((kind, unit_name(u))): t for name, t in tensors.items()
+                   for kind, _, u in [name.partition(".")]}
     problem = mask_meta_problem(meta, tensors)
     if problem is not None:
         raise UserError(f"{run_dir / MASKS_META_FILE} is damaged ({problem}); run the pruning again (--overwrite)")

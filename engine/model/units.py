@@ -1,6 +1,6 @@
 """The prunable units of a model as flat score vectors, their budget pools, and final hard masks.
 
-Scores of one unit type (e.g. "heads" = KV groups) live in one flat vector, layer after layer.
+Scores of one unit type (e.g. "kv_groups") live in one flat vector, layer after layer.
 Scope "global" makes the whole vector one pool with one budget, so the per-layer split is learned;
 "uniform" gives every layer its own pool with the same keep ratio. Whole layers ("layers", one unit
 per decoder layer) always form one pool across the model.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import UserError
+from ..model.unit_types import renamed_units
 from ..storage.io import SAFE_GLOBALS, atomic_file, safe_load  # noqa: F401  (SAFE_GLOBALS: read from here too)
 from .folder import CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, trim_metrics
 from .state import HOOK_DATA, RunState
@@ -92,6 +93,7 @@ class Checkpoints:
             raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); it is damaged: "
                             "start again with --overwrite") from e
         try:
+            data = renamed_units(data)  # (a unit type saved under an older name: by its name)
             control_moments = data.pop("control_moments", None)  # a checkpoint from before method_state
             if control_moments is not None:
                 data.setdefault("method_state", {})["control_moments"] = control_moments

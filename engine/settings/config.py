@@ -23,7 +23,7 @@ from ..algo.metrics import layer_metrics, unit_metrics
 from ..algo.metrics.probability import PROB_MAPS
 from ..algo.policy import LR_SCHEDULE_FNS
 from ..algo.rewards import REWARDS
-from ..model.unit_types import UNIT_TYPES
+from ..model.unit_types import UNIT_TYPES, unit_name
 from ..model.units import SCOPES
 
 # the choices of settings that name a registry entry come from the registry (validate() reads the registries
@@ -37,7 +37,7 @@ MAX_TIME_BUDGET = 7 * 24 * 60.0  # minutes: --time-budget below 7 days (1e300 mi
 # the settings of policy gradient over KV groups and channels where they differ from PruneConfig's defaults (the
 # default run's): the fast preset's, PruneConfig's own defaults before the default run's became them, and what a
 # saved config or PruneConfig.of that lacks one of them reads (_migrate). PruneConfig(**FAST) is that run.
-FAST = dict(units=["heads", "channels"], method="pg", layer_init="sleb", layer_score_const=None, init_batches=64,
+FAST = dict(units=["kv_groups", "channels"], method="pg", layer_init="sleb", layer_score_const=None, init_batches=64,
             reward="ce", step_refit=False, mix_reward="run", calib_source="data")
 # named settings a run can start from (`--preset NAME`; explicit flags override them)
 PRESETS: dict[str, dict] = {
@@ -59,7 +59,7 @@ PRESETS: dict[str, dict] = {
     # stay fixed and the steps learn how much of each kept layer's width stays (pg-alloc), every sample scored by its
     # KL to the dense model under its own refit, as it would be exported; from 50 % up everything calibrates on the
     # dense model's own text (--calib-source auto: engine/data/calib_sources.py)
-    "joint": dict(units=["layers", "heads", "channels"], layer_init="layerwise-ppl", layer_score_const=1.0,
+    "joint": dict(units=["layers", "kv_groups", "channels"], layer_init="layerwise-ppl", layer_score_const=1.0,
                   init_batches=16, method="pg-alloc", reward="kl", step_refit=True, mix_reward="ce",
                   calib_source="auto"),
 }
@@ -122,7 +122,7 @@ def default_run_values(units=None, scope: str = "global", budget: str = "params"
     settings (FAST, units and all; the rest of that preset is the settings' defaults). The app's form starts from
     these."""
     joint = PRESETS[DEFAULT_PRESET]
-    chosen = default_preset(units is not None and list(units) != list(joint["units"]), scope, budget)
+    chosen = default_preset(units is not None and [unit_name(u) for u in units] != list(joint["units"]), scope, budget)
     return {} if chosen == DEFAULT_PRESET else {k: list(v) if isinstance(v, list) else v for k, v in FAST.items()}
 
 
@@ -133,9 +133,12 @@ def default_run(**overrides) -> "PruneConfig":
 
 
 def preset_text(name: str) -> str:
-    """A preset's settings as its help texts show them ("steps 50, lr 0.02, ..."; a list as its flag takes it)."""
+    """A preset's settings as its help texts show them ("steps 50, lr 0.02, ..."; a list as its flag takes it); one
+    built on the fast preset's settings (FAST) says so and shows only its own."""
     shown = lambda v: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)  # noqa: E731
-    return ", ".join(f"{k} {shown(v)}" for k, v in PRESETS[name].items())
+    values, on_fast = PRESETS[name], name != "fast" and all(PRESETS[name].get(k) == v for k, v in FAST.items())
+    text = ", ".join(f"{k} {shown(v)}" for k, v in values.items() if not (on_fast and k in FAST))
+    return f"fast's with {text}" if on_fast else text
 
 
 SEED_MAX = 2**32 - 1  # torch's generators take 64 bits; the run adds small offsets to the seed
@@ -218,8 +221,9 @@ class PruneConfig:
 
     model: str = setting(DEFAULT_MODEL, label="Model",
                          help=f"{DEFAULT_MODEL} (packaged GGUF), a model folder, a .gguf file or a hub id")
-    units: list[str] = setting(default_factory=lambda: ["layers", "heads", "channels"], label="Units to prune",
-                               help="comma list of: heads (KV groups), channels (MLP), layers (whole decoder layers)")
+    units: list[str] = setting(default_factory=lambda: ["layers", "kv_groups", "channels"], label="Units to prune",
+                               help="comma list of: kv_groups (a KV head and its query heads; heads, its older name, "
+                                    "is read as it), channels (MLP), layers (whole decoder layers)")
     prune_ratio: float = setting(0.3, label="Pruning rate",
                                  help="fraction removed: of the decoder layers' parameters (--budget params), or of each "
                                       "unit type's count (--budget units)")
@@ -456,6 +460,13 @@ class PruneConfig:
         is --layer-prob-map for whole layers, --prob-map otherwise."""
         whole = UNIT_TYPES[unit_type].whole_layer
         return self.layer_prob_map if whole else self.prob_map, self.score_const_for(unit_type), self.prob_temperature
+
+    def __post_init__(self):
+        # a unit type by its name where an older one is given (heads: kv_groups), in the units and unit_multiple
+        if isinstance(self.units, (list, tuple)):
+            self.units = [unit_name(u) for u in self.units]
+        if isinstance(self.unit_multiple, dict):
+            self.unit_multiple = {unit_name(u): n for u, n in self.unit_multiple.items()}
 
     @property
     def evaluates_init(self) -> bool:

@@ -24,6 +24,7 @@ def unit_index(kept: torch.Tensor, width: int) -> torch.Tensor:
 class UnitType(ABC):
     name: str  # the key in configs, masks, scores and metrics
     title: str  # for figures and the app
+    aliases: tuple[str, ...] = ()  # older names of it, still read (UNIT_TYPES finds it by them)
     whole_layer: bool = False  # one unit per layer: one pool across layers; a removed unit drops its layer
     pruned_config_key: str | None = None  # the export config's per-layer count of these units
     report_scores: bool = False  # few per layer: every unit's score goes into each step's report (heatmaps)

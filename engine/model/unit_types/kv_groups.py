@@ -1,4 +1,4 @@
-"""KV groups ("heads"): one KV head and the query heads that share it (GQA-aware attention heads)."""
+"""KV groups: one KV head and the query heads that share it (GQA-aware attention heads; "heads" before)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from .base import LayerUnitType
 
 @register_unit_type
 class KVGroups(LayerUnitType):
-    name = "heads"
+    name = "kv_groups"
+    aliases = ("heads",)  # its older name: settings and saved runs that say it still read
     title = "KV groups (attention heads)"
     pruned_config_key = "kv_heads_per_layer"
     report_scores = True
