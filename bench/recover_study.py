@@ -93,7 +93,7 @@ def training_text(rate: float, seed: int, text: str, run_dir: Path) -> str:
 
 
 def cell(args) -> None:
-    from engine.tools.recover import CHECKPOINT_FILE, recover
+    from engine.tools.recover import CHECKPOINT_FILE, recover, trained_so_far
 
     folder = cell_dir(args.rate, args.seed, args.row, args.text)
     book = confirm.beside(folder, ".cell.json")
@@ -117,6 +117,14 @@ def cell(args) -> None:
         for old in folder.glob("measures-*min.json"):
             old.unlink()
         info, done_minutes = {}, 0.0
+    if (folder / CHECKPOINT_FILE).is_file() and trained_so_far(folder)[1] is None:
+        # (a checkpoint from before the recovery kept its CPU seconds: a rung stopped midway cannot say how much of
+        # it was trained, since --time-budget counts one session's minutes; the cell is trained again from its start)
+        print(f"{folder.name}: its checkpoint does not say its CPU seconds: trained again from the start", flush=True)
+        (folder / CHECKPOINT_FILE).unlink()
+        for old in folder.glob("measures-*min.json"):
+            old.unlink()
+        info, done_minutes = {}, 0.0
     for rung in sorted(args.minutes):
         dest = folder / f"measures-{rung:g}min.json"
         if rung <= done_minutes + 1e-9:
@@ -129,8 +137,11 @@ def cell(args) -> None:
             continue
         t0, w0 = time.process_time(), time.monotonic()
         again = (folder / CHECKPOINT_FILE).is_file()
-        r = recover(run_dir, folder, resume=again, overwrite=not again and folder.exists(),
-                    time_budget=rung - done_minutes, budget_clock="cpu", skip_eval=True, calib=calib,
+        steps, cpu = trained_so_far(folder)
+        left = rung - cpu / 60  # (the rung's minutes in all, less every session's so far)
+        until = dict(time_budget=left) if left > 0 else dict(steps=steps)  # (trained to it, stopped before the export)
+        r = recover(run_dir, folder, resume=again, overwrite=not again and folder.exists(), **until,
+                    budget_clock="cpu", skip_eval=True, calib=calib,
                     seed=args.seed, log=lambda m: print(m, flush=True), **ROWS[args.row])
         info.setdefault("rungs", {})[f"{rung:g}"] = {
             "cpu_seconds": info.get("cpu_seconds", 0.0) + time.process_time() - t0,

@@ -337,6 +337,27 @@ def test_a_cpu_clock_budget_counts_this_process_cpu_not_the_wait(finished_templa
 
 
 # --- prune --recover MINUTES: the chain ------------------------------------------------------------------------
+def test_the_checkpoint_keeps_every_sessions_cpu_seconds_of_training(finished_template, tmp_path):
+    """A recovery's checkpoint holds the CPU seconds of its training summed over its sessions (what a ladder of CPU
+    budgets that resumes subtracts, since --time-budget counts one session's minutes: bench/recover_study.py);
+    trained_so_far reads them, (0, 0.0) without a checkpoint, and None for CPU where an older checkpoint lacks them."""
+    from engine.tools.recover import CHECKPOINT_FILE, trained_so_far
+
+    out = tmp_path / "r"
+    assert trained_so_far(out) == (0, 0.0)
+    first = recover(finished_template, out, steps=2, log=quiet, **SMALL).results
+    steps, cpu = trained_so_far(out)
+    assert steps == 2 and 0 < cpu <= time.process_time() and cpu == pytest.approx(first["train_cpu_seconds"])
+    second = recover(finished_template, out, resume=True, steps=4, log=quiet).results
+    steps, more = trained_so_far(out)
+    assert steps == 4 and more == pytest.approx(second["train_cpu_seconds"]) and more > cpu
+    ckpt = torch.load(out / CHECKPOINT_FILE, weights_only=True)
+    del ckpt["cpu_seconds"]  # (a checkpoint from before they were kept)
+    torch.save(ckpt, out / CHECKPOINT_FILE)
+    assert trained_so_far(out) == (4, None)
+    assert recover(finished_template, out, resume=True, steps=5, log=quiet).results["train_cpu_seconds"] is None
+
+
 def chain_argv(out, *extra):
     return ["prune", "--model", str(TINY_MODEL), "--out", str(out), "--steps", "1", "--max-windows", "2",
             "--init-batches", "1", "--batch-size", "2", "--preset", "fast", *extra]

@@ -337,11 +337,13 @@ def distil_step(trained, teacher, batch: torch.Tensor, opt: torch.optim.Optimize
 # --- the training loop -----------------------------------------------------------------------------------------
 @dataclass
 class TrainState:
-    """Where a recovery stands: steps done, training seconds so far, the per-step records, and the step its last
-    checkpoint holds."""
+    """Where a recovery stands: steps done, training seconds so far (wall, and this process's CPU seconds summed
+    over every session: None when a checkpoint from before they were kept holds the steps), the per-step records,
+    and the step its last checkpoint holds."""
 
     step: int = 0
     seconds: float = 0.0
+    cpu_seconds: float | None = 0.0
     records: list = dataclasses.field(default_factory=list)
     saved_step: int | None = None
 
@@ -349,7 +351,7 @@ class TrainState:
 def checkpoint_state(state: TrainState, params, opt, config: RecoverConfig, segments: torch.Tensor) -> dict:
     """What --resume needs to continue bit for bit: the trainable weights, the optimizer, torch's generator (LoRA
     dropout), the sampler's state (the step, and which segments it reads) and the seconds so far."""
-    return {"step": state.step, "seconds": state.seconds, "mode": config.mode,
+    return {"step": state.step, "seconds": state.seconds, "cpu_seconds": state.cpu_seconds, "mode": config.mode,
             "trainable": {n: p.detach().clone() for n, p in params}, "optimizer": opt.state_dict(),
             "rng": torch.get_rng_state(),
             "sampler": {"seed": config.seed, "batch_size": config.batch_size, "segments": int(len(segments)),
@@ -375,7 +377,21 @@ def restore_state(ckpt: dict, params, opt, config: RecoverConfig, segments: torc
     opt.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng"])
     step = int(ckpt["step"])
-    return TrainState(step=step, seconds=float(ckpt["seconds"]), saved_step=step)
+    cpu = ckpt.get("cpu_seconds")
+    return TrainState(step=step, seconds=float(ckpt["seconds"]), cpu_seconds=None if cpu is None else float(cpu),
+                      saved_step=step)
+
+
+def trained_so_far(out: Path) -> tuple[int, float | None]:
+    """(steps, CPU seconds of training) the recovery in `out` holds in its checkpoint, every session's: (0, 0.0)
+    without a checkpoint, CPU None for a checkpoint from before they were kept. What a ladder of CPU budgets that
+    resumes (bench/recover_study.py) subtracts, since --time-budget counts one session's minutes."""
+    path = Path(out) / CHECKPOINT_FILE
+    if not path.is_file():
+        return 0, 0.0
+    ckpt = torch.load(path, weights_only=True)
+    cpu = ckpt.get("cpu_seconds")
+    return int(ckpt["step"]), None if cpu is None else float(cpu)
 
 
 def train(trained, teacher, params, opt, segments: torch.Tensor, config: RecoverConfig, state: TrainState, *,
@@ -404,7 +420,7 @@ def train(trained, teacher, params, opt, segments: torch.Tensor, config: Recover
             if not next_step_fits(clock() - began, last, budget):
                 ended = "time budget"
                 break
-            t0, c0 = time.perf_counter(), clock()
+            t0, c0, p0 = time.perf_counter(), clock(), time.process_time()
             batch = segments[batch_indices(state.step, n, config.batch_size, config.seed)]
             lr = config.learning_rate * lr_factor(state.step, config.warmup_steps)
             losses = backward_losses(trained, teacher, batch, opt, config.ce_weight, precision)
@@ -416,6 +432,8 @@ def train(trained, teacher, params, opt, segments: torch.Tensor, config: Recover
             wall, last = time.perf_counter() - t0, clock() - c0
             state.step += 1
             state.seconds += wall
+            if state.cpu_seconds is not None:
+                state.cpu_seconds += time.process_time() - p0
             updating = False
             record = {"step": state.step, **losses, "lr": lr, "seconds": state.seconds, "step_seconds": wall}
             state.records.append(record)
@@ -675,7 +693,7 @@ def _recover(config: RecoverConfig, out: Path, log, on_step, stop, resume: bool)
         results["ppl_after"] = perplexity(model, windows, config.eval_batch_size)
     save_like_export(model, tok, out / MODEL_DIR)
     records = state.records
-    results.update(steps=state.step, ended_by=ended, train_seconds=state.seconds,
+    results.update(steps=state.step, ended_by=ended, train_seconds=state.seconds, train_cpu_seconds=state.cpu_seconds,
                    seconds=time.perf_counter() - started, loss_first=records[0]["loss"] if records else None,
                    loss_last=records[-1]["loss"] if records else None, kl_first=records[0].get("kl") if records else None,
                    kl_last=records[-1].get("kl") if records else None, trainable_params=sum(p.numel() for _, p in params),
