@@ -117,7 +117,7 @@ def cell(args) -> None:
         for old in folder.glob("measures-*min.json"):
             old.unlink()
         info, done_minutes = {}, 0.0
-    if (folder / CHECKPOINT_FILE).is_file() and trained_so_far(folder)[1] is None:
+    if max(args.minutes) > done_minutes and (folder / CHECKPOINT_FILE).is_file() and trained_so_far(folder)[1] is None:
         # (a checkpoint from before the recovery kept its CPU seconds: a rung stopped midway cannot say how much of
         # it was trained, since --time-budget counts one session's minutes; the cell is trained again from its start)
         print(f"{folder.name}: its checkpoint does not say its CPU seconds: trained again from the start", flush=True)
