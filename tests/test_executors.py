@@ -42,7 +42,7 @@ def random_samples(layout: UnitLayout, n: int, seed: int, keep: float = 0.6) -> 
 
 
 def random_fill(model, seed: int) -> dict[str, list[torch.Tensor]]:
-    """Made-up per-column means (non-zero, so that a wrong fill shows)."""
+    """Made-up per-column means (non-zero, so that a wrong comp_means shows)."""
     a = ModelAdapter.for_model(model)
     g = torch.Generator().manual_seed(seed)
     return {"kv_groups": [torch.randn(a.attention(i).output.in_features, generator=g) * 0.3 for i in range(a.num_layers)],
@@ -56,18 +56,18 @@ def test_executors_agree(arch, with_fill):
     model = build_model(arch)
     layout = full_layout(model)
     ids = batch(model)
-    fill = random_fill(model, 1) if with_fill else None
+    comp_means = random_fill(model, 1) if with_fill else None
     for n in (1, 2, 5):
         samples = random_samples(layout, n, seed=n)
         losses = {}
         with MaskHooks(ModelAdapter.for_model(model)) as hooks:
             for name, fn in EXECUTORS.items():
-                losses[name] = fn(hooks, layout, ids, samples, fill)
+                losses[name] = fn(hooks, layout, ids, samples, comp_means)
         # reference: each sample alone, through the plain whole-batch masks
         ref = torch.empty(n, dtype=torch.float64)
         for j in range(n):
             with MaskHooks(ModelAdapter.for_model(model)) as hooks:
-                hooks.set({u: layout.split(u, m[j]) for u, m in samples.items()}, fill)
+                hooks.set({u: layout.split(u, m[j]) for u, m in samples.items()}, comp_means)
                 ref[j] = batch_loss(model, ids).double().mean()
         assert len(set(losses)) >= 2
         for name, got in losses.items():
@@ -89,13 +89,13 @@ def test_sliced_forward_of_a_layer_that_keeps_no_unit(with_fill):
     masks["kv_groups"][1] = torch.zeros(layout.sizes["kv_groups"][1])
     masks["channels"][2] = torch.zeros(layout.sizes["channels"][2])
     masks["channels"][0][::3] = 0
-    fill = random_fill(model, 2) if with_fill else None
+    comp_means = random_fill(model, 2) if with_fill else None
     ids = batch(model)
     with MaskHooks(a) as hooks:
-        hooks.set(masks, fill)
+        hooks.set(masks, comp_means)
         ref = batch_loss(model, ids)
     weights = {n: p.clone() for n, p in model.named_parameters()}
-    with SlicedLayers(a, masks, fill):
+    with SlicedLayers(a, masks, comp_means):
         got = batch_loss(model, ids)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())  # every weight is back
@@ -154,18 +154,18 @@ def test_compensated_export_equals_masked_model_with_fill(arch, tmp_path, tiny):
     g = torch.Generator().manual_seed(3)
     masks = {u: layout.hard_mask(u, torch.rand(layout.total(u), generator=g), "global", 0.6) for u in layout.unit_types}
     ids = batch(model, rows=2, seqlen=19, seed=4)
-    fill = input_means(a, [batch(model, rows=4, seqlen=19, seed=5)])
+    comp_means = input_means(a, [batch(model, rows=4, seqlen=19, seed=5)])
     with torch.no_grad(), MaskHooks(a) as hooks:
-        hooks.set({u: layout.split(u, m) for u, m in masks.items()}, fill)
+        hooks.set({u: layout.split(u, m) for u, m in masks.items()}, comp_means)
         compensated = model(input_ids=ids).logits
         hooks.set({u: layout.split(u, m) for u, m in masks.items()})
         plain = model(input_ids=ids).logits
-    assert not torch.allclose(compensated, plain, atol=1e-4)  # the fill does change the model
-    pruned = build_pruned_model(model, layout, masks, fill)
+    assert not torch.allclose(compensated, plain, atol=1e-4)  # the compensation means do change the model
+    pruned = build_pruned_model(model, layout, masks, comp_means)
     assert pruned.config.output_bias is True
     with torch.no_grad():
         torch.testing.assert_close(pruned(input_ids=ids).logits, compensated, rtol=1e-4, atol=1e-4)
-    export_pruned(model, tiny[1], layout, masks, tmp_path / "m", fill)
+    export_pruned(model, tiny[1], layout, masks, tmp_path / "m", comp_means)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, compensated, rtol=1e-4, atol=1e-4)
@@ -279,16 +279,16 @@ def test_sliced_forwards_multiply_aligned_widths_and_equal_the_masked_model(arch
     masks["channels"][0][:3] = 0  # 197 of 200 channels: 3 padding units
     masks["kv_groups"][1][:] = 0
     masks["kv_groups"][1][0] = 1  # one KV group of 20-wide heads (llama, mistral): one padding group
-    fill, ids = random_fill(model, 4), batch(model)
+    comp_means, ids = random_fill(model, 4), batch(model)
     with MaskHooks(a) as hooks:
-        hooks.set(masks, fill)
+        hooks.set(masks, comp_means)
         ref = batch_loss(model, ids)
     widths = []
     watched = [lin for i in range(a.num_layers) for u in layout.unit_types
                for lin, _, _ in UNIT_TYPES[u].owned_weights(a, i)]
     handles = [lin.register_forward_pre_hook(lambda m, args: widths.append(tuple(m.weight.shape))) for lin in watched]
     try:
-        with SlicedLayers(a, masks, fill):
+        with SlicedLayers(a, masks, comp_means):
             got = batch_loss(model, ids)
     finally:
         for h in handles:

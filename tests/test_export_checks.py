@@ -1,5 +1,5 @@
 """Exports check what they write, and a full disk is one line (issue 48, items 6 and 8's full disk): the hf copy's
-weights must match its config (a copy transformers would refuse, or fill with random weights, is never called
+weights must match its config (a copy transformers would refuse, or comp_means with random weights, is never called
 written); the space a write needs is checked before it starts; what a killed export left is cleaned by the next
 write to the same path, whichever exporter wrote it; a full disk while appending metrics.jsonl is one line.
 Each test failed on the code before its change."""
@@ -44,7 +44,7 @@ def _edit_config(folder: Path, **changes) -> None:
 
 @pytest.mark.parametrize("edit, said", [
     ("widths", "shape"),  # another pruning's MLP widths
-    ("more layers", "lacks"),  # transformers would fill the missing layer with random weights
+    ("more layers", "lacks"),  # transformers would comp_means the missing layer with random weights
     ("fewer layers", "holds"),  # ... and drop a layer's weights without a word
 ])
 def test_export_hf_refuses_weights_that_do_not_match_the_config(edit, said, finished, tmp_path, capfd):

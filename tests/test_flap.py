@@ -98,12 +98,12 @@ def test_flap_compensated_export_equals_the_compensated_masked_model(arch, tmp_p
     s = budget.initial({u: initial_scores(z[u], layout, u, "global", keeps[u], "sigmoid-norm", 0.8) for u in z}, keep)
     masks = budget.hard_masks(s, keep)
     assert budget.kept_params(masks) <= budget.kept_target(keep) + 1e-6
-    fill = input_means(a, batches)
+    comp_means = input_means(a, batches)
     ids = batch(model, rows=2, seqlen=19, seed=4)
     with torch.no_grad(), MaskHooks(a) as hooks:
-        hooks.set({u: layout.split(u, m) for u, m in masks.items()}, fill)
+        hooks.set({u: layout.split(u, m) for u, m in masks.items()}, comp_means)
         compensated = model(input_ids=ids).logits
-    export_pruned(model, tiny[1], layout, masks, tmp_path / "m", fill)
+    export_pruned(model, tiny[1], layout, masks, tmp_path / "m", comp_means)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, compensated, rtol=1e-4, atol=1e-4)

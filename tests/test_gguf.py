@@ -177,9 +177,9 @@ def test_bias_compensation_exports_match_transformers(arch, tmp_path):
     layout, masks = heterogeneous_masks(model)
     a = ModelAdapter.for_model(model)
     g = torch.Generator().manual_seed(3)
-    fill = {"kv_groups": [0.3 * torch.randn(a.attention(i).output.in_features, generator=g) for i in range(a.num_layers)],
+    comp_means = {"kv_groups": [0.3 * torch.randn(a.attention(i).output.in_features, generator=g) for i in range(a.num_layers)],
             "channels": [0.3 * torch.randn(a.mlp(i).output.in_features, generator=g) for i in range(a.num_layers)]}
-    pruned = build_pruned_model(model, layout, masks, fill)
+    pruned = build_pruned_model(model, layout, masks, comp_means)
     assert ModelAdapter.for_model(pruned).attention(0).output.bias is not None
     write_gguf(pruned, tmp_path / "b.gguf", "f32", tokenizer_json=TOKENIZER_JSON)
     ids = torch.randint(3, 2048, (1, 24), generator=torch.Generator().manual_seed(1))

@@ -45,8 +45,8 @@ def test_export_reloads_on_cuda_with_equal_logits(tiny_path, small_eval_file, tm
     from engine.export.artifacts import load_mask_artifact
 
     _, masks, _ = load_mask_artifact(tmp_path / "run")
-    # the masked base model on CUDA as the run evaluated it: its compensation fill and least-squares refit included
-    with run.res.masks.weights(masks) as fill, run.res.ctx.masked(masks, fill), torch.no_grad():
+    # the masked base model on CUDA as the run evaluated it: its compensation means and least-squares refit included
+    with run.res.masks.weights(masks) as comp_means, run.res.ctx.masked(masks, comp_means), torch.no_grad():
         masked = run.res.model(input_ids=ids.cuda()).logits.float().cpu()
     exported, _ = load_model(resolve_model(str(tmp_path / "run" / "model")), "float32", "cuda")
     with torch.no_grad():

@@ -323,13 +323,13 @@ class _Recorder:
         self.log.append(("final_masks", self.name))
         return masks
 
-    def weights_for(self, masks, fill):
+    def weights_for(self, masks, comp_means):
         from contextlib import contextmanager
 
         @contextmanager
         def edited():
             self.log.append(("weights_for", self.name))
-            yield f"{fill}+{self.name}"
+            yield f"{comp_means}+{self.name}"
 
         return edited()
 
@@ -349,10 +349,10 @@ def test_runmasks_applies_the_transforms_in_the_order_it_is_given(reverse):
     masks.measured = {"before": 1.0}
     scores = masks.final_scores(None, {"kv_groups": torch.ones(2)})
     final = masks.final_masks(scores, None)
-    with masks.weights(final) as fill:
+    with masks.weights(final) as comp_means:
         seen = dict(masks.measured)
     assert log == [(t, h.name) for t, h in order]  # (each point in the list's order; the points as the end of a run takes them)
-    assert fill == ("KEEP+a+b" if not reverse else "KEEP+b+a")  # (the run's own fill, KEEP, through both)
+    assert comp_means == ("KEEP+a+b" if not reverse else "KEEP+b+a")  # (the run's own comp_means, KEEP, through both)
     assert seen == {} and masks.measured == {"before": 1.0}  # (b edits the weights: the perplexities set aside, then back)
 
 

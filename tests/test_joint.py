@@ -177,7 +177,7 @@ def test_the_joint_mix_is_chosen_on_compensated_losses(tiny, tiny_path, small_ev
         seen.append(run.ctx.comp_means)
         scores, lines = real(run, z, batches, keep, **kw)
         masks = run.masks.hard_masks(scores, keep)  # (hard_mask_loss: the run's means, other means, or none)
-        losses.append([hard_mask_loss(run, masks, batches[0], fill) for fill in (KEEP, run.ctx.comp_means, None)])
+        losses.append([hard_mask_loss(run, masks, batches[0], comp_means) for comp_means in (KEEP, run.ctx.comp_means, None)])
         return scores, lines
 
     monkeypatch.setattr(initialise, "choose_mix", spy)

@@ -109,7 +109,7 @@ def _recorded(model, proj, ids):
 @pytest.mark.parametrize("unit", ["kv_groups", "channels"])
 def test_the_refit_projection_matches_the_dense_one_best_and_the_weights_come_back(unit):
     """One layer pruned (the projection's input is then the dense model's): on the statistics' own tokens the
-    refit output is the least-squares fit of the dense output, no worse than the compensation's mean fill, and
+    refit output is the least-squares fit of the dense output, no worse than the compensation's mean comp_means, and
     equal to a direct least-squares solve; leaving the context restores every weight bit for bit."""
     model = build_model("mistral")
     a = ModelAdapter.for_model(model)
@@ -133,14 +133,14 @@ def test_the_refit_projection_matches_the_dense_one_best_and_the_weights_come_ba
     second, total, tokens = moments[(unit, 0)]
     mean_fill = {unit: [total.float() / tokens if i == 0 else torch.zeros_like(total.float()) for i in range(a.num_layers)]}
 
-    def masked_out(fill):
+    def masked_out(comp_means):
         with MaskHooks(a) as hooks:
-            hooks.set({unit: layout.split(unit, mask)}, fill)
+            hooks.set({unit: layout.split(unit, mask)}, comp_means)
             return _recorded(model, proj, ids)
 
     err_mean = (masked_out(mean_fill) - dense_out).pow(2).sum()
-    with reconstructed(a, layout, masks, moments, ridge=0.0) as fill:
-        refit = masked_out(fill)
+    with reconstructed(a, layout, masks, moments, ridge=0.0) as comp_means:
+        refit = masked_out(comp_means)
     err_ls = (refit - dense_out).pow(2).sum()
     assert err_ls < err_mean
     cols = t.column_index(a, torch.nonzero(layout.split(unit, mask)[0]).flatten())
@@ -200,7 +200,7 @@ def test_old_configs_load_without_it_new_ones_with_it_and_layers_alone_have_noth
 
 
 def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypatch, see, mix_refit: bool):
-    """A joint run with --reconstruct whose every mix-candidate loss first calls see(run, masks, fill, dense), dense
+    """A joint run with --reconstruct whose every mix-candidate loss first calls see(run, masks, comp_means, dense), dense
     the model's state before the run; (what see returned, in order; the run's results)."""
     import engine.run.mix as joint
 
@@ -208,9 +208,9 @@ def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypa
     seen = []
     real = joint.hard_mask_loss
 
-    def spy(run, masks, batch, fill=KEEP, **kw):
-        seen.append(see(run, masks, fill, dense))
-        return real(run, masks, batch, fill, **kw)
+    def spy(run, masks, batch, comp_means=KEEP, **kw):
+        seen.append(see(run, masks, comp_means, dense))
+        return real(run, masks, batch, comp_means, **kw)
 
     monkeypatch.setattr(joint, "hard_mask_loss", spy)
     results = _run(tiny, tiny_path, small_eval_file, out, method="flap", units=["layers", "kv_groups", "channels"],
@@ -224,13 +224,13 @@ def _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, out, monkeypa
 def test_the_joint_mix_is_chosen_on_refit_candidates_with_mix_refit(tiny, tiny_path, small_eval_file, tmp_path,
                                                                     monkeypatch):
     """With --mix-refit every joint-mix candidate is scored with its own kept columns refit (the weights differ
-    from the dense ones while its losses are taken exactly when a kept layer lost width, with the refit's fill),
+    from the dense ones while its losses are taken exactly when a kept layer lost width, with the refit's comp_means),
     and the weights come back after."""
-    def see(res, masks, fill, dense):
+    def see(res, masks, comp_means, dense):
         changed = any(not torch.equal(v, dense[k]) for k, v in res.model.state_dict().items())
         cut = any(len(kept[u]) < res.layout.sizes[u][i] for i, kept in kept_indices(res.layout, masks, res.adapter)
                   for u in ("kv_groups", "channels"))  # (a kept layer lost width: something to refit)
-        return changed == cut and isinstance(fill, dict)
+        return changed == cut and isinstance(comp_means, dict)
 
     seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, True)
     assert seen and all(seen)
@@ -261,10 +261,10 @@ def test_a_refit_run_evaluates_its_final_mask_before_the_refit_only_when_asked(t
 def test_no_mix_refit_scores_the_candidates_on_the_dense_weights_and_still_refits_the_chosen_mask(
         tiny, tiny_path, small_eval_file, tmp_path, monkeypatch):
     """--no-mix-refit: every candidate's loss is taken on the unedited weights with the run's compensation (the
-    fill the run measured, `...`), and the final mask is refit all the same (its perplexity differs from the same
+    comp_means the run measured, `...`), and the final mask is refit all the same (its perplexity differs from the same
     mask unrefit, which results.json keeps)."""
-    def see(res, masks, fill, dense):
-        return all(torch.equal(v, dense[k]) for k, v in res.model.state_dict().items()) and fill is KEEP
+    def see(res, masks, comp_means, dense):
+        return all(torch.equal(v, dense[k]) for k, v in res.model.state_dict().items()) and comp_means is KEEP
 
     seen, results = _joint_run_seeing_mix_losses(tiny, tiny_path, small_eval_file, tmp_path / "j", monkeypatch, see, False)
     assert seen and all(seen)
@@ -335,9 +335,9 @@ def test_an_evaluation_cached_before_a_refit_is_still_cached_after_it(tiny, tiny
     for u in masks:
         masks[u][::2] = 0  # (every other unit: each layer keeps some)
     before = run.res.masks.masked_perplexity(masks, "before")
-    with run.res.masks.weights(masks) as fill:
+    with run.res.masks.weights(masks) as comp_means:
         assert run.res.masks.measured == {}
-        refit = run.res.masks.masked_perplexity(masks, "refit", fill)
+        refit = run.res.masks.masked_perplexity(masks, "refit", comp_means)
     assert refit != before and run.res.masks.measured[mask_key(masks, KEEP)] == before
     assert len(run.res.masks.measured) == 1  # (the refit's own perplexity is gone with its weights)
 

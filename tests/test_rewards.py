@@ -34,12 +34,12 @@ def context(model, executor: str, reward) -> StepContext:
                        torch.Generator().manual_seed(0), 2, 1, reward=reward)
 
 
-def hand_kl(model, ids, masks_one, layout, fill=None) -> float:
+def hand_kl(model, ids, masks_one, layout, comp_means=None) -> float:
     """sum_v p log(p / q) averaged over positions 0..T-2 and rows, in float64, q under the masks."""
     with torch.no_grad():
         p = torch.softmax(model(input_ids=ids).logits.double(), -1)[:, :-1]
         with MaskHooks(ModelAdapter.for_model(model)) as hooks:
-            hooks.set({u: layout.split(u, m) for u, m in masks_one.items()}, fill)
+            hooks.set({u: layout.split(u, m) for u, m in masks_one.items()}, comp_means)
             q = torch.softmax(model(input_ids=ids).logits.double(), -1)[:, :-1]
     return float((p * (p.log() - q.log())).sum(-1).mean())
 
@@ -48,10 +48,10 @@ def hand_kl(model, ids, masks_one, layout, fill=None) -> float:
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
 def test_kl_reward_equals_a_hand_computation_in_every_executor(arch, executor):
     model = build_model(arch)
-    layout, ids, fill = full_layout(model), batch(model), random_fill(model, 2)
+    layout, ids, comp_means = full_layout(model), batch(model), random_fill(model, 2)
     samples = random_samples(layout, 3, seed=5)
-    got = context(model, executor, DenseKL()).rewards(samples, ids, fill)
-    want = [hand_kl(model, ids, {u: m[j] for u, m in samples.items()}, layout, fill) for j in range(3)]
+    got = context(model, executor, DenseKL()).rewards(samples, ids, comp_means)
+    want = [hand_kl(model, ids, {u: m[j] for u, m in samples.items()}, layout, comp_means) for j in range(3)]
     assert got.dtype == torch.float64 and got.shape == (3,)
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-6)
     assert all(x > 0 for x in want)  # (a pruned model differs from the dense one)
@@ -81,13 +81,13 @@ def test_the_real_model_kl_equals_a_hand_computation(tiny):
 def test_ce_is_the_calibration_loss_bit_for_bit(executor):
     """--reward ce scores every sample exactly as the steps always did (the executors' loss, batch_loss)."""
     model = build_model("qwen2")
-    layout, ids, fill = full_layout(model), batch(model), random_fill(model, 4)
+    layout, ids, comp_means = full_layout(model), batch(model), random_fill(model, 4)
     samples = random_samples(layout, 4, seed=9)
     ctx = context(model, executor, REWARDS["ce"]())
-    assert torch.equal(ctx.rewards(samples, ids, fill), ctx.losses(samples, ids, fill))
+    assert torch.equal(ctx.rewards(samples, ids, comp_means), ctx.losses(samples, ids, comp_means))
     with MaskHooks(ModelAdapter.for_model(model)) as hooks:  # the executor as it was called before rewards
-        before = EXECUTORS[executor](hooks, layout, ids, samples, fill)
-    assert torch.equal(ctx.rewards(samples, ids, fill), before)
+        before = EXECUTORS[executor](hooks, layout, ids, samples, comp_means)
+    assert torch.equal(ctx.rewards(samples, ids, comp_means), before)
     assert REWARDS["ce"]().scorer(model, ids) is batch_loss
 
 
@@ -529,8 +529,8 @@ def test_step_refit_scores_each_sample_under_its_own_refit(tiny, tiny_path, smal
     plain = run.res.ctx.rewards(samples, batch)
     for j in range(3):
         one = {u: m[j] for u, m in samples.items()}
-        with run.res.masks.weights(one) as fill:
-            want = run.res.ctx.losses({u: m[j:j + 1] for u, m in samples.items()}, batch, fill)
+        with run.res.masks.weights(one) as comp_means:
+            want = run.res.ctx.losses({u: m[j:j + 1] for u, m in samples.items()}, batch, comp_means)
         assert torch.equal(got[j:j + 1], want), (j, got, want)
     assert not torch.allclose(got, plain)
     run.res.ctx.weights = weights

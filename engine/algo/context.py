@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only
     from ..model.arch import ModelAdapter
     from ..model.units import UnitLayout
 
-# The one sentinel: a value not given, so the run's own stays (a fill argument: the run's compensation means; a
+# The one sentinel: a value not given, so the run's own stays (a comp_means argument: the run's compensation means; a
 # RunChanges field: the run's value unchanged). Distinct from None, which is a value (no compensation, no limit).
 KEEP: Any = type("Keep", (), {"__repr__": lambda self: "KEEP"})()
 
@@ -35,7 +35,7 @@ class StepContext:
     model: torch.nn.Module  # the unmodified transformers model (hooks apply the masks)
     adapter: "ModelAdapter"
     layout: "UnitLayout"  # of the pruned unit types
-    executor: Callable  # (hooks, layout, batch, samples, fill) -> (N_s,) losses: sequential, batched or sliced
+    executor: Callable  # (hooks, layout, batch, samples, comp_means) -> (N_s,) losses: sequential, batched or sliced
     rng: torch.Generator  # the mask samples' generator (part of every checkpoint)
     num_samples: int  # N_s masks per step
     steps: int  # the steps of the whole run (schedules inside a method, e.g. Gumbel's temperature)
@@ -43,20 +43,20 @@ class StepContext:
     hard_masks: Callable | None = None  # {unit type: scores} -> the run's hard masks of them at its budget
     reward: Reward = field(default_factory=CrossEntropy)  # --reward: what a sample's score is (engine/algo/rewards.py)
     # --step-refit: {unit type: (units,) hard mask} -> a context manager under which the model carries that mask's
-    # refit weights, yielding its fill (RunMasks.weights); None: samples are scored with the compensation only
+    # refit weights, yielding its compensation means (RunMasks.weights); None: samples are scored with the compensation only
     weights: Callable | None = None
     # with weights: the executor of this process's own samples, and (n, value) -> (n,) value(j) of every sample j,
     # each rank of a torchrun computing its share (World.spread); one process: the executor, and all of them
     own_executor: Callable | None = None
     spread: Callable | None = None
 
-    def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=KEEP) -> torch.Tensor:
+    def losses(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, comp_means=KEEP) -> torch.Tensor:
         """Each sample's mean token cross-entropy on the batch (the evaluations' loss, whatever the reward).
-        fill: the compensation means to use instead of the run's (None: none)."""
+        comp_means: the compensation means to use instead of the run's (None: none)."""
         with MaskHooks(self.adapter) as hooks:
-            return self.executor(hooks, self.layout, batch, samples, self.comp_means if fill is KEEP else fill)
+            return self.executor(hooks, self.layout, batch, samples, self.comp_means if comp_means is KEEP else comp_means)
 
-    def rewards(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, fill=KEEP, refit: bool = True,
+    def rewards(self, samples: dict[str, torch.Tensor], batch: torch.Tensor, comp_means=KEEP, refit: bool = True,
                 reward=None) -> torch.Tensor:
         """Each sample's score under the run's reward (--reward: ce is `losses`; kl compares with the dense model,
         whose forward on this batch runs first, without the masks, and is shared by the samples), or under `reward`.
@@ -65,7 +65,7 @@ class StepContext:
         score = (reward or self.reward).scorer(self.model, batch)
         if self.weights is None or not refit:
             with MaskHooks(self.adapter) as hooks:
-                return self.executor(hooks, self.layout, batch, samples, self.comp_means if fill is KEEP else fill, score)
+                return self.executor(hooks, self.layout, batch, samples, self.comp_means if comp_means is KEEP else comp_means, score)
         executor = self.own_executor or self.executor
 
         def one(j: int) -> torch.Tensor:  # (--step-refit: each sample scored under its own refit, a solve and a forward)
@@ -77,8 +77,8 @@ class StepContext:
         return self.spread(n, one) if self.spread else torch.cat([one(j) for j in range(n)])
 
     @contextmanager
-    def masked(self, masks: dict[str, torch.Tensor], fill=KEEP):
-        """fill: as for `losses`."""
+    def masked(self, masks: dict[str, torch.Tensor], comp_means=KEEP):
+        """comp_means: as for `losses`."""
         with MaskHooks(self.adapter) as hooks:
-            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.comp_means if fill is KEEP else fill)
+            hooks.set({u: self.layout.split(u, m) for u, m in masks.items()}, self.comp_means if comp_means is KEEP else comp_means)
             yield

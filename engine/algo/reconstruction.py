@@ -11,7 +11,7 @@ outputs. FLAP's bias compensation is the case A = 0 (x_r replaced by its mean); 
 
 The statistics are the dense model's (one pass over the batches), as the compensation's means are. In the run
 the refit is a weight edit held for the final evaluation and the export (`reconstructed`), with the offsets f as
-the masked columns' fill, so the hooks, the sliced forwards and the export need nothing new: the masked model
+the masked columns' compensation means (comp_means), so the hooks, the sliced forwards and the export need nothing new: the masked model
 computes W'_k x_k + W_r f and the export folds W_r f into the bias as it does the compensation's means.
 
 lam (`ridge`) is relative to the mean variance of the kept columns: columns that the calibration data barely
@@ -150,10 +150,10 @@ def input_moments(adapter: ModelAdapter, batches: list[torch.Tensor], unit_types
 def reconstructed(adapter: ModelAdapter, layout: UnitLayout, masks: dict[str, torch.Tensor], moments: Moments,
                   ridge: float, centered: bool = True):
     """While active, the kept columns of every pruned output projection of the kept layers carry W_k + W_r A
-    (see the module's docstring); yields the fill that goes with it (unit type -> per layer, f at the removed
+    (see the module's docstring); yields the compensation means that go with it (unit type -> per layer, f at the removed
     columns; None when not centred: no offsets). The weights are restored on leaving."""
     saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    fill = {t.name: [torch.zeros(t.output_proj(adapter, i).in_features) for i in range(adapter.num_layers)]
+    comp_means = {t.name: [torch.zeros(t.output_proj(adapter, i).in_features) for i in range(adapter.num_layers)]
             for t in layer_unit_types() if t.name in masks}
     try:
         for i, kept in kept_indices(layout, masks, adapter, empty_ok=True):  # (a sampled mask may empty a layer's type)
@@ -172,8 +172,8 @@ def reconstructed(adapter: ModelAdapter, layout: UnitLayout, masks: dict[str, to
                 saved.append((w, cols, wd[:, cols.to(w.device)].clone()))
                 edit = wd[:, removed.to(w.device)].double().cpu() @ a
                 wd[:, cols.to(w.device)] += edit.to(w)
-                fill[t.name][i][removed] = f.float()
-        yield fill if centered else None
+                comp_means[t.name][i][removed] = f.float()
+        yield comp_means if centered else None
     finally:
         for w, cols, original in reversed(saved):
             w.detach()[:, cols.to(w.device)] = original

@@ -118,7 +118,7 @@ def kept_indices(layout: UnitLayout, masks: dict[str, torch.Tensor], adapter: Mo
 
 
 def _compensation_biases(adapter: ModelAdapter, i: int, kept: dict[str, torch.Tensor],
-                         fill: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+                         comp_means: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Layer i's output-projection biases that stand in for its removed units: W[:, removed] mu[removed]
     (the masked model with compensation computes exactly m x + (1 - m) mu before the projection).
     Keyed by the bias's state-dict name."""
@@ -127,19 +127,19 @@ def _compensation_biases(adapter: ModelAdapter, i: int, kept: dict[str, torch.Te
         proj = t.output_proj(adapter, i)
         w = proj.weight.detach().double().cpu()
         bias = torch.zeros(w.shape[0], dtype=torch.float64) if proj.bias is None else proj.bias.detach().double().cpu()
-        if t.name in fill:
-            bias = bias + t.removed_contribution(adapter, w, kept[t.name], fill[t.name][i].double().cpu())
+        if t.name in comp_means:
+            bias = bias + t.removed_contribution(adapter, w, kept[t.name], comp_means[t.name][i].double().cpu())
         out[f"{adapter.param_name(proj)}.bias"] = bias.to(proj.weight.dtype)
     return out
 
 
 @torch.no_grad()
 def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor],
-                       fill: dict[str, list[torch.Tensor]] | None = None):
+                       comp_means: dict[str, list[torch.Tensor]] | None = None):
     """A physically smaller copy of `model` (on CPU) whose forward equals the masked model's.
 
-    fill: bias compensation (see masking.MaskHooks.set): each removed unit's mean input becomes part
-    of the output projections' biases, so the copy equals the masked model with that fill.
+    comp_means: bias compensation (see masking.MaskHooks.set): each removed unit's mean input becomes part
+    of the output projections' biases, so the copy equals the masked model with those compensation means.
 
     Removed layers are dropped and the kept ones renumbered (so the KV cache lines up). When every
     kept layer keeps all its KV groups and channels, the copy is the plain base architecture with
@@ -159,14 +159,14 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
         cfg["layer_types"] = [cfg["layer_types"][i] for i, _ in keep]
     counts = {t.pruned_config_key: [len(kept[t.name]) for _, kept in keep] for t in layer_unit_types()}
     dense = all(n == t.dense_count(model.config) for t in layer_unit_types() for n in counts[t.pruned_config_key])
-    if not fill and dense and not getattr(model.config, "output_bias", False):
+    if not comp_means and dense and not getattr(model.config, "output_bias", False):
         config = AutoConfig.for_model(base_type, **cfg)
         pruned = AutoModelForCausalLM.from_config(config)
     else:
         config_cls, model_cls = adapter.pruned_classes()
         # a source export that already carries output biases keeps them
         cfg.update(counts, base_model_type=base_type,
-                   output_bias=bool(fill) or bool(getattr(model.config, "output_bias", False)))
+                   output_bias=bool(comp_means) or bool(getattr(model.config, "output_bias", False)))
         cfg["auto_map"] = {
             "AutoConfig": f"{Path(_MODELING_FILE).stem}.{config_cls.__name__}",
             "AutoModelForCausalLM": f"{Path(_MODELING_FILE).stem}.{model_cls.__name__}",
@@ -180,8 +180,8 @@ def build_pruned_model(model, layout: UnitLayout, masks: dict[str, torch.Tensor]
             for key, (dim, idx) in t.slices(adapter, i, kept[t.name]).items():
                 if key in state:
                     state[key] = state[key].index_select(dim, idx.to(state[key].device))
-        if fill:
-            state.update(_compensation_biases(adapter, i, kept, fill))
+        if comp_means:
+            state.update(_compensation_biases(adapter, i, kept, comp_means))
     renumber = {i: j for j, (i, _) in enumerate(keep)}
     new_state = {}
     for key, value in state.items():
@@ -205,9 +205,9 @@ def weight_bytes(model) -> int:
 
 
 def export_pruned(model, tokenizer, layout: UnitLayout, masks: dict[str, torch.Tensor], dest: str | Path,
-                  fill: dict[str, list[torch.Tensor]] | None = None) -> dict:
+                  comp_means: dict[str, list[torch.Tensor]] | None = None) -> dict:
     """Write the sliced model to `dest` atomically; returns {"params": ...}."""
-    pruned = build_pruned_model(model, layout, masks, fill)
+    pruned = build_pruned_model(model, layout, masks, comp_means)
     with atomic_dir(Path(dest), weight_bytes(pruned)) as tmp:
         pruned.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -99,11 +99,11 @@ class RunHook:
         return masks
 
     @contextmanager
-    def weights_for(self, masks: dict[str, torch.Tensor], fill):
+    def weights_for(self, masks: dict[str, torch.Tensor], comp_means):
         """Around an evaluation of one hard mask whose model the run would export (the joint mix's candidates, the
-        final mask, its export): the model as it should be for that mask, and the compensation fill to use (`fill`
+        final mask, its export): the model as it should be for that mask, and the compensation means to use (`comp_means`
         as given; ... is the run's own)."""
-        yield fill
+        yield comp_means
 
     edits_weights: bool = False  # weights_for edits the model's weights (RunMasks sets its perplexities aside)
 

@@ -9,8 +9,8 @@ from ..model.unit_types import UNIT_TYPES
 from .base import RunChanges, RunHook
 
 
-def compensation_fill(means, unit_types):
-    """The fill values of the unit types a run prunes (whole layers have none)."""
+def compensation_means(means, unit_types):
+    """The compensation means of the unit types a run prunes (whole layers have none)."""
     if means is None:
         return None
     return {u: means[u] for u in unit_types if u in means}
@@ -29,11 +29,11 @@ class BiasCompensation(RunHook):
     def before_scores(self, batches) -> RunChanges:  # (so that the joint method's candidate losses are compensated)
         self.run.log("measuring mean inputs of the output projections (bias compensation)")
         self.means = input_means(self.run.adapter, batches, self.run.world, self.run.stats_memo)
-        return RunChanges(comp_means=compensation_fill(self.means, self.run.layout.unit_types))
+        return RunChanges(comp_means=compensation_means(self.means, self.run.layout.unit_types))
 
     def on_init(self, state, batches) -> RunChanges:
         self.own(state)["input_means"] = self.means
         return self.on_resume(state)
 
     def on_resume(self, state) -> RunChanges:
-        return RunChanges(comp_means=compensation_fill(state.input_means, self.run.layout.unit_types))
+        return RunChanges(comp_means=compensation_means(state.input_means, self.run.layout.unit_types))

@@ -153,10 +153,10 @@ class Reconstruction(RunHook):
         return masks
 
     @contextmanager
-    def weights_for(self, masks, fill):
+    def weights_for(self, masks, comp_means):
         r, c = self.run, self.run.config
         if self.skipped is not None:
-            yield fill
+            yield comp_means
             return
         with ExitStack() as stack:  # (RunMasks.weights sets the unedited weights' perplexities aside: edits_weights)
             moments = self.statistics()

@@ -42,8 +42,8 @@ class Validation(RunHook):
         with ExitStack() as stack:
             stack.enter_context(run.phases("validation"))
             reward.prepare(run.model, run.val_batches)  # (kl: the dense model's part, before a refit edits weights)
-            fill = stack.enter_context(run.masks.weights(masks)) if run.config.val_refit else KEEP
-            stack.enter_context(run.ctx.masked(masks, fill))
+            comp_means = stack.enter_context(run.masks.weights(masks)) if run.config.val_refit else KEEP
+            stack.enter_context(run.ctx.masked(masks, comp_means))
             ce, score = reward.held_out_means(run.model, run.val_batches)
         ppl, value = float(torch.exp(ce)), reward.held_out(float(score))
         self.last = (key, ppl, value)

@@ -328,10 +328,10 @@ class World(Collectives):
         if self.size == 1:
             return executor
 
-        def shared(hooks, layout, batch, samples, fill=None, score=batch_loss):
+        def shared(hooks, layout, batch, samples, comp_means=None, score=batch_loss):
             n = next(iter(samples.values())).shape[0]
             mine = share(n, self.size, self.rank)
-            local = (executor(hooks, layout, batch, {u: m[mine.start:mine.stop] for u, m in samples.items()}, fill, score)
+            local = (executor(hooks, layout, batch, {u: m[mine.start:mine.stop] for u, m in samples.items()}, comp_means, score)
                      if len(mine) else torch.empty(0, dtype=torch.float64))
             return self.gather_shares(local, n)
 

@@ -2,7 +2,7 @@
 
 Every executor answers one question, the per-sample calibration loss:
 
-    losses = executor(hooks, layout, batch, samples, fill, score)   # (N_s,) float64 on the CPU
+    losses = executor(hooks, layout, batch, samples, comp_means, score)   # (N_s,) float64 on the CPU
 
 where `score(model, ids)` gives each row's loss (engine/algo/evaluate.batch_loss, the next-token cross-entropy, or a
 reward's scorer, engine/algo/rewards.py), and `samples` maps a unit type to its (N_s, units) 0/1 masks. The run loop
@@ -29,7 +29,7 @@ from .unit_types import UNIT_TYPES
 from .units import UnitLayout
 from ..settings.registry import add_entry
 
-Executor = Callable[..., torch.Tensor]  # (hooks, layout, batch, samples, fill=None, score=batch_loss) -> (N_s,)
+Executor = Callable[..., torch.Tensor]  # (hooks, layout, batch, samples, comp_means=None, score=batch_loss) -> (N_s,)
 EXECUTORS: dict[str, Executor] = {}
 
 
@@ -52,35 +52,35 @@ def register_executor(name: str):
 
 @register_executor("sequential")
 def sequential_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor, samples: dict[str, torch.Tensor],
-                      fill: dict | None = None, score=batch_loss) -> torch.Tensor:
+                      comp_means: dict | None = None, score=batch_loss) -> torch.Tensor:
     n = next(iter(samples.values())).shape[0]
     losses = torch.empty(n, dtype=torch.float64)
     samples = on_accelerator(hooks, samples)
     for j in range(n):
-        hooks.set({u: layout.split(u, m[j]) for u, m in samples.items()}, fill)
+        hooks.set({u: layout.split(u, m[j]) for u, m in samples.items()}, comp_means)
         losses[j] = score(hooks.adapter.model, batch).double().mean()
     return losses
 
 
 @register_executor("batched")
 def batched_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor, samples: dict[str, torch.Tensor],
-                   fill: dict | None = None, score=batch_loss) -> torch.Tensor:
+                   comp_means: dict | None = None, score=batch_loss) -> torch.Tensor:
     n, rows = next(iter(samples.values())).shape[0], batch.shape[0]
     samples = on_accelerator(hooks, samples)
     per_row = {u: [part.repeat_interleave(rows, dim=0) for part in layout.split_rows(u, m)] for u, m in samples.items()}
-    hooks.set(per_row, fill)
+    hooks.set(per_row, comp_means)
     return score(hooks.adapter.model, batch.repeat(n, 1)).double().view(n, rows).mean(1)
 
 
 @register_executor("sliced")
 def sliced_losses(hooks: MaskHooks, layout: UnitLayout, batch: torch.Tensor, samples: dict[str, torch.Tensor],
-                  fill: dict | None = None, score=batch_loss) -> torch.Tensor:
+                  comp_means: dict | None = None, score=batch_loss) -> torch.Tensor:
     n = next(iter(samples.values())).shape[0]
     losses = torch.empty(n, dtype=torch.float64)
     for j in range(n):
         masks = {u: layout.split(u, m[j]) for u, m in samples.items()}
         hooks.set({u: m for u, m in masks.items() if UNIT_TYPES[u].whole_layer})  # layer gates only
-        with SlicedLayers(hooks.adapter, masks, fill):
+        with SlicedLayers(hooks.adapter, masks, comp_means):
             losses[j] = score(hooks.adapter.model, batch).double().mean()
     return losses
 

@@ -10,7 +10,7 @@ exact, so an all-ones mask reproduces the dense model. Leaving the context resto
 Per-row masks: a mask of shape (rows, units) gives every row of the batch its own mask, so N_s
 mask samples run as one forward over the calibration batch repeated N_s times.
 
-Compensation (FLAP's bias compensation): with `fill`, a masked input column is replaced by its
+Compensation (FLAP's bias compensation): with `comp_means`, a masked input column is replaced by its
 mean over calibration data instead of 0, x' = m x + (1 - m) mu, which is exactly what an export
 gets by adding W[:, removed] mu[removed] to the output projection's bias.
 """
@@ -73,16 +73,16 @@ class MaskHooks:
     def __init__(self, adapter: ModelAdapter):
         self.adapter = adapter
         self._columns: dict[str, list[torch.Tensor | None]] = {}
-        self._fill: dict[str, list[torch.Tensor]] = {}
+        self._comp_means: dict[str, list[torch.Tensor]] = {}
         self._layer_decisions: list[float | None] = []
         self._handles = []
         self._originals: list[nn.Module] | None = None
 
     def set(self, layer_masks: dict[str, list[torch.Tensor]],
-            fill: dict[str, list[torch.Tensor]] | None = None) -> None:
+            comp_means: dict[str, list[torch.Tensor]] | None = None) -> None:
         """layer_masks: unit type -> one vector per layer, 0/1 (or soft), of shape (units,) for the
         whole batch or (rows, units) for one mask per row. Types not given are unmasked.
-        fill: unit type -> per layer, the mean input of each column of its output projection
+        comp_means: unit type -> per layer, the mean input of each column of its output projection
         (see `input_means`): masked columns take that value instead of 0."""
         a = self.adapter
         unknown = set(layer_masks) - set(UNIT_TYPES)
@@ -99,15 +99,15 @@ class MaskHooks:
             host = torch.stack([g.detach() for g in gates]).cpu()  # one transfer for all layers, not one each
             self._layer_decisions = [None if g.requires_grad else _all_equal(h) for g, h in zip(gates, host)]
             cols[whole] = [_placed(g, ref) for g in gates]
-        self._fill = {}
-        for u, means in (fill or {}).items():
+        self._comp_means = {}
+        for u, means in (comp_means or {}).items():
             if u in cols and not UNIT_TYPES[u].whole_layer:
-                self._fill[u] = [_placed(mu, UNIT_TYPES[u].output_proj(a, i).weight) for i, mu in enumerate(means)]
+                self._comp_means[u] = [_placed(mu, UNIT_TYPES[u].output_proj(a, i).weight) for i, mu in enumerate(means)]
         self._columns = cols
 
     def clear(self) -> None:
         self._columns = {}
-        self._fill = {}
+        self._comp_means = {}
 
     def _hook(self, unit_type: str, layer: int):
         def scale_input(module, args):
@@ -120,11 +120,11 @@ class MaskHooks:
                 m = m.to(x.device)
             if m.dim() == 2:  # (rows, columns): one mask per row of the batch
                 m = m.view(m.shape[0], *([1] * (x.dim() - 2)), m.shape[1])
-            fill = self._fill.get(unit_type)
-            if fill is None:
+            comp_means = self._comp_means.get(unit_type)
+            if comp_means is None:
                 out = x * m
             else:
-                mu = fill[layer] if fill[layer].device == x.device else fill[layer].to(x.device)
+                mu = comp_means[layer] if comp_means[layer].device == x.device else comp_means[layer].to(x.device)
                 out = x * m + (1 - m) * mu
             return (out,) + tuple(args[1:])
 
@@ -151,5 +151,5 @@ class MaskHooks:
                 layers[i] = layer
             self._originals = None
         self._columns = {}
-        self._fill = {}
+        self._comp_means = {}
 

@@ -1,13 +1,13 @@
 """Sliced forwards: a masked model that computes only its kept units.
 
-While `SlicedLayers(adapter, layer_masks, fill)` is active, every decoder layer, just before it runs,
+While `SlicedLayers(adapter, layer_masks, comp_means)` is active, every decoder layer, just before it runs,
 swaps the weights of its unit types' linears for the kept rows and columns (gathered with
 index_select) and swaps them back right after; the attention infers its head count from the
 projections, so a layer keeping 2 of 3 KV groups computes 2. The output equals the hook-masked
 model's (`MaskHooks`), at about the kept fraction of the cost, and at most one layer's gathered
 weights exist at a time, so memory stays that of inference.
 
-Bias compensation (`fill`) is folded in exactly: the output projection's bias gains
+Bias compensation (`comp_means`) is folded in exactly: the output projection's bias gains
 W[:, removed] @ mu[removed], as in the export. A layer that keeps no unit of a type keeps one whose
 output columns are zeroed: it contributes nothing, as the masked model's zero mask does.
 Whole-layer masks are not this module's business: MaskHooks' layer gates skip those layers.
@@ -44,7 +44,7 @@ def aligned_padding(kept: int, widths: list[int], align: int = ALIGN) -> int:
 
 
 def sliced_linears(adapter: ModelAdapter, t: LayerUnitType, i: int, mask: torch.Tensor,
-                   fill: torch.Tensor | None = None, buffers: dict | None = None
+                   comp_means: torch.Tensor | None = None, buffers: dict | None = None
                    ) -> dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]]:
     """linear -> (weight, bias) of layer i's linears of unit type t, narrowed to the units `mask` keeps.
 
@@ -80,8 +80,8 @@ def sliced_linears(adapter: ModelAdapter, t: LayerUnitType, i: int, mask: torch.
                 weight = torch.zeros_like(weight)
             elif pad:  # the padding units contribute nothing: their columns of the output projection are zero
                 weight.narrow(dim, len(kept) * width, pad * width).zero_()
-            if fill is not None:  # the removed columns' mean contribution, as a bias
-                extra = t.removed_contribution(adapter, w, None if empty else kept, fill)
+            if comp_means is not None:  # the removed columns' mean contribution, as a bias
+                extra = t.removed_contribution(adapter, w, None if empty else kept, comp_means)
                 bias = extra if bias is None else bias + extra
         out[linear] = (weight, bias)
     return out
@@ -109,14 +109,14 @@ class SlicedLayers:
     """Context manager: while active, each decoder layer runs on its kept units only (see the module doc).
 
     layer_masks: unit type -> per layer, a 0/1 vector of its units (types inside layers; others ignored).
-    fill: unit type -> per layer, the mean input of each column of its output projection.
+    comp_means: unit type -> per layer, the mean input of each column of its output projection.
     """
 
     def __init__(self, adapter: ModelAdapter, layer_masks: dict[str, list[torch.Tensor]],
-                 fill: dict[str, list[torch.Tensor]] | None = None):
+                 comp_means: dict[str, list[torch.Tensor]] | None = None):
         self.adapter = adapter
         self.masks = {u: m for u, m in layer_masks.items() if isinstance(UNIT_TYPES[u], LayerUnitType)}
-        self.fill = fill or {}
+        self.comp_means = comp_means or {}
         self._handles = []
         self._saved: dict[nn.Linear, tuple[nn.Parameter, nn.Parameter | None]] = {}
         self._buffers: dict = {}
@@ -125,9 +125,9 @@ class SlicedLayers:
         def hook(module, args, kwargs=None):
             with _gather_threads(self.adapter.layer(i)):
                 for u, masks in self.masks.items():
-                    fill = self.fill[u][i] if u in self.fill else None
+                    comp_means = self.comp_means[u][i] if u in self.comp_means else None
                     buffers = None if torch.is_grad_enabled() else self._buffers
-                    for linear, (weight, bias) in sliced_linears(self.adapter, UNIT_TYPES[u], i, masks[i], fill,
+                    for linear, (weight, bias) in sliced_linears(self.adapter, UNIT_TYPES[u], i, masks[i], comp_means,
                                                                  buffers).items():
                         self._saved[linear] = (linear.weight, linear.bias)
                         linear.weight = nn.Parameter(weight, requires_grad=False)

@@ -20,13 +20,13 @@ if TYPE_CHECKING:  # annotations only
     from .resources import RunResources
 
 
-def mask_key(flat_masks: dict[str, torch.Tensor] | None, fill) -> tuple:
+def mask_key(flat_masks: dict[str, torch.Tensor] | None, comp_means) -> tuple:
     """What a perplexity depends on besides the run's model and windows: the hard masks' values (None: dense)
     and the compensation asked for (the run's, KEEP, or another object)."""
     if flat_masks is None:
         return (None,)
     return (tuple((u, (m > 0.5).numpy().tobytes()) for u, m in sorted(flat_masks.items())),
-            "run" if fill is KEEP else id(fill))
+            "run" if comp_means is KEEP else id(comp_means))
 
 
 class RunMasks:
@@ -86,18 +86,18 @@ class RunMasks:
     @contextmanager
     def weights(self, masks: dict[str, torch.Tensor]):
         """The model as the run evaluates and exports this hard mask (every hook's weights_for: --reconstruct refits
-        its kept columns), and the compensation fill that goes with it (... for the run's own). A hook that edits the
+        its kept columns), and the compensation means that go with it (... for the run's own). A hook that edits the
         weights sets the perplexities measured so far aside until they are restored (none of them holds there)."""
         reward = self.res.ctx.reward
         with ExitStack() as stack:
-            fill = KEEP
+            comp_means = KEEP
             for hook in self.each("weights_for"):
-                fill = stack.enter_context(hook.weights_for(masks, fill))
+                comp_means = stack.enter_context(hook.weights_for(masks, comp_means))
                 if hook.edits_weights:
                     stack.enter_context(self.set_aside())
             was, reward.frozen = reward.frozen, True  # (a dense target would read edited weights)
             try:
-                yield fill
+                yield comp_means
             finally:
                 reward.frozen = was
 
@@ -145,19 +145,19 @@ class RunMasks:
             ppl_cache.store(key, ppl, time.monotonic() - t0)
         return ppl
 
-    def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str, fill=KEEP) -> float:
+    def masked_perplexity(self, flat_masks: dict[str, torch.Tensor] | None, what: str, comp_means=KEEP) -> float:
         """WikiText perplexity of the dense model (None) or under one hard mask, computed by the run's executor
         (the sliced one computes only the kept units): exp of the mean over windows of each window's mean loss.
-        fill: compensation means other than the run's (None: none). A mask evaluated before in this process (a
+        comp_means: compensation means other than the run's (None: none). A mask evaluated before in this process (a
         one-shot method's final mask is its init mask; best-val often returns it) is not evaluated again."""
-        key = mask_key(flat_masks, fill)
+        key = mask_key(flat_masks, comp_means)
         if key in self.measured:
             self.res.log(f"{what} perplexity: {self.measured[key]:.3f} (the same mask as evaluated before)")
             return self.measured[key]
         self.res.log(f"evaluating {what} perplexity on {self.res.windows.shape[0]} windows of {self.res.config.eval_seqlen} tokens")
 
         def masked_loss(model, batch):  # the executor gives the batch's mean; every row counts it once
-            return self.res.ctx.losses({u: m[None] for u, m in flat_masks.items()}, batch, fill).expand(batch.shape[0])
+            return self.res.ctx.losses({u: m[None] for u, m in flat_masks.items()}, batch, comp_means).expand(batch.shape[0])
 
         t0 = time.monotonic()
         evals = run_eval_dtype(self.res.config, self.res.model)

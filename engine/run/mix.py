@@ -14,12 +14,12 @@ if TYPE_CHECKING:  # annotations only
     from .resources import RunResources
 
 
-def hard_mask_loss(res: "RunResources", masks: dict[str, torch.Tensor], batch: torch.Tensor, fill=KEEP,
+def hard_mask_loss(res: "RunResources", masks: dict[str, torch.Tensor], batch: torch.Tensor, comp_means=KEEP,
                    refit: bool = True, reward=None) -> float:
     """The run's reward (--reward: the calibration loss, or the KL to the dense model), or `reward`, of its model
-    under one hard mask (with the run's compensation, if any, or with `fill`'s means; under --step-refit, refit
+    under one hard mask (with the run's compensation, if any, or with `comp_means`'s means; under --step-refit, refit
     unless refit=False: the model as it is)."""
-    return float(res.ctx.rewards({u: m[None] for u, m in masks.items()}, batch, fill, refit, reward)[0])
+    return float(res.ctx.rewards({u: m[None] for u, m in masks.items()}, batch, comp_means, refit, reward)[0])
 
 
 def mix_reward(res: "RunResources"):
@@ -45,8 +45,8 @@ def choose_mix(res: "RunResources", z: dict[str, torch.Tensor], batches: list[to
             return sum(loss(masks, b) for b in on) / len(on)
         if not c.mix_refit:  # (the compensation alone, never --step-refit's refit; the chosen mask is refit at the end)
             return sum(hard_mask_loss(res, masks, b, refit=False, reward=reward) for b in on) / len(on)
-        with res.masks.weights(masks) as fill:  # (the model the run would export with this mask: one refit a candidate)
-            return sum(hard_mask_loss(res, masks, b, fill, refit=False, reward=reward) for b in on) / len(on)
+        with res.masks.weights(masks) as comp_means:  # (the model the run would export with this mask: one refit a candidate)
+            return sum(hard_mask_loss(res, masks, b, comp_means, refit=False, reward=reward) for b in on) / len(on)
 
     reward = mix_reward(res) if loss is None else None
     if loss is None:  # (kl: the dense model's part on every batch, before a refit edits the weights)

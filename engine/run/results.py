@@ -111,19 +111,19 @@ def finish(res: "RunResources", state: RunState) -> dict:
 
     scores = res.masks.final_scores(state, res.method.final_scores(state))
     masks = res.masks.final_masks(scores, state.init_metric)
-    with res.masks.weights(masks) as fill:  # the model as the hooks finish it (--reconstruct refits the kept columns)
-        ppl_pruned = res.masks.masked_perplexity(masks, "pruned", fill)  # (every rank: a data-parallel run shares its forwards)
+    with res.masks.weights(masks) as comp_means:  # the model as the hooks finish it (--reconstruct refits the kept columns)
+        ppl_pruned = res.masks.masked_perplexity(masks, "pruned", comp_means)  # (every rank: a data-parallel run shares its forwards)
         if not res.world.writes:  # rank 0 alone writes the masks, the export and results.json
             return {"status": "done", "rank": res.world.rank, "ppl_pruned": ppl_pruned}
         if res.out is None:  # a run in memory (engine.api.prune) writes nothing: its caller takes masks and model
-            model = build_pruned_model(res.model, res.layout, masks, res.ctx.comp_means if fill is KEEP else fill)
+            model = build_pruned_model(res.model, res.layout, masks, res.ctx.comp_means if comp_means is KEEP else comp_means)
             return {**report(res, state, scores, masks, ppl_pruned, count_parameters(model)), "masks": masks, "model": model}
         save_mask_artifact(res.out, res.source.name, res.layout, scores, masks, state.init_scores,
                            res.masks.init_masks(state))
         res.log(f"exporting the sliced model to {res.out / MODEL_DIR}")
         with res.phases("export"):
             export = export_pruned(res.model, res.tokenizer, res.layout, masks, res.out / MODEL_DIR,
-                                   res.ctx.comp_means if fill is KEEP else fill)
+                                   res.ctx.comp_means if comp_means is KEEP else comp_means)
     results = report(res, state, scores, masks, ppl_pruned, export["params"])
     atomic_write_text(res.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results

@@ -63,13 +63,13 @@ class LayerUnitType(UnitType):
         return unit_index(kept, self.column_width(adapter))
 
     def removed_contribution(self, adapter: ModelAdapter, weight: torch.Tensor, kept: torch.Tensor | None,
-                             fill: torch.Tensor) -> torch.Tensor:
+                             comp_means: torch.Tensor) -> torch.Tensor:
         """Bias compensation: W[:, removed] mu[removed], what the removed units' mean inputs add to the output
-        projection (weight: its weight; kept: the kept units' indices, None for none kept; fill: mu per column)."""
+        projection (weight: its weight; kept: the kept units' indices, None for none kept; comp_means: mu per column)."""
         removed = torch.ones(weight.shape[1], dtype=torch.bool, device=weight.device)
         if kept is not None:
             removed[self.column_index(adapter, kept.to(weight.device))] = False
-        return weight[:, removed] @ fill.to(weight)[removed]
+        return weight[:, removed] @ comp_means.to(weight)[removed]
 
     def unit_params(self, adapter: ModelAdapter) -> list[int]:
         """Per layer: the rows and columns of every owned linear that one unit narrows (and their biases)."""
