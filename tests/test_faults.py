@@ -55,7 +55,10 @@ def cli_args(out: Path, eval_file: Path, method: str) -> list[str]:
 
 
 def popen(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "engine", *args], cwd=REPO, env=clean_env(),
+    # (one thread, as the resume (engine_in_process) and the reference run below compute: a sum over threads in
+    # another order moves a Gumbel run's backward, so the three parts must compute alike outside pytest-xdist too)
+    return subprocess.Popen([sys.executable, "-m", "engine", *args], cwd=REPO,
+                            env=clean_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -104,7 +107,12 @@ def test_kill_9_and_resume_equals_an_uninterrupted_run(method, killed_and_resume
     # the same settings, uninterrupted, in this process
     config = PruneConfig.load(out / "config.json")
     ref = tmp_path / "ref"
-    expected = PruneRun(config, ref, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = PruneRun(config, ref, model=tiny[0], tokenizer=tiny[1], log=quiet).run(progress=False)
+    finally:
+        torch.set_num_threads(threads)
 
     lines = metric_lines(out)
     assert [ln["step"] for ln in lines] == list(range(1, STEPS + 1))  # each step recorded exactly once
