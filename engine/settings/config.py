@@ -241,7 +241,8 @@ class PruneConfig:
                                "units of the init metric (the one-shot baselines: Wanda-sp, magnitude-sp, random, "
                                "Layerwise-PPL, SLEB); flap: FLAP one-shot (= metric with --init flap and "
                                "--bias-compensation); pg-alloc: policy gradient over each layer's allocation, one "
-                               "logit offset per unit type and layer (--alloc-sigma, --alloc-step)")
+                               "logit offset per unit type and layer (--alloc-sigma, --alloc-step). The default run is flap, its "
+                               "one-shot init; on the command line --steps N alone makes it pg-alloc")
     init: str = setting("flap", choices=_INITS, label="Initial scores",
                         help="initial scores of KV groups and channels. flap (FLAP's fluctuation metric, forward "
                              "passes only, with --bias-compensation; how the inits compare: docs/results.md); taylor "
