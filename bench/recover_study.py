@@ -92,6 +92,26 @@ def training_text(rate: float, seed: int, text: str, run_dir: Path) -> str:
     return str(path)
 
 
+def start_over(info: dict, done_minutes: float, longest: float, checkpoint: Path) -> str | None:
+    """Why a cell must train again from its start, or None: its rungs were wall minutes (fewer CPU seconds when
+    other jobs shared the cores; every cell is on CPU minutes now); a longer rung is asked and no checkpoint is here
+    (a later session's checkout keeps the rungs' measures, not the checkpoint git ignores); or its checkpoint is from
+    before the recovery kept its CPU seconds (a rung stopped midway cannot say how much of it was trained, since
+    --time-budget counts one session's minutes)."""
+    from engine.tools.recover import trained_so_far
+
+    if done_minutes and info.get("budget_clock") != "cpu":
+        return "its rungs were wall minutes: trained again on CPU minutes"
+    if longest <= done_minutes:
+        return None  # (nothing to train: the rungs on record are measured as they are)
+    if not checkpoint.is_file():
+        return (f"no checkpoint of its {done_minutes:g}-minute rung here: trained again from the start"
+                if done_minutes else None)
+    if trained_so_far(checkpoint.parent)[1] is None:
+        return "its checkpoint does not say its CPU seconds: trained again from the start"
+    return None
+
+
 def cell(args) -> None:
     from engine.tools.recover import CHECKPOINT_FILE, recover, trained_so_far
 
@@ -102,26 +122,10 @@ def cell(args) -> None:
     run_dir = student(args.rate, args.seed)
     calib = training_text(args.rate, args.seed, args.text, run_dir)
     done_minutes = info.get("minutes", 0.0)
-    if done_minutes and info.get("budget_clock") != "cpu":
-        # (its rungs were wall minutes, fewer CPU seconds when other jobs shared the cores: trained again, as every
-        # cell is now, on CPU minutes)
-        print(f"{folder.name}: its rungs were wall minutes: trained again on CPU minutes", flush=True)
-        for old in folder.glob("measures-*min.json"):
-            old.unlink()
-        info, done_minutes = {}, 0.0
-    if done_minutes and max(args.minutes) > done_minutes and not (folder / CHECKPOINT_FILE).is_file():
-        # (a later session's checkout keeps the rungs' measures, not the checkpoint git ignores: a longer rung cannot
-        # resume the one trained, so the cell is trained again from its start, every rung measured anew)
-        print(f"{folder.name}: no checkpoint of its {done_minutes:g}-minute rung here: trained again from the start",
-              flush=True)
-        for old in folder.glob("measures-*min.json"):
-            old.unlink()
-        info, done_minutes = {}, 0.0
-    if max(args.minutes) > done_minutes and (folder / CHECKPOINT_FILE).is_file() and trained_so_far(folder)[1] is None:
-        # (a checkpoint from before the recovery kept its CPU seconds: a rung stopped midway cannot say how much of
-        # it was trained, since --time-budget counts one session's minutes; the cell is trained again from its start)
-        print(f"{folder.name}: its checkpoint does not say its CPU seconds: trained again from the start", flush=True)
-        (folder / CHECKPOINT_FILE).unlink()
+    why = start_over(info, done_minutes, max(args.minutes), folder / CHECKPOINT_FILE)
+    if why:  # (the checkpoint and every rung's measures go: the cell trains from its start, each rung measured anew)
+        print(f"{folder.name}: {why}", flush=True)
+        (folder / CHECKPOINT_FILE).unlink(missing_ok=True)
         for old in folder.glob("measures-*min.json"):
             old.unlink()
         info, done_minutes = {}, 0.0

@@ -66,8 +66,8 @@ def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tenso
                         "damaged; run the pruning again (--overwrite)") from e
     if isinstance(meta, dict):  # (a unit type saved under an older name: by its name)
         meta = renamed_units(meta)
-        tensors = {".".join((kind, unit_name(u))): t for name, t in tensors.items()
-                   for kind, _, u in [name.partition(".")]}
+        tensors = {f"{kind}.{unit_name(u)}" if dot else name: t for name, t in tensors.items()
+                   for kind, dot, u in [name.partition(".")]}
     problem = mask_meta_problem(meta, tensors)
     if problem is not None:
         raise UserError(f"{run_dir / MASKS_META_FILE} is damaged ({problem}); run the pruning again (--overwrite)")

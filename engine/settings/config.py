@@ -123,7 +123,7 @@ def default_run_values(units=None, scope: str = "global", budget: str = "params"
     these."""
     joint = PRESETS[DEFAULT_PRESET]
     chosen = default_preset(units is not None and [unit_name(u) for u in units] != list(joint["units"]), scope, budget)
-    return {} if chosen == DEFAULT_PRESET else {k: list(v) if isinstance(v, list) else v for k, v in FAST.items()}
+    return {} if chosen == DEFAULT_PRESET else copy.deepcopy(FAST)
 
 
 def default_run(**overrides) -> "PruneConfig":
@@ -178,8 +178,8 @@ def _migrate(data: dict) -> dict:
     data.setdefault("pass_dtype", "float32")  # and ran its one-shot passes in its weights' dtype
     data.setdefault("eval_dtype", "float32")  # and its evaluations
     data.setdefault("step_dtype", "float32")  # and its steps
-    for name, value in FAST.items():  # the settings' defaults before the default run's became them
-        data.setdefault(name, list(value) if isinstance(value, list) else value)
+    for name, value in copy.deepcopy(FAST).items():  # the settings' defaults before the default run's became them
+        data.setdefault(name, value)
     if isinstance(data.get("method_options"), dict):
         data["method_options"] = dict(data["method_options"])
     run_method = data.get("method", PruneConfig.method)

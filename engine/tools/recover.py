@@ -389,7 +389,7 @@ def trained_so_far(out: Path) -> tuple[int, float | None]:
     path = Path(out) / CHECKPOINT_FILE
     if not path.is_file():
         return 0, 0.0
-    ckpt = torch.load(path, weights_only=True)
+    ckpt = torch.load(path, weights_only=True, mmap=True)  # (two numbers: the weights and the optimizer stay on disk)
     cpu = ckpt.get("cpu_seconds")
     return int(ckpt["step"]), None if cpu is None else float(cpu)
 
