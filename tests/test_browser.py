@@ -210,6 +210,10 @@ def set_input(d, label: str, value) -> None:
         el = by_label(d, label)
         if not el.is_enabled():
             return False
+        if not el.is_displayed():  # (an expander around it closed by a redraw on a loaded machine: CI's 'not interactable')
+            for details in el.find_elements(By.XPATH, "ancestor::details[not(@open)]"):  # (outermost first)
+                click_when_free(d, details.find_element(By.XPATH, "./summary"))
+            return False
         d.execute_script("arguments[0].scrollIntoView({block: 'center'});", el)
         el.click()
         el.send_keys(Keys.CONTROL, "a")
