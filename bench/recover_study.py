@@ -128,6 +128,7 @@ def cell(args) -> None:
         (folder / CHECKPOINT_FILE).unlink(missing_ok=True)
         for old in folder.glob("measures-*min.json"):
             old.unlink()
+        book.unlink(missing_ok=True)  # (at once: a start over stopped in its first rung resumes it, not a rung gone)
         info, done_minutes = {}, 0.0
     for rung in sorted(args.minutes):
         dest = folder / f"measures-{rung:g}min.json"

@@ -580,6 +580,23 @@ def test_a_recovery_cell_trains_its_rungs_by_resuming_and_measures_each(monkeypa
     assert [m[0] for m in measured[2:]] == ["measures-0.01min.json", "measures-0.02min.json", "measures-0.03min.json"]
     book = json.loads((folder.parent / f"{folder.name}.cell.json").read_text())
     assert list(book["rungs"]) == ["0.01", "0.02", "0.03"] and book["minutes"] == 0.03
+    # a start over stopped in its first rung: the book no longer says the old rungs are trained, so the next run
+    # trains them (it once looked for the export of a rung the start over had dropped)
+    (folder / CHECKPOINT_FILE).unlink()
+    import engine.tools.recover as rec
+
+    real = rec.recover
+
+    def stopped(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rec, "recover", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        rs.cell(SimpleNamespace(**{**vars(args), "minutes": [0.01, 0.02, 0.03, 0.04]}))
+    assert "minutes" not in confirm.load(folder.parent / f"{folder.name}.cell.json")
+    monkeypatch.setattr(rec, "recover", real)
+    rs.cell(SimpleNamespace(**{**vars(args), "minutes": [0.01, 0.04]}))
+    assert [m[0] for m in measured[5:]] == ["measures-0.01min.json", "measures-0.04min.json"]
 
 
 @pytest.mark.parametrize("script", ["confirm_lanes.sh", "recover_lanes.sh"])
