@@ -44,9 +44,9 @@ def one_shot_seconds(results: dict) -> float:
 
 
 def final_masks(folder: Path) -> dict:
-    from safetensors.torch import load_file
+    from engine.export.artifacts import saved_mask_tensors
 
-    return {k.removeprefix("masks."): v for k, v in load_file(str(folder / "masks.safetensors")).items()
+    return {k.removeprefix("masks."): v for k, v in saved_mask_tensors(folder / "masks.safetensors").items()
             if k.startswith("masks.")}
 
 

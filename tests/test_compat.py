@@ -61,3 +61,24 @@ def test_an_old_run_resumes_to_the_same_masks(tmp_path):
     assert abs(results["ppl_pruned"] - expected["ppl_pruned"]) <= 1e-4 * expected["ppl_pruned"]
     steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_masks_saved_under_an_older_name_read_under_todays(tmp_path, monkeypatch):
+    """masks.safetensors of a run saved when KV groups were named heads reads as kv_groups wherever a finished
+    run's masks are read: the engine's reader, and the bench scripts that rebuild an export from them (the recovery
+    study's cells stopped on 'KeyError: heads' rebuilding a tuning seed's export)."""
+    from engine.export.artifacts import saved_mask_tensors
+
+    path = FIXTURES / "run_expected_masks.safetensors"
+    old, new = load_file(str(path)), saved_mask_tensors(path)
+    assert any(".heads" in key for key in old) and not any(".heads" in key for key in new)
+    assert new.keys() == {key.replace(".heads", ".kv_groups") for key in old}
+    for key, t in old.items():
+        assert torch.equal(new[key.replace(".heads", ".kv_groups")], t), key
+    monkeypatch.syspath_prepend(str(FIXTURES.parent.parent.parent / "bench"))
+    import confirm
+
+    shutil.copy(path, tmp_path / "masks.safetensors")
+    masks = confirm.final_masks(tmp_path)
+    assert "kv_groups" in masks and "heads" not in masks
+    assert torch.equal(masks["kv_groups"], old["masks.heads"])

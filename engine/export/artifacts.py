@@ -52,6 +52,13 @@ def save_mask_artifact(out: Path, base_model: str, layout: UnitLayout, scores: d
     atomic_write_text(out / MASKS_META_FILE, json.dumps(meta, indent=2) + "\n")
 
 
+def saved_mask_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """A masks.safetensors' tensors (KIND.UNIT_TYPE: masks, scores, init_masks, init_scores), every unit type under
+    its name: a run saved under an older name (heads) reads as today's (kv_groups)."""
+    return {f"{kind}.{unit_name(u)}" if dot else name: t for name, t in load_file(str(path)).items()
+            for kind, dot, u in [name.partition(".")]}
+
+
 def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(metadata, final masks per unit type, scores per unit type) of a finished run."""
     run_dir = Path(run_dir)
@@ -60,14 +67,12 @@ def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tenso
     except (OSError, ValueError) as e:
         raise UserError(f"{run_dir} holds no finished run's masks ({shorten(str(e), 120)})") from e
     try:
-        tensors = load_file(str(run_dir / MASKS_FILE))
+        tensors = saved_mask_tensors(run_dir / MASKS_FILE)
     except Exception as e:  # (a missing file, or safetensors' own error for a damaged or truncated one)
         raise UserError(f"{run_dir / MASKS_FILE} cannot be read ({shorten(str(e), 100)}): the run's masks are "
                         "damaged; run the pruning again (--overwrite)") from e
     if isinstance(meta, dict):  # (a unit type saved under an older name: by its name)
         meta = renamed_units(meta)
-        tensors = {f"{kind}.{unit_name(u)}" if dot else name: t for name, t in tensors.items()
-                   for kind, dot, u in [name.partition(".")]}
     problem = mask_meta_problem(meta, tensors)
     if problem is not None:
         raise UserError(f"{run_dir / MASKS_META_FILE} is damaged ({problem}); run the pruning again (--overwrite)")

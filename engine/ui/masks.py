@@ -93,14 +93,14 @@ def scores_view(name: str, label: str, masks: dict[str, list[list[int]]], scores
 
 def saved_views(run_dir: str | Path, results: dict | None = None) -> list[MaskView]:
     """The final and init masks a finished run saved (masks.safetensors and masks.json); none when unreadable."""
-    from safetensors.torch import load_file
-
+    from ..export.artifacts import saved_mask_tensors
+    from ..model.unit_types import renamed_units
     from ..run.files import MASKS_FILE, MASKS_META_FILE
 
     run_dir = Path(run_dir)
     try:
-        meta = json.loads((run_dir / MASKS_META_FILE).read_text())
-        tensors = load_file(str(run_dir / MASKS_FILE))
+        meta = renamed_units(json.loads((run_dir / MASKS_META_FILE).read_text()))
+        tensors = saved_mask_tensors(run_dir / MASKS_FILE)
         sizes = {u: [int(n) for n in meta["units_per_layer"][u]] for u in meta["unit_types"]}
     except Exception:  # a missing, damaged or foreign file: nothing saved to show
         return []
