@@ -307,16 +307,14 @@ def cell(args) -> None:
 def same_init(rate: float, seed: int) -> None:
     """Whether the pg run's init mask (masks.safetensors' init_masks) is the init run's mask, unit for unit: the
     pair is like for like only then. Recorded in the pg cell's book."""
-    from engine.export.artifacts import saved_mask_tensors
+    from engine.export.artifacts import saved_masks
 
     init, pg = cell_dir(rate, seed, "init"), cell_dir(rate, seed, "pg24")
     try:
-        a = saved_mask_tensors(init / "masks.safetensors")
-        b = saved_mask_tensors(pg / "masks.safetensors")
+        mask_a = saved_masks(init / "masks.safetensors")
+        mask_b = saved_masks(pg / "masks.safetensors", "init_masks")
     except (OSError, FileNotFoundError):
         return
-    mask_a = {k.split(".", 1)[1]: v for k, v in a.items() if k.startswith("masks.")}
-    mask_b = {k.split(".", 1)[1]: v for k, v in b.items() if k.startswith("init_masks.")}
     same = same_mask(mask_a, mask_b)
     book = beside(pg, ".cell.json")
     info = load(book)
@@ -378,7 +376,7 @@ def step_masks(folder: Path) -> dict[int, dict]:
     """A finished run's hard mask at each validated step (metrics.jsonl's lines with a val_ppl) and at step 0 (its
     init mask, masks.safetensors' init_masks), unit type -> 0/1 tensor over all layers."""
     import torch
-    from engine.export.artifacts import saved_mask_tensors
+    from engine.export.artifacts import saved_masks
 
     from engine.run.state import report_masks
 
@@ -389,8 +387,7 @@ def step_masks(folder: Path) -> dict[int, dict]:
         if rep.get("val_ppl") is not None and rows is not None:
             by_step[int(rep["step"])] = {u: torch.tensor([x for r in layer_rows for x in r], dtype=torch.float32)
                                          for u, layer_rows in rows.items()}
-    tensors = saved_mask_tensors(folder / "masks.safetensors")
-    by_step[0] = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("init_masks.")}
+    by_step[0] = saved_masks(folder / "masks.safetensors", "init_masks")
     return by_step
 
 
@@ -531,10 +528,9 @@ def export_masks(folder: Path, masks_by_dest: dict[Path, dict]) -> None:
 
 def final_masks(folder: Path) -> dict:
     """The mask a finished run exported (masks.safetensors' masks), unit type -> 0/1 tensor over all layers."""
-    from engine.export.artifacts import saved_mask_tensors
+    from engine.export.artifacts import saved_masks
 
-    return {k.split(".", 1)[1]: v for k, v in saved_mask_tensors(folder / "masks.safetensors").items()
-            if k.startswith("masks.")}
+    return saved_masks(folder / "masks.safetensors")
 
 
 def ensure_export(folder: Path) -> Path:

@@ -44,10 +44,9 @@ def one_shot_seconds(results: dict) -> float:
 
 
 def final_masks(folder: Path) -> dict:
-    from engine.export.artifacts import saved_mask_tensors
+    from engine.export.artifacts import saved_masks
 
-    return {k.removeprefix("masks."): v for k, v in saved_mask_tensors(folder / "masks.safetensors").items()
-            if k.startswith("masks.")}
+    return saved_masks(folder / "masks.safetensors")
 
 
 def row(runs: Path, seed: int, commit: str) -> str:

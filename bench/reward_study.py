@@ -334,7 +334,7 @@ def step_masks(folder: Path) -> tuple[dict[int, dict], dict]:
     """A PG cell's hard masks by step (metrics.jsonl: the mask each step computed) and its init mask
     (masks.safetensors), as flat 0/1 tensors per unit type."""
     import torch
-    from engine.export.artifacts import saved_mask_tensors
+    from engine.export.artifacts import saved_masks
 
     from engine.run.state import report_masks
 
@@ -347,9 +347,7 @@ def step_masks(folder: Path) -> tuple[dict[int, dict], dict]:
         rows = report_masks(rep)
         if rows is not None:
             by_step[int(rep["step"])] = {"masks": flat(rows), "seconds": float(rep.get("seconds") or 0.0)}
-    tensors = saved_mask_tensors(folder / "masks.safetensors")
-    init = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("init_masks.")}
-    return by_step, init
+    return by_step, saved_masks(folder / "masks.safetensors", "init_masks")
 
 
 def changed(a: dict, b: dict) -> int:

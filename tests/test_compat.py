@@ -14,11 +14,11 @@ import json
 import shutil
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import engine
-from conftest import SMALL_CALIB, TINY_MODEL, WIKI_RAW
+from conftest import REPO, SMALL_CALIB, TINY_MODEL, WIKI_RAW
 
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "compat_v1"
 
@@ -67,7 +67,7 @@ def test_masks_saved_under_an_older_name_read_under_todays(tmp_path, monkeypatch
     """masks.safetensors of a run saved when KV groups were named heads reads as kv_groups wherever a finished
     run's masks are read: the engine's reader, and the bench scripts that rebuild an export from them (the recovery
     study's cells stopped on 'KeyError: heads' rebuilding a tuning seed's export)."""
-    from engine.export.artifacts import saved_mask_tensors
+    from engine.export.artifacts import saved_mask_tensors, saved_masks
 
     path = FIXTURES / "run_expected_masks.safetensors"
     old, new = load_file(str(path)), saved_mask_tensors(path)
@@ -75,7 +75,11 @@ def test_masks_saved_under_an_older_name_read_under_todays(tmp_path, monkeypatch
     assert new.keys() == {key.replace(".heads", ".kv_groups") for key in old}
     for key, t in old.items():
         assert torch.equal(new[key.replace(".heads", ".kv_groups")], t), key
-    monkeypatch.syspath_prepend(str(FIXTURES.parent.parent.parent / "bench"))
+    both = tmp_path / "both.safetensors"  # (one kind of several, per unit type)
+    save_file({"masks.heads": old["masks.heads"], "init_masks.heads": 1 - old["masks.heads"]}, str(both))
+    init = saved_masks(both, "init_masks")
+    assert list(init) == ["kv_groups"] and torch.equal(init["kv_groups"], 1 - old["masks.heads"])
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
     import confirm
 
     shutil.copy(path, tmp_path / "masks.safetensors")

@@ -59,6 +59,12 @@ def saved_mask_tensors(path: str | Path) -> dict[str, torch.Tensor]:
             for kind, dot, u in [name.partition(".")]}
 
 
+def saved_masks(path: str | Path, kind: str = "masks") -> dict[str, torch.Tensor]:
+    """One kind of a masks.safetensors' tensors (masks, scores, init_masks, init_scores), unit type -> tensor over
+    all layers, every unit type under its name today."""
+    return {name.split(".", 1)[1]: t for name, t in saved_mask_tensors(path).items() if name.startswith(f"{kind}.")}
+
+
 def load_mask_artifact(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(metadata, final masks per unit type, scores per unit type) of a finished run."""
     run_dir = Path(run_dir)
